@@ -1,0 +1,34 @@
+# loraplex: `make demo` runs the system, `make test` runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.loraplex-installed
+
+.PHONY: venv demo serve test test-fast lint bench
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "==> installing torch 2.13.0 (CPU) and loraplex into $(VENV)"
+	$(PIP) install --progress-bar on torch==2.13.0
+	$(PIP) install --progress-bar on -e '.[test]'
+	@touch $(STAMP)
+
+demo: venv  ## seed demo tenants + adapters, run gateway + one worker (embedded)
+	$(VENV)/bin/loraplex demo
+
+serve: venv
+	$(VENV)/bin/loraplex serve
+
+test: venv  ## the whole suite, slow model-level and end-to-end tests included
+	$(VENV)/bin/pytest -q
+
+test-fast: venv
+	$(VENV)/bin/pytest -q -m "not slow and not e2e"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv
+	$(PY) bench/run_all.py

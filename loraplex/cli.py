@@ -1,0 +1,49 @@
+"""The ``loraplex`` command: one CLI for every process and every operation.
+
+Each package contributes its own subcommands through a ``register(subparsers)``
+function in its ``cli`` module; modules are imported lazily so ``--help`` is fast
+and a gateway host never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module with register(), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "admin": ("registry.cli", "operate the registry: tenants, adapters, bindings, canaries, limits, audit"),
+    "migrate": ("registry.cli", "apply the registry schema migrations (alembic upgrade head)"),
+    "gateway": ("gateway.cli", "run the OpenAI-compatible gateway (uvicorn)"),
+    "token": ("gateway.cli", "mint a JWT for a tenant or an admin"),
+    "worker": ("engine.cli", "run an engine worker"),
+    "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),
+    "serve": ("loraplex.serve", "run gateway + one worker in one process on the embedded default"),
+    "demo": ("loraplex.serve", "seed demo tenants/adapters and run the embedded system"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _top_parser()
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if not argv or argv[0] not in COMMANDS:
+        # Top-level help: list the commands without importing any package.
+        for name, (_, help_text) in COMMANDS.items():
+            sub.add_parser(name, help=help_text)
+        parser.parse_args(argv)
+        parser.print_help()
+        return 2
+    # Import only the module that owns the command; it registers its commands.
+    importlib.import_module(COMMANDS[argv[0]][0]).register(sub)
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

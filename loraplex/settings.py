@@ -1,0 +1,193 @@
+"""One settings object for every loraplex process, read from ``LORAPLEX_*`` variables.
+
+Every field has an embedded default that runs the whole system on one machine:
+SQLite registry, in-process limiter / residency table / change fan-out, one worker,
+the demo model. Production sets ``LORAPLEX_DATABASE_URL`` (PostgreSQL) and
+``LORAPLEX_REDIS_URL``; nothing else changes code paths.
+
+Field ``foo_bar`` is read from ``LORAPLEX_FOO_BAR``. Lists are comma separated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PREFIX = "LORAPLEX_"
+
+
+def _default_home() -> str:
+    return str(Path(os.environ.get("LORAPLEX_HOME", Path.cwd() / ".loraplex")).resolve())
+
+
+class SettingsError(ValueError):
+    """A LORAPLEX_* variable could not be parsed."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- where things live -------------------------------------------------------------
+    home: str = field(default_factory=_default_home)
+    """Working directory for the embedded default (SQLite file, caches, demo model)."""
+    database_url: str = ""
+    """SQLAlchemy async URL. Empty: ``sqlite+aiosqlite:///{home}/registry.db``."""
+    redis_url: str = ""
+    """``redis://host:port/db``. Empty: in-process limiter, residency table and fan-out."""
+    redis_prefix: str = "loraplex"
+    """Namespace for every Redis key and channel (lets several deployments share one Redis)."""
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    # --- registry / control plane ------------------------------------------------------
+    adapter_root: str = ""
+    """Admission refuses adapter paths outside this directory. Empty: ``{home}/adapters``."""
+    max_lora_rank: int = 64
+    max_adapter_bytes: int = 512 * 1024 * 1024
+    allowed_target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+    registry_refresh_s: float = 30.0
+    """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
+
+    # --- auth ----------------------------------------------------------------------------
+    jwt_secret: str = "loraplex-development-secret-change-me-please"
+    """HS256 shared secret. Change it anywhere but a laptop."""
+    jwt_public_key_file: str = ""
+    """PEM public key for RS256/ES256 tokens."""
+    jwt_jwks_file: str = ""
+    """JWKS file with public keys (selected by ``kid``)."""
+    jwt_algorithms: tuple[str, ...] = ("HS256",)
+    jwt_issuer: str = "loraplex"
+    jwt_audience: str = "loraplex"
+    jwt_leeway_s: float = 5.0
+    jwt_tenant_claim: str = "tenant"
+    jwt_scope_claim: str = "scope"
+    jwt_admin_scope: str = "loraplex:admin"
+
+    # --- gateway -------------------------------------------------------------------------
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    max_body_bytes: int = 1024 * 1024
+    request_timeout_s: float = 300.0
+    ratelimit_fail_mode: Literal["open", "closed"] = "open"
+    route_candidates: int = 3
+    route_load_factor: float = 1.5
+    """Bounded load: a candidate is skipped above this multiple of the mean load (+1)."""
+    worker_report_ttl_s: float = 3.0
+    """A worker that has not reported for this long leaves the ring."""
+    worker_urls: tuple[str, ...] = ()
+    """Static worker list (besides the ones that report themselves)."""
+    admin_url: str = ""
+    """Where ``loraplex admin`` sends requests. Empty: ``http://{gateway_host}:{gateway_port}``."""
+    admin_token: str = ""
+    """JWT the CLI sends. Empty: the CLI mints an admin token from ``jwt_secret``."""
+
+    # --- engine worker -------------------------------------------------------------------
+    model: str = ""
+    """HF directory (config.json + safetensors) or a .gguf file. Empty: the demo model."""
+    model_name: str = ""
+    """Name the base model is served and registered as. Empty: derived from the model."""
+    worker_id: str = ""
+    worker_host: str = "127.0.0.1"
+    worker_port: int = 8100
+    worker_url: str = ""
+    """URL the gateway should use to reach this worker. Empty: from host and port."""
+    worker_secret: str = "loraplex-internal-secret-change-me"
+    """Shared secret for the worker's internal control endpoints."""
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 0
+    """torch intra-op threads (0: torch default)."""
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    max_model_len: int = 0
+    """0: the model's own context length."""
+    max_loras: int = 8
+    """Distinct adapters in one batch (device slots), as in vLLM."""
+    max_cpu_loras: int = 64
+    """Adapters kept in host memory (LRU), as in vLLM."""
+    lora_rank_classes: tuple[int, ...] = (8, 16, 32, 64)
+    adapter_cache_dir: str = ""
+    """Local disk tier for adapters fetched from URLs. Empty: ``{home}/adapter-cache``."""
+    preload_adapters: tuple[str, ...] = ()
+    pin_adapters: tuple[str, ...] = ()
+    report_interval_s: float = 1.0
+
+    # --- derived -------------------------------------------------------------------------
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.home}/registry.db"
+
+    def resolved_adapter_root(self) -> str:
+        return self.adapter_root or str(Path(self.home) / "adapters")
+
+    def resolved_adapter_cache_dir(self) -> str:
+        return self.adapter_cache_dir or str(Path(self.home) / "adapter-cache")
+
+    def resolved_worker_url(self) -> str:
+        return self.worker_url or f"http://{self.worker_host}:{self.worker_port}"
+
+    def resolved_admin_url(self) -> str:
+        return self.admin_url or f"http://{self.gateway_host}:{self.gateway_port}"
+
+    @property
+    def embedded(self) -> bool:
+        """True when no Redis is configured: in-process limiter, residency and fan-out."""
+        return not self.redis_url
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: typing.Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = _parse(key, env[key], hints[f.name])
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(key: str, raw: str, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"not a boolean: {raw!r}")
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            return float(raw)
+        if origin is tuple:
+            (item, _ellipsis) = typing.get_args(hint)
+            parts = [p.strip() for p in raw.split(",") if p.strip()]
+            return tuple(_parse(key, p, item) for p in parts)
+        if origin is Literal:
+            allowed = typing.get_args(hint)
+            if raw not in allowed:
+                raise ValueError(f"must be one of {', '.join(allowed)}")
+            return raw
+        if hint is str or isinstance(hint, types.UnionType):
+            return raw
+    except ValueError as exc:
+        raise SettingsError(f"{key}={raw!r}: {exc}") from None
+    return raw
+
+
+def get_settings() -> Settings:
+    """Settings from the environment (each process reads them once at start)."""
+    return Settings.from_env()

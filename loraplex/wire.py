@@ -1,0 +1,119 @@
+"""Wire types shared by the gateway and the engine workers.
+
+This is the only module both sides import. It holds:
+
+* the worker request extension: the gateway forwards the client's OpenAI body to a
+  worker with one extra key, ``"loraplex"``, naming the resolved adapter version,
+  the tenant and its priority class (``WorkerRequestExt``);
+* the residency/load report a worker publishes every ~1 s (``WorkerReport``);
+* the OpenAI error body and the response headers both sides set.
+
+Everything is plain JSON-able dataclasses; ``to_dict``/``from_dict`` are the codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+EXT_KEY = "loraplex"
+"""Key of the gateway's extension object in the body forwarded to a worker."""
+
+# Response headers.
+HDR_REQUEST_ID = "x-request-id"
+HDR_ADAPTER = "x-loraplex-adapter"
+"""``name@version`` of the adapter that answered, or ``base`` for the base model."""
+HDR_WORKER = "x-loraplex-worker"
+HDR_WORKER_SECRET = "x-loraplex-worker-secret"
+"""Shared secret for the worker's internal control endpoints."""
+
+PRIORITY_CLASSES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
+"""Tenant priority class -> admission order on the worker (lower is served first)."""
+
+
+def error_body(message: str, type: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: ``{"error": {"message", "type", "code", "param"}}``."""
+    return {"error": {"message": message, "type": type, "code": code, "param": param}}
+
+
+class _Codec:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):  # type: ignore[no-untyped-def]
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes):  # type: ignore[no-untyped-def]
+        return cls.from_dict(json.loads(raw))
+
+
+@dataclass(frozen=True)
+class AdapterRef(_Codec):
+    """One immutable adapter version, as the worker needs it to load and cache it.
+
+    ``id`` is the registry's stable version id: the engine's cache key and the
+    routing key. ``name`` (``alias-or-adapter@version``) is for logs and headers only.
+    """
+
+    id: str
+    name: str
+    uri: str
+    sha256: str | None = None
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRequestExt(_Codec):
+    """What the gateway adds to an OpenAI request body under ``EXT_KEY``."""
+
+    adapter: AdapterRef | None = None
+    tenant: str = ""
+    priority: int = PRIORITY_CLASSES["normal"]
+    request_id: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerRequestExt:
+        adapter = data.get("adapter")
+        return cls(
+            adapter=AdapterRef.from_dict(adapter) if adapter else None,
+            tenant=str(data.get("tenant", "")),
+            priority=int(data.get("priority", PRIORITY_CLASSES["normal"])),
+            request_id=str(data.get("request_id", "")),
+        )
+
+
+@dataclass
+class WorkerReport(_Codec):
+    """Residency and load, published by each worker every ``report_interval_s``."""
+
+    worker_id: str
+    url: str
+    base_model: str
+    base_revision: str
+    device_adapters: list[str] = field(default_factory=list)
+    """Adapter version ids in device slots (warmest)."""
+    host_adapters: list[str] = field(default_factory=list)
+    """Adapter version ids in host memory."""
+    disk_adapters: list[str] = field(default_factory=list)
+    queue_depth: int = 0
+    running: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    max_loras: int = 0
+    timestamp: float = field(default_factory=time.time)
+
+    @property
+    def load(self) -> int:
+        """Requests this worker is busy with (running + queued)."""
+        return self.running + self.queue_depth
