@@ -1,0 +1,135 @@
+"""What a base model is, read without loading its weights: architecture, dimensions, revision.
+
+Both sides need the same answer: the registry validates adapters against a base
+model's dimensions and revision, and each worker reports the revision it serves.
+A model is a Hugging Face directory (``config.json`` + ``*.safetensors``) or a
+``.gguf`` file. The revision is a content hash, so two hosts with the same bytes
+agree on it without talking to each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    revision: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def projection_shape(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of one decoder-layer projection."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q),
+            "k_proj": (self.hidden_size, kv),
+            "v_proj": (self.hidden_size, kv),
+            "o_proj": (q, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        if module not in shapes:
+            raise KeyError(f"unknown projection {module!r}; known: {', '.join(PROJECTIONS)}")
+        return shapes[module]
+
+
+def model_files(path: str | Path) -> list[Path]:
+    """The files whose bytes define the model (what the revision hashes)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    files = [p / "config.json", *sorted(p.glob("*.safetensors"))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or len(files) < 2:
+        raise FileNotFoundError(f"{p} is not a Hugging Face model directory "
+                                f"(needs config.json and *.safetensors)")
+    return files
+
+
+def revision_of(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Content hash (first 16 hex chars of sha256 over the model files, in order)."""
+    h = hashlib.sha256()
+    for f in model_files(path):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def describe_model(path: str | Path, name: str | None = None, revision: str | None = None) -> ModelInfo:
+    """Read dimensions from ``config.json`` or GGUF metadata; hash the files for the revision."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        dims = _gguf_dims(p)
+        default_name = p.name.removesuffix(".gguf").split(".")[0]
+    else:
+        dims = _hf_dims(p)
+        default_name = p.name
+    return ModelInfo(name=name or default_name, revision=revision or revision_of(p), **dims)
+
+
+def _hf_dims(path: Path) -> dict[str, Any]:
+    cfg = json.loads((path / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    archs = cfg.get("architectures") or [cfg.get("model_type", "llama")]
+    return {
+        "architecture": str(cfg.get("model_type") or archs[0]).lower(),
+        "hidden_size": hidden,
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // heads),
+        "vocab_size": int(cfg["vocab_size"]),
+        "context_length": int(cfg.get("max_position_embeddings", 2048)),
+    }
+
+
+def _gguf_dims(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def get(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = get("general.architecture")
+    heads = int(get(f"{arch}.attention.head_count"))
+    hidden = int(get(f"{arch}.embedding_length"))
+    vocab = get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "architecture": str(arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
+        "num_layers": int(get(f"{arch}.block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(get(f"{arch}.attention.key_length", hidden // heads)),
+        "vocab_size": int(vocab),
+        "context_length": int(get(f"{arch}.context_length", 2048)),
+    }
