@@ -1,0 +1,1 @@
+"""Alembic environment and revisions for the registry schema (the only way it changes)."""

@@ -1,0 +1,66 @@
+"""Apply the registry schema migrations programmatically (what ``loraplex migrate`` runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from registry.db import ensure_sqlite_dir, make_engine
+
+
+def script_location() -> str:
+    import migrations
+
+    return str(Path(migrations.__file__).resolve().parent)
+
+
+def alembic_config(url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", script_location())
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Blocking ``alembic upgrade`` (runs its own event loop; not for async callers)."""
+    ensure_sqlite_dir(url)
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+async def _run(engine: AsyncEngine, fn, revision: str) -> None:  # type: ignore[no-untyped-def]
+    cfg = alembic_config()
+
+    def run(connection) -> None:  # type: ignore[no-untyped-def]
+        cfg.attributes["connection"] = connection
+        fn(cfg, revision)
+
+    async with engine.begin() as conn:
+        await conn.run_sync(run)
+
+
+async def upgrade_async(url_or_engine: str | AsyncEngine, revision: str = "head") -> None:
+    """``alembic upgrade`` from async code (tests, the embedded server)."""
+    await _with_engine(url_or_engine, command.upgrade, revision)
+
+
+async def downgrade_async(url_or_engine: str | AsyncEngine, revision: str = "base") -> None:
+    await _with_engine(url_or_engine, command.downgrade, revision)
+
+
+async def _with_engine(url_or_engine: str | AsyncEngine, fn, revision: str) -> None:  # type: ignore[no-untyped-def]
+    if isinstance(url_or_engine, AsyncEngine):
+        await _run(url_or_engine, fn, revision)
+        return
+    engine = make_engine(url_or_engine)
+    try:
+        await _run(engine, fn, revision)
+    finally:
+        await engine.dispose()

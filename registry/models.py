@@ -1,0 +1,182 @@
+"""Registry schema (SQLAlchemy 2 typed ORM): base models, adapter versions, tenants,
+bindings, the append-only audit log and the one-row registry version.
+
+Adapter versions are immutable artifacts: only ``status``, ``status_reason`` and
+``verification`` ever change after registration. Their ``id`` (a uuid string) is the
+routing key and the engine's cache key everywhere downstream. Every write transaction
+bumps ``registry_state.version`` first, which both orders changes (readers compare
+versions) and serializes writers (row lock on PostgreSQL, write lock on SQLite).
+
+Schema changes go through Alembic (``migrations/``); a test proves the two agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ADAPTER_STATUSES = ("pending", "active", "disabled", "failed")
+TENANT_STATUSES = ("active", "disabled")
+ON_DISABLED = ("base", "refuse")
+
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+"""64-bit ids on PostgreSQL; INTEGER on SQLite so the column is the rowid (autoincrement)."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON}
+
+
+class RegistryState(Base):
+    """Exactly one row (id 1): the registry-wide, monotonically increasing version."""
+
+    __tablename__ = "registry_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class BaseModelRow(Base):
+    __tablename__ = "base_models"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    revision: Mapped[str] = mapped_column(String(128), nullable=False)
+    architecture: Mapped[str] = mapped_column(String(64), nullable=False)
+    hidden_size: Mapped[int] = mapped_column(Integer, nullable=False)
+    intermediate_size: Mapped[int] = mapped_column(Integer, nullable=False)
+    num_layers: Mapped[int] = mapped_column(Integer, nullable=False)
+    num_heads: Mapped[int] = mapped_column(Integer, nullable=False)
+    num_kv_heads: Mapped[int] = mapped_column(Integer, nullable=False)
+    head_dim: Mapped[int] = mapped_column(Integer, nullable=False)
+    vocab_size: Mapped[int] = mapped_column(Integer, nullable=False)
+    context_length: Mapped[int] = mapped_column(Integer, nullable=False, default=2048)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'disabled')", name="status"),
+        CheckConstraint("priority IN ('high', 'normal', 'low')", name="priority"),
+        CheckConstraint("requests_per_min >= 0 AND tokens_per_min >= 0 AND max_concurrent >= 0",
+                        name="limits"),
+    )
+
+    slug: Mapped[str] = mapped_column(String(64), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default="active")
+    requests_per_min: Mapped[int] = mapped_column(Integer, nullable=False, default=600)
+    tokens_per_min: Mapped[int] = mapped_column(Integer, nullable=False, default=100_000)
+    max_concurrent: Mapped[int] = mapped_column(Integer, nullable=False, default=16)
+    priority: Mapped[str] = mapped_column(String(16), nullable=False, default="normal")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class AdapterVersion(Base):
+    __tablename__ = "adapter_versions"
+    __table_args__ = (
+        UniqueConstraint("name", "version", name="uq_adapter_versions_name_version"),
+        CheckConstraint("status IN ('pending', 'active', 'disabled', 'failed')", name="status"),
+        CheckConstraint("version >= 1", name="version"),
+        CheckConstraint("rank >= 1", name="rank"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(200), nullable=False)
+    version: Mapped[int] = mapped_column(Integer, nullable=False)
+    base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"), nullable=False, index=True)
+    uri: Mapped[str] = mapped_column(Text, nullable=False)
+    sha256: Mapped[str] = mapped_column(String(64), nullable=False)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    alpha: Mapped[float] = mapped_column(Float, nullable=False)
+    target_modules: Mapped[list[str]] = mapped_column(JSON, nullable=False)
+    owner_tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.slug"), nullable=True, index=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default="pending")
+    status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    verification: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class Binding(Base):
+    """A tenant's alias (the ``model`` its backend sends) -> adapter versions."""
+
+    __tablename__ = "bindings"
+    __table_args__ = (
+        UniqueConstraint("tenant", "alias", name="uq_bindings_tenant_alias"),
+        CheckConstraint("canary_percent >= 0 AND canary_percent <= 100", name="canary_percent"),
+        CheckConstraint("on_disabled IN ('base', 'refuse')", name="on_disabled"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.slug"), nullable=False)
+    alias: Mapped[str] = mapped_column(String(200), nullable=False)
+    base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"), nullable=False)
+    active_id: Mapped[str] = mapped_column(ForeignKey("adapter_versions.id"), nullable=False, index=True)
+    previous_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True)
+    canary_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True)
+    canary_percent: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    enabled: Mapped[bool] = mapped_column(Boolean, nullable=False, default=True)
+    on_disabled: Mapped[str] = mapped_column(String(16), nullable=False, default="refuse")
+    row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    """Bumped on every change of this binding (optimistic check besides the writer lock)."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+    __mapper_args__ = {"version_id_col": row_version}
+
+
+class AuditEntry(Base):
+    """Append-only: one row per change, written in the change's own transaction."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_log_target", "target"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    registry_version: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    actor: Mapped[str] = mapped_column(String(200), nullable=False)
+    action: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    target: Mapped[str] = mapped_column(String(400), nullable=False)
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
