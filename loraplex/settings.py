@@ -73,6 +73,12 @@ class Settings:
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     max_body_bytes: int = 1024 * 1024
+    max_tokens_cap: int = 8192
+    """Largest ``max_tokens`` a request may ask for (above: 400)."""
+    default_max_tokens: int = 1024
+    """``max_tokens`` filled in (and reserved against the tokens/min limit) when a request omits it."""
+    registry_snapshot_file: str = ""
+    """Static registry snapshot (JSON) served instead of the live registry; for tests and benchmarks."""
     request_timeout_s: float = 300.0
     ratelimit_fail_mode: Literal["open", "closed"] = "open"
     route_candidates: int = 3
