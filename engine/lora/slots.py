@@ -1,0 +1,163 @@
+"""Device slots for adapters, sized per rank class so a rank-8 adapter does not pay for rank 64.
+
+For each rank class ``r_c`` (``settings.lora_rank_classes``) and projection there is one
+stack per kind, allocated on first use of the class:
+
+* ``A[L, S, r_c, in]``, ``B[L, S, out, r_c]``, ``scale[L, S]``
+
+so ``stacks(c, layer, proj)`` is a contiguous ``[S, r_c, in]`` / ``[S, out, r_c]`` / ``[S]``
+view, exactly what the batched op takes. An adapter of rank ``r`` goes in the smallest
+class with ``r_c >= r``; its A rows and B columns beyond ``r`` are zero, which is exact.
+Modules the adapter does not touch stay zero with scale 0.
+
+Slot ids are global: class ``c`` owns ids ``[c * S, (c + 1) * S)`` with ``S = slots_per_class``
+(default ``settings.max_loras``, so any batch of up to ``max_loras`` adapters fits whatever
+their ranks). Device memory per class is ``S * L * r_c * sum(in + out)`` elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.lora.peft import LoRAWeights
+from loraplex.modelinfo import PROJECTIONS, ModelInfo
+
+
+class RankTooLarge(ValueError):
+    """The adapter's rank exceeds the largest rank class."""
+
+
+@dataclass
+class _ClassStacks:
+    a: dict[str, torch.Tensor]       # proj -> [L, S, r, in]
+    b: dict[str, torch.Tensor]       # proj -> [L, S, out, r]
+    scale: dict[str, torch.Tensor]   # proj -> [L, S]
+    present: dict[str, torch.Tensor]  # proj -> [L, S] bool, on CPU
+
+
+class SlotBank:
+    def __init__(
+        self,
+        num_layers: int,
+        shapes: Mapping[str, tuple[int, int]],
+        rank_classes: Iterable[int] = (8, 16, 32, 64),
+        slots_per_class: int = 8,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        classes = tuple(sorted({int(r) for r in rank_classes}))
+        if not classes or classes[0] <= 0:
+            raise ValueError(f"rank classes must be positive, got {tuple(rank_classes)}")
+        if slots_per_class <= 0:
+            raise ValueError("slots_per_class must be positive")
+        self.num_layers = num_layers
+        self.shapes = dict(shapes)
+        self.projections = tuple(self.shapes)
+        self.rank_classes = classes
+        self.slots_per_class = slots_per_class
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._stacks: dict[int, _ClassStacks] = {}
+
+    @classmethod
+    def for_model(cls, model: ModelInfo, rank_classes: Iterable[int], slots_per_class: int, *,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  projections: Iterable[str] = PROJECTIONS) -> SlotBank:
+        shapes = {p: model.projection_shape(p) for p in projections}
+        return cls(model.num_layers, shapes, rank_classes, slots_per_class, dtype=dtype, device=device)
+
+    # --- slot ids ------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return len(self.rank_classes) * self.slots_per_class
+
+    def class_of_rank(self, rank: int) -> int:
+        """Index of the smallest rank class that holds ``rank``."""
+        for c, rc in enumerate(self.rank_classes):
+            if rank <= rc:
+                return c
+        raise RankTooLarge(f"rank {rank} exceeds the largest rank class {self.rank_classes[-1]}")
+
+    def slot_ids(self, class_index: int) -> range:
+        s = self.slots_per_class
+        return range(class_index * s, (class_index + 1) * s)
+
+    def split(self, slot: int) -> tuple[int, int]:
+        """Global slot id -> (class index, slot inside the class)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        return divmod(slot, self.slots_per_class)
+
+    # --- storage -------------------------------------------------------------------------
+    def allocated(self, class_index: int) -> bool:
+        return class_index in self._stacks
+
+    def nbytes(self) -> int:
+        total = 0
+        for st in self._stacks.values():
+            for t in (*st.a.values(), *st.b.values(), *st.scale.values()):
+                total += t.numel() * t.element_size()
+        return total
+
+    def _class(self, c: int) -> _ClassStacks:
+        st = self._stacks.get(c)
+        if st is None:
+            r, L, S = self.rank_classes[c], self.num_layers, self.slots_per_class
+            kw = {"dtype": self.dtype, "device": self.device}
+            st = _ClassStacks(
+                a={p: torch.zeros(L, S, r, fi, **kw) for p, (fi, _fo) in self.shapes.items()},
+                b={p: torch.zeros(L, S, fo, r, **kw) for p, (_fi, fo) in self.shapes.items()},
+                scale={p: torch.zeros(L, S, **kw) for p in self.shapes},
+                present={p: torch.zeros(L, S, dtype=torch.bool) for p in self.shapes},
+            )
+            self._stacks[c] = st
+        return st
+
+    def write(self, slot: int, weights: LoRAWeights) -> None:
+        """Copy an adapter into ``slot`` (zero-padded to the class rank; other modules zeroed)."""
+        c, i = self.split(slot)
+        rc = self.rank_classes[c]
+        if weights.rank > rc:
+            raise RankTooLarge(f"rank {weights.rank} does not fit slot {slot} (rank class {rc})")
+        for (layer, proj) in weights.modules:
+            if proj not in self.shapes:
+                raise ValueError(f"projection {proj!r} has no slot storage (bank holds {self.projections})")
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer bank")
+        self.clear(slot)
+        st = self._class(c)
+        non_blocking = self.device.type == "cuda"
+        for (layer, proj), mod in weights.modules.items():
+            r = mod.rank
+            st.a[proj][layer, i, :r].copy_(mod.a, non_blocking=non_blocking)
+            st.b[proj][layer, i, :, :r].copy_(mod.b, non_blocking=non_blocking)
+            st.scale[proj][layer, i] = mod.scale
+            st.present[proj][layer, i] = True
+
+    def clear(self, slot: int) -> None:
+        c, i = self.split(slot)
+        st = self._stacks.get(c)
+        if st is None:
+            return
+        for p in self.shapes:
+            st.a[p][:, i].zero_()
+            st.b[p][:, i].zero_()
+            st.scale[p][:, i] = 0
+            st.present[p][:, i] = False
+
+    def stacks(self, class_index: int, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(A [S, r, in], B [S, out, r], scale [S])`` of one class, layer and projection."""
+        st = self._class(class_index)
+        return st.a[proj][layer], st.b[proj][layer], st.scale[proj][layer]
+
+    def layers_with_module(self, class_index: int, proj: str, local_slots: Iterable[int]) -> list[bool]:
+        """For each layer: does any of ``local_slots`` adapt ``proj`` there?"""
+        st = self._class(class_index)
+        idx = torch.as_tensor(list(local_slots), dtype=torch.int64)
+        if idx.numel() == 0:
+            return [False] * self.num_layers
+        return st.present[proj][:, idx].any(dim=1).tolist()

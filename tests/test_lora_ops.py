@@ -1,0 +1,152 @@
+"""Batched LoRA op: gather == segmented == per-row definition; base rows untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora.batch import LoRABatch
+from engine.lora.ops import SegmentPlan, choose_path, lora_apply, lora_reference
+from engine.lora.peft import LoRAModule, LoRAWeights
+from engine.lora.slots import RankTooLarge, SlotBank
+
+
+def _naive(x, slots, adapters):
+    """Float64 per-row definition over unpadded adapters: {slot: (A, B, scale)}."""
+    y = torch.zeros(x.shape[0], adapters[next(iter(adapters))][1].shape[0], dtype=torch.float64)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            a, b, sc = adapters[s]
+            y[i] = (x[i].double() @ a.double().T) @ b.double().T * sc
+    return y
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 200])
+@pytest.mark.parametrize("num_slots", [1, 3, 8])
+@pytest.mark.parametrize("layout", ["random", "contiguous"])
+def test_paths_agree_with_definition(tokens, num_slots, layout):
+    g = torch.Generator().manual_seed(tokens * 100 + num_slots)
+    fin, fout, r = 40, 24, 8
+    a = torch.randn(num_slots, r, fin, generator=g, dtype=torch.float64)
+    b = torch.randn(num_slots, fout, r, generator=g, dtype=torch.float64)
+    scale = torch.rand(num_slots, generator=g, dtype=torch.float64) + 0.5
+    if layout == "random":
+        slots = torch.randint(-1, num_slots, (tokens,), generator=g)
+    else:
+        slots = torch.sort(torch.randint(-1, num_slots, (tokens,), generator=g)).values
+    x = torch.randn(tokens, fin, generator=g, dtype=torch.float64)
+    y0 = torch.randn(tokens, fout, generator=g, dtype=torch.float64)
+    expect = y0.clone()
+    lora_reference(expect, x, a, b, scale, slots)
+    plan = SegmentPlan.build(slots)
+    for path in ("gather", "segmented", "reference", None):
+        y = y0.clone()
+        lora_apply(y, x, a, b, scale, plan, path=path)
+        torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
+        base = slots < 0
+        assert torch.equal(y[base], y0[base]), "base rows must be untouched bit for bit"
+
+
+def test_plan_runs_and_segments():
+    plan = SegmentPlan.build(torch.tensor([-1, 2, 2, 2, -1, 0, 0, -1]))
+    assert plan.seg_slots == (0, 2)
+    assert plan.runs == ((1, 4, 2), (5, 7, 0))
+    assert plan.rows.tolist() == [5, 6, 1, 2, 3]
+    interleaved = SegmentPlan.build(torch.tensor([0, 1, 0, 1]))
+    assert interleaved.runs is None
+    assert interleaved.seg_lens == (2, 2)
+    empty = SegmentPlan.build(torch.tensor([-1, -1]))
+    assert empty.num_lora_tokens == 0
+    y = torch.ones(2, 3)
+    lora_apply(y, torch.ones(2, 4), torch.ones(1, 2, 4), torch.ones(1, 3, 2), torch.ones(1), empty)
+    assert torch.equal(y, torch.ones(2, 3))
+
+
+def test_choose_path_heuristic():
+    decode = SegmentPlan.build(torch.arange(8))
+    prefill = SegmentPlan.build(torch.zeros(128, dtype=torch.int64))
+    assert choose_path(decode) == "gather"
+    assert choose_path(prefill) == "segmented"
+
+
+def _random_weights(g, layers, shapes, rank, projs, scale):
+    mods = {}
+    for layer in range(layers):
+        for p in projs:
+            fi, fo = shapes[p]
+            mods[(layer, p)] = LoRAModule(torch.randn(rank, fi, generator=g), torch.randn(fo, rank, generator=g), scale)
+    return LoRAWeights(mods, rank)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 96])
+@pytest.mark.parametrize("path", ["gather", "segmented", None])
+def test_batch_across_rank_classes(tokens, path):
+    g = torch.Generator().manual_seed(tokens)
+    shapes = {"q_proj": (32, 48), "v_proj": (32, 16), "down_proj": (40, 32)}
+    bank = SlotBank(2, shapes, rank_classes=(8, 16, 64), slots_per_class=3)
+    ranks = {0: 4, 1: 8, 3: 16, 4: 12, 7: 64}  # global slot -> rank (classes 0, 0, 1, 1, 2)
+    adapters = {}
+    for slot, rank in ranks.items():
+        projs = ("q_proj", "v_proj") if slot != 4 else ("q_proj",)  # slot 4 lacks v_proj
+        w = _random_weights(g, 2, shapes, rank, projs, scale=0.5 + slot)
+        assert bank.class_of_rank(rank) == slot // 3
+        bank.write(slot, w)
+        adapters[slot] = w
+    choices = torch.tensor([-1, *ranks])
+    slots = choices[torch.randint(0, len(choices), (tokens,), generator=g)]
+    batch = LoRABatch.build(bank, slots, path=path)
+    assert batch.empty == bool((slots < 0).all())
+    for layer in range(2):
+        for proj in shapes:
+            fi, fo = shapes[proj]
+            x = torch.randn(tokens, fi, generator=g)
+            out0 = torch.randn(tokens, fo, generator=g)
+            out = out0.clone()
+            batch.apply(layer, proj, x, out)
+            expect = out0.double().clone()
+            for i, s in enumerate(slots.tolist()):
+                mod = adapters[s].modules.get((layer, proj)) if s >= 0 else None
+                if mod is not None:
+                    expect[i] += (x[i].double() @ mod.a.double().T) @ mod.b.double().T * mod.scale
+            torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-3)
+            assert torch.equal(out[slots < 0], out0[slots < 0])
+
+
+def test_single_token_and_no_lora_batch():
+    shapes = {"q_proj": (8, 8)}
+    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=2)
+    g = torch.Generator().manual_seed(0)
+    bank.write(1, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0))
+    none = LoRABatch.build(bank, [-1, -1, -1])
+    assert none.empty
+    out = torch.randn(3, 8)
+    before = out.clone()
+    none.apply(0, "q_proj", torch.randn(3, 8), out)
+    assert torch.equal(out, before)
+    one = LoRABatch.build(bank, [1])
+    x, out = torch.randn(1, 8), torch.zeros(1, 8)
+    one.apply(0, "q_proj", x, out)
+    a, b, sc = bank.stacks(0, 0, "q_proj")
+    torch.testing.assert_close(out, (x @ a[1].T) @ b[1].T * sc[1])
+
+
+def test_slot_bank_padding_clear_and_limits():
+    shapes = {"q_proj": (8, 8)}
+    bank = SlotBank(1, shapes, rank_classes=(16, 8), slots_per_class=2)
+    assert bank.rank_classes == (8, 16) and bank.num_slots == 4
+    assert not bank.allocated(1)
+    g = torch.Generator().manual_seed(1)
+    w = _random_weights(g, 1, shapes, 12, ("q_proj",), 2.0)
+    bank.write(3, w)
+    assert bank.allocated(1) and not bank.allocated(0)
+    a, b, sc = bank.stacks(1, 0, "q_proj")
+    assert torch.equal(a[1, :12], w.modules[(0, "q_proj")].a) and torch.count_nonzero(a[1, 12:]) == 0
+    assert torch.count_nonzero(b[1, :, 12:]) == 0 and float(sc[1]) == 2.0
+    bank.clear(3)
+    assert torch.count_nonzero(a[1]) == 0 and float(sc[1]) == 0.0
+    with pytest.raises(RankTooLarge):
+        bank.class_of_rank(17)
+    with pytest.raises(RankTooLarge):
+        bank.write(0, w)  # class 8 slot
+    with pytest.raises(IndexError):
+        LoRABatch.build(bank, [4])
