@@ -1,0 +1,457 @@
+"""The gateway application: ``create_app(settings, ...) -> Starlette``.
+
+The two hot routes (``/v1/chat/completions``, ``/v1/completions``) are raw ASGI
+handlers (no Request/Response objects): auth (cached JWT verification) -> body
+(size-capped) -> validation -> resolution -> limits (reserve before admission) ->
+routing -> proxy -> settle, one access-log line and metrics. The rest (``/v1/models``,
+health, readiness, metrics, the registry admin API under ``/admin``) are ordinary
+Starlette routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from gateway.auth import Authenticator
+from gateway.errors import GatewayError, send_error
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Upstream, read_rest, relay_sse, sse_error, usage_of, used_tokens
+from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
+from gateway.resolve import Resolver
+from gateway.router import Router
+from gateway.validate import validate
+from loraplex.residency import RedisResidency, ResidencyStore, process_residency
+from loraplex.settings import Settings
+from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, PRIORITY_CLASSES, error_body
+from registry.snapshot import RegistrySnapshot
+
+log = logging.getLogger("loraplex.gateway")
+access_log = logging.getLogger("loraplex.gateway.access")
+
+
+class SnapshotSource(Protocol):
+    @property
+    def current(self) -> RegistrySnapshot: ...
+
+
+class Gateway:
+    """Everything the request path needs, built once per app."""
+
+    def __init__(self, settings: Settings, snapshots: SnapshotSource, limiter: Limiter, router: Router,
+                 client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.snapshots = snapshots
+        self.limiter = limiter
+        self.router = router
+        self.client = client
+        self.auth = Authenticator(settings)
+        self.resolver = Resolver()
+        self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1)
+        self.metrics = GatewayMetrics()
+        self.lease_ttl_s = settings.request_timeout_s + 30.0
+        self.log_enabled = True
+
+    async def _read_body(self, receive: Any, declared: int | None) -> bytes:
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared > limit:
+            raise GatewayError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            part = msg.get("body", b"")
+            if part:
+                size += len(part)
+                if size > limit:
+                    raise GatewayError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+                chunks.append(part)
+            if not msg.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
+        t0 = time.perf_counter()
+        authorization = None
+        declared = None
+        request_id = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                authorization = v.decode("latin-1")
+            elif k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = None
+            elif k == b"x-request-id":
+                rid = v.decode("latin-1")
+                if 0 < len(rid) <= 128 and rid.isprintable():
+                    request_id = rid
+        request_id = request_id or uuid.uuid4().hex
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        st = _State()
+        base_headers = {HDR_REQUEST_ID: request_id}
+        tenant_slug = ""
+        alias = ""
+        label = ""
+        lease = None
+        used: int | None = None
+        usage: dict[str, Any] | None = None
+        status = 500
+        worker_id = ""
+        try:
+            if scope["method"] != "POST":
+                raise GatewayError(405, "use POST", code="method_not_allowed")
+            snapshot = self.snapshots.current
+            tenant = self.auth.tenant(authorization, snapshot)
+            tenant_slug = tenant.slug
+            raw = await self._read_body(receive, declared)
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+            s = self.settings
+            req = validate(data, chat=chat, max_tokens_cap=s.max_tokens_cap, default_max_tokens=s.default_max_tokens)
+            alias = req.model
+            res = self.resolver.resolve(snapshot, tenant, req.model, req.user or request_id)
+            label = res.label
+            base_headers[HDR_ADAPTER] = res.label
+            decision = await self.limiter.acquire(
+                tenant.slug, Limits(tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent),
+                req.reserve_tokens, self.lease_ttl_s)
+            base_headers.update(decision.headers)
+            if not decision.allowed:
+                self.metrics.limited(tenant.slug, decision.reason)
+                if decision.status == 503:
+                    raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
+                                       code="ratelimiter_unavailable")
+                raise GatewayError(429, limit_message(decision.reason), code="rate_limit_exceeded",
+                                   type="rate_limit_error" if decision.reason != "too_large" else "tokens")
+            lease = decision.lease
+            body = req.body
+            if req.stream:
+                body["stream_options"] = {"include_usage": True}
+            body[EXT_KEY] = {
+                "adapter": res.wire, "tenant": tenant.slug,
+                "priority": PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
+                "request_id": request_id,
+            }
+            payload = orjson.dumps(body)
+            workers = await self.router.route(res.base_model, res.adapter.id if res.adapter else None)
+            watcher = _Watcher(scope, receive, st)
+            try:
+                async with asyncio.timeout(s.request_timeout_s):
+                    opened = await self.upstream.open(workers, path, payload, request_id)
+                    worker_id = opened.worker.id
+                    base_headers[HDR_WORKER] = worker_id
+                    try:
+                        if req.stream and opened.response.status_code == 200:
+                            status = 200
+                            await send({"type": "http.response.start", "status": 200,
+                                        "headers": _headers(base_headers, b"text/event-stream", extra=_SSE)})
+                            st.started = True
+                            result = await relay_sse(opened, send, keep_usage=req.include_usage)
+                            usage = result.usage
+                            if result.error:
+                                status = 502
+                                self.metrics.upstream_failures.labels(
+                                    self.metrics.adapter_cap(worker_id)).inc()
+                            st.finished = True
+                            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        else:
+                            content = await read_rest(opened)
+                            status = opened.response.status_code
+                            if status == 200:
+                                usage = usage_of(content)
+                            elif status >= 500:
+                                status = 502
+                                content = orjson.dumps(error_body("the worker failed to answer", "upstream_error",
+                                                                  "upstream_error"))
+                            ctype = opened.response.headers.get("content-type", "application/json")
+                            st.finished = True
+                            await send({"type": "http.response.start", "status": status,
+                                        "headers": _headers(base_headers, ctype.encode("latin-1"),
+                                                            length=len(content))})
+                            st.started = True
+                            await send({"type": "http.response.body", "body": content})
+                    finally:
+                        await self.upstream.done(opened)
+            finally:
+                watcher.stop()
+            used = used_tokens(usage)
+            if used is None:
+                # No usage (error answer, broken stream): refund only what the worker never saw.
+                used = req.reserve_tokens if status == 200 or st.started else 0
+        except GatewayError as err:
+            status = err.status
+            if not st.started:
+                await send_error(send, err, base_headers)
+        except TimeoutError:
+            status = 504
+            if st.started and not st.finished:
+                await send({"type": "http.response.body", "body": sse_error("the request deadline passed",
+                                                                            "timeout"), "more_body": False})
+            elif not st.started:
+                await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"),
+                                 base_headers)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() == 0 or not _client_gone(scope):
+                raise
+            task.uncancel()
+            status = 499
+        except Exception:
+            log.exception("request %s failed", request_id)
+            status = 500
+            if not st.started:
+                await send_error(send, GatewayError(500, "internal error", code="internal_error"), base_headers)
+        finally:
+            if lease is not None:
+                try:
+                    await self.limiter.settle(lease, used if used is not None else lease.reserved)
+                except Exception:
+                    log.exception("settling the reservation of %s failed", request_id)
+            elapsed = time.perf_counter() - t0
+            pt = usage.get("prompt_tokens", 0) if usage else 0
+            ct = usage.get("completion_tokens", 0) if usage else 0
+            pt = pt if isinstance(pt, int) else 0
+            ct = ct if isinstance(ct, int) else 0
+            self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
+            if self.log_enabled and access_log.isEnabledFor(logging.INFO):
+                access_log.info(orjson.dumps({
+                    "request_id": request_id, "tenant": tenant_slug, "alias": alias, "adapter": label,
+                    "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct, "status": status,
+                    "latency_ms": round(elapsed * 1000, 3), "stream": "stream" if st.started else "",
+                }).decode())
+
+
+_SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
+             extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    out = [(b"content-type", ctype)]
+    out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items())
+    if length is not None:
+        out.append((b"content-length", str(length).encode()))
+    if extra:
+        out.extend(extra)
+    return out
+
+
+class _State:
+    __slots__ = ("finished", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.finished = False
+
+
+_GONE = "loraplex.client_gone"
+
+
+def _client_gone(scope: Any) -> bool:
+    return bool(scope.get(_GONE))
+
+
+class _Watcher:
+    """Cancels the request task when the client disconnects (so the upstream call is cancelled)."""
+
+    __slots__ = ("_scope", "_state", "_task", "_watch")
+
+    def __init__(self, scope: Any, receive: Any, state: _State) -> None:
+        self._task = asyncio.current_task()
+        self._scope = scope
+        self._state = state
+        self._watch: asyncio.Task[None] | None = None
+        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Any) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                # After the last byte went out, the server reports a disconnect too: ignore it.
+                if not self._state.finished and self._task is not None and not self._task.done():
+                    self._scope[_GONE] = True
+                    self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        if self._watch is not None and not self._watch.done():
+            self._watch.cancel()
+
+
+class _Completions:
+    """Raw ASGI endpoint for one of the two hot routes."""
+
+    def __init__(self, gateway: Gateway, chat: bool) -> None:
+        self.gateway = gateway
+        self.chat = chat
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.gateway.completions(scope, receive, send, chat=self.chat)
+
+
+def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    err = GatewayError(status, message, code=code)
+    return Response(err.body(), status_code=status, media_type="application/json", headers=headers)
+
+
+def _redis_client(settings: Settings) -> Any:
+    import redis.asyncio as aioredis
+
+    return aioredis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             health_check_interval=0, max_connections=256)
+
+
+def _default_snapshots(settings: Settings) -> Any:
+    if settings.registry_snapshot_file:
+        from gateway.snapshot_file import FileSnapshotSource
+
+        return FileSnapshotSource(settings.registry_snapshot_file)
+    from registry.cache import SnapshotCache  # the live registry (lazy: keeps startup light)
+
+    factory = getattr(SnapshotCache, "from_settings", None)
+    return factory(settings) if factory else SnapshotCache(settings)
+
+
+def _admin_app(settings: Settings) -> Any | None:
+    try:
+        from registry.admin_api import admin_app
+
+        from registry.service import RegistryService
+    except ImportError:
+        log.info("registry admin API not available; /admin is not mounted")
+        return None
+    factory = getattr(RegistryService, "from_settings", None)
+    service = factory(settings) if factory else RegistryService(settings)
+    return admin_app(service, settings)
+
+
+def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
+               residency: ResidencyStore | None = None, http_client: httpx.AsyncClient | None = None,
+               mount_admin: bool = True) -> Starlette:
+    """The gateway app. Anything not passed is built from ``settings``:
+
+    * ``snapshots``: ``registry.cache.SnapshotCache`` over the registry database (or a
+      ``FileSnapshotSource`` when ``registry_snapshot_file`` is set);
+    * ``limiter``: ``RedisLimiter`` (with a local fallback) when ``redis_url`` is set,
+      else the in-process ``LocalLimiter``;
+    * ``residency``: ``RedisResidency`` when ``redis_url`` is set, else the process table;
+    * ``http_client``: one pooled ``httpx.AsyncClient`` for every upstream call.
+
+    Components passed in are started/stopped by their owner, except the snapshot source,
+    whose optional ``start()``/``stop()`` the app calls in its lifespan.
+    """
+    redis = None
+    if (limiter is None or residency is None) and settings.redis_url:
+        redis = _redis_client(settings)
+    if snapshots is None:
+        snapshots = _default_snapshots(settings)
+    if limiter is None:
+        limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode) \
+            if redis is not None else LocalLimiter()
+    if residency is None:
+        residency = RedisResidency(redis, settings.redis_prefix) if redis is not None else process_residency()
+    own_client = http_client is None
+    if http_client is None:
+        http_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0),
+            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512, keepalive_expiry=30.0),
+            trust_env=False,
+        )
+    router = Router(residency, candidates=settings.route_candidates, load_factor=settings.route_load_factor,
+                    static_urls=settings.worker_urls,
+                    cooldown_s=max(2.0, settings.worker_report_ttl_s))
+    gw = Gateway(settings, snapshots, limiter, router, http_client)
+
+    async def models(request: Request) -> Response:
+        try:
+            snapshot = gw.snapshots.current
+            tenant = gw.auth.tenant(request.headers.get("authorization"), snapshot)
+        except GatewayError as err:
+            return Response(err.body(), status_code=err.status, media_type="application/json")
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": tenant.slug if name in tenant.bindings
+                 else "loraplex"} for name in gw.resolver.models(snapshot, tenant)]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        problems = []
+        try:
+            snap = gw.snapshots.current
+            if snap is None:
+                problems.append("no registry snapshot yet")
+        except Exception as exc:
+            problems.append(f"registry snapshot unavailable: {type(exc).__name__}")
+        await router.refresh()
+        if not router.workers():
+            problems.append("no live worker")
+        if problems:
+            return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
+        return JSONResponse({"status": "ready", "workers": len(router.workers())})
+
+    async def metrics(request: Request) -> Response:
+        gw.metrics.inflight.set(sum(w.inflight for w in router.workers()))
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return _error(status, "not found" if status == 404 else str(getattr(exc, "detail", "error")))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return _error(500, "internal error", "internal_error")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        start = getattr(snapshots, "start", None)
+        if start is not None:
+            await start()
+        await router.refresh()
+        try:
+            yield
+        finally:
+            stop = getattr(snapshots, "stop", None)
+            if stop is not None:
+                await stop()
+            if own_client:
+                await http_client.aclose()
+            if redis is not None:
+                await limiter.close()
+                await redis.aclose()
+
+    from starlette.exceptions import HTTPException
+
+    routes: list[Any] = [
+        Route("/v1/chat/completions", _Completions(gw, chat=True)),
+        Route("/v1/completions", _Completions(gw, chat=False)),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    if mount_admin:
+        admin = _admin_app(settings)
+        if admin is not None:
+            routes.append(Mount("/admin", app=admin))
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: not_found, Exception: server_error})
+    app.state.gateway = gw
+    return app

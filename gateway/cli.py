@@ -1,0 +1,72 @@
+"""``loraplex gateway`` (run the gateway with uvicorn) and ``loraplex token`` (mint a JWT)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from loraplex.settings import Settings
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    overrides = {}
+    if args.host:
+        overrides["gateway_host"] = args.host
+    if args.port:
+        overrides["gateway_port"] = args.port
+    settings = Settings.from_env(**overrides)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.no_access_log:
+        logging.getLogger("loraplex.gateway.access").setLevel(logging.WARNING)
+    app = create_app(settings)
+    kwargs: dict[str, object] = {}
+    try:
+        import uvloop  # noqa: F401
+
+        kwargs["loop"] = "uvloop"
+    except ImportError:
+        pass
+    try:
+        import httptools  # noqa: F401
+
+        kwargs["http"] = "httptools"
+    except ImportError:
+        pass
+    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, access_log=False,
+                log_level=settings.log_level.lower(), workers=1, timeout_graceful_shutdown=5,
+                backlog=4096, **kwargs)  # type: ignore[arg-type]
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from loraplex.tokens import mint, mint_admin
+
+    settings = Settings.from_env()
+    if args.admin == bool(args.tenant):
+        print("give exactly one of --tenant SLUG or --admin", file=sys.stderr)
+        return 2
+    if args.admin:
+        token = mint_admin(settings, subject=args.subject or "admin", ttl_s=args.ttl)
+    else:
+        token = mint(settings, args.subject or args.tenant, tenant=args.tenant, ttl_s=args.ttl)
+    print(token)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("gateway", help="run the OpenAI-compatible gateway (uvicorn)")
+    g.add_argument("--host", default="", help="listen address (default: LORAPLEX_GATEWAY_HOST)")
+    g.add_argument("--port", type=int, default=0, help="listen port (default: LORAPLEX_GATEWAY_PORT)")
+    g.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    g.set_defaults(handler=_gateway)
+    t = sub.add_parser("token", help="mint a JWT for a tenant or an admin (HS256, LORAPLEX_JWT_SECRET)")
+    t.add_argument("--tenant", default="", help="tenant slug the token belongs to")
+    t.add_argument("--admin", action="store_true", help="an admin token (admin scope)")
+    t.add_argument("--subject", default="", help="the sub claim (default: the tenant or 'admin')")
+    t.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds")
+    t.set_defaults(handler=_token)

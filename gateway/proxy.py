@@ -1,0 +1,177 @@
+"""Forwarding to engine workers over one pooled ``httpx.AsyncClient``.
+
+``Upstream.open`` tries the routed workers in order until one answers: a connection
+error, a 503, or a response that breaks before its first byte moves on to the next
+candidate (connection failures also mark the worker failed in the router). Nothing has
+reached the client at that point, so a retry is invisible to it.
+
+``relay_sse`` passes a worker's SSE stream through event by event without buffering
+the response; it picks the usage chunk out (and drops it when the client did not ask
+for ``stream_options.include_usage``), and ends a stream that breaks mid-way with an
+SSE error event, never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.router import Router, Worker
+from loraplex.wire import HDR_REQUEST_ID, error_body
+
+log = logging.getLogger("loraplex.gateway.proxy")
+
+_JSON = {"content-type": "application/json"}
+
+
+@dataclass(slots=True)
+class Opened:
+    worker: Worker
+    response: httpx.Response
+    first: bytes
+    """First body chunk (already read, so a failure before it could still be retried)."""
+    chunks: AsyncIterator[bytes]
+
+
+class Upstream:
+    def __init__(self, client: httpx.AsyncClient, router: Router, max_attempts: int = 4) -> None:
+        self.client = client
+        self.router = router
+        self.max_attempts = max_attempts
+
+    async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str) -> Opened:
+        if not workers:
+            raise GatewayError(503, "No worker is available for this model right now.", code="no_worker")
+        headers = {"content-type": "application/json", HDR_REQUEST_ID: request_id}
+        last = "no worker answered"
+        for worker in workers[: self.max_attempts]:
+            worker.inflight += 1
+            resp: httpx.Response | None = None
+            try:
+                req = self.client.build_request("POST", worker.url + path, content=payload, headers=headers)
+                resp = await self.client.send(req, stream=True)
+                if resp.status_code == 503:
+                    last = f"worker {worker.id} is overloaded"
+                    await resp.aclose()
+                    worker.inflight -= 1
+                    continue
+                chunks = resp.aiter_raw()
+                first = b""
+                async for chunk in chunks:
+                    if chunk:
+                        first = chunk
+                        break
+                return Opened(worker, resp, first, chunks)
+            except httpx.TransportError as exc:
+                worker.inflight -= 1
+                if resp is not None:
+                    await resp.aclose()
+                last = f"worker {worker.id}: {type(exc).__name__}"
+                self.router.mark_failed(worker)
+            except BaseException:
+                worker.inflight -= 1
+                if resp is not None:
+                    await resp.aclose()
+                raise
+        log.warning("request %s: every candidate failed (%s)", request_id, last)
+        raise GatewayError(503, "No worker could serve this request right now.", code="no_worker")
+
+    async def done(self, opened: Opened) -> None:
+        opened.worker.inflight -= 1
+        await opened.response.aclose()
+
+
+async def read_rest(opened: Opened) -> bytes:
+    parts = [opened.first]
+    async for chunk in opened.chunks:
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def used_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(p, int) and isinstance(c, int):
+        return p + c
+    return None
+
+
+def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
+    return b"data: " + orjson.dumps(error_body(message, "upstream_error", code)) + b"\n\n"
+
+
+@dataclass(slots=True)
+class StreamResult:
+    usage: dict[str, Any] | None = None
+    done: bool = False
+    error: str | None = None
+    sent_bytes: int = 0
+
+
+async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[None]], *,
+                    keep_usage: bool) -> StreamResult:
+    """Pass SSE events through to ``send``; returns the usage seen and how the stream ended."""
+    result = StreamResult()
+    buf = b""
+
+    async def push(data: bytes) -> None:
+        nonlocal buf
+        buf += data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            return
+        complete, buf = buf[: cut + 2], buf[cut + 2:]
+        out = complete
+        if b'"usage"' in complete or b"[DONE]" in complete:
+            kept = []
+            for event in complete.split(b"\n\n"):
+                if not event:
+                    continue
+                if b"[DONE]" in event:
+                    result.done = True
+                elif b'"usage"' in event and event.startswith(b"data:"):
+                    try:
+                        obj = orjson.loads(event[5:])
+                    except orjson.JSONDecodeError:
+                        obj = None
+                    if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                        result.usage = obj["usage"]
+                        if not keep_usage and not obj.get("choices"):
+                            continue
+                kept.append(event)
+            out = b"".join(e + b"\n\n" for e in kept)
+        if out:
+            result.sent_bytes += len(out)
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+
+    try:
+        if opened.first:
+            await push(opened.first)
+        async for chunk in opened.chunks:
+            await push(chunk)
+    except httpx.HTTPError as exc:
+        result.error = f"the worker stream broke: {type(exc).__name__}"
+    if result.error is None and not result.done:
+        result.error = "the worker stream ended early"
+    if result.error is not None:
+        await send({"type": "http.response.body", "body": sse_error(result.error), "more_body": True})
+    return result

@@ -1,0 +1,353 @@
+"""Per-tenant limits: requests/min, tokens/min and concurrent requests.
+
+Both limiters implement one interface (``Limiter``):
+
+* ``acquire(tenant, limits, tokens, lease_ttl_s) -> Decision`` reserves one request, a
+  concurrency slot and ``tokens`` (prompt estimate + ``max_tokens``) *before* the request
+  is admitted, so a concurrent burst can never spend more than the budget;
+* ``settle(lease, used_tokens)`` returns the unused part of the reservation (or charges
+  the overshoot) and frees the concurrency slot.
+
+Requests and tokens are token buckets that refill continuously (capacity = the
+per-minute limit). Concurrency slots are lease ids in a sorted set scored by expiry,
+pruned on every acquire, so a gateway that dies holding slots loses them by itself.
+
+``RedisLimiter`` keeps the state in Redis and does each step in one atomic Lua script;
+when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
+``open``) or refuses with 503 (fail mode ``closed``), and goes back to Redis when it
+answers again. ``LocalLimiter`` alone is the embedded default (no ``redis_url``).
+A limit of 0 means unlimited.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger("loraplex.gateway.ratelimit")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    requests_per_min: int = 0
+    tokens_per_min: int = 0
+    max_concurrent: int = 0
+
+
+@dataclass(slots=True)
+class Lease:
+    tenant: str
+    lease_id: str
+    reserved: int
+    tokens_per_min: int
+    backend: Any
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class Decision:
+    allowed: bool
+    lease: Lease | None
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int = 200
+    """429 over a limit, 503 when the limiter cannot decide (fail-closed)."""
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+class Limiter(Protocol):
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision: ...
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    m, s = divmod(seconds, 60)
+    return f"{int(m)}m{int(s)}s"
+
+
+def _decision(allowed: bool, lease: Lease | None, limits: Limits, reason: str, rq: float, tk: float,
+              wait_ms: float) -> Decision:
+    h: dict[str, str] = {}
+    if limits.requests_per_min > 0:
+        rpm = limits.requests_per_min
+        h["x-ratelimit-limit-requests"] = str(rpm)
+        h["x-ratelimit-remaining-requests"] = str(max(0, math.floor(rq)))
+        h["x-ratelimit-reset-requests"] = _duration(max(0.0, rpm - rq) * 60.0 / rpm)
+    if limits.tokens_per_min > 0:
+        tpm = limits.tokens_per_min
+        h["x-ratelimit-limit-tokens"] = str(tpm)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(tk)))
+        h["x-ratelimit-reset-tokens"] = _duration(max(0.0, tpm - tk) * 60.0 / tpm)
+    if allowed:
+        return Decision(True, lease, h)
+    retry = max(0.001, wait_ms / 1000.0)
+    h["retry-after"] = str(max(1, math.ceil(retry)))
+    h["retry-after-ms"] = str(max(1, math.ceil(wait_ms)))
+    return Decision(False, None, h, 429, reason, retry)
+
+
+_MESSAGES = {
+    "requests": "Rate limit reached for requests per minute.",
+    "tokens": "Rate limit reached for tokens per minute.",
+    "too_large": "Request too large: it needs more tokens than the per-minute limit allows.",
+    "concurrency": "Too many concurrent requests.",
+}
+
+
+def limit_message(reason: str) -> str:
+    return _MESSAGES.get(reason, "Rate limit reached.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Redis
+
+_ACQUIRE = """
+local kh = KEYS[1]
+local kc = KEYS[2]
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local maxc = tonumber(ARGV[3])
+local need = tonumber(ARGV[4])
+local lease = ARGV[5]
+local ttl = tonumber(ARGV[6])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local h = redis.call('HMGET', kh, 'rq', 'rt', 'tk', 'tt')
+local function level(v, ts, cap)
+  if cap <= 0 then return 0 end
+  local l = tonumber(v)
+  local s = tonumber(ts)
+  if l == nil or s == nil then return cap end
+  l = l + (now - s) * cap / 60000
+  if l > cap then l = cap end
+  return l
+end
+local rq = level(h[1], h[2], rpm)
+local tk = level(h[3], h[4], tpm)
+local inflight = 0
+if maxc > 0 then
+  redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
+  inflight = redis.call('ZCARD', kc)
+end
+local reason = ''
+local wait = 0
+if rpm > 0 and rq < 1 then
+  reason = 'requests'
+  wait = (1 - rq) * 60000 / rpm
+end
+if tpm > 0 and need > tpm then
+  reason = 'too_large'
+  wait = 60000
+elseif tpm > 0 and tk < need then
+  local w = (need - tk) * 60000 / tpm
+  if w > wait then wait = w end
+  if reason == '' then reason = 'tokens' end
+end
+if maxc > 0 and inflight >= maxc then
+  if reason == '' then reason = 'concurrency' end
+  if wait < 1000 then wait = 1000 end
+end
+if reason == '' then
+  if rpm > 0 then rq = rq - 1 end
+  if tpm > 0 then tk = tk - need end
+  if maxc > 0 then
+    redis.call('ZADD', kc, now + ttl, lease)
+    redis.call('PEXPIRE', kc, ttl + 1000)
+  end
+end
+redis.call('HSET', kh, 'rq', tostring(rq), 'rt', now, 'tk', tostring(tk), 'tt', now)
+redis.call('PEXPIRE', kh, 120000)
+return {reason, tostring(rq), tostring(tk), tostring(wait)}
+"""
+
+_SETTLE = """
+local kh = KEYS[1]
+local kc = KEYS[2]
+local tpm = tonumber(ARGV[1])
+local refund = tonumber(ARGV[2])
+redis.call('ZREM', kc, ARGV[3])
+if tpm > 0 and refund ~= 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local h = redis.call('HMGET', kh, 'tk', 'tt')
+  local l = tonumber(h[1])
+  local s = tonumber(h[2])
+  if l == nil or s == nil then l = tpm else l = l + (now - s) * tpm / 60000 end
+  l = l + refund
+  if l > tpm then l = tpm end
+  redis.call('HSET', kh, 'tk', tostring(l), 'tt', now)
+  redis.call('PEXPIRE', kh, 120000)
+end
+return 1
+"""
+
+
+class RedisLimiter:
+    """Limits shared by every gateway replica, kept in Redis."""
+
+    def __init__(self, redis: Any, prefix: str = "loraplex", *, fail_mode: Literal["open", "closed"] = "open",
+                 fallback: LocalLimiter | None = None, retry_s: float = 1.0) -> None:
+        self.redis = redis
+        self.prefix = f"{prefix}:rl:"
+        self.fail_mode = fail_mode
+        self.fallback = fallback or LocalLimiter()
+        self.retry_s = retry_s
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._settle = redis.register_script(_SETTLE)
+        self._down_until = 0.0
+        self.degraded = False
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = self.prefix + tenant
+        return [base, base + ":c"]
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self.degraded:
+            log.warning("redis limiter unreachable (%s); %s", type(exc).__name__,
+                        "using the local limiter" if self.fail_mode == "open" else "refusing requests")
+        self.degraded = True
+        self._down_until = time.monotonic() + self.retry_s
+
+    async def _degraded(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
+        if self.fail_mode == "open":
+            return await self.fallback.acquire(tenant, limits, tokens, lease_ttl_s)
+        return Decision(False, None, {"retry-after": str(max(1, math.ceil(self.retry_s)))}, 503, "unavailable",
+                        self.retry_s)
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
+        if self._down_until and time.monotonic() < self._down_until:
+            return await self._degraded(tenant, limits, tokens, lease_ttl_s)
+        lease_id = uuid.uuid4().hex
+        try:
+            reason, rq, tk, wait = await self._acquire(
+                keys=self._keys(tenant),
+                args=[limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent, tokens,
+                      lease_id, int(lease_ttl_s * 1000)])
+        except (TimeoutError, OSError, _redis_errors()) as exc:
+            self._failed(exc)
+            return await self._degraded(tenant, limits, tokens, lease_ttl_s)
+        if self.degraded:
+            log.warning("redis limiter reachable again")
+            self.degraded = False
+            self._down_until = 0.0
+        reason = reason.decode() if isinstance(reason, bytes) else reason
+        lease = Lease(tenant, lease_id, tokens, limits.tokens_per_min, self) if not reason else None
+        return _decision(not reason, lease, limits, reason, float(rq), float(tk), float(wait))
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        if lease.settled:
+            return
+        lease.settled = True
+        if lease.backend is not self:
+            await lease.backend.settle(lease, used_tokens)
+            return
+        try:
+            await self._settle(keys=self._keys(lease.tenant),
+                               args=[lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id])
+        except (TimeoutError, OSError, _redis_errors()) as exc:
+            # The concurrency slot expires by itself; the token refund is lost (conservative).
+            self._failed(exc)
+
+    async def close(self) -> None:
+        await self.fallback.close()
+
+
+def _redis_errors() -> type[BaseException]:
+    from redis.exceptions import RedisError
+
+    return RedisError
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process
+
+
+class _Bucket:
+    __slots__ = ("leases", "rq", "rt", "tk", "tt")
+
+    def __init__(self) -> None:
+        self.rq: float | None = None
+        self.rt = 0.0
+        self.tk: float | None = None
+        self.tt = 0.0
+        self.leases: dict[str, float] = {}
+
+
+def _level(value: float | None, ts: float, cap: int, now: float) -> float:
+    if cap <= 0:
+        return 0.0
+    if value is None:
+        return float(cap)
+    return min(float(cap), value + (now - ts) * cap / 60.0)
+
+
+class LocalLimiter:
+    """The same limits in this process only (embedded default, and Redis fallback)."""
+
+    def __init__(self, max_tenants: int = 100_000) -> None:
+        self._buckets: dict[str, _Bucket] = {}
+        self.max_tenants = max_tenants
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
+        now = time.monotonic()
+        b = self._buckets.get(tenant)
+        if b is None:
+            if len(self._buckets) >= self.max_tenants:
+                self._buckets.pop(next(iter(self._buckets)))
+            b = self._buckets[tenant] = _Bucket()
+        rpm, tpm, maxc = limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent
+        rq = _level(b.rq, b.rt, rpm, now)
+        tk = _level(b.tk, b.tt, tpm, now)
+        if maxc > 0 and b.leases:
+            for lid in [k for k, exp in b.leases.items() if exp <= now]:
+                del b.leases[lid]
+        reason = ""
+        wait = 0.0
+        if rpm > 0 and rq < 1:
+            reason, wait = "requests", (1 - rq) * 60000 / rpm
+        if tpm > 0 and tokens > tpm:
+            reason, wait = "too_large", 60000.0
+        elif tpm > 0 and tk < tokens:
+            wait = max(wait, (tokens - tk) * 60000 / tpm)
+            reason = reason or "tokens"
+        if maxc > 0 and len(b.leases) >= maxc:
+            reason = reason or "concurrency"
+            wait = max(wait, 1000.0)
+        lease = None
+        if not reason:
+            if rpm > 0:
+                rq -= 1
+            if tpm > 0:
+                tk -= tokens
+            lease = Lease(tenant, uuid.uuid4().hex, tokens, tpm, self)
+            if maxc > 0:
+                b.leases[lease.lease_id] = now + lease_ttl_s
+        b.rq, b.rt, b.tk, b.tt = rq, now, tk, now
+        return _decision(not reason, lease, limits, reason, rq, tk, wait)
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        lease.settled = True
+        b = self._buckets.get(lease.tenant)
+        if b is None:
+            return
+        b.leases.pop(lease.lease_id, None)
+        refund = lease.reserved - used_tokens
+        if lease.tokens_per_min > 0 and refund:
+            now = time.monotonic()
+            b.tk = min(float(lease.tokens_per_min),
+                       _level(b.tk, b.tt, lease.tokens_per_min, now) + refund)
+            b.tt = now
+
+    async def close(self) -> None:
+        self._buckets.clear()

@@ -1,0 +1,174 @@
+"""Routing: which engine worker should serve an adapter version.
+
+Workers publish residency/load reports (``loraplex.residency``). The router keeps a
+consistent-hash ring (uhashring) per base model over the live workers, refreshed from
+the store at most every ``refresh_s`` (never per request), and for an adapter version id
+takes ``route_candidates`` ring neighbours. Among them it prefers a worker with the
+adapter in a device slot, then in host memory, then the ring order; a candidate whose
+load is above the bound (``route_load_factor`` x mean load + 1) is skipped; if every
+candidate is skipped or gone, the least-loaded live worker serves. The ring order is
+stable, so an adapter keeps landing on the same few workers and stays warm there.
+
+A worker that fails (connection error, broken response) is marked failed for
+``cooldown_s`` and leaves the candidate lists; it comes back earlier when it publishes
+a fresh report. Static ``worker_urls`` are always live (unless failed) for every base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from uhashring import HashRing
+
+from loraplex.residency import ResidencyStore
+from loraplex.wire import WorkerReport
+
+log = logging.getLogger("loraplex.gateway.router")
+
+
+@dataclass(slots=True)
+class Worker:
+    id: str
+    url: str
+    base_model: str
+    device: frozenset[str]
+    host: frozenset[str]
+    reported_load: int
+    report_ts: float
+    inflight: int = 0
+    """Requests this gateway replica has in flight on the worker."""
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_load, self.inflight)
+
+
+class Router:
+    def __init__(self, residency: ResidencyStore | None, *, candidates: int = 3, load_factor: float = 1.5,
+                 static_urls: tuple[str, ...] = (), refresh_s: float = 0.5, cooldown_s: float = 5.0) -> None:
+        self.residency = residency
+        self.n_candidates = max(1, candidates)
+        self.load_factor = load_factor
+        self.refresh_s = refresh_s
+        self.cooldown_s = cooldown_s
+        self._static = [
+            Worker(id=u, url=u.rstrip("/"), base_model="", device=frozenset(), host=frozenset(),
+                   reported_load=0, report_ts=0.0) for u in static_urls
+        ]
+        self._workers: dict[str, Worker] = {w.id: w for w in self._static}
+        self._rings: dict[str, HashRing | None] = {}
+        self._ring_cache: dict[tuple[str, str], list[str]] = {}
+        self._failed: dict[str, float] = {}
+        self._refreshed = 0.0
+        self._refreshing: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    # -- live set -------------------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Reload the live workers from the residency store now."""
+        if self.residency is None:
+            self._refreshed = time.monotonic()
+            return
+        try:
+            reports = await self.residency.live()
+        except Exception as exc:  # store unreachable: keep routing on the last known set
+            log.warning("residency store unreachable (%s); keeping %d known workers",
+                        type(exc).__name__, len(self._workers))
+            self._refreshed = time.monotonic()
+            return
+        self._apply(reports)
+        self._refreshed = time.monotonic()
+
+    def _apply(self, reports: list[WorkerReport]) -> None:
+        old = self._workers
+        workers: dict[str, Worker] = {w.id: w for w in self._static}
+        for r in reports:
+            prev = old.get(r.worker_id)
+            failed_at = self._failed.get(r.worker_id)
+            if failed_at is not None and r.timestamp > failed_at:
+                del self._failed[r.worker_id]  # a fresh report after the failure: back in
+            workers[r.worker_id] = Worker(
+                id=r.worker_id, url=r.url.rstrip("/"), base_model=r.base_model,
+                device=frozenset(r.device_adapters), host=frozenset(r.host_adapters),
+                reported_load=r.load, report_ts=r.timestamp, inflight=prev.inflight if prev else 0)
+        if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
+            self._rings = {}
+            self._ring_cache = {}
+        self._workers = workers
+
+    async def _maybe_refresh(self) -> None:
+        if time.monotonic() - self._refreshed < self.refresh_s:
+            return
+        if self._refreshed == 0.0:
+            async with self._lock:
+                if self._refreshed == 0.0:
+                    await self.refresh()
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self.refresh())
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def mark_failed(self, worker: Worker) -> None:
+        self._failed[worker.id] = time.time()
+        self._ring_cache = {}
+        log.warning("worker %s (%s) marked failed for %.1fs", worker.id, worker.url, self.cooldown_s)
+
+    def _usable(self, w: Worker, now: float) -> bool:
+        failed_at = self._failed.get(w.id)
+        if failed_at is None:
+            return True
+        if now - failed_at > self.cooldown_s:
+            del self._failed[w.id]
+            return True
+        return False
+
+    # -- choosing -------------------------------------------------------------------------------
+
+    def _ring(self, base_model: str) -> HashRing | None:
+        if base_model in self._rings:
+            return self._rings[base_model]
+        ids = [w.id for w in self._workers.values() if w.base_model in (base_model, "")]
+        ring = HashRing(nodes=sorted(ids)) if ids else None
+        self._rings[base_model] = ring
+        return ring
+
+    def _ring_candidates(self, base_model: str, key: str) -> list[str]:
+        ck = (base_model, key)
+        hit = self._ring_cache.get(ck)
+        if hit is not None:
+            return hit
+        ring = self._ring(base_model)
+        ids = list(ring.range(key, size=min(self.n_candidates, len(ring.get_nodes())), unique=True)) \
+            if ring else []
+        if len(self._ring_cache) > 50_000:
+            self._ring_cache.clear()
+        self._ring_cache[ck] = ids
+        return ids
+
+    async def route(self, base_model: str, adapter_id: str | None) -> list[Worker]:
+        """Workers to try, best first: preferred candidates, then the least-loaded others."""
+        await self._maybe_refresh()
+        now = time.time()
+        key = adapter_id or f"base:{base_model}"
+        pool = [w for w in self._workers.values()
+                if w.base_model in (base_model, "") and self._usable(w, now)]
+        if not pool:
+            return []
+        mean = sum(w.load for w in pool) / len(pool)
+        bound = self.load_factor * mean + 1
+        cands = [self._workers[i] for i in self._ring_candidates(base_model, key)
+                 if i in self._workers and self._usable(self._workers[i], now)]
+        ok = [w for w in cands if w.load <= bound]
+        if adapter_id is not None:
+            ok.sort(key=lambda w: 0 if adapter_id in w.device else 1 if adapter_id in w.host else 2)
+        chosen = {w.id for w in ok}
+        rest = sorted((w for w in pool if w.id not in chosen), key=lambda w: w.load)
+        return ok + rest

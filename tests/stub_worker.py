@@ -1,0 +1,315 @@
+"""A stub engine worker: a real HTTP server process that answers OpenAI requests instantly.
+
+Used by the gateway tests and ``bench/gateway_overhead.py``. It speaks the worker side
+of the wire protocol (OpenAI body + ``"loraplex"`` extension), streams SSE in
+``--chunks`` chunks, reports its residency/load every ``--report-interval`` seconds
+into Redis (``--redis-url``/``--redis-prefix``), and records what it saw and which
+requests were cancelled by their client (``GET /stub/stats``).
+
+Per-request behaviour can be changed through the OpenAI ``metadata`` field:
+``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
+chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
+``500``). ``--mode`` sets the default for every request.
+
+Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, deque
+from typing import Any
+
+import orjson
+
+
+class Stub:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.requests = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.inflight = 0
+        self.adapters: Counter[str] = Counter()
+        self.exts: deque[dict[str, Any]] = deque(maxlen=200)
+        self.device = [a for a in args.device_adapters.split(",") if a]
+        self.host = [a for a in args.host_adapters.split(",") if a]
+        self._report_task: asyncio.Task[None] | None = None
+
+    # -- residency ------------------------------------------------------------------------------
+
+    async def _report_loop(self) -> None:
+        import redis.asyncio as aioredis
+
+        from loraplex.residency import RedisResidency
+        from loraplex.wire import WorkerReport
+
+        r = aioredis.from_url(self.args.redis_url)
+        store = RedisResidency(r, self.args.redis_prefix)
+        url = f"http://127.0.0.1:{self.args.port}"
+        try:
+            while True:
+                report = WorkerReport(worker_id=self.args.worker_id, url=url, base_model=self.args.base_model,
+                                      base_revision="stub", device_adapters=self.device,
+                                      host_adapters=self.host, running=self.inflight, max_num_seqs=64,
+                                      max_loras=8)
+                with contextlib.suppress(Exception):
+                    await store.publish(report, self.args.report_ttl)
+                await asyncio.sleep(self.args.report_interval)
+        finally:
+            with contextlib.suppress(Exception):
+                await store.remove(self.args.worker_id)
+            await r.aclose()
+
+    # -- ASGI -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        path = scope["path"]
+        if path == "/stub/stats":
+            await self._json(send, 200, self.stats())
+            return
+        if path in ("/health", "/healthz"):
+            await self._json(send, 200, {"status": "ok"})
+            return
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            await self._json(send, 404, {"error": {"message": "not found"}})
+            return
+        chunks = []
+        while True:
+            msg = await receive()
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = orjson.loads(b"".join(chunks))
+        self.requests += 1
+        self.inflight += 1
+        try:
+            await self._complete(body, path, receive, send)
+        finally:
+            self.inflight -= 1
+
+    async def _complete(self, body: dict[str, Any], path: str, receive: Any, send: Any) -> None:
+        ext = body.get("loraplex") or {}
+        self.exts.append({"ext": ext, "model": body.get("model"), "stream": body.get("stream", False),
+                          "stream_options": body.get("stream_options"), "max_tokens": body.get("max_tokens")})
+        adapter = (ext.get("adapter") or {}).get("id") or "base"
+        self.adapters[adapter] += 1
+        meta = body.get("metadata") or {}
+        mode = str(meta.get("stub_mode", self.args.mode))
+        delay = float(meta.get("stub_delay", self.args.delay))
+        chunk_delay = float(meta.get("stub_chunk_delay", self.args.chunk_delay))
+        if mode == "503":
+            await self._json(send, 503, {"error": {"message": "overloaded", "type": "overloaded", "code": None}})
+            return
+        if mode == "500":
+            await self._json(send, 500, {"error": {"message": "boom", "type": "server_error", "code": None}})
+            return
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                m = await receive()
+                if m["type"] == "http.disconnect":
+                    disconnected.set()
+                    return
+
+        watcher = asyncio.create_task(watch()) if (delay or chunk_delay) else None
+        try:
+            if delay and await self._wait(disconnected, delay):
+                self.cancelled += 1
+                return
+            chat = path.endswith("chat/completions")
+            n_chunks = self.args.chunks
+            max_tokens = int(body.get("max_tokens") or 16)
+            completion_tokens = min(max_tokens, n_chunks)
+            prompt = body.get("messages") if chat else body.get("prompt")
+            prompt_tokens = max(1, len(orjson.dumps(prompt)) // 4)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+            rid = f"cmpl-{self.args.worker_id}-{self.requests}"
+            created = int(time.time())
+            model = body.get("model", "")
+            if not body.get("stream"):
+                text = f"ok from {self.args.worker_id}"
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                          if chat else {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None})
+                await self._json(send, 200, {
+                    "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": model, "choices": [choice], "usage": usage})
+                self.completed += 1
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            for i in range(n_chunks):
+                if chunk_delay and await self._wait(disconnected, chunk_delay):
+                    self.cancelled += 1
+                    return
+                if disconnected.is_set():
+                    self.cancelled += 1
+                    return
+                if mode == "break" and i == n_chunks // 2:
+                    raise RuntimeError("stub worker: dropping the connection mid-stream")
+                piece = f"t{i} "
+                last = i == n_chunks - 1
+                choice = ({"index": 0, "delta": {"content": piece} if i else {"role": "assistant", "content": piece},
+                           "finish_reason": "stop" if last else None}
+                          if chat else {"index": 0, "text": piece, "finish_reason": "stop" if last else None,
+                                        "logprobs": None})
+                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+                            "more_body": True})
+            tail = b""
+            if include_usage:
+                tail += b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                  "choices": [], "usage": usage}) + b"\n\n"
+            tail += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            self.completed += 1
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    @staticmethod
+    async def _wait(disconnected: asyncio.Event, seconds: float) -> bool:
+        """Sleep; True if the client went away meanwhile."""
+        try:
+            await asyncio.wait_for(disconnected.wait(), seconds)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _json(self, send: Any, status: int, data: Any) -> None:
+        raw = orjson.dumps(data)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+        await send({"type": "http.response.body", "body": raw})
+
+    def stats(self) -> dict[str, Any]:
+        return {"worker_id": self.args.worker_id, "requests": self.requests, "completed": self.completed,
+                "cancelled": self.cancelled, "inflight": self.inflight, "adapters": dict(self.adapters),
+                "exts": list(self.exts)}
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                if self.args.redis_url:
+                    self._report_task = asyncio.create_task(self._report_loop())
+                    await asyncio.sleep(0.05)
+                await send({"type": "lifespan.startup.complete"})
+                print(f"READY {self.args.port}", flush=True)
+            elif msg["type"] == "lifespan.shutdown":
+                if self._report_task is not None:
+                    self._report_task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await self._report_task
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="stub engine worker for gateway tests and benchmarks")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--worker-id", default="stub")
+    p.add_argument("--base-model", default="smol")
+    p.add_argument("--redis-url", default="")
+    p.add_argument("--redis-prefix", default="loraplex")
+    p.add_argument("--device-adapters", default="")
+    p.add_argument("--host-adapters", default="")
+    p.add_argument("--chunks", type=int, default=5)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--chunk-delay", type=float, default=0.0)
+    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "break"])
+    p.add_argument("--report-interval", type=float, default=0.5)
+    p.add_argument("--report-ttl", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    uvicorn.run(Stub(args), host="127.0.0.1", port=args.port, log_level="error", access_log=False,
+                lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=1)
+
+
+# -- helpers for tests and the benchmark -------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StubProcess:
+    """Start ``python -m tests.stub_worker`` as a real process and wait until it listens."""
+
+    def __init__(self, worker_id: str, *, redis_url: str = "", redis_prefix: str = "loraplex",
+                 base_model: str = "smol", device: tuple[str, ...] = (), host: tuple[str, ...] = (),
+                 extra: tuple[str, ...] = (), port: int | None = None) -> None:
+        self.worker_id = worker_id
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "tests.stub_worker", "--port", str(self.port), "--worker-id", worker_id,
+                    "--base-model", base_model, "--redis-url", redis_url, "--redis-prefix", redis_prefix,
+                    "--device-adapters", ",".join(device), "--host-adapters", ",".join(host), *extra]
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 20.0) -> StubProcess:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.proc = subprocess.Popen(self.cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY"):
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"stub worker {self.worker_id} did not start")
+
+    def stats(self) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/stub/stats", timeout=5) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        """Die abruptly (no residency removal), like a crashed worker."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> StubProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()
