@@ -1,0 +1,228 @@
+"""Adapter admission: a good PEFT adapter is admitted; each kind of bad adapter is refused
+with its reason code, and a refusal through the service leaves the registry unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.settings import Settings
+from registry.admission import AdmissionError, admit, read_safetensors_header
+from registry.errors import Invalid
+from registry.service import RegistryService
+from tests.registry_support import OTHER, TINY, fresh_registry, make_settings, write_adapter
+
+W = "adapter_model.safetensors"
+C = "adapter_config.json"
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return make_settings(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/r.db", max_lora_rank=16)
+
+
+def root(settings: Settings) -> Path:
+    return Path(settings.resolved_adapter_root())
+
+
+def test_good_adapter_is_admitted(settings):
+    d = write_adapter(root(settings) / "good", TINY, rank=8, alpha=16, targets=("q_proj", "o_proj", "down_proj"))
+    a = admit("good", TINY, settings)
+    assert (a.rank, a.alpha, a.target_modules) == (8, 16.0, ["q_proj", "o_proj", "down_proj"])
+    assert a.sha256 == hashlib.sha256((d / W).read_bytes()).hexdigest()
+    assert a.uri == d.resolve().as_uri() and a.num_tensors == 2 * 3 * TINY.num_layers
+    assert admit(d.resolve().as_uri(), TINY, settings).sha256 == a.sha256  # file:// URI
+    assert admit(str(d), TINY, settings, expected_revision=TINY.revision).path == d.resolve()
+    # bf16 / f16 weights are fine too
+    write_adapter(root(settings) / "half", TINY, tensors=lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+    assert admit("half", TINY, settings).rank == 4
+
+
+def _mutate_tensor(name_part: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    def apply(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        key = next(k for k in t if name_part in k)
+        return {**t, key: fn(t[key].clone())}
+    return apply
+
+
+def _nan(x: torch.Tensor) -> torch.Tensor:
+    x[0, 0] = float("nan")
+    return x
+
+
+def _inf(x: torch.Tensor) -> torch.Tensor:
+    x[-1, -1] = float("inf")
+    return x
+
+
+def _truncate(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (d / W).write_bytes(data[:-10])
+
+
+def _truncate_header(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (d / W).write_bytes(data[:20])
+
+
+def _huge_header_len(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (d / W).write_bytes(struct.pack("<Q", 10**12) + data[8:])
+
+
+def _garbage_header(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    (d / W).write_bytes(data[:8] + b"{" * n + data[8 + n:])
+
+
+def _symlink_inside(d: Path) -> None:
+    (d / W).rename(d / "real.safetensors")
+    os.symlink(d / "real.safetensors", d / W)
+
+
+# name -> (writer kwargs, post-write hook, uri override, expected code)
+CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = {
+    "pickle_bin": ({}, lambda d: (d / "adapter_model.bin").write_bytes(b"\x80\x04K\x01."), None, "pickle_format"),
+    "pickle_pt_only": ({}, lambda d: ((d / W).unlink(), (d / "weights.pt").write_bytes(b"\x80\x04."))[0],
+                       None, "pickle_format"),
+    "missing_weights": ({}, lambda d: (d / W).unlink(), None, "missing_file"),
+    "missing_config": ({}, lambda d: (d / C).unlink(), None, "missing_file"),
+    "truncated_data": ({}, _truncate, None, "truncated"),
+    "truncated_header": ({}, _truncate_header, None, "truncated"),
+    "header_length_lies": ({}, _huge_header_len, None, "bad_header"),
+    "garbage_header": ({}, _garbage_header, None, "bad_header"),
+    "bad_config_json": ({}, lambda d: (d / C).write_text("{not json"), None, "bad_config"),
+    "dora": ({"config": {"use_dora": True}}, None, None, "unsupported_feature"),
+    "modules_to_save": ({"config": {"modules_to_save": ["lm_head"]}}, None, None, "unsupported_feature"),
+    "rank_pattern": ({"config": {"rank_pattern": {"q_proj": 8}}}, None, None, "unsupported_feature"),
+    "not_lora": ({"config": {"peft_type": "IA3"}}, None, None, "unsupported_feature"),
+    "rank_over_cap": ({"rank": 32}, None, None, "rank_too_large"),
+    "target_not_allowed": ({"config": {"target_modules": ["q_proj", "lm_head"]}}, None, None,
+                           "target_module_not_allowed"),
+    "wrong_shapes": ({"tensors": lambda t: {k: torch.zeros(v.shape[0] + 1, v.shape[1]) if "lora_B" in k else v
+                                            for k, v in t.items()}}, None, None, "shape_mismatch"),
+    "rank_mismatch": ({"config": {"r": 8}}, None, None, "rank_mismatch"),
+    "other_base_model": ({"info": OTHER, "config": {"base_model_revision": TINY.revision}}, None, None,
+                         "shape_mismatch"),
+    "layer_out_of_range": ({"tensors": lambda t: {k.replace("layers.1.", "layers.7."): v for k, v in t.items()}},
+                           None, None, "layer_out_of_range"),
+    "unexpected_tensor": ({"tensors": lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(2, 2)}},
+                          None, None, "unexpected_tensor"),
+    "tensor_for_untargeted_module": ({"config": {"target_modules": ["q_proj"]}}, None, None, "unexpected_tensor"),
+    "missing_lora_b": ({"tensors": lambda t: {k: v for k, v in t.items() if "layers.0.self_attn.v_proj.lora_B" not in k}},
+                       None, None, "missing_tensor"),
+    "integer_dtype": ({"tensors": lambda t: {k: v.to(torch.int8) for k, v in t.items()}}, None, None, "bad_dtype"),
+    "nan_weights": ({"tensors": _mutate_tensor("lora_A", _nan)}, None, None, "non_finite"),
+    "inf_weights": ({"tensors": _mutate_tensor("lora_B", _inf)}, None, None, "non_finite"),
+    "base_revision_mismatch": ({"config": {"base_model_revision": "some-other-rev"}}, None, None,
+                               "base_revision_mismatch"),
+    "symlink_inside": ({}, _symlink_inside, None, "symlink"),
+    "path_escape_dotdot": ({}, None, "../outside", "path_escape"),
+    "path_escape_absolute": ({}, None, "/etc", "path_escape"),
+    "path_escape_file_uri": ({}, None, "file:///tmp", "path_escape"),
+    "unsupported_scheme": ({}, None, "s3://bucket/adapter", "unsupported_uri"),
+    "not_found": ({}, None, "does-not-exist", "not_found"),
+}
+
+
+def make_case(settings: Settings, name: str) -> tuple[str, str]:
+    """Write the bad adapter for ``name``; return (uri, expected code)."""
+    kwargs, hook, uri, code = CASES[name]
+    kwargs = dict(kwargs)
+    info = kwargs.pop("info", TINY)
+    d = write_adapter(root(settings) / name, info, **kwargs)
+    if hook is not None:
+        hook(d)
+    if name == "path_escape_dotdot":
+        write_adapter(root(settings).parent / "outside", TINY)
+    return uri or name, code
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_adapter_is_refused(settings, case):
+    uri, code = make_case(settings, case)
+    with pytest.raises(AdmissionError) as exc:
+        admit(uri, TINY, settings)
+    assert exc.value.code == code, exc.value.message
+    assert exc.value.message
+
+
+def test_oversized_adapter_is_refused(settings):
+    write_adapter(root(settings) / "big", TINY, rank=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    with pytest.raises(AdmissionError) as exc:
+        admit("big", TINY, settings.replace(max_adapter_bytes=4096))
+    assert exc.value.code == "too_large"
+
+
+def test_symlinked_adapter_directory_is_refused(settings, tmp_path):
+    real = write_adapter(root(settings) / "real", TINY)
+    os.symlink(real, root(settings) / "alias")
+    outside = write_adapter(tmp_path / "elsewhere", TINY)
+    os.symlink(outside, root(settings) / "escape")
+    for uri in ("alias", "escape", str(root(settings) / "escape")):
+        with pytest.raises(AdmissionError) as exc:
+            admit(uri, TINY, settings)
+        assert exc.value.code == "symlink"
+
+
+def test_expected_revision_and_allowed_modules_from_settings(settings):
+    write_adapter(root(settings) / "mlp", TINY, targets=("gate_proj", "up_proj"), config={"base_model_revision": None})
+    with pytest.raises(AdmissionError) as exc:
+        admit("mlp", TINY, settings, expected_revision="stale-rev")
+    assert exc.value.code == "base_revision_mismatch"
+    with pytest.raises(AdmissionError) as exc:
+        admit("mlp", TINY, settings.replace(allowed_target_modules=("q_proj", "v_proj")))
+    assert exc.value.code == "target_module_not_allowed"
+    assert admit("mlp", TINY, settings).target_modules == ["gate_proj", "up_proj"]
+
+
+def test_header_reader_matches_safetensors(settings):
+    d = write_adapter(root(settings) / "h", TINY)
+    header = read_safetensors_header(d / W)
+    from safetensors import safe_open
+
+    with safe_open(str(d / W), framework="pt") as fh:
+        assert set(fh.keys()) == {k for k in header if k != "__metadata__"}
+        for k in fh.keys():
+            assert list(fh.get_slice(k).get_shape()) == header[k]["shape"]
+    assert json.loads((d / C).read_text())["r"] == 4
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request, tmp_path):
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg_url")
+    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
+
+
+async def test_refusals_leave_registry_unchanged(db_url, tmp_path):
+    await fresh_registry(db_url)
+    settings = make_settings(tmp_path, db_url, max_lora_rank=16)
+    svc = RegistryService(settings)
+    try:
+        await svc.register_base_model(TINY)
+        await svc.create_tenant("acme")
+        version = await svc.version()
+        audit = await svc.audit()
+        for case in sorted(CASES):
+            uri, code = make_case(settings, case)
+            with pytest.raises(Invalid) as exc:
+                await svc.register_adapter(case.replace("_", "-"), uri, "tiny", owner="acme")
+            assert exc.value.status == 422 and exc.value.code == code
+        with pytest.raises(Invalid) as exc:
+            await svc.register_adapter("good", str(write_adapter(root(settings) / "ok", TINY)), "tiny",
+                                       expected_revision="nope")
+        assert exc.value.code == "base_revision_mismatch"
+        assert await svc.version() == version
+        assert await svc.audit() == audit
+        assert await svc.list_adapters() == []
+    finally:
+        await svc.close()
