@@ -61,7 +61,7 @@ class Upstream:
                     await resp.aclose()
                     worker.inflight -= 1
                     continue
-                chunks = resp.aiter_raw()
+                chunks = resp.aiter_bytes()
                 first = b""
                 async for chunk in chunks:
                     if chunk:

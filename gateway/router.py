@@ -146,8 +146,8 @@ class Router:
         if hit is not None:
             return hit
         ring = self._ring(base_model)
-        ids = list(ring.range(key, size=min(self.n_candidates, len(ring.get_nodes())), unique=True)) \
-            if ring else []
+        ids = [n["nodename"] for n in ring.range(key, size=min(self.n_candidates, len(ring.get_nodes())),
+                                                 unique=True)] if ring else []
         if len(self._ring_cache) > 50_000:
             self._ring_cache.clear()
         self._ring_cache[ck] = ids

@@ -313,3 +313,104 @@ class StubProcess:
 
 if __name__ == "__main__":
     main()
+
+
+# -- registry snapshots and an in-thread gateway server for tests ----------------------------------
+
+
+def make_snapshot(tenants: dict[str, dict[str, Any]], *, version: int = 1, base_model: str = "smol"):  # type: ignore[no-untyped-def]
+    """A ``RegistrySnapshot`` from a compact description (see ``gateway.snapshot_file``).
+
+    ``tenants``: slug -> {"bindings": {alias: {"active": (name, version), "canary": ..., ...}}, limits...}
+    """
+    from gateway.snapshot_file import snapshot_from_dict
+
+    adapters: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    for slug, t in tenants.items():
+        tb = {}
+        for alias, b in t.get("bindings", {}).items():
+            d = dict(b)
+            for role in ("active", "canary"):
+                ref = d.get(role)
+                if ref:
+                    name, ver = ref
+                    vid = f"{name}-v{ver}"
+                    adapters[vid] = {"name": name, "version": ver, "base_model": base_model,
+                                     "uri": f"file:///adapters/{name}/{ver}", "sha256": "0" * 64, "rank": 8,
+                                     "alpha": 16, "status": "ready"}
+                    d[role] = vid
+            tb[alias] = d
+        out[slug] = {k: v for k, v in t.items() if k != "bindings"} | {"bindings": tb}
+    return snapshot_from_dict({"version": version, "base_models": {base_model: {"revision": "r1"}},
+                               "adapters": adapters, "tenants": out})
+
+
+class MutableSnapshots:
+    """The seam between the gateway and the registry in tests: swap ``current`` at will."""
+
+    def __init__(self, snapshot: Any) -> None:
+        self.current = snapshot
+
+
+class ThreadServer:
+    """A real uvicorn server for ``app`` on a loopback port, in a background thread."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", access_log=False,
+                                lifespan="on", loop="asyncio", http="httptools", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def mock_worker_transport(record: list[dict[str, Any]] | None = None, *, chunks: int = 5) -> Any:
+    """An ``httpx.MockTransport`` answering like the stub worker, for in-process app tests.
+
+    Each forwarded body is appended to ``record``.
+    """
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        if record is not None:
+            record.append(body)
+        chat = request.url.path.endswith("chat/completions")
+        ext = body.get("loraplex") or {}
+        usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                      if chat else {"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None})
+            return httpx.Response(200, json={"id": "x", "object": "chat.completion", "created": 0,
+                                             "model": body.get("model"), "choices": [choice], "usage": usage,
+                                             "adapter": (ext.get("adapter") or {}).get("id")})
+        out = b""
+        for i in range(chunks):
+            delta = {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}
+            out += b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
+                                             "model": body.get("model"), "choices": [delta]}) + b"\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            out += b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
+                                             "model": body.get("model"), "choices": [], "usage": usage}) + b"\n\n"
+        out += b"data: [DONE]\n\n"
+        return httpx.Response(200, content=out, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
