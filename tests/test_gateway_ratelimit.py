@@ -1,0 +1,247 @@
+"""Per-tenant limits in real Redis (and the in-process limiter): reservation under bursts,
+settlement, concurrency leases, headers, Redis outage and recovery, limits from the snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from gateway.ratelimit import Limits, LocalLimiter, RedisLimiter
+from loraplex.residency import MemoryResidency
+from loraplex.settings import Settings
+from loraplex.tokens import mint
+from tests.stub_worker import MutableSnapshots, free_port, make_snapshot, mock_worker_transport
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    r = aioredis.from_url(redis_url)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture(params=["redis", "local"])
+async def limiter(request, redis_url, redis_prefix):
+    if request.param == "local":
+        yield LocalLimiter()
+        return
+    r = aioredis.from_url(redis_url)
+    yield RedisLimiter(r, redis_prefix)
+    await r.aclose()
+
+
+async def test_concurrent_burst_never_overshoots_tokens(limiter):
+    limits = Limits(tokens_per_min=10_000)
+    results = await asyncio.gather(*[limiter.acquire("acme", limits, 700, 30) for _ in range(60)])
+    admitted = [d for d in results if d.allowed]
+    # 10_000 / 700 = 14 (refill during the burst is far below one more reservation)
+    assert len(admitted) == 14
+    assert sum(d.lease.reserved for d in admitted) <= limits.tokens_per_min
+    denied = [d for d in results if not d.allowed]
+    assert all(d.status == 429 and d.reason == "tokens" for d in denied)
+    d = denied[0]
+    assert int(d.headers["retry-after"]) >= 1
+    assert d.headers["x-ratelimit-limit-tokens"] == "10000"
+    assert int(d.headers["x-ratelimit-remaining-tokens"]) < 700
+    assert d.headers["x-ratelimit-reset-tokens"]
+
+
+async def test_settle_refunds_unused_reservation(limiter):
+    limits = Limits(tokens_per_min=10_000)
+    d = await limiter.acquire("acme", limits, 5_000, 30)
+    assert d.allowed and int(d.headers["x-ratelimit-remaining-tokens"]) <= 5_000
+    await limiter.settle(d.lease, 100)
+    d2 = await limiter.acquire("acme", limits, 1, 30)
+    assert int(d2.headers["x-ratelimit-remaining-tokens"]) >= 9_800
+    # Overshoot is charged: usage above the reservation lowers the bucket further.
+    d3 = await limiter.acquire("acme", limits, 10, 30)
+    await limiter.settle(d3.lease, 5_000)
+    d4 = await limiter.acquire("acme", limits, 1, 30)
+    assert int(d4.headers["x-ratelimit-remaining-tokens"]) < 5_000
+
+
+async def test_requests_per_minute_and_too_large(limiter):
+    limits = Limits(requests_per_min=5, tokens_per_min=1000)
+    ok = [await limiter.acquire("acme", limits, 1, 30) for _ in range(5)]
+    assert all(d.allowed for d in ok)
+    d = await limiter.acquire("acme", limits, 1, 30)
+    assert not d.allowed and d.reason == "requests"
+    assert d.headers["x-ratelimit-remaining-requests"] == "0"
+    assert 1 <= int(d.headers["retry-after"]) <= 13
+    big = await limiter.acquire("other", limits, 5000, 30)
+    assert not big.allowed and big.reason == "too_large"
+
+
+async def test_concurrency_slots_and_expiry_of_dead_holders(limiter):
+    limits = Limits(max_concurrent=2)
+    a = await limiter.acquire("acme", limits, 1, 30)
+    b = await limiter.acquire("acme", limits, 1, 0.3)  # a holder that will "die"
+    c = await limiter.acquire("acme", limits, 1, 30)
+    assert a.allowed and b.allowed and not c.allowed and c.reason == "concurrency"
+    await limiter.settle(a.lease, 1)
+    assert (await limiter.acquire("acme", limits, 1, 30)).allowed
+    assert not (await limiter.acquire("acme", limits, 1, 30)).allowed
+    await asyncio.sleep(0.4)  # b's lease expired without a settle
+    assert (await limiter.acquire("acme", limits, 1, 30)).allowed
+
+
+async def test_unlimited_when_zero(limiter):
+    for _ in range(50):
+        assert (await limiter.acquire("acme", Limits(), 10**6, 30)).allowed
+
+
+class TcpProxy:
+    """A loopback TCP forwarder to Redis that can be switched off and on (an outage seam)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.server: asyncio.base_events.Server | None = None
+        self.conns: set[asyncio.StreamWriter] = set()
+
+    async def _pipe(self, reader, writer) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader, writer) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self.conns.update((writer, uw))
+        await asyncio.gather(self._pipe(reader, uw), self._pipe(ur, writer))
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.conns:
+            w.close()
+        self.conns.clear()
+        await self.server.wait_closed()
+
+
+async def test_redis_outage_falls_back_to_local_and_recovers(redis_url, redis_prefix, redis_client):
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    r = aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5, socket_connect_timeout=0.5)
+    lim = RedisLimiter(r, redis_prefix, fail_mode="open", retry_s=0.3)
+    limits = Limits(requests_per_min=100, tokens_per_min=10_000)
+    try:
+        d = await lim.acquire("acme", limits, 100, 30)
+        assert d.allowed and not lim.degraded
+        await lim.settle(d.lease, 100)
+        assert await redis_client.exists(f"{redis_prefix}:rl:acme")
+        await proxy.stop()
+        d = await lim.acquire("acme", limits, 100, 30)
+        assert d.allowed and lim.degraded and d.lease.backend is lim.fallback
+        # the local limiter still enforces the limits per replica
+        burst = [await lim.acquire("acme", Limits(tokens_per_min=1000), 300, 30) for _ in range(5)]
+        assert sum(x.allowed for x in burst) == 3
+        await proxy.start()
+        await asyncio.sleep(0.4)
+        d2 = await lim.acquire("acme", limits, 100, 30)
+        assert d2.allowed and not lim.degraded and d2.lease.backend is lim
+        await lim.settle(d.lease, 50)  # a lease taken during the outage settles locally
+        await lim.settle(d2.lease, 50)
+    finally:
+        await r.aclose()
+        with contextlib.suppress(Exception):
+            await proxy.stop()
+
+
+async def test_redis_outage_fail_closed_refuses_with_503(redis_prefix):
+    r = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.3, socket_connect_timeout=0.3)
+    lim = RedisLimiter(r, redis_prefix, fail_mode="closed")
+    try:
+        d = await lim.acquire("acme", Limits(requests_per_min=10), 1, 30)
+        assert not d.allowed and d.status == 503 and "retry-after" in d.headers
+    finally:
+        await r.aclose()
+
+
+def _gateway(redis_url, redis_prefix, tenants, *, sent=None, delay: float = 0.0):
+    s = Settings(worker_urls=("http://worker",), redis_url=redis_url, redis_prefix=redis_prefix)
+    snaps = MutableSnapshots(make_snapshot(tenants))
+    inner = mock_worker_transport(sent)
+
+    class Slow(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            if delay:
+                await asyncio.sleep(delay)
+            return await inner.handle_async_request(request)
+
+    app = create_app(s, snapshots=snaps, residency=MemoryResidency(), http_client=httpx.AsyncClient(transport=Slow()),
+                     mount_admin=False)
+    return s, snaps, app
+
+
+async def test_burst_through_gateway_admits_within_token_budget(redis_url, redis_prefix, redis_client):
+    tenants = {"acme": {"tokens_per_min": 3000, "bindings": {"support": {"active": ("sup", 1)}}}}
+    s, _, app = _gateway(redis_url, redis_prefix, tenants, delay=0.05)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 200}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        rs = await asyncio.gather(*[c.post("/v1/chat/completions", json=body, headers=h) for _ in range(40)])
+        ok = [r for r in rs if r.status_code == 200]
+        limited = [r for r in rs if r.status_code == 429]
+        assert len(ok) + len(limited) == 40
+        reserve = 100 + 16 + 8 + 200  # prompt bytes + template overhead + max_tokens
+        assert len(ok) * reserve <= 3000
+        assert len(ok) == 3000 // reserve
+        r = limited[0]
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        for k in ("retry-after", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                  "x-ratelimit-reset-tokens"):
+            assert k in r.headers
+        # Settled to actual usage (10 tokens each in the mock): the budget is mostly back.
+        left = float(await redis_client.hget(f"{redis_prefix}:rl:acme", "tk"))
+        assert left >= 3000 - 10 * len(ok) - 1
+
+
+async def test_streaming_reservation_settles_to_actual_usage(redis_url, redis_prefix, redis_client):
+    tenants = {"acme": {"tokens_per_min": 100_000, "bindings": {"support": {"active": ("sup", 1)}}}}
+    s, _, app = _gateway(redis_url, redis_prefix, tenants)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000,
+            "stream": True}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 200 and "[DONE]" in r.text
+        assert '"usage"' not in r.text  # the client did not ask for it
+        left = float(await redis_client.hget(f"{redis_prefix}:rl:acme", "tk"))
+        assert left >= 100_000 - 10 - 1  # 10 = usage reported by the worker, not the 5000+ reserved
+        r = await c.post("/v1/chat/completions", json=body | {"stream_options": {"include_usage": True}}, headers=h)
+        assert '"usage"' in r.text
+
+
+async def test_new_limits_from_snapshot_apply_immediately(redis_url, redis_prefix):
+    tenants = {"acme": {"requests_per_min": 1000, "bindings": {"support": {"active": ("sup", 1)}}}}
+    s, snaps, app = _gateway(redis_url, redis_prefix, tenants)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=body, headers=h)).status_code == 200
+        snaps.current = make_snapshot({"acme": {"requests_per_min": 2, "bindings": tenants["acme"]["bindings"]}},
+                                      version=2)
+        rs = [await c.post("/v1/chat/completions", json=body, headers=h) for _ in range(4)]
+        # The bucket is clamped to the new capacity at once: two more, then refused.
+        assert [r.status_code for r in rs] == [200, 200, 429, 429]
+        assert rs[0].headers["x-ratelimit-limit-requests"] == "2"
+        metrics = (await c.get("/metrics")).text
+        assert 'loraplex_gateway_rate_limited_total{reason="requests",tenant="acme"}' in metrics
