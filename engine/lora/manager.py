@@ -1,0 +1,400 @@
+"""Adapter tiers: device slots <- host-memory LRU <- local disk cache <- source.
+
+The engine talks to one :class:`AdapterManager`:
+
+* ``prefetch(ref)`` when a request is queued: a loader thread brings the adapter to host
+  memory (fetching/downloading, verifying sha256, reading and validating the PEFT files)
+  while the current step runs. Never blocks.
+* ``ready(ref)`` / ``state(ref)``: whether ``acquire_slots`` would not wait on IO; a failed
+  load reports ``"failed"`` with the reason (only that adapter's requests fail; a later
+  ``prefetch`` retries once ``failure_ttl_s`` has passed).
+* ``acquire_slots(refs)`` when sequences join the running batch (one ref per sequence):
+  places the adapters into device slots and returns one slot id per ref; each ref counts
+  one user until ``release(refs)``. A slot with users is never evicted, so a slot id stays
+  valid for the sequence's life. At most ``max_loras`` distinct adapters are in use at once.
+* ``pin(ref)`` / ``unpin(ref)``: pinned adapters are never evicted from host or device.
+* ``resident()``: what each tier holds, so the scheduler can prefer adapters already in a
+  slot and avoid refilling a slot every step when active adapters outnumber slots.
+
+Everything is keyed by ``AdapterRef.id`` (the registry's version id), never by name.
+Eviction order comes from an :class:`EvictionPolicy` (LRU by default), one per tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter
+from engine.lora.slots import RankTooLarge, SlotBank
+from engine.lora.sources import AdapterFetchError, DiskCache, SourceRegistry, verify_sha256
+from loraplex.modelinfo import ModelInfo
+from loraplex.wire import AdapterRef
+
+log = logging.getLogger(__name__)
+
+StateName = Literal["absent", "loading", "host", "device", "failed"]
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter could not be loaded; ``reason`` is safe to show to the requester."""
+
+    def __init__(self, adapter_id: str, reason: str) -> None:
+        super().__init__(f"adapter {adapter_id} could not be loaded: {reason}")
+        self.adapter_id = adapter_id
+        self.reason = reason
+
+
+class SlotsExhausted(RuntimeError):
+    """No device slot can take the adapter now (all in use or pinned, or max_loras reached)."""
+
+
+# --- eviction policy ----------------------------------------------------------------------
+
+class EvictionPolicy(Protocol):
+    def touch(self, key: Hashable) -> None:
+        """``key`` was used now."""
+
+    def remove(self, key: Hashable) -> None:
+        """``key`` left the tier."""
+
+    def order(self, candidates: Iterable[Hashable]) -> list[Hashable]:
+        """``candidates`` in eviction order (first is evicted first)."""
+        ...
+
+
+class LRUPolicy:
+    def __init__(self) -> None:
+        self._used: OrderedDict[Hashable, None] = OrderedDict()
+
+    def touch(self, key: Hashable) -> None:
+        self._used[key] = None
+        self._used.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._used.pop(key, None)
+
+    def order(self, candidates: Iterable[Hashable]) -> list[Hashable]:
+        cand = set(candidates)
+        ranked = [k for k in self._used if k in cand]
+        return ranked + [k for k in cand if k not in self._used]
+
+
+# --- stats --------------------------------------------------------------------------------
+
+@dataclass
+class LoRAStats:
+    """Counters for metrics. Tiers: ``source`` (download), ``disk`` (disk cache or local path
+    read into host memory), ``host`` (host -> device slot copy)."""
+
+    loads: dict[str, int] = field(default_factory=lambda: {"source": 0, "disk": 0, "host": 0})
+    load_seconds: dict[str, float] = field(default_factory=lambda: {"source": 0.0, "disk": 0.0, "host": 0.0})
+    hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    misses: int = 0
+    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    failures: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    state: StateName
+    error: str | None = None
+    slot: int | None = None
+    users: int = 0
+    pinned: bool = False
+    in_host: bool = False
+
+
+@dataclass
+class _Entry:
+    ref: AdapterRef
+    weights: LoRAWeights | None = None
+    future: Future[None] | None = None
+    error: str | None = None
+    failed_at: float = 0.0
+    slot: int | None = None
+    users: int = 0
+    pinned: bool = False
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        model: ModelInfo,
+        bank: SlotBank,
+        *,
+        max_loras: int = 8,
+        max_cpu_loras: int = 64,
+        cache_dir: str = "",
+        sources: SourceRegistry | None = None,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        loader_threads: int = 2,
+        failure_ttl_s: float = 5.0,
+        weights_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.bank = bank
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.disk = DiskCache(cache_dir) if cache_dir else None
+        self.sources = sources or SourceRegistry()
+        self.failure_ttl_s = failure_ttl_s
+        self.weights_dtype = weights_dtype
+        self.stats = LoRAStats()
+        self._host_policy = policy()
+        self._device_policy = policy()
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load")
+        self._free = {c: list(bank.slot_ids(c)) for c in range(len(bank.rank_classes))}
+        self._pin_host = bank.device.type == "cuda"
+
+    @classmethod
+    def from_settings(cls, settings: object, model: ModelInfo, bank: SlotBank, **kw: object) -> AdapterManager:
+        return cls(model, bank, max_loras=settings.max_loras,  # type: ignore[attr-defined]
+                   max_cpu_loras=settings.max_cpu_loras,  # type: ignore[attr-defined]
+                   cache_dir=settings.resolved_adapter_cache_dir(), **kw)  # type: ignore[attr-defined, arg-type]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- queries ---------------------------------------------------------------------------
+    def state(self, ref: AdapterRef | str) -> AdapterState:
+        key = ref if isinstance(ref, str) else ref.id
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return AdapterState("absent")
+            if e.slot is not None:
+                name: StateName = "device"
+            elif e.weights is not None:
+                name = "host"
+            elif e.future is not None:
+                name = "loading"
+            elif e.error is not None:
+                name = "failed"
+            else:
+                name = "absent"
+            return AdapterState(name, e.error, e.slot, e.users, e.pinned, e.weights is not None)
+
+    def ready(self, ref: AdapterRef | str) -> bool:
+        """True when ``acquire_slots`` would not wait on IO for this adapter."""
+        return self.state(ref).state in ("host", "device")
+
+    def slot_of(self, ref: AdapterRef | str) -> int | None:
+        key = ref if isinstance(ref, str) else ref.id
+        with self._lock:
+            e = self._entries.get(key)
+            return None if e is None else e.slot
+
+    def resident(self) -> dict[str, set[str]]:
+        """Adapter ids per tier: ``device`` (in a slot), ``host`` (in host memory)."""
+        with self._lock:
+            return {
+                "device": {k for k, e in self._entries.items() if e.slot is not None},
+                "host": {k for k, e in self._entries.items() if e.weights is not None},
+            }
+
+    def resident_counts(self) -> dict[str, int]:
+        r = self.resident()
+        return {"device": len(r["device"]), "host": len(r["host"]),
+                "disk": self.disk.count() if self.disk else 0}
+
+    # --- loading ---------------------------------------------------------------------------
+    def prefetch(self, ref: AdapterRef) -> None:
+        """Start loading ``ref`` into host memory in the background (no-op if present or loading)."""
+        with self._lock:
+            self._start_load(ref)
+
+    def _start_load(self, ref: AdapterRef) -> _Entry:
+        e = self._entries.get(ref.id)
+        if e is None:
+            e = self._entries[ref.id] = _Entry(ref)
+        if e.weights is not None or e.slot is not None or e.future is not None:
+            return e
+        if e.error is not None and time.monotonic() - e.failed_at < self.failure_ttl_s:
+            return e
+        e.error = None
+        e.future = self._pool.submit(self._load_job, e)
+        return e
+
+    def _load_job(self, e: _Entry) -> None:
+        ref = e.ref
+        try:
+            weights, tier, seconds = self._read(ref)
+        except Exception as exc:
+            reason = _reason(exc)
+            if not isinstance(exc, AdapterFormatError | AdapterFetchError | RankTooLarge | OSError):
+                log.exception("unexpected error loading adapter %s (%s)", ref.id, ref.name)
+            else:
+                log.warning("adapter %s (%s) failed to load: %s", ref.id, ref.name, reason)
+            with self._lock:
+                e.future = None
+                e.error = reason
+                e.failed_at = time.monotonic()
+                self.stats.failures += 1
+            return
+        with self._lock:
+            e.future = None
+            e.weights = weights
+            self.stats.loads[tier] += 1
+            self.stats.load_seconds[tier] += seconds
+            self._host_policy.touch(ref.id)
+            self._evict_host(keep=ref.id)
+
+    def _read(self, ref: AdapterRef) -> tuple[LoRAWeights, str, float]:
+        t0 = time.perf_counter()
+        source = self.sources.for_uri(ref.uri)
+        tier = "disk"
+        if source.remote:
+            if self.disk is None:
+                raise AdapterFetchError("remote adapters need a disk cache directory (adapter_cache_dir)")
+            directory = self.disk.get(ref)
+            if directory is None:
+                directory, tier = self.disk.fill(ref, source), "source"
+        else:
+            directory = source.fetch(ref, None)
+        try:
+            verify_sha256(ref, directory)
+        except AdapterFetchError:
+            if source.remote and self.disk is not None:
+                self.disk.remove(ref)  # a corrupted cache entry is refetched on retry
+            raise
+        weights = load_adapter(directory, self.model, dtype=self.weights_dtype, projections=self.bank.projections)
+        self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
+        if self._pin_host:
+            weights = weights.pin_memory()
+        return weights, tier, time.perf_counter() - t0
+
+    def _evict_host(self, keep: str) -> None:
+        held = [k for k, e in self._entries.items() if e.weights is not None]
+        excess = len(held) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        candidates = [k for k in held if k != keep and not self._entries[k].pinned]
+        for k in self._host_policy.order(candidates)[:excess]:
+            e = self._entries[k]
+            e.weights = None
+            self._host_policy.remove(k)
+            self.stats.evictions["host"] += 1
+            if e.slot is None and e.future is None:
+                del self._entries[k]
+        if len(held) - excess > self.max_cpu_loras:
+            log.warning("host adapter tier over capacity: %d pinned adapters", len(held) - excess)
+
+    def _wait_loaded(self, ref: AdapterRef, timeout: float | None) -> _Entry:
+        with self._lock:
+            e = self._entries.get(ref.id)
+            if e is not None and (e.slot is not None or e.weights is not None):
+                self.stats.hits["device" if e.slot is not None else "host"] += 1
+                return e
+            self.stats.misses += 1
+            e = self._start_load(ref)
+            fut = e.future
+        if fut is not None:
+            fut.result(timeout=timeout)
+        with self._lock:
+            if e.weights is None and e.slot is None:
+                raise AdapterLoadError(ref.id, e.error or "not loaded")
+            return e
+
+    # --- device slots ----------------------------------------------------------------------
+    def acquire_slots(self, refs: Sequence[AdapterRef], *, timeout: float | None = None) -> list[int]:
+        """Place each ref's adapter in a device slot; one user per ref until :meth:`release`.
+
+        All or nothing for the users: on :class:`AdapterLoadError` or :class:`SlotsExhausted`
+        no user count changes. Waits for loads that are not ready (check :meth:`ready` first to
+        avoid stalling a step). Must be called from the thread that runs the model.
+        """
+        distinct: dict[str, AdapterRef] = {}
+        for r in refs:
+            distinct.setdefault(r.id, r)
+        for r in distinct.values():
+            self._wait_loaded(r, timeout)
+        with self._lock:
+            in_use = {k for k, e in self._entries.items() if e.users > 0}
+            if len(in_use | set(distinct)) > self.max_loras:
+                raise SlotsExhausted(f"max_loras={self.max_loras} distinct adapters already in use")
+            for key in distinct:
+                e = self._entries.get(key)
+                if e is None or (e.slot is None and e.weights is None):
+                    raise AdapterLoadError(key, "evicted from host memory before it reached a slot; retry")
+                if e.slot is None:
+                    self._place(e, protect=set(distinct))
+                self._device_policy.touch(key)
+                self._host_policy.touch(key)
+            for r in refs:
+                self._entries[r.id].users += 1
+            return [self._entries[r.id].slot for r in refs]  # type: ignore[misc]
+
+    def _place(self, e: _Entry, protect: set[str]) -> None:
+        assert e.weights is not None
+        c = self.bank.class_of_rank(e.weights.rank)
+        if self._free[c]:
+            slot = self._free[c].pop(0)
+        else:
+            on_class = {e2.slot: k for k, e2 in self._entries.items()
+                        if e2.slot is not None and self.bank.split(e2.slot)[0] == c}
+            candidates = [k for k in on_class.values()
+                          if self._entries[k].users == 0 and not self._entries[k].pinned and k not in protect]
+            order = self._device_policy.order(candidates)
+            if not order:
+                rc = self.bank.rank_classes[c]
+                raise SlotsExhausted(f"all {self.bank.slots_per_class} rank-{rc} slots are in use or pinned")
+            victim = self._entries[order[0]]
+            slot = victim.slot
+            assert slot is not None
+            victim.slot = None
+            self._device_policy.remove(order[0])
+            self.stats.evictions["device"] += 1
+            if victim.weights is None and not victim.pinned:
+                del self._entries[order[0]]
+        t0 = time.perf_counter()
+        self.bank.write(slot, e.weights)
+        if self.bank.device.type == "cuda":
+            torch.cuda.current_stream(self.bank.device).synchronize()
+        self.stats.loads["host"] += 1
+        self.stats.load_seconds["host"] += time.perf_counter() - t0
+        e.slot = slot
+
+    def release(self, refs: Iterable[AdapterRef | str]) -> None:
+        """One user fewer per ref (a finished or preempted sequence)."""
+        with self._lock:
+            for r in refs:
+                key = r if isinstance(r, str) else r.id
+                e = self._entries.get(key)
+                if e is None or e.users <= 0:
+                    raise ValueError(f"release of adapter {key} without a matching acquire")
+                e.users -= 1
+
+    # --- pinning ---------------------------------------------------------------------------
+    def pin(self, ref: AdapterRef) -> None:
+        """Never evict ``ref`` from host memory or its device slot; starts loading it."""
+        with self._lock:
+            e = self._start_load(ref)
+            e.pinned = True
+
+    def unpin(self, ref: AdapterRef | str) -> None:
+        key = ref if isinstance(ref, str) else ref.id
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                e.pinned = False
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, AdapterFormatError):
+        return f"invalid adapter: {exc}"
+    if isinstance(exc, RankTooLarge):
+        return f"unsupported rank: {exc}"
+    if isinstance(exc, AdapterFetchError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
