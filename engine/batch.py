@@ -1,0 +1,152 @@
+"""Per-step batch metadata: what one forward pass over a mixed prefill/decode batch needs.
+
+The scheduler picks, for each running sequence, a contiguous chunk of its tokens
+that are not yet in the KV cache (a prompt chunk, a recompute after preemption, or
+the one newest token of a decoding sequence). ``build_batch`` flattens all chunks
+into one token dimension ``T`` (sequence after sequence, in batch order) and records:
+
+* ``input_ids``, ``positions``, ``slot_mapping`` (KV slot each token's K/V is written to);
+* ``token_seq[t]``: index (into ``seqs``) of the sequence token row ``t`` belongs to,
+  and ``seq_adapters`` / ``seq_slots`` — what a LoRA layer needs to map rows to
+  adapter slots;
+* ``sample_rows``: the token row of each sequence that samples this step (the last
+  token of a chunk that reaches the end of the sequence); only these rows go through
+  the final norm and the LM head;
+* attention plans: one batched ``DecodeGroup`` for all single-token chunks and one
+  ``PrefillItem`` per multi-token chunk.
+
+``lora`` is the hook object a LoRA manager sets (``None`` for base-only batches); see
+``engine.model`` for the call contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor
+    """``[B]`` token rows (one per decoding sequence)."""
+    slots: torch.Tensor
+    """``[B * C]`` KV slots to gather, row-major (C = longest context in the group)."""
+    valid: torch.Tensor
+    """``[B, C]`` bool: key position is inside that sequence's context."""
+    contiguous: bool
+    """True when ``rows`` is ``0..B-1`` (a pure decode step), so no scatter is needed."""
+
+
+@dataclass
+class PrefillItem:
+    start: int
+    end: int
+    """Token rows ``[start, end)`` of this chunk."""
+    slots: torch.Tensor
+    """``[C]`` KV slots of the sequence's context, positions ``0..C-1``."""
+    mask: torch.Tensor
+    """``[L, C]`` bool causal mask (query at position p sees keys ``0..p``)."""
+
+
+@dataclass
+class BatchContext:
+    seqs: list[Sequence]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_seq: torch.Tensor
+    """``[T]`` long: sequence index (into ``seqs``) of each token row."""
+    chunk_lens: list[int]
+    sample_rows: torch.Tensor
+    """``[S]`` long: token rows whose logits are computed."""
+    sample_seqs: list[int]
+    """Sequence index (into ``seqs``) of each sampled row."""
+    decode: DecodeGroup | None
+    prefills: list[PrefillItem]
+    lora: Any = None
+    """LoRA hook (``apply(layer_idx, module, x, out)``) or ``None``."""
+    seq_slots: torch.Tensor | None = None
+    """``[num_seqs]`` adapter slot per sequence, filled by the LoRA manager if it wants."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_adapters(self) -> list[Any]:
+        return [s.adapter for s in self.seqs]
+
+
+def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> BatchContext:
+    """Flatten ``(sequence, chunk_len)`` pairs (chunk starts at ``seq.num_computed``)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    token_seq: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[int] = []
+    dec_rows: list[int] = []
+    dec_seq: list[Sequence] = []
+    prefill_specs: list[tuple[int, int, Sequence]] = []
+    row = 0
+    for i, (seq, n) in enumerate(chunks):
+        start = seq.num_computed
+        toks = seq.all_token_ids
+        ids.extend(toks[start:start + n])
+        pos.extend(range(start, start + n))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        token_seq.extend([i] * n)
+        if start + n == len(toks):
+            sample_rows.append(row + n - 1)
+            sample_seqs.append(i)
+        if n == 1:
+            dec_rows.append(row)
+            dec_seq.append(seq)
+        else:
+            prefill_specs.append((row, row + n, seq))
+        row += n
+
+    def ctx_slots(seq: Sequence, length: int) -> list[int]:
+        table = seq.block_table
+        return [table[p // block_size] * block_size + p % block_size for p in range(length)]
+
+    decode = None
+    if dec_rows:
+        lens = [s.num_computed + 1 for s in dec_seq]
+        c = max(lens)
+        flat: list[int] = []
+        for s, ln in zip(dec_seq, lens, strict=True):
+            flat.extend(ctx_slots(s, ln))
+            flat.extend([0] * (c - ln))
+        lens_t = torch.tensor(lens)
+        valid = torch.arange(c).unsqueeze(0) < lens_t.unsqueeze(1)
+        contiguous = dec_rows == list(range(len(dec_rows))) and row == len(dec_rows)
+        decode = DecodeGroup(torch.tensor(dec_rows, device=device), torch.tensor(flat, device=device),
+                             valid.to(device), contiguous)
+    prefills = []
+    for start_row, end_row, seq in prefill_specs:
+        n = end_row - start_row
+        c = seq.num_computed + n
+        qpos = torch.arange(seq.num_computed, c)
+        mask = torch.arange(c).unsqueeze(0) <= qpos.unsqueeze(1)
+        prefills.append(PrefillItem(start_row, end_row, torch.tensor(ctx_slots(seq, c), device=device),
+                                    mask.to(device)))
+    return BatchContext(
+        seqs=[s for s, _ in chunks],
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        token_seq=torch.tensor(token_seq, dtype=torch.long, device=device),
+        chunk_lens=[n for _, n in chunks],
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        sample_seqs=sample_seqs,
+        decode=decode,
+        prefills=prefills,
+    )

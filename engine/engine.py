@@ -1,0 +1,311 @@
+"""The engine: model + paged KV cache + scheduler + sampler, stepped by one thread.
+
+Start one programmatically::
+
+    engine = Engine.from_settings(settings)   # loads the model (demo model if settings.model == "")
+    engine.start()                            # background stepping thread
+    seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=32), listener=callback)
+    ...
+    engine.stop()
+
+or, without a thread (tests, benchmarks): ``engine.generate([ids, ...], params)``.
+
+``add_request`` / ``abort`` may be called from any thread; listeners are called on the
+engine thread with a ``SeqEvent`` per sampled token (and one final event).
+
+LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
+``prepare_batch(ctx: BatchContext) -> None`` that sets ``ctx.lora`` before each forward,
+and optionally ``release(seq)`` when a sequence leaves) and
+``engine.scheduler.policy`` (adapter-aware admission). With ``lora_runtime`` unset the
+worker API refuses requests naming an adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.batch import build_batch
+from engine.kv_cache import KVCache
+from engine.loader import load_weights
+from engine.model import DecoderModel
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
+from engine.tokenizer import TextTokenizer
+from loraplex.wire import PRIORITY_CLASSES, AdapterRef
+
+log = logging.getLogger("loraplex.engine")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    max_model_len: int = 0
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype in ("", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, tokenizer: TextTokenizer, config: EngineConfig,
+                 model_path: str | Path | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_path = str(model_path) if model_path else ""
+        cfg = model.cfg
+        limit = cfg.max_position_embeddings
+        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
+        self.cache = KVCache.from_bytes(cfg, config.kv_cache_bytes, config.kv_block_size, model.device,
+                                        model.dtype)
+        self.scheduler = Scheduler(self.cache.allocator, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_waiting=config.max_waiting)
+        eos = set(cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.lora_runtime: Any = None
+        self.metrics: Any = None
+        self.info: Any = None
+        """``loraplex.modelinfo.ModelInfo`` when built from settings."""
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.last_step_s = 0.0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        weights = load_weights(path)
+        cfg = weights.config
+        limit = cfg.max_position_embeddings
+        max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
+        model = DecoderModel(weights, device, dtype, max_len)
+        tok = TextTokenizer.from_model_path(path)
+        return cls(model, tok, config, model_path=path)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Engine:
+        """Load the model ``settings.model`` names (the demo model when empty)."""
+        from engine.fetch_demo import fetch_demo
+        from loraplex.modelinfo import describe_model
+
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        path = settings.model or str(fetch_demo(settings))
+        config = EngineConfig(
+            device=settings.device, dtype=settings.dtype, kv_cache_bytes=settings.kv_cache_bytes,
+            kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
+            max_model_len=settings.max_model_len)
+        engine = cls.from_path(path, config)
+        engine.info = describe_model(path, name=settings.model_name or None)
+        return engine
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
+                    tenant: str = "", priority: int = PRIORITY_CLASSES["normal"], request_id: str = "",
+                    listener: Callable[[SeqEvent], None] | None = None) -> Sequence:
+        """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens")
+        seq = Sequence(list(prompt_ids), params, adapter=adapter, tenant=tenant, priority=priority,
+                       request_id=request_id, listener=listener)
+        seq.max_total_len = self.max_model_len
+        with self._wake:
+            self.scheduler.add(seq)
+            self._wake.notify()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence (client went away); frees its KV blocks. No further events."""
+        with self._lock:
+            if seq.is_finished:
+                return
+            seq.aborted = True
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        rt = self.lora_runtime
+        if rt is not None and hasattr(rt, "release"):
+            rt.release(seq)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> bool:
+        """Run one scheduled step. Returns False when there was nothing to run."""
+        t0 = time.perf_counter()
+        with self._lock:
+            out = self.scheduler.schedule()
+            for seq in out.failed:
+                self._finish(seq, "error", error="the request does not fit in this worker's KV cache")
+        if not out.chunks:
+            return False
+        ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
+        if self.lora_runtime is not None:
+            self.lora_runtime.prepare_batch(ctx)
+        logits = self.model.forward(ctx, self.cache)
+        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
+        tokens = sample(logits, sampling)
+        now = time.monotonic()
+        with self._lock:
+            for seq, n in out.chunks:
+                if not seq.is_finished:
+                    seq.num_computed += n
+            for seq, tok in zip(sampling, tokens, strict=True):
+                if not seq.is_finished:
+                    self._append_token(seq, tok, now)
+        self.steps += 1
+        self.last_step_s = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.observe_step(self.last_step_s, out.num_tokens)
+        return True
+
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
+        p = seq.params
+        seq.output_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - seq.arrival, len(seq.prompt_ids))
+        if self.metrics is not None:
+            self.metrics.add_generated(1)
+        reason: str | None = None
+        text_ids = seq.output_ids
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+            text_ids = seq.output_ids[:-1]
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
+            reason = "length"
+        text = self.tokenizer.decode(text_ids)
+        if p.stop:
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                reason = "stop"
+        if reason is None:
+            safe = len(text.rstrip("\ufffd"))
+            if p.stop:
+                safe = min(safe, len(text) - max(len(s) for s in p.stop) + 1)
+        else:
+            safe = len(text)
+        delta = text[seq.sent_text_len:safe] if safe > seq.sent_text_len else ""
+        seq.sent_text_len = max(seq.sent_text_len, safe)
+        seq.output_text = text
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            self._release(seq)
+        if seq.listener is not None:
+            seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.finish_reason = reason
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+        if seq.listener is not None:
+            seq.listener(SeqEvent(seq.seq_id, [], "", True, reason, error))
+
+    def fail_all(self, error: str) -> None:
+        with self._lock:
+            for seq in list(self.scheduler.running) + [e[2] for e in self.scheduler.waiting]:
+                self._finish(seq, "error", error)
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def running_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._wake.wait(0.5)
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:
+                log.exception("engine step failed; failing the in-flight requests")
+                self.fail_all("internal engine error")
+
+    # ------------------------------------------------------------------ sync helper
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 max_steps: int = 1_000_000) -> list[Sequence]:
+        """Run prompts to completion on the calling thread (the engine thread must not run)."""
+        if self.running_thread:
+            raise RuntimeError("generate() cannot be used while the engine thread runs")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for _ in range(max_steps):
+            if all(s.is_finished for s in seqs):
+                break
+            self.step()
+        return seqs
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> dict[str, int]:
+        with self._lock:
+            alloc = self.cache.allocator
+            return {"queue_depth": self.scheduler.num_waiting, "running": self.scheduler.num_running,
+                    "kv_blocks_used": alloc.num_used, "kv_blocks_total": alloc.num_blocks}

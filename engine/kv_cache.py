@@ -1,0 +1,89 @@
+"""Paged KV cache: one pool of fixed-size blocks, per-sequence block tables.
+
+Storage is one tensor per layer for K and one for V, shaped
+``[num_kv_heads, num_blocks * block_size, head_dim]``: a token at position ``p`` of a
+sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+Keeping the slot axis second lets a step gather every sequence's context with one
+``index_select`` per layer (see ``engine.attention``).
+
+``BlockAllocator`` hands out block ids; the scheduler asks it before admitting or
+extending a sequence and returns blocks when a sequence finishes, is aborted or is
+preempted. The number of blocks follows from ``kv_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV cache needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Block 0 last so low ids are used first (and a stale slot 0 pad stays harmless).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+        if len(self._free) > self.num_blocks:
+            raise RuntimeError("KV block freed twice")
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elem
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        shape = (cfg.num_kv_heads, slots, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @classmethod
+    def from_bytes(cls, cfg: ModelConfig, cache_bytes: int, block_size: int, device: torch.device,
+                   dtype: torch.dtype) -> KVCache:
+        n = cache_bytes // block_bytes(cfg, block_size, dtype)
+        if n < 1:
+            raise ValueError(f"kv_cache_bytes={cache_bytes} holds no {block_size}-token block "
+                             f"({block_bytes(cfg, block_size, dtype)} bytes each)")
+        return cls(cfg, int(n), block_size, device, dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))

@@ -1,0 +1,220 @@
+"""Load decoder weights from a Hugging Face directory (safetensors) or a GGUF file.
+
+Both paths end in the same ``ModelWeights``: per layer, q|k|v fused into one matrix
+(rows ``[q; k; v]``) and gate|up fused into one (rows ``[gate; up]``), so a layer runs
+two input matmuls instead of five; the model exposes each projection's slice of the
+fused output (see ``engine.model``).
+
+GGUF specifics: tensors are dequantized with ``gguf.quants.dequantize``; llama.cpp's
+converter permutes the q and k rows of Llama models (interleaved RoPE pairs), which is
+undone here so the Hugging Face ``rotate_half`` rotation applies; a ``rope_freqs``
+tensor (Llama-3 scaling as llama.cpp stores it) is returned as frequency factors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    rope_freq_factors: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+        def cv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        embed = cv(self.embed)
+        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head)
+        layers = [LayerWeights(*(cv(getattr(lw, f)) for f in LayerWeights.__dataclass_fields__))
+                  for lw in self.layers]
+        return ModelWeights(self.config, embed, layers, cv(self.norm), lm_head,  # type: ignore[arg-type]
+                            self.rope_freq_factors, self.meta)
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.norm, self.lm_head]
+        for lw in self.layers:
+            tensors += [getattr(lw, f) for f in LayerWeights.__dataclass_fields__]
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _fuse_layer(get: Any, i: int, cfg: ModelConfig) -> LayerWeights:
+    q, k, v = get(i, "q_proj"), get(i, "k_proj"), get(i, "v_proj")
+    bias = None
+    if cfg.attention_bias:
+        bias = torch.cat([get(i, "q_bias"), get(i, "k_bias"), get(i, "v_bias")])
+    return LayerWeights(
+        input_norm=get(i, "input_norm"),
+        qkv=torch.cat([q, k, v], dim=0),
+        qkv_bias=bias,
+        o=get(i, "o_proj"),
+        post_norm=get(i, "post_norm"),
+        gate_up=torch.cat([get(i, "gate_proj"), get(i, "up_proj")], dim=0),
+        down=get(i, "down_proj"),
+    )
+
+
+# ---------------------------------------------------------------------------------------- HF
+_HF_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+
+
+def load_hf_dir(path: str | Path) -> ModelWeights:
+    from safetensors import safe_open
+
+    p = Path(path)
+    cfg = ModelConfig.from_hf_dir(p)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {p} (pickle checkpoints are not loaded)")
+    index: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                index[name] = f
+    handles: dict[Path, Any] = {}
+
+    def tensor(name: str) -> torch.Tensor:
+        f = index.get(name)
+        if f is None:
+            raise KeyError(f"tensor {name!r} missing from {p}")
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f].get_tensor(name).float()
+
+    def get(i: int, key: str) -> torch.Tensor:
+        return tensor(f"model.layers.{i}.{_HF_NAMES[key]}")
+
+    embed = tensor("model.embed_tokens.weight")
+    layers = [_fuse_layer(get, i, cfg) for i in range(cfg.num_layers)]
+    if "lm_head.weight" in index and not cfg.tie_word_embeddings:
+        lm_head = tensor("lm_head.weight")
+    else:
+        lm_head = embed
+    handles.clear()
+    return ModelWeights(cfg, embed, layers, tensor("model.norm.weight"), lm_head)
+
+
+# -------------------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "input_norm": "attn_norm.weight",
+    "post_norm": "ffn_norm.weight",
+    "q_proj": "attn_q.weight",
+    "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight",
+    "o_proj": "attn_output.weight",
+    "q_bias": "attn_q.bias",
+    "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias",
+    "gate_proj": "ffn_gate.weight",
+    "up_proj": "ffn_up.weight",
+    "down_proj": "ffn_down.weight",
+}
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute`` of q/k rows (interleaved pairs -> rotate_half halves)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata_getter(reader: Any) -> Any:
+    def get(key: str, default: Any = None) -> Any:
+        if key == "tokenizer.ggml.tokens.__len__":
+            f = reader.fields.get("tokenizer.ggml.tokens")
+            return default if f is None else len(f.data)
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    return get
+
+
+def load_gguf(path: str | Path) -> ModelWeights:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    get_meta = gguf_metadata_getter(reader)
+    cfg = ModelConfig.from_gguf_fields(get_meta, set(tensors))
+
+    def tensor(name: str) -> np.ndarray:
+        t = tensors.get(name)
+        if t is None:
+            raise KeyError(f"tensor {name!r} missing from {path}")
+        arr = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return np.asarray(arr, dtype=np.float32).reshape(shape)
+
+    permute = cfg.architecture == "llama"
+
+    def get(i: int, key: str) -> torch.Tensor:
+        arr = tensor(f"blk.{i}.{_GGUF_NAMES[key]}")
+        if permute and key in ("q_proj", "q_bias"):
+            arr = unpermute_rope_rows(arr, cfg.num_heads)
+        elif permute and key in ("k_proj", "k_bias"):
+            arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
+        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+
+    embed = torch.from_numpy(tensor("token_embd.weight"))
+    layers = [_fuse_layer(get, i, cfg) for i in range(cfg.num_layers)]
+    lm_head = embed if cfg.tie_word_embeddings else torch.from_numpy(tensor("output.weight"))
+    freq = torch.from_numpy(tensor("rope_freqs.weight")) if "rope_freqs.weight" in tensors else None
+    norm = torch.from_numpy(tensor("output_norm.weight"))
+    return ModelWeights(cfg, embed, layers, norm, lm_head, rope_freq_factors=freq)
+
+
+def load_weights(path: str | Path) -> ModelWeights:
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return load_gguf(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return load_hf_dir(p)
+    raise FileNotFoundError(f"{p} is neither a .gguf file nor a Hugging Face directory with config.json")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

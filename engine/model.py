@@ -1,0 +1,100 @@
+"""The Llama-family decoder forward pass over a paged, continuously batched step.
+
+One ``forward(ctx)`` runs every token row of the step (prefill chunks and decode
+rows together) through the layers, writes their K/V into the paged cache, and
+returns logits only for ``ctx.sample_rows`` (the LM head never sees the rest).
+
+LoRA hook contract
+------------------
+Each decoder layer fuses q|k|v and gate|up into single matmuls but exposes every
+projection's output as its own tensor (a view into the fused output). Right after
+each projection, if ``ctx.lora`` is not ``None``, the layer calls::
+
+    ctx.lora.apply(layer_idx: int, module: str, x: Tensor, out: Tensor) -> None
+
+with ``module`` one of ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``;
+``x`` the projection's input ``[T, in_features]`` and ``out`` its output
+``[T, out_features]`` (``T`` = ``ctx.num_tokens``, rows ordered as ``ctx.input_ids``).
+The hook must ADD its delta into ``out`` in place (``out += scale * (x @ A.T) @ B.T``
+per row's adapter); ``ctx.token_seq[t]`` gives the sequence index of row ``t`` and
+``ctx.seqs[i].adapter`` its ``AdapterRef`` (or ``None``). The q/k/v hooks run before
+RoPE; inputs per module: q/k/v/gate/up get the normed hidden state ``[T, hidden]``,
+o_proj gets the attention output ``[T, heads*head_dim]``, down_proj gets
+``silu(gate) * up`` ``[T, intermediate]``. Out-of-place views: q/k/v and gate/up
+``out`` are non-contiguous column slices of the fused output, so use in-place ops
+(``out.add_(delta)``) and never rebind.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import paged_attention
+from engine.batch import BatchContext
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.loader import ModelWeights
+from engine.rotary import RotaryEmbedding
+
+
+class DecoderModel:
+    def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        self.cfg: ModelConfig = weights.config
+        self.device = device
+        self.dtype = dtype
+        self.w = weights.to(device, dtype)
+        self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
+        self.scale = self.cfg.head_dim ** -0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.w.nbytes()
+
+    @torch.inference_mode()
+    def forward(self, ctx: BatchContext, cache: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        w = self.w
+        lora = ctx.lora
+        qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        eps = cfg.rms_norm_eps
+        hdim = (cfg.hidden_size,)
+        h = F.embedding(ctx.input_ids, w.embed)
+        cos, sin = self.rope.tables(ctx.positions)
+        t = h.shape[0]
+        for i, lw in enumerate(w.layers):
+            x = F.rms_norm(h, hdim, lw.input_norm, eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
+            if lora is not None:
+                lora.apply(i, "q_proj", x, q)
+                lora.apply(i, "k_proj", x, k)
+                lora.apply(i, "v_proj", x, v)
+            q = self.rope.apply(q.view(t, nh, hd), cos, sin)
+            k = self.rope.apply(k.view(t, nkv, hd), cos, sin)
+            cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
+            a = paged_attention(ctx, cache, i, q, nkv, self.scale)
+            o = F.linear(a, lw.o)
+            if lora is not None:
+                lora.apply(i, "o_proj", a, o)
+            h = h + o
+            x = F.rms_norm(h, hdim, lw.post_norm, eps)
+            gu = F.linear(x, lw.gate_up)
+            gate, up = gu[:, :inter], gu[:, inter:]
+            if lora is not None:
+                lora.apply(i, "gate_proj", x, gate)
+                lora.apply(i, "up_proj", x, up)
+            m = F.silu(gate) * up
+            down = F.linear(m, lw.down)
+            if lora is not None:
+                lora.apply(i, "down_proj", m, down)
+            h = h + down
+        rows = ctx.sample_rows
+        if rows.numel() == 0:
+            return h.new_empty((0, cfg.vocab_size))
+        # One sampled row per sequence, in row order: all rows sampling means rows == 0..T-1.
+        hs = h if rows.numel() == t else h.index_select(0, rows)
+        hs = F.rms_norm(hs, hdim, w.norm, eps)
+        return F.linear(hs, w.lm_head).float()

@@ -1,0 +1,174 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every ``schedule()``:
+
+1. running sequences, oldest first, get their next chunk (one token when decoding,
+   up to the remaining token budget when their prompt is still being prefilled);
+   when the KV pool cannot hold a chunk, the NEWEST running sequence is preempted
+   (blocks freed, back to the waiting queue at its original place, recomputed
+   later from its prompt and the tokens it already produced);
+2. waiting sequences join in admission order — ``priority`` (lower first), then
+   arrival — while the token budget (``max_num_batched_tokens``), the row limit
+   (``max_num_seqs``), free KV blocks and the admission policy allow. A long prompt
+   is prefilled in chunks across steps.
+
+Prefill chunks and decode rows of the step go through ONE forward pass.
+
+Adapter-aware admission plugs in through ``AdmissionPolicy``: ``admit(seq, batch)`` is
+asked for each waiting candidate with the sequences already chosen for this step
+(running ones included); returning False skips the candidate this step without
+blocking the ones behind it. The default admits everything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.kv_cache import BlockAllocator
+from engine.sequence import SeqStatus, Sequence
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; the caller answers 503."""
+
+
+class AdmissionPolicy(Protocol):
+    def admit(self, seq: Sequence, batch: list[Sequence]) -> bool: ...
+
+
+class AdmitAll:
+    def admit(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        return True
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+    """Sequences that can never fit the KV pool (finished with an error)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_waiting: int, policy: AdmissionPolicy | None = None) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.policy: AdmissionPolicy = policy or AdmitAll()
+        self.waiting: list[tuple[int, int, Sequence]] = []
+        """Sorted by (priority, arrival order)."""
+        self.running: list[Sequence] = []
+        """Admission order: oldest first; preemption takes from the end."""
+        self._order = itertools.count()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the worker's waiting queue is full ({self.max_waiting} requests)")
+        order = next(self._order)
+        seq.extra["order"] = order
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, (seq.priority, order, seq), key=lambda e: (e[0], e[1]))
+
+    def _requeue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, (seq.priority, seq.extra["order"], seq), key=lambda e: (e[0], e[1]))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        seq.num_computed = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and free its blocks (finish, abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting = [e for e in self.waiting if e[2] is not seq]
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self._requeue(seq)
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        alloc = self.allocator
+        budget = self.max_num_batched_tokens
+        chosen: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted for an older sequence below
+            if budget <= 0:
+                break
+            n = min(seq.remaining, budget)
+            need = alloc.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            while not alloc.can_allocate(need):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    break
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            if not alloc.can_allocate(need):
+                # Alone and still too long for the whole pool: it can never finish.
+                self.finish(seq)
+                out.failed.append(seq)
+                continue
+            seq.block_table.extend(alloc.allocate(need))
+            out.chunks.append((seq, n))
+            chosen.append(seq)
+            budget -= n
+        # Admit waiting sequences (priority, then arrival).
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i][2]
+            if not self.policy.admit(seq, chosen):
+                i += 1
+                continue
+            if alloc.blocks_for(seq.num_tokens + 1) > alloc.num_blocks:
+                del self.waiting[i]
+                self._release(seq)
+                seq.status = SeqStatus.FINISHED
+                out.failed.append(seq)
+                continue
+            n = min(seq.remaining, budget)
+            need = alloc.blocks_for(n)
+            if not alloc.can_allocate(need):
+                break  # head of line waits for blocks; nothing jumps ahead of it
+            del self.waiting[i]
+            seq.block_table = alloc.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append((seq, n))
+            chosen.append(seq)
+            budget -= n
+        return out

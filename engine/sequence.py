@@ -1,0 +1,101 @@
+"""A request inside the engine: its tokens, sampling parameters, KV blocks and status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loraplex.wire import PRIORITY_CLASSES, AdapterRef
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 or 0: no top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SeqEvent:
+    """What the engine tells a request's listener after a step."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterRef | None = None
+    tenant: str = ""
+    priority: int = PRIORITY_CLASSES["normal"]
+    request_id: str = ""
+    listener: Callable[[SeqEvent], None] | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens of ``all_token_ids`` whose K/V are in the cache."""
+    max_total_len: int = 0
+    """Context limit (prompt + output) for this sequence."""
+    finish_reason: str | None = None
+    aborted: bool = False
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    output_text: str = ""
+    sent_text_len: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(self.params.seed))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to put through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
