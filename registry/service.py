@@ -54,7 +54,7 @@ log = logging.getLogger("loraplex.registry")
 T = TypeVar("T")
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,199}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,199}$")
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 MAX_LIMIT = 2**31 - 1
 DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -143,7 +143,7 @@ def _slug(value: Any, param: str = "tenant") -> str:
 
 def _name(value: Any, param: str) -> str:
     if not isinstance(value, str) or not NAME.match(value):
-        raise Invalid(f"{param} must be 1-200 characters of letters, digits and . _ : / + -; got {value!r}",
+        raise Invalid(f"{param} must be 1-200 characters of letters, digits and . _ : + -; got {value!r}",
                       param=param)
     return value
 

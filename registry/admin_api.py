@@ -1,0 +1,496 @@
+"""Admin HTTP API: the registry operations as JSON routes (the gateway mounts it at ``/admin``).
+
+    app = admin_app(RegistryService(settings), settings)   # a Starlette sub-app
+
+Every route but ``GET /openapi.json`` needs ``Authorization: Bearer <JWT>`` carrying
+``settings.jwt_admin_scope`` (missing/bad token: 401; a token without the scope: 403).
+Errors use the OpenAI shape (``loraplex.wire.error_body``): malformed JSON 400, unknown
+tenant/adapter/alias 404, duplicates and state conflicts 409, bad values and admission
+refusals 422 (``code`` names the reason), registry database down 503. Never a stack trace.
+
+One table (``OPERATIONS``) drives both the routes and the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loraplex.settings import Settings
+from loraplex.tokens import TokenError, Verifier, bearer
+from loraplex.wire import PRIORITY_CLASSES, error_body
+from registry.errors import Invalid, RegistryError
+from registry.service import DIMENSIONS, RegistryService
+
+log = logging.getLogger("loraplex.registry.admin")
+
+Handler = Callable[["Call"], Awaitable[Any]]
+
+
+@dataclass
+class Call:
+    service: RegistryService
+    path: dict[str, str]
+    body: dict[str, Any]
+    query: dict[str, Any]
+    actor: str
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    op_id: str
+    summary: str
+    handler: Handler
+    body: dict[str, Any] | None = None
+    query: dict[str, dict[str, Any]] = field(default_factory=dict)
+    status: int = 200
+    response: str = "object"
+    tag: str = "registry"
+
+
+# --- JSON schemas (used for validation and the OpenAPI document) ----------------------------------
+
+def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+
+
+STR = {"type": "string"}
+INT = {"type": "integer", "minimum": 0}
+POS = {"type": "integer", "minimum": 1}
+NUM = {"type": "number"}
+BOOL = {"type": "boolean"}
+OBJ = {"type": "object"}
+PRIORITY = {"type": "string", "enum": list(PRIORITY_CLASSES)}
+ON_DISABLED = {"type": "string", "enum": ["base", "refuse"],
+               "description": "a disabled binding answers with the base model ('base') or refuses ('refuse')"}
+PERCENT = {"type": "number", "exclusiveMinimum": 0, "maximum": 100}
+ADAPTER_REF = {"type": "string", "description": "adapter version id (uuid) or name@version"}
+
+LIMITS = {"requests_per_min": INT, "tokens_per_min": INT, "max_concurrent": INT, "priority": PRIORITY}
+TENANT_CREATE = _obj({"slug": STR, **LIMITS}, ("slug",))
+TENANT_LIMITS = _obj(LIMITS)
+BASE_MODEL_CREATE = {
+    "oneOf": [
+        _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS}},
+             ("name", "revision", "architecture", *[d for d in DIMENSIONS if d != "context_length"])),
+        _obj({"path": {**STR, "description": "HF model directory or .gguf file on the gateway host"},
+              "name": STR}, ("path",)),
+    ]
+}
+ADAPTER_CREATE = _obj({
+    "name": STR, "uri": {**STR, "description": "file:// URI or path under the adapter root"},
+    "base_model": STR, "version": {**POS, "description": "default: next version of this name"},
+    "owner": {**STR, "description": "owning tenant; omit for a shared adapter"},
+    "expected_revision": {**STR, "description": "refuse unless the base model is at this revision"},
+}, ("name", "uri", "base_model"))
+ACTIVATE = _obj({"verification": {**OBJ, "description": "probe / eval results to record"}})
+DISABLE_ADAPTER = _obj({"reason": STR})
+FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
+BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
+CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT}, ("adapter", "percent"))
+CANARY_SET = _obj({"percent": PERCENT}, ("percent",))
+BINDING_TOGGLE = _obj({"on_disabled": ON_DISABLED})
+
+RESPONSES: dict[str, dict[str, Any]] = {
+    "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "created_at": STR, "updated_at": STR}),
+    "BaseModel": _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS},
+                       "created_at": STR}),
+    "Adapter": _obj({"id": STR, "name": STR, "version": POS, "label": STR, "base_model": STR, "uri": STR,
+                     "sha256": STR, "size_bytes": INT, "rank": POS, "alpha": NUM,
+                     "target_modules": {"type": "array", "items": STR}, "owner_tenant": {"type": ["string", "null"]},
+                     "status": {"type": "string", "enum": ["pending", "active", "disabled", "failed"]},
+                     "status_reason": {"type": ["string", "null"]}, "verification": {"type": ["object", "null"]},
+                     "created_at": STR}),
+    "Binding": _obj({"tenant": STR, "alias": STR, "base_model": STR, "active": {"$ref": "#/components/schemas/AdapterRef"},
+                     "previous": {"$ref": "#/components/schemas/AdapterRef"},
+                     "canary": {"$ref": "#/components/schemas/AdapterRef"}, "canary_percent": NUM, "enabled": BOOL,
+                     "on_disabled": ON_DISABLED, "row_version": INT, "updated_at": STR}),
+    "AdapterRef": {"type": ["object", "null"], "properties": {"id": STR, "label": STR}},
+    "AuditEntry": _obj({"id": INT, "registry_version": INT, "at": STR, "actor": STR, "action": STR,
+                        "target": STR, "before": {"type": ["object", "null"]}, "after": {"type": ["object", "null"]}}),
+    "Version": _obj({"version": INT}),
+    "Error": _obj({"error": _obj({"message": STR, "type": STR, "code": {"type": ["string", "null"]},
+                                  "param": {"type": ["string", "null"]}})}),
+}
+
+
+# --- handlers ------------------------------------------------------------------------------------
+
+def _list(items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": items}
+
+
+async def _version(c: Call) -> Any:
+    return {"version": await c.service.version()}
+
+
+async def _tenants(c: Call) -> Any:
+    return _list(await c.service.list_tenants(status=c.query.get("status")))
+
+
+async def _tenant_create(c: Call) -> Any:
+    return await c.service.create_tenant(actor=c.actor, **c.body)
+
+
+async def _tenant_get(c: Call) -> Any:
+    return await c.service.get_tenant(c.path["slug"])
+
+
+async def _tenant_disable(c: Call) -> Any:
+    return await c.service.disable_tenant(c.path["slug"], actor=c.actor)
+
+
+async def _tenant_enable(c: Call) -> Any:
+    return await c.service.enable_tenant(c.path["slug"], actor=c.actor)
+
+
+async def _tenant_limits(c: Call) -> Any:
+    return await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body)
+
+
+async def _base_models(c: Call) -> Any:
+    return _list(await c.service.list_base_models())
+
+
+async def _base_model_create(c: Call) -> Any:
+    if "path" in c.body:
+        return await c.service.register_base_model_from_path(c.body["path"], name=c.body.get("name"),
+                                                             actor=c.actor)
+    return await c.service.register_base_model(c.body, actor=c.actor)
+
+
+async def _adapters(c: Call) -> Any:
+    return _list(await c.service.list_adapters(**{k: c.query.get(k) for k in ("name", "base_model", "owner",
+                                                                               "status")}))
+
+
+async def _adapter_create(c: Call) -> Any:
+    b = dict(c.body)
+    return await c.service.register_adapter(b.pop("name"), b.pop("uri"), b.pop("base_model"), actor=c.actor, **b)
+
+
+async def _adapter_get(c: Call) -> Any:
+    return await c.service.get_adapter(c.path["ref"])
+
+
+async def _adapter_activate(c: Call) -> Any:
+    return await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"), actor=c.actor)
+
+
+async def _adapter_disable(c: Call) -> Any:
+    return await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"), actor=c.actor)
+
+
+async def _adapter_fail(c: Call) -> Any:
+    return await c.service.fail_adapter(c.path["ref"], reason=c.body["reason"],
+                                        verification=c.body.get("verification"), actor=c.actor)
+
+
+async def _bindings(c: Call) -> Any:
+    return _list(await c.service.list_bindings(tenant=c.query.get("tenant")))
+
+
+async def _binding_get(c: Call) -> Any:
+    return await c.service.get_binding(c.path["slug"], c.path["alias"])
+
+
+async def _bind(c: Call) -> Any:
+    return await c.service.bind(c.path["slug"], c.path["alias"], c.body["adapter"],
+                                on_disabled=c.body.get("on_disabled"), actor=c.actor)
+
+
+async def _rollback(c: Call) -> Any:
+    return await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
+async def _canary_start(c: Call) -> Any:
+    return await c.service.canary_start(c.path["slug"], c.path["alias"], c.body["adapter"], c.body["percent"],
+                                        actor=c.actor)
+
+
+async def _canary_set(c: Call) -> Any:
+    return await c.service.canary_set(c.path["slug"], c.path["alias"], c.body["percent"], actor=c.actor)
+
+
+async def _canary_promote(c: Call) -> Any:
+    return await c.service.canary_promote(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
+async def _canary_abort(c: Call) -> Any:
+    return await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
+async def _binding_enable(c: Call) -> Any:
+    return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], True,
+                                               on_disabled=c.body.get("on_disabled"), actor=c.actor)
+
+
+async def _binding_disable(c: Call) -> Any:
+    return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], False,
+                                               on_disabled=c.body.get("on_disabled"), actor=c.actor)
+
+
+async def _audit(c: Call) -> Any:
+    return _list(await c.service.audit(**{k: v for k, v in c.query.items() if v is not None}))
+
+
+B = "/tenants/{slug}/bindings/{alias}"
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("GET", "/version", "getVersion", "Current registry version", _version, response="Version",
+              tag="registry"),
+    Operation("GET", "/tenants", "listTenants", "List tenants", _tenants, query={"status": STR},
+              response="[Tenant]", tag="tenants"),
+    Operation("POST", "/tenants", "createTenant", "Create a tenant", _tenant_create, TENANT_CREATE, status=201,
+              response="Tenant", tag="tenants"),
+    Operation("GET", "/tenants/{slug}", "getTenant", "Get a tenant", _tenant_get, response="Tenant", tag="tenants"),
+    Operation("POST", "/tenants/{slug}/disable", "disableTenant", "Disable a tenant (its requests are refused)",
+              _tenant_disable, response="Tenant", tag="tenants"),
+    Operation("POST", "/tenants/{slug}/enable", "enableTenant", "Enable a tenant", _tenant_enable,
+              response="Tenant", tag="tenants"),
+    Operation("PATCH", "/tenants/{slug}/limits", "setTenantLimits",
+              "Set a tenant's limits and priority class (only the given fields change)", _tenant_limits,
+              TENANT_LIMITS, response="Tenant", tag="tenants"),
+    Operation("GET", "/base-models", "listBaseModels", "List base models", _base_models, response="[BaseModel]",
+              tag="base-models"),
+    Operation("POST", "/base-models", "registerBaseModel",
+              "Register a base model from its dimensions, or from a model path on the gateway host",
+              _base_model_create, BASE_MODEL_CREATE, status=201, response="BaseModel", tag="base-models"),
+    Operation("GET", "/adapters", "listAdapters", "List adapter versions", _adapters,
+              query={"name": STR, "base_model": STR, "owner": STR, "status": STR}, response="[Adapter]",
+              tag="adapters"),
+    Operation("POST", "/adapters", "registerAdapter",
+              "Register an adapter version (runs admission; the version starts pending)", _adapter_create,
+              ADAPTER_CREATE, status=201, response="Adapter", tag="adapters"),
+    Operation("GET", "/adapters/{ref}", "getAdapter", "Get an adapter version (id or name@version)", _adapter_get,
+              response="Adapter", tag="adapters"),
+    Operation("POST", "/adapters/{ref}/activate", "activateAdapter",
+              "Activate an adapter version, optionally recording verification results", _adapter_activate,
+              ACTIVATE, response="Adapter", tag="adapters"),
+    Operation("POST", "/adapters/{ref}/disable", "disableAdapter",
+              "Disable an adapter version (aborts canaries on it, disables bindings active on it)",
+              _adapter_disable, DISABLE_ADAPTER, response="Adapter", tag="adapters"),
+    Operation("POST", "/adapters/{ref}/fail", "failAdapter",
+              "Mark a pending adapter version failed (activation gate refused it)", _adapter_fail, FAIL_ADAPTER,
+              response="Adapter", tag="adapters"),
+    Operation("GET", "/bindings", "listBindings", "List bindings", _bindings, query={"tenant": STR},
+              response="[Binding]", tag="bindings"),
+    Operation("GET", B, "getBinding", "Get a binding", _binding_get, response="Binding", tag="bindings"),
+    Operation("PUT", B, "bind", "Bind an alias to an active adapter version (create, or re-point: the "
+              "current version becomes previous)", _bind, BIND, response="Binding", tag="bindings"),
+    Operation("POST", B + "/rollback", "rollback", "Roll an alias back to its previous version", _rollback,
+              response="Binding", tag="bindings"),
+    Operation("POST", B + "/canary", "startCanary", "Start a canary: send percent of traffic to a version",
+              _canary_start, CANARY_START, response="Binding", tag="bindings"),
+    Operation("PATCH", B + "/canary", "setCanary", "Change the canary percent", _canary_set, CANARY_SET,
+              response="Binding", tag="bindings"),
+    Operation("POST", B + "/canary/promote", "promoteCanary",
+              "Promote the canary (it becomes active; the old active becomes previous)", _canary_promote,
+              response="Binding", tag="bindings"),
+    Operation("DELETE", B + "/canary", "abortCanary", "Abort the canary", _canary_abort, response="Binding",
+              tag="bindings"),
+    Operation("POST", B + "/enable", "enableBinding", "Enable a binding", _binding_enable, BINDING_TOGGLE,
+              response="Binding", tag="bindings"),
+    Operation("POST", B + "/disable", "disableBinding",
+              "Disable a binding (on_disabled: answer with the base model or refuse)", _binding_disable,
+              BINDING_TOGGLE, response="Binding", tag="bindings"),
+    Operation("GET", "/audit", "listAudit", "Audit trail, newest first", _audit,
+              query={"actor": STR, "action": STR, "target": {**STR, "description": "exact, or a prefix ending in *"},
+                     "since_version": INT, "limit": {"type": "integer", "minimum": 1, "maximum": 1000}},
+              response="[AuditEntry]", tag="audit"),
+)
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+_PY = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
+       "null": type(None)}
+
+
+def _type_ok(value: Any, types: str | list[str]) -> bool:
+    for t in [types] if isinstance(types, str) else types:
+        if isinstance(value, bool) and t in ("integer", "number"):
+            continue
+        if isinstance(value, _PY[t]):
+            return True
+    return False
+
+
+def validate(body: Any, schema: dict[str, Any]) -> dict[str, Any]:
+    """Check a JSON body against the (small) schema subset used above; 422 on the first problem."""
+    if "oneOf" in schema:  # the option whose fields the body uses most
+        keys = set(body) if isinstance(body, dict) else set()
+        return validate(body, min(schema["oneOf"], key=lambda o: len(keys - set(o["properties"]))))
+    if not isinstance(body, dict):
+        raise Invalid("the request body must be a JSON object", code="invalid_body")
+    props = schema["properties"]
+    unknown = sorted(set(body) - set(props))
+    if unknown and schema.get("additionalProperties") is False:
+        raise Invalid(f"unknown field {unknown[0]!r}; allowed: {', '.join(props)}", code="unknown_field",
+                      param=unknown[0])
+    for name in schema.get("required", ()):
+        if body.get(name) is None:
+            raise Invalid(f"field {name!r} is required", code="missing_field", param=name)
+    out: dict[str, Any] = {}
+    for name, value in body.items():
+        if value is None:
+            continue  # null means "not given"
+        spec = props[name]
+        if not _type_ok(value, spec["type"]):
+            raise Invalid(f"field {name!r} must be of type {spec['type']}, got {type(value).__name__}",
+                          code="invalid_type", param=name)
+        if "enum" in spec and value not in spec["enum"]:
+            raise Invalid(f"field {name!r} must be one of {', '.join(map(str, spec['enum']))}", param=name)
+        out[name] = value
+    return out
+
+
+def _parse_query(request: Request, spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in request.query_params.items():
+        if name not in spec:
+            raise Invalid(f"unknown query parameter {name!r}", code="unknown_field", param=name)
+        if spec[name]["type"] == "integer":
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise Invalid(f"query parameter {name!r} must be an integer", code="invalid_type",
+                              param=name) from None
+        else:
+            out[name] = value
+    return out
+
+
+# --- OpenAPI -------------------------------------------------------------------------------------
+
+def openapi_document() -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        params = [{"name": p, "in": "path", "required": True, "schema": STR}
+                  for p in _path_params(op.path)]
+        params += [{"name": n, "in": "query", "required": False, "schema": s} for n, s in op.query.items()]
+        if op.response.startswith("["):
+            ref = {"$ref": f"#/components/schemas/{op.response[1:-1]}"}
+            schema = {"type": "object", "properties": {"object": {"const": "list"},
+                                                       "data": {"type": "array", "items": ref}}}
+        else:
+            schema = {"$ref": f"#/components/schemas/{op.response}"}
+        error = {"description": "error (OpenAI shape)",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        entry: dict[str, Any] = {
+            "operationId": op.op_id, "summary": op.summary, "tags": [op.tag], "parameters": params,
+            "responses": {str(op.status): {"description": "success",
+                                           "content": {"application/json": {"schema": schema}}},
+                          **{str(s): error for s in (400, 401, 403, 404, 409, 422, 503)}},
+        }
+        if op.body is not None:
+            entry["requestBody"] = {"required": True, "content": {"application/json": {"schema": op.body}}}
+        paths.setdefault(op.path, {})[op.method.lower()] = entry
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "loraplex registry admin API", "version": "1",
+                 "description": "Tenants, base models, adapter versions, bindings, canaries and the audit "
+                                "trail. Mounted by the gateway at /admin. Bearer JWT with the admin scope."},
+        "servers": [{"url": "/admin"}],
+        "security": [{"bearerAuth": []}],
+        "paths": paths,
+        "components": {"schemas": RESPONSES,
+                       "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
+                                                          "bearerFormat": "JWT"}}},
+    }
+
+
+def _path_params(path: str) -> list[str]:
+    return [seg[1:-1] for seg in path.split("/") if seg.startswith("{")]
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
+
+
+def admin_app(service: RegistryService, settings: Settings) -> Starlette:
+    """The admin API as a Starlette app, to mount at ``/admin``."""
+    verifier = Verifier(settings)
+    doc = openapi_document()
+
+    def endpoint(op: Operation) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            try:
+                principal = verifier.verify(bearer(request.headers.get("authorization")))
+                if not principal.has_scope(settings.jwt_admin_scope):
+                    return _error(403, "this token lacks the admin scope", "permission_error", "insufficient_scope")
+                body: dict[str, Any] = {}
+                raw = await request.body()
+                if op.body is not None:
+                    try:
+                        parsed = json.loads(raw) if raw.strip() else {}
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        return _error(400, f"malformed JSON body: {exc}", code="invalid_json")
+                    body = validate(parsed, op.body)
+                elif raw.strip() and raw.strip() not in (b"{}", b"null"):
+                    raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
+                query = _parse_query(request, op.query)
+                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin")
+                result = await op.handler(call)
+                return JSONResponse(result, status_code=op.status)
+            except TokenError as exc:
+                kind = "authentication_error" if exc.status == 401 else "permission_error"
+                headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+                resp = _error(exc.status, exc.message, kind, exc.code)
+                if headers:
+                    resp.headers.update(headers)
+                return resp
+            except RegistryError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
+            except Exception:
+                log.exception("admin %s %s failed", op.method, op.path)
+                return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
+
+        return handle
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(doc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        if status == 404:
+            return _error(404, f"no admin route {request.method} {request.url.path}", "not_found_error",
+                          "unknown_route")
+        if status == 405:
+            return _error(405, f"method {request.method} is not allowed here", code="method_not_allowed")
+        return _error(status, str(getattr(exc, "detail", "error")))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("admin API error on %s", request.url.path, exc_info=exc)
+        return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
+
+    routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {}
+    for op in OPERATIONS:
+        routes.setdefault(op.path, {})[op.method] = endpoint(op)
+
+    def dispatch(by_method: dict[str, Callable[[Request], Awaitable[Response]]]):  # type: ignore[no-untyped-def]
+        async def route(request: Request) -> Response:
+            handler = by_method.get(request.method)
+            if handler is None:
+                raise HTTPException(405)
+            return await handler(request)
+        return route
+
+    app_routes = [Route("/openapi.json", openapi, methods=["GET"])]
+    app_routes += [Route(path, dispatch(by_method), methods=list(by_method)) for path, by_method in routes.items()]
+    app = Starlette(routes=app_routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.service = service
+    return app
