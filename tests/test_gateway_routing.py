@@ -1,0 +1,159 @@
+"""Routing with several stub workers as real processes reporting residency into Redis:
+preference for warm workers, bounded load, failover, dead workers leaving and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from gateway.ratelimit import LocalLimiter
+from gateway.router import Router
+from loraplex.residency import MemoryResidency, RedisResidency
+from loraplex.settings import Settings
+from loraplex.tokens import mint
+from loraplex.wire import WorkerReport
+from tests.stub_worker import MutableSnapshots, StubProcess, make_snapshot
+
+TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}, "sales": {"active": ("sales", 1)}}}}
+
+
+def _report(wid: str, load: int = 0, device=(), host=(), base: str = "smol", ts: float | None = None):
+    return WorkerReport(worker_id=wid, url=f"http://{wid}", base_model=base, base_revision="r",
+                        device_adapters=list(device), host_adapters=list(host), running=load,
+                        timestamp=ts if ts is not None else time.time())
+
+
+async def test_router_prefers_device_then_host_then_ring_order():
+    res = MemoryResidency()
+    for w in ("w1", "w2", "w3"):
+        await res.publish(_report(w, device=["a"] if w == "w2" else [], host=["a"] if w == "w3" else []), 5)
+    router = Router(res, candidates=3)
+    order = [w.id for w in await router.route("smol", "a")]
+    assert order[0] == "w2" and order[1] == "w3" and len(order) == 3
+    await res.publish(_report("w2"), 5)
+    await router.refresh()
+    assert (await router.route("smol", "a"))[0].id == "w3"
+
+
+async def test_router_bounded_load_and_least_loaded_fallback():
+    res = MemoryResidency()
+    await res.publish(_report("w1", load=50, device=["a"]), 5)
+    await res.publish(_report("w2", load=0), 5)
+    await res.publish(_report("w3", load=1), 5)
+    router = Router(res, candidates=3, load_factor=1.5)
+    order = [w.id for w in await router.route("smol", "a")]
+    # w1 holds the adapter but is far above 1.5 x mean + 1: it is tried last.
+    assert order[-1] == "w1" and set(order[:2]) == {"w2", "w3"}
+    # One candidate only, and it is overloaded: the least-loaded live worker serves.
+    router1 = Router(res, candidates=1, load_factor=1.5)
+    await router1.refresh()
+    key = next(f"k{i}" for i in range(1000) if router1._ring_candidates("smol", f"k{i}") == ["w1"])
+    await res.publish(_report("w1", load=50, device=[key]), 5)
+    await router1.refresh()
+    order1 = [w.id for w in await router1.route("smol", key)]
+    assert order1[0] == "w2"
+
+
+async def test_router_filters_base_model_and_consistent_candidates():
+    res = MemoryResidency()
+    for i in range(6):
+        await res.publish(_report(f"w{i}", base="smol" if i < 4 else "other"), 5)
+    router = Router(res, candidates=2)
+    await router.refresh()
+    picks = {tuple(router._ring_candidates("smol", f"adapter-{k}")) for k in range(3)}
+    for p in picks:
+        assert len(p) == 2 and all(w in {"w0", "w1", "w2", "w3"} for w in p)
+    again = Router(res, candidates=2)
+    await again.refresh()
+    assert again._ring_candidates("smol", "adapter-0") == router._ring_candidates("smol", "adapter-0")
+    assert {w.id for w in await router.route("other", None)} == {"w4", "w5"}
+    assert await router.route("missing-base", None) == []
+
+
+async def test_failed_worker_leaves_and_returns_on_next_report():
+    res = MemoryResidency()
+    await res.publish(_report("w1", device=["a"]), 5)
+    await res.publish(_report("w2"), 5)
+    router = Router(res, candidates=2, cooldown_s=60)
+    w1 = (await router.route("smol", "a"))[0]
+    assert w1.id == "w1"
+    router.mark_failed(w1)
+    assert [w.id for w in await router.route("smol", "a")] == ["w2"]
+    await asyncio.sleep(0.01)
+    await res.publish(_report("w1", device=["a"]), 5)  # its next report
+    await router.refresh()
+    assert (await router.route("smol", "a"))[0].id == "w1"
+
+
+async def test_static_worker_urls_serve_every_base():
+    router = Router(None, static_urls=("http://10.0.0.1:8100/",))
+    ws = await router.route("anything", "a")
+    assert [w.url for w in ws] == ["http://10.0.0.1:8100"]
+
+
+@pytest.fixture
+def stubs(redis_url, redis_prefix):
+    procs = [
+        StubProcess("w1", redis_url=redis_url, redis_prefix=redis_prefix),
+        StubProcess("w2", redis_url=redis_url, redis_prefix=redis_prefix, device=("sup-v1",)),
+        StubProcess("w3", redis_url=redis_url, redis_prefix=redis_prefix, host=("sup-v1", "sales-v1")),
+    ]
+    for p in procs:
+        p.start()
+    yield {p.worker_id: p for p in procs}
+    for p in procs:
+        p.stop()
+
+
+async def _wait_live(redis_url, prefix, n, wait_s=10.0):
+    r = aioredis.from_url(redis_url)
+    store = RedisResidency(r, prefix)
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if len(await store.live()) >= n:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("stub workers did not report")
+    finally:
+        await r.aclose()
+
+
+async def test_routing_and_failover_with_real_workers(stubs, redis_url, redis_prefix):
+    await _wait_live(redis_url, redis_prefix, 3)
+    s = Settings(redis_url=redis_url, redis_prefix=redis_prefix, worker_report_ttl_s=2.0)
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                     mount_admin=False)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        seen = [(await c.post("/v1/chat/completions", json=body, headers=h)).headers["x-loraplex-worker"]
+                for _ in range(10)]
+        assert seen == ["w2"] * 10  # the worker with sup@1 on device
+        seen = [(await c.post("/v1/chat/completions", json=body | {"model": "sales"}, headers=h))
+                .headers["x-loraplex-worker"] for _ in range(5)]
+        assert seen == ["w3"] * 5  # sales@1 is in w3's host memory
+        # Kill w2 abruptly: its residency key lives on for a while, yet requests never fail.
+        stubs["w2"].kill()
+        t0 = time.monotonic()
+        for _ in range(10):
+            r = await c.post("/v1/chat/completions", json=body, headers=h)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-loraplex-worker"] in ("w1", "w3")
+        assert r.headers["x-loraplex-worker"] == "w3"  # next preference: host memory
+        # A worker answering 503 is skipped too (retried before the first byte).
+        r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "503"}}, headers=h)
+        assert r.status_code == 503  # every candidate answered 503 for this request
+        # The dead worker leaves the live set within the report TTL.
+        router = app.state.gateway.router
+        while "w2" in {w.id for w in router.workers()} and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.2)
+            await router.refresh()
+        assert "w2" not in {w.id for w in router.workers()}
+        assert stubs["w3"].stats()["adapters"].get("sup-v1", 0) >= 10
