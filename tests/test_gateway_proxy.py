@@ -1,0 +1,150 @@
+"""The proxy through a real uvicorn gateway and real stub worker processes: SSE passthrough,
+usage chunk handling, client-disconnect cancellation, mid-stream breaks, deadlines."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.ratelimit import LocalLimiter
+from loraplex.residency import MemoryResidency
+from loraplex.settings import Settings
+from loraplex.tokens import mint
+from tests.stub_worker import MutableSnapshots, StubProcess, ThreadServer, make_snapshot
+
+TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}}}}
+
+
+@pytest.fixture(scope="module")
+def stub():
+    with StubProcess("w1", extra=("--chunks", "6")) as p:
+        yield p
+
+
+def _gateway(stub, **kw):
+    s = Settings(worker_urls=(stub.url,), **kw)
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                     residency=MemoryResidency(), mount_admin=False)
+    return s, app
+
+
+def _body(**kw):
+    return {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **kw}
+
+
+def _events(text: str) -> list[str]:
+    return [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+
+
+def _wait_for(pred, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stream_passes_through_incrementally(stub):
+    s, app = _gateway(stub)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        body = _body(stream=True, metadata={"stub_chunk_delay": "0.2"})
+        t0 = time.monotonic()
+        arrivals = []
+        with c.stream("POST", "/v1/chat/completions", json=body, headers=h) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-loraplex-adapter"] == "sup@1"
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.monotonic() - t0, line[6:]))
+        # Six chunks 0.2 s apart: the first one arrives long before the last (no buffering).
+        assert arrivals[-1][1] == "[DONE]"
+        assert len(arrivals) == 7
+        assert arrivals[-1][0] - arrivals[0][0] > 0.6
+        texts = [json.loads(d)["choices"][0]["delta"]["content"] for _, d in arrivals[:-1]]
+        assert texts == [f"t{i} " for i in range(6)]
+
+
+def test_usage_chunk_only_when_asked(stub):
+    s, app = _gateway(stub)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        plain = _events(c.post("/v1/chat/completions", json=_body(stream=True), headers=h).text)
+        assert all('"usage"' not in e for e in plain) and plain[-1] == "[DONE]"
+        # The worker was asked for usage anyway (to settle the reservation).
+        assert stub.stats()["exts"][-1]["stream_options"] == {"include_usage": True}
+        asked = _events(c.post("/v1/chat/completions", json=_body(
+            stream=True, stream_options={"include_usage": True}), headers=h).text)
+        usage = json.loads(asked[-2])
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+        comp = c.post("/v1/completions", json={"model": "support", "prompt": "hi", "max_tokens": 3}, headers=h)
+        assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_client_disconnect_cancels_upstream_stream(stub):
+    s, app = _gateway(stub)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    before = stub.stats()["cancelled"]
+    with ThreadServer(app) as gw:
+        with httpx.Client(base_url=gw.url, timeout=10) as c, c.stream(
+                "POST", "/v1/chat/completions", json=_body(stream=True, metadata={"stub_chunk_delay": "0.5"}),
+                headers=h) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # got the first chunk; hang up
+        assert _wait_for(lambda: stub.stats()["cancelled"] > before), "worker never saw the cancellation"
+        assert app.state.gateway.router.workers()[0].inflight == 0
+
+
+def test_client_disconnect_cancels_upstream_non_streaming(stub):
+    s, app = _gateway(stub)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    before = stub.stats()["cancelled"]
+    with ThreadServer(app) as gw:
+        with httpx.Client(base_url=gw.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "5"}), headers=h)
+        assert _wait_for(lambda: stub.stats()["cancelled"] > before), "worker never saw the cancellation"
+
+
+def test_broken_stream_ends_with_error_event(stub):
+    s, app = _gateway(stub)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=_body(stream=True, metadata={"stub_mode": "break"}), headers=h)
+        assert r.status_code == 200
+        events = _events(r.text)
+        assert "[DONE]" not in events
+        err = json.loads(events[-1])["error"]
+        assert err["code"] == "stream_interrupted"
+        assert len(events) >= 2  # the chunks before the break went through
+        m = c.get("/metrics").text
+        assert 'loraplex_gateway_requests_total{adapter="sup@1",status="5xx",tenant="acme"}' in m
+
+
+def test_deadline_and_worker_errors(stub):
+    s, app = _gateway(stub, request_timeout_s=0.5)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "3"}), headers=h)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        r = c.post("/v1/chat/completions", json=_body(stream=True, metadata={"stub_chunk_delay": "0.2"}), headers=h)
+        assert r.status_code == 200 and json.loads(_events(r.text)[-1])["error"]["code"] == "timeout"
+        r = c.post("/v1/chat/completions", json=_body(metadata={"stub_mode": "500"}), headers=h)
+        assert r.status_code == 502 and "boom" not in r.text
+
+
+def test_no_worker_is_503():
+    s = Settings(worker_urls=("http://127.0.0.1:9",))
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                     residency=MemoryResidency(), mount_admin=False)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=_body(), headers=h)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        assert c.get("/healthz").status_code == 200
