@@ -1,0 +1,528 @@
+"""``loraplex migrate`` and ``loraplex admin``: schema migrations and registry operations.
+
+``admin`` talks HTTP to the gateway's admin API (``LORAPLEX_ADMIN_URL`` + ``/admin``) with
+``LORAPLEX_ADMIN_TOKEN`` or an admin token minted from ``LORAPLEX_JWT_SECRET``. Output is a
+human table by default and JSON with ``--json``; a refusal prints the reason and exits 1.
+Heavy modules (httpx, sqlalchemy, alembic) are imported inside handlers so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+EXIT_REFUSED = 1
+EXIT_UNREACHABLE = 3
+
+# --- migrate ---------------------------------------------------------------------------------------
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from loraplex.settings import get_settings
+    from registry.migrate import downgrade, upgrade
+
+    url = args.database_url or get_settings().resolved_database_url()
+    try:
+        if args.down:
+            downgrade(url, args.revision or "-1")
+        else:
+            upgrade(url, args.revision or "head")
+    except Exception as exc:
+        print(f"error: migration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    direction = "downgraded" if args.down else "upgraded"
+    print(f"registry schema {direction} to {args.revision or ('-1' if args.down else 'head')}")
+    return 0
+
+
+# --- admin: HTTP client and output -------------------------------------------------------------------
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
+             params: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    from loraplex.settings import get_settings
+    from loraplex.tokens import mint_admin
+
+    settings = get_settings()
+    base = (args.url or settings.resolved_admin_url()).rstrip("/") + "/admin"
+    token = args.token or settings.admin_token or mint_admin(settings, subject="cli")
+    clean = {k: v for k, v in (params or {}).items() if v is not None}
+    payload = {k: v for k, v in body.items() if v is not None} if body is not None else None
+    try:
+        with httpx.Client(base_url=base, timeout=args.timeout, trust_env=False) as client:
+            r = client.request(method, path, json=payload, params=clean,
+                               headers={"authorization": f"Bearer {token}"})
+    except httpx.HTTPError as exc:
+        raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
+    try:
+        data = r.json()
+    except ValueError:
+        data = None
+    if r.status_code >= 400:
+        err = (data or {}).get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict):
+            raise AdminError(r.status_code, str(err.get("message")), err.get("code"))
+        raise AdminError(r.status_code, r.text[:500] or r.reason_phrase)
+    return data
+
+
+COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], Any]]]] = {
+    "tenant": [("SLUG", lambda t: t["slug"]), ("STATUS", lambda t: t["status"]),
+               ("REQ/MIN", lambda t: t["requests_per_min"]), ("TOK/MIN", lambda t: t["tokens_per_min"]),
+               ("CONCURRENT", lambda t: t["max_concurrent"]), ("PRIORITY", lambda t: t["priority"])],
+    "base_model": [("NAME", lambda m: m["name"]), ("REVISION", lambda m: m["revision"]),
+                   ("ARCH", lambda m: m["architecture"]), ("HIDDEN", lambda m: m["hidden_size"]),
+                   ("LAYERS", lambda m: m["num_layers"]), ("HEADS", lambda m: f"{m['num_heads']}/{m['num_kv_heads']}"),
+                   ("VOCAB", lambda m: m["vocab_size"])],
+    "adapter": [("ID", lambda a: a["id"]), ("ADAPTER", lambda a: a["label"]), ("BASE", lambda a: a["base_model"]),
+                ("OWNER", lambda a: a["owner_tenant"] or "(shared)"), ("RANK", lambda a: a["rank"]),
+                ("ALPHA", lambda a: f"{a['alpha']:g}"), ("STATUS", lambda a: a["status"]),
+                ("SHA256", lambda a: a["sha256"][:12])],
+    "binding": [("TENANT", lambda b: b["tenant"]), ("ALIAS", lambda b: b["alias"]),
+                ("ACTIVE", lambda b: _label(b["active"])), ("PREVIOUS", lambda b: _label(b["previous"])),
+                ("CANARY", lambda b: f"{_label(b['canary'])} {b['canary_percent']:g}%" if b["canary"] else "-"),
+                ("ENABLED", lambda b: "yes" if b["enabled"] else f"no ({b['on_disabled']})"),
+                ("BASE", lambda b: b["base_model"])],
+    "audit": [("VERSION", lambda e: e["registry_version"]), ("AT", lambda e: (e["at"] or "")[:19]),
+              ("ACTOR", lambda e: e["actor"]), ("ACTION", lambda e: e["action"]), ("TARGET", lambda e: e["target"])],
+}
+
+
+def _label(ref: dict[str, Any] | None) -> str:
+    return ref["label"] if ref else "-"
+
+
+def _table(kind: str, rows: list[dict[str, Any]]) -> str:
+    cols = COLUMNS[kind]
+    cells = [[h for h, _ in cols]] + [[str(fn(r)) for _, fn in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines) if rows else "\n".join(lines[:1]) + "\n(none)"
+
+
+def _show(args: argparse.Namespace, kind: str, data: Any, message: str | None = None) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return
+    if message:
+        print(message)
+    if isinstance(data, dict) and data.get("object") == "list":
+        print(_table(kind, data["data"]))
+    elif isinstance(data, dict):
+        print(_table(kind, [data]))
+
+
+def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except AdminError as exc:
+            where = f"HTTP {exc.status}" if exc.status else "no response"
+            code = f", {exc.code}" if exc.code else ""
+            if args.json:
+                print(json.dumps({"error": {"message": exc.message, "code": exc.code, "status": exc.status}}),
+                      file=sys.stderr)
+            else:
+                print(f"error: {exc.message} ({where}{code})", file=sys.stderr)
+            return EXIT_UNREACHABLE if exc.status == 0 else EXIT_REFUSED
+    return handler
+
+
+def _json_arg(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def _percent_arg(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+
+
+# --- admin: handlers ---------------------------------------------------------------------------------
+
+def _limits_body(args: argparse.Namespace) -> dict[str, Any]:
+    return {"requests_per_min": args.requests_per_min, "tokens_per_min": args.tokens_per_min,
+            "max_concurrent": args.max_concurrent, "priority": args.priority}
+
+
+def _b(args: argparse.Namespace, suffix: str = "") -> str:
+    return f"/tenants/{args.tenant}/bindings/{args.alias}{suffix}"
+
+
+def tenant_create(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a)})
+    _show(a, "tenant", data, f"created tenant {a.slug}")
+    return 0
+
+
+def tenant_list(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "GET", "/tenants", params={"status": a.status}))
+    return 0
+
+
+def tenant_show(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "GET", f"/tenants/{a.slug}"))
+    return 0
+
+
+def tenant_disable(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/disable"), f"disabled tenant {a.slug}")
+    return 0
+
+
+def tenant_enable(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/enable"), f"enabled tenant {a.slug}")
+    return 0
+
+
+def tenant_limits(a: argparse.Namespace) -> int:
+    data = _request(a, "PATCH", f"/tenants/{a.slug}/limits", _limits_body(a))
+    _show(a, "tenant", data, f"updated limits of {a.slug}")
+    return 0
+
+
+def base_model_add(a: argparse.Namespace) -> int:
+    if a.from_model:
+        from loraplex.modelinfo import describe_model
+
+        try:
+            body = describe_model(a.from_model, name=a.name, revision=a.revision).to_dict()
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: cannot describe model {a.from_model}: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+    else:
+        missing = [f for f in ("name", "revision", "architecture", "hidden_size", "intermediate_size",
+                               "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+                   if getattr(a, f) is None]
+        if missing:
+            print("error: give --from-model PATH, or all of: " + ", ".join("--" + m.replace("_", "-")
+                                                                           for m in missing), file=sys.stderr)
+            return 2
+        body = {f: getattr(a, f) for f in ("name", "revision", "architecture", "hidden_size", "intermediate_size",
+                                           "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                                           "context_length")}
+    data = _request(a, "POST", "/base-models", body)
+    _show(a, "base_model", data, f"registered base model {data['name']} at revision {data['revision']}")
+    return 0
+
+
+def base_model_list(a: argparse.Namespace) -> int:
+    _show(a, "base_model", _request(a, "GET", "/base-models"))
+    return 0
+
+
+def adapter_register(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
+                                             "version": a.version, "owner": a.owner,
+                                             "expected_revision": a.expected_revision})
+    _show(a, "adapter", data, f"registered {data['label']} (id {data['id']}), status {data['status']}")
+    return 0
+
+
+def adapter_list(a: argparse.Namespace) -> int:
+    _show(a, "adapter", _request(a, "GET", "/adapters", params={"name": a.name, "base_model": a.base_model,
+                                                                "owner": a.owner, "status": a.status}))
+    return 0
+
+
+def adapter_show(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", f"/adapters/{a.adapter}")
+    _show(a, "adapter", data)
+    if not a.json:
+        print(f"uri: {data['uri']}\ntarget modules: {', '.join(data['target_modules'])}")
+        if data.get("status_reason"):
+            print(f"reason: {data['status_reason']}")
+        if data.get("verification"):
+            print(f"verification: {json.dumps(data['verification'])}")
+    return 0
+
+
+def adapter_activate(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification})
+    _show(a, "adapter", data, f"activated {data['label']}")
+    return 0
+
+
+def adapter_disable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason})
+    _show(a, "adapter", data, f"disabled {data['label']}")
+    return 0
+
+
+def adapter_fail(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/fail", {"reason": a.reason, "verification": a.verification})
+    _show(a, "adapter", data, f"marked {data['label']} failed")
+    return 0
+
+
+def bind(a: argparse.Namespace) -> int:
+    data = _request(a, "PUT", _b(a), {"adapter": a.adapter, "on_disabled": a.on_disabled})
+    _show(a, "binding", data, f"{a.tenant}/{a.alias} -> {_label(data['active'])}")
+    return 0
+
+
+def binding_list(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "GET", "/bindings", params={"tenant": a.tenant}))
+    return 0
+
+
+def binding_show(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "GET", _b(a)))
+    return 0
+
+
+def binding_enable(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "POST", _b(a, "/enable"), {"on_disabled": a.on_disabled}),
+          f"enabled {a.tenant}/{a.alias}")
+    return 0
+
+
+def binding_disable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/disable"), {"on_disabled": a.on_disabled})
+    _show(a, "binding", data, f"disabled {a.tenant}/{a.alias} (requests: "
+          f"{'answered by the base model' if data['on_disabled'] == 'base' else 'refused'})")
+    return 0
+
+
+def rollback(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/rollback"))
+    _show(a, "binding", data, f"rolled {a.tenant}/{a.alias} back to {_label(data['active'])}")
+    return 0
+
+
+def canary_start(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary"), {"adapter": a.adapter, "percent": a.percent})
+    _show(a, "binding", data, f"canary {_label(data['canary'])} at {data['canary_percent']:g}% on {a.tenant}/{a.alias}")
+    return 0
+
+
+def canary_set(a: argparse.Namespace) -> int:
+    data = _request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
+    _show(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
+    return 0
+
+
+def canary_promote(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/promote"))
+    _show(a, "binding", data, f"promoted {_label(data['active'])} on {a.tenant}/{a.alias}")
+    return 0
+
+
+def canary_abort(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "DELETE", _b(a, "/canary")), f"aborted the canary on {a.tenant}/{a.alias}")
+    return 0
+
+
+def audit(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", "/audit", params={"actor": a.actor, "action": a.action, "target": a.target,
+                                                "since_version": a.since_version, "limit": a.limit})
+    _show(a, "audit", data)
+    return 0
+
+
+def version(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", "/version")
+    print(json.dumps(data) if a.json else f"registry version {data['version']}")
+    return 0
+
+
+# --- parsers -----------------------------------------------------------------------------------------
+
+def _help_of(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    def show(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+    return show
+
+
+def register(subparsers: Any) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    m = subparsers.add_parser(
+        "migrate", help="apply the registry schema migrations (alembic upgrade head)", formatter_class=fmt,
+        description="Apply the registry schema migrations to LORAPLEX_DATABASE_URL (default: the embedded "
+                    "SQLite file under LORAPLEX_HOME).\n\nexamples:\n  loraplex migrate\n"
+                    "  loraplex migrate --revision 0001\n  loraplex migrate --down --revision base")
+    m.add_argument("--revision", help="target revision (default: head; with --down: one step back)")
+    m.add_argument("--down", action="store_true", help="downgrade instead of upgrade")
+    m.add_argument("--database-url", help="override LORAPLEX_DATABASE_URL")
+    m.set_defaults(handler=_migrate)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON instead of a table (for scripts)")
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help="gateway base URL (default: LORAPLEX_ADMIN_URL or the gateway host/port)")
+    common.add_argument("--token", default=argparse.SUPPRESS,
+                        help="admin JWT (default: LORAPLEX_ADMIN_TOKEN, else minted from LORAPLEX_JWT_SECRET)")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="HTTP timeout in seconds")
+
+    admin = subparsers.add_parser(
+        "admin", help="operate the registry: tenants, adapters, bindings, canaries, limits, audit",
+        parents=[common], formatter_class=fmt,
+        description="Operate the registry through the gateway's admin API.\n\n"
+                    "typical flow:\n"
+                    "  loraplex admin tenant create acme --tokens-per-min 50000\n"
+                    "  loraplex admin base-model add --from-model ./SmolLM2-135M-Instruct\n"
+                    "  loraplex admin adapter register support-bot support-v1 --base-model SmolLM2-135M-Instruct "
+                    "--owner acme\n"
+                    "  loraplex admin adapter activate support-bot@1\n"
+                    "  loraplex admin bind acme support support-bot@1\n"
+                    "  loraplex admin canary start acme support support-bot@2 --percent 10\n"
+                    "  loraplex admin canary promote acme support\n"
+                    "  loraplex admin rollback acme support\n"
+                    "  loraplex admin audit --target 'binding:acme/*'\n\n"
+                    "Adapters are named by id (uuid) or NAME@VERSION. Exit status: 0 ok, 1 refused, "
+                    "2 usage, 3 admin API unreachable.")
+    admin.set_defaults(handler=_help_of(admin), json=False, url=None, token=None, timeout=30.0)
+    groups = admin.add_subparsers(dest="admin_command", metavar="COMMAND")
+
+    def leaf(parent: Any, name: str, fn: Callable[[argparse.Namespace], int], help_text: str,
+             description: str | None = None) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help_text, description=description or help_text, parents=[common],
+                              formatter_class=fmt)
+        p.set_defaults(handler=_run(fn))
+        return p
+
+    def group(name: str, help_text: str) -> Any:
+        g = groups.add_parser(name, help=help_text, description=help_text, parents=[common])
+        g.set_defaults(handler=_help_of(g))
+        return g.add_subparsers(metavar="COMMAND")
+
+    def limit_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+        p.add_argument("--requests-per-min", type=int, default=600 if defaults else None,
+                       help="requests per minute" + (" (default 600)" if defaults else ""))
+        p.add_argument("--tokens-per-min", type=int, default=100_000 if defaults else None,
+                       help="prompt + completion tokens per minute" + (" (default 100000)" if defaults else ""))
+        p.add_argument("--max-concurrent", type=int, default=16 if defaults else None,
+                       help="requests in flight at once" + (" (default 16)" if defaults else ""))
+        p.add_argument("--priority", choices=["high", "normal", "low"], default="normal" if defaults else None,
+                       help="scheduling class on the workers" + (" (default normal)" if defaults else ""))
+
+    t = group("tenant", "create, list, disable, enable tenants and set their limits")
+    p = leaf(t, "create", tenant_create, "create a tenant")
+    p.add_argument("slug", help="tenant id (a-z, 0-9, '-', '_'); the JWT tenant claim")
+    limit_args(p, True)
+    p = leaf(t, "list", tenant_list, "list tenants")
+    p.add_argument("--status", choices=["active", "disabled"], help="only tenants in this status")
+    p = leaf(t, "show", tenant_show, "show one tenant")
+    p.add_argument("slug")
+    p = leaf(t, "disable", tenant_disable, "disable a tenant: its requests are refused")
+    p.add_argument("slug")
+    p = leaf(t, "enable", tenant_enable, "enable a tenant again")
+    p.add_argument("slug")
+    p = leaf(t, "limits", tenant_limits, "change a tenant's limits or priority (only the options given)")
+    p.add_argument("slug")
+    limit_args(p, False)
+
+    bm = group("base-model", "register and list base models")
+    p = leaf(bm, "add", base_model_add, "register a base model",
+             "Register a base model. With --from-model the dimensions and the content revision are read "
+             "from a local HF directory (config.json + *.safetensors) or a .gguf file; otherwise give them "
+             "all as options.")
+    p.add_argument("--from-model", metavar="PATH", help="HF model directory or .gguf file to describe")
+    p.add_argument("--name", help="registered name (default: derived from the path)")
+    p.add_argument("--revision", help="content revision (default: hash of the model files)")
+    p.add_argument("--architecture")
+    for dim in ("hidden-size", "intermediate-size", "num-layers", "num-heads", "num-kv-heads", "head-dim",
+                "vocab-size", "context-length"):
+        p.add_argument(f"--{dim}", type=int)
+    leaf(bm, "list", base_model_list, "list base models")
+
+    ad = group("adapter", "register, list, activate, disable adapter versions")
+    p = leaf(ad, "register", adapter_register, "register a new adapter version (admission checks run; "
+             "the version starts pending)",
+             "Register an adapter version. The artifact must be a PEFT directory (adapter_config.json + "
+             "adapter_model.safetensors) under the adapter root; the registry checks shapes against the base "
+             "model, rank cap, target modules, NaN/Inf, base revision and pickle files, and refuses with "
+             "the reason.")
+    p.add_argument("name", help="adapter name (versions are numbered per name)")
+    p.add_argument("uri", help="file:// URI or path (relative to the adapter root) of the PEFT directory")
+    p.add_argument("--base-model", required=True, help="base model name the adapter was trained on")
+    p.add_argument("--version", type=int, help="version number (default: the next one)")
+    p.add_argument("--owner", help="owning tenant (default: shared by all tenants)")
+    p.add_argument("--expected-revision", help="refuse unless the registry's base model has this revision")
+    p = leaf(ad, "list", adapter_list, "list adapter versions")
+    p.add_argument("--name")
+    p.add_argument("--base-model")
+    p.add_argument("--owner")
+    p.add_argument("--status", choices=["pending", "active", "disabled", "failed"])
+    p = leaf(ad, "show", adapter_show, "show one adapter version")
+    p.add_argument("adapter", help="id or NAME@VERSION")
+    p = leaf(ad, "activate", adapter_activate, "activate an adapter version (it can then be bound)")
+    p.add_argument("adapter", help="id or NAME@VERSION")
+    p.add_argument("--verification", type=_json_arg, help="JSON object of probe/eval results to record")
+    p = leaf(ad, "disable", adapter_disable, "disable an adapter version (aborts canaries on it and "
+             "disables bindings whose active version it is)")
+    p.add_argument("adapter", help="id or NAME@VERSION")
+    p.add_argument("--reason", help="why (recorded with the version and in the audit log)")
+    p = leaf(ad, "fail", adapter_fail, "mark a pending adapter version failed")
+    p.add_argument("adapter", help="id or NAME@VERSION")
+    p.add_argument("--reason", required=True)
+    p.add_argument("--verification", type=_json_arg, help="JSON object of probe/eval results")
+
+    p = leaf(groups, "bind", bind, "bind a tenant's alias to an active adapter version (the current one "
+             "becomes previous)")
+    p.add_argument("tenant")
+    p.add_argument("alias", help="the model name the tenant's backend sends")
+    p.add_argument("adapter", help="id or NAME@VERSION")
+    p.add_argument("--on-disabled", choices=["base", "refuse"],
+                   help="when the binding is disabled: answer with the base model or refuse (default refuse)")
+    p = leaf(groups, "rollback", rollback, "roll an alias back to its previous version (one step; run "
+             "again to roll forward)")
+    p.add_argument("tenant")
+    p.add_argument("alias")
+
+    c = group("canary", "send a share of an alias's traffic to a new version, then promote or abort")
+    p = leaf(c, "start", canary_start, "start a canary")
+    p.add_argument("tenant")
+    p.add_argument("alias")
+    p.add_argument("adapter", help="id or NAME@VERSION (active, same base model)")
+    p.add_argument("--percent", type=_percent_arg, required=True, help="share of requests, 0 < P <= 100")
+    p = leaf(c, "set", canary_set, "change the canary percent")
+    p.add_argument("tenant")
+    p.add_argument("alias")
+    p.add_argument("percent", type=_percent_arg, help="share of requests, 0 < P <= 100")
+    for name, fn, text in (("promote", canary_promote, "make the canary the active version"),
+                           ("abort", canary_abort, "stop the canary")):
+        p = leaf(c, name, fn, text)
+        p.add_argument("tenant")
+        p.add_argument("alias")
+
+    bg = group("binding", "list, show, enable and disable bindings")
+    p = leaf(bg, "list", binding_list, "list bindings")
+    p.add_argument("--tenant")
+    for name, fn, text in (("show", binding_show, "show one binding"),
+                           ("enable", binding_enable, "enable a binding"),
+                           ("disable", binding_disable, "disable a binding")):
+        p = leaf(bg, name, fn, text)
+        p.add_argument("tenant")
+        p.add_argument("alias")
+        if name != "show":
+            p.add_argument("--on-disabled", choices=["base", "refuse"],
+                           help="while disabled: answer with the base model or refuse")
+
+    p = leaf(groups, "audit", audit, "show the audit trail, newest first")
+    p.add_argument("--actor")
+    p.add_argument("--action", help="e.g. binding.rollback, tenant.limits")
+    p.add_argument("--target", help="e.g. tenant:acme, binding:acme/support, or a prefix ending in *")
+    p.add_argument("--since-version", type=int, help="only changes after this registry version")
+    p.add_argument("--limit", type=int, default=50, help="at most this many entries (1-1000, default 50)")
+    leaf(groups, "version", version, "print the registry version")

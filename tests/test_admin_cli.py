@@ -1,0 +1,173 @@
+"""``loraplex admin`` against a running admin API (uvicorn on a loopback port, real SQLite
+registry): every command group, ``--json`` output, refusals exit nonzero with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from loraplex.cli import main
+from registry.admin_api import admin_app
+from registry.migrate import upgrade
+from registry.service import RegistryService
+from tests.registry_support import TINY, make_settings, write_adapter
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    url = f"sqlite+aiosqlite:///{tmp_path}/registry.db"
+    upgrade(url)
+    settings = make_settings(tmp_path, url)
+    port = _free_port()
+    service = RegistryService(settings)
+    app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings))])
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "admin server did not start"
+        time.sleep(0.02)
+    admin_url = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("LORAPLEX_ADMIN_URL", admin_url)
+    monkeypatch.setenv("LORAPLEX_JWT_SECRET", settings.jwt_secret)
+    monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
+    yield settings, admin_url
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["admin", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(capsys, *argv: str):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_admin_cli_end_to_end(server, capsys, tmp_path):
+    settings, _ = server
+    code, out, _ = run(capsys, "tenant", "create", "acme", "--tokens-per-min", "5000", "--priority", "high")
+    assert code == 0 and "created tenant acme" in out and "5000" in out and "high" in out
+    code, _, err = run(capsys, "tenant", "create", "acme")
+    assert code == 1 and "already exists" in err and "409" in err and "tenant_exists" in err
+    code, _, err = run(capsys, "tenant", "limits", "acme", "--requests-per-min", "-5")
+    assert code == 1 and "422" in err
+    assert run_json(capsys, "tenant", "limits", "acme", "--max-concurrent", "3")["max_concurrent"] == 3
+    assert run_json(capsys, "tenant", "disable", "acme")["status"] == "disabled"
+    assert run_json(capsys, "tenant", "enable", "acme")["status"] == "active"
+    assert [t["slug"] for t in run_json(capsys, "tenant", "list")["data"]] == ["acme"]
+    code, out, _ = run(capsys, "tenant", "list")
+    assert out.splitlines()[0].split()[:2] == ["SLUG", "STATUS"] and "acme" in out
+
+    # base model from a local HF-format directory (config.json + safetensors)
+    model_dir = tmp_path / "tiny-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 128}))
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(model_dir / "model.safetensors"))
+    bm = run_json(capsys, "base-model", "add", "--from-model", str(model_dir), "--name", "tiny")
+    assert (bm["hidden_size"], bm["num_layers"], bm["head_dim"]) == (32, 2, 8) and len(bm["revision"]) == 16
+    tiny = TINY.__class__(**{**TINY.to_dict(), "revision": bm["revision"]})
+    assert [m["name"] for m in run_json(capsys, "base-model", "list")["data"]] == ["tiny"]
+
+    root = Path(settings.resolved_adapter_root())
+    for seed in (1, 2, 3):
+        write_adapter(root / f"support-v{seed}", tiny, seed=seed)
+        a = run_json(capsys, "adapter", "register", "support", f"support-v{seed}", "--base-model", "tiny",
+                     "--owner", "acme")
+        assert a["status"] == "pending" and a["version"] == seed
+        run_json(capsys, "adapter", "activate", f"support@{seed}", "--verification", '{"probe": "ok"}')
+    bad = write_adapter(root / "bad", tiny, config={"r": 999})
+    code, _, err = run(capsys, "adapter", "register", "bad", str(bad), "--base-model", "tiny")
+    assert code == 1 and "rank_too_large" in err
+    code, _, err = run(capsys, "adapter", "register", "bad", "bad", "--base-model", "tiny", "--json")
+    assert code == 1 and json.loads(err)["error"]["code"] == "rank_too_large"
+    code, out, _ = run(capsys, "adapter", "list", "--owner", "acme")
+    assert code == 0 and out.count("support@") == 3
+    code, out, _ = run(capsys, "adapter", "show", "support@1")
+    assert "target modules: q_proj, v_proj" in out and '"probe": "ok"' in out
+
+    code, out, _ = run(capsys, "bind", "acme", "support", "support@1", "--on-disabled", "base")
+    assert code == 0 and "acme/support -> support@1" in out
+    assert run_json(capsys, "bind", "acme", "support", "support@2")["previous"]["label"] == "support@1"
+    code, out, _ = run(capsys, "rollback", "acme", "support")
+    assert code == 0 and "back to support@1" in out
+    code, out, _ = run(capsys, "canary", "start", "acme", "support", "support@3", "--percent", "10")
+    assert code == 0 and "support@3 at 10%" in out
+    code, _, err = run(capsys, "canary", "set", "acme", "support", "0")
+    assert code == 1 and "invalid_percent" in err
+    assert run_json(capsys, "canary", "set", "acme", "support", "40")["canary_percent"] == 40
+    assert run_json(capsys, "canary", "promote", "acme", "support")["active"]["label"] == "support@3"
+    code, _, err = run(capsys, "canary", "abort", "acme", "support")
+    assert code == 1 and "no_canary" in err
+    run_json(capsys, "canary", "start", "acme", "support", "support@2", "--percent", "5")
+    assert run_json(capsys, "canary", "abort", "acme", "support")["canary"] is None
+    assert run_json(capsys, "binding", "disable", "acme", "support")["enabled"] is False
+    assert run_json(capsys, "binding", "enable", "acme", "support")["enabled"] is True
+    code, out, _ = run(capsys, "binding", "list")
+    assert "support@3" in out and "ACTIVE" in out
+    assert run_json(capsys, "binding", "show", "acme", "support")["active"]["label"] == "support@3"
+    code, _, err = run(capsys, "rollback", "acme", "missing")
+    assert code == 1 and "404" in err
+    assert run_json(capsys, "adapter", "disable", "support@1", "--reason", "old")["status"] == "disabled"
+
+    entries = run_json(capsys, "audit", "--target", "binding:acme/*", "--limit", "4")["data"]
+    assert [e["action"] for e in entries] == ["binding.enable", "binding.disable", "binding.canary_abort",
+                                              "binding.canary_start"]
+    assert all(e["actor"] == "cli" for e in entries)
+    code, out, _ = run(capsys, "audit", "--action", "tenant.create")
+    assert code == 0 and "tenant:acme" in out
+    v = run_json(capsys, "version")["version"]
+    assert v == max(e["registry_version"] for e in run_json(capsys, "audit")["data"])
+
+
+def test_admin_cli_auth_and_unreachable(server, capsys, monkeypatch):
+    settings, _ = server
+    from loraplex.tokens import mint
+
+    code, _, err = run(capsys, "tenant", "list", "--token", mint(settings, "x", tenant="acme"))
+    assert code == 1 and "403" in err
+    code, _, err = run(capsys, "tenant", "list", "--token", "garbage")
+    assert code == 1 and "401" in err
+    code, _, err = run(capsys, "tenant", "list", "--url", f"http://127.0.0.1:{_free_port()}")
+    assert code == 3 and "cannot reach" in err
+
+
+def test_admin_cli_subprocess(server, tmp_path):
+    """The installed entry point, as an operator runs it."""
+    _, admin_url = server
+    env = {**os.environ, "LORAPLEX_ADMIN_URL": admin_url}
+    cmd = [sys.executable, "-m", "loraplex.cli", "admin"]
+    r = subprocess.run([*cmd, "tenant", "create", "globex", "--json"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["slug"] == "globex"
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "tenant" in r.stdout and "canary" in r.stdout
+    r = subprocess.run([*cmd, "canary", "--help"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "promote" in r.stdout
