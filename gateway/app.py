@@ -329,17 +329,16 @@ def _default_snapshots(settings: Settings) -> Any:
     return factory(settings) if factory else SnapshotCache(settings)
 
 
-def _admin_app(settings: Settings) -> Any | None:
+def _admin_app(settings: Settings) -> tuple[Any, Any] | tuple[None, None]:
+    """The registry admin API (``registry.admin_api``) and the service behind it, if installed."""
     try:
         from registry.admin_api import admin_app
-
         from registry.service import RegistryService
     except ImportError:
         log.info("registry admin API not available; /admin is not mounted")
-        return None
-    factory = getattr(RegistryService, "from_settings", None)
-    service = factory(settings) if factory else RegistryService(settings)
-    return admin_app(service, settings)
+        return None, None
+    service = RegistryService(settings)
+    return admin_app(service, settings), service
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
@@ -419,6 +418,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _error(500, "internal error", "internal_error")
 
+    admin, admin_service = _admin_app(settings) if mount_admin else (None, None)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         start = getattr(snapshots, "start", None)
@@ -436,6 +437,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             if redis is not None:
                 await limiter.close()
                 await redis.aclose()
+            if admin_service is not None:
+                await admin_service.close()
 
     from starlette.exceptions import HTTPException
 
@@ -447,10 +450,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    if mount_admin:
-        admin = _admin_app(settings)
-        if admin is not None:
-            routes.append(Mount("/admin", app=admin))
+    if admin is not None:
+        routes.append(Mount("/admin", app=admin))
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: not_found, Exception: server_error})
     app.state.gateway = gw
