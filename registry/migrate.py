@@ -12,9 +12,20 @@ from registry.db import ensure_sqlite_dir, make_engine
 
 
 def script_location() -> str:
-    import migrations
+    """The ``migrations`` package directory (installed, editable, or next to ``registry``)."""
+    import importlib.util
 
-    return str(Path(migrations.__file__).resolve().parent)
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec("migrations")
+    if spec is not None:
+        if spec.origin and spec.origin not in ("namespace", "built-in"):
+            candidates.append(Path(spec.origin).parent)
+        candidates += [Path(p) for p in (spec.submodule_search_locations or [])]
+    candidates.append(Path(__file__).resolve().parent.parent / "migrations")
+    for path in candidates:
+        if (path / "env.py").is_file() and (path / "versions").is_dir():
+            return str(path.resolve())
+    raise FileNotFoundError("the registry migrations (migrations/env.py) are not installed")
 
 
 def alembic_config(url: str | None = None) -> Config:
