@@ -1,0 +1,319 @@
+"""The worker's HTTP API (Starlette): OpenAI-shaped completions, health, metrics.
+
+The asyncio side parses and validates requests and streams results; the engine runs
+in its own thread (``Engine.start``). Each request registers a listener that hands
+engine events to its asyncio queue with ``call_soon_threadsafe``. A client that goes
+away (streaming or not) aborts its sequence, which frees its KV blocks at once.
+
+Start one inside another process::
+
+    engine = Engine.from_settings(settings)          # or leave it to the app's lifespan
+    app = create_worker_app(settings, engine=engine)  # ASGI app; serve with uvicorn
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.engine import Engine, PromptTooLongError
+from engine.metrics import WorkerMetrics
+from engine.protocol import (
+    GenerationRequest,
+    RequestError,
+    full_response,
+    now,
+    parse_json,
+    parse_request,
+    stream_chunk,
+    usage_chunk,
+)
+from engine.scheduler import QueueFullError
+from engine.sequence import SeqEvent
+from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
+
+log = logging.getLogger("loraplex.engine.api")
+
+
+def default_worker_id(settings: Any) -> str:
+    return settings.worker_id or f"{socket.gethostname()}-{settings.worker_port}"
+
+
+class WorkerHeaderMiddleware:
+    """Pure ASGI: every response carries ``x-loraplex-worker``."""
+
+    def __init__(self, app: ASGIApp, worker_id: str) -> None:
+        self.app = app
+        self.value = worker_id.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (HDR_WORKER.encode(), self.value)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def _error(status: int, message: str, code: str | None = None, type: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, code=code), status_code=status, headers=headers)
+
+
+class WorkerState:
+    def __init__(self, settings: Any, engine: Engine | None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.owns_engine = engine is None
+        self.worker_id = default_worker_id(settings)
+        self.metrics: WorkerMetrics | None = None
+        self.model_name = ""
+        self.loading_error: str | None = None
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics = WorkerMetrics(engine, self.worker_id)
+        engine.metrics = self.metrics
+        info = engine.info
+        self.model_name = self.settings.model_name or (info.name if info else "") or "base"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def create_worker_app(settings: Any, engine: Engine | None = None, *, residency: Any = None,
+                      report: bool = True) -> Starlette:
+    """The worker ASGI app. Without ``engine`` the lifespan loads one from ``settings``.
+
+    The lifespan starts the engine thread (if not running) and the residency reporter
+    (``report=False`` to skip it); an engine the app loaded itself is stopped on shutdown.
+    """
+    state = WorkerState(settings, engine)
+    if engine is not None:
+        state.attach(engine)
+
+    async def generate(request: Request, kind: str) -> Response:
+        eng = state.engine
+        if eng is None:
+            return _error(503, "the worker is still loading its model", code="loading", type="server_error")
+        try:
+            body = parse_json(await _read_body(request, settings.max_body_bytes))
+            req = parse_request(body, kind, eng.tokenizer, eng.max_model_len, state.model_name)
+        except RequestError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+        if req.ext.adapter is not None and eng.lora_runtime is None:
+            return _error(400, "this worker has no LoRA support; it serves the base model only",
+                          code="adapter_not_supported")
+        headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base"}
+        if req.ext.request_id:
+            headers[HDR_REQUEST_ID] = req.ext.request_id
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+
+        def listener(ev: SeqEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        try:
+            seq = eng.add_request(req.prompt_ids, req.params, adapter=req.ext.adapter, tenant=req.ext.tenant,
+                                  priority=req.ext.priority, request_id=req.ext.request_id, listener=listener)
+        except QueueFullError as exc:
+            if state.metrics:
+                state.metrics.request_done("queue_full")
+            return _error(503, str(exc), code="queue_full", type="server_error", headers={"Retry-After": "1"})
+        except PromptTooLongError as exc:
+            return _error(400, str(exc), code="context_length_exceeded")
+        except ValueError as exc:
+            return _error(400, str(exc), code="invalid_value")
+        created = now()
+        if req.stream:
+            return StreamingResponse(_stream(eng, seq, req, queue, created), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        return await _complete(request, eng, seq, req, queue, created, headers)
+
+    async def _complete(request: Request, eng: Engine, seq: Any, req: GenerationRequest,
+                        queue: asyncio.Queue[SeqEvent], created: int, headers: dict[str, str]) -> Response:
+        async def wait_done() -> SeqEvent:
+            while True:
+                ev = await queue.get()
+                if ev.finished:
+                    return ev
+
+        async def wait_disconnect() -> None:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        done = asyncio.ensure_future(wait_done())
+        gone = asyncio.ensure_future(wait_disconnect())
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():
+                done.cancel()
+                eng.abort(seq)
+                if state.metrics:
+                    state.metrics.request_done("client_gone")
+        if not done.done() or done.cancelled():
+            return Response(status_code=499)
+        ev = done.result()
+        if ev.finish_reason == "error":
+            if state.metrics:
+                state.metrics.request_done("error")
+            return _error(503, ev.error or "generation failed", code="engine_error", type="server_error",
+                          headers=headers)
+        if state.metrics:
+            state.metrics.request_done("ok")
+        text = seq.output_text
+        return JSONResponse(full_response(req, text, ev.finish_reason, len(seq.output_ids), created),
+                            headers=headers)
+
+    async def _stream(eng: Engine, seq: Any, req: GenerationRequest, queue: asyncio.Queue[SeqEvent],
+                      created: int) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if req.kind == "chat":
+                yield _sse(stream_chunk(req, created, "", None, first=True))
+            while True:
+                ev = await queue.get()
+                if ev.finish_reason == "error":
+                    yield _sse(error_body(ev.error or "generation failed", type="server_error",
+                                          code="engine_error"))
+                    finished = True
+                    if state.metrics:
+                        state.metrics.request_done("error")
+                    break
+                if ev.text_delta:
+                    yield _sse(stream_chunk(req, created, ev.text_delta, None))
+                if ev.finished:
+                    finished = True
+                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason))
+                    if req.include_usage:
+                        yield _sse(usage_chunk(req, created, len(seq.output_ids)))
+                    if state.metrics:
+                        state.metrics.request_done("ok")
+                    break
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:  # client went away (generator closed or cancelled)
+                eng.abort(seq)
+                if state.metrics:
+                    state.metrics.request_done("client_gone")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def health(request: Request) -> Response:
+        eng = state.engine
+        if eng is None:
+            status = "error" if state.loading_error else "loading"
+            return JSONResponse({"status": status, "worker_id": state.worker_id, "error": state.loading_error},
+                                status_code=503)
+        info = eng.info
+        body = {"status": "ok", "worker_id": state.worker_id, "model": state.model_name,
+                "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
+                "lora": eng.lora_runtime is not None, **eng.load()}
+        return JSONResponse(body)
+
+    async def metrics(request: Request) -> Response:
+        if state.metrics is None:
+            return Response(b"", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(request: Request) -> Response:
+        data = [{"id": state.model_name, "object": "model", "owned_by": "loraplex"}] if state.engine else []
+        return JSONResponse({"object": "list", "data": data})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if state.engine is None:
+            try:
+                state.attach(await asyncio.to_thread(Engine.from_settings, settings))
+            except Exception as exc:
+                state.loading_error = str(exc)
+                raise
+        eng = state.engine
+        assert eng is not None
+        started_here = not eng.running_thread
+        eng.start()
+        task = None
+        closer = None
+        if report:
+            from engine.reporter import report_forever, residency_store
+
+            store = residency
+            if store is None:
+                store, closer = residency_store(settings)
+            task = asyncio.create_task(report_forever(eng, store, state.worker_id,
+                                                      settings.resolved_worker_url(), settings))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer.aclose()
+            if started_here or state.owns_engine:
+                await asyncio.to_thread(eng.stop)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        detail = getattr(exc, "detail", None) or "not found"
+        return _error(status, str(detail), code="not_found" if status == 404 else None)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s", request.url.path)
+        return _error(500, "internal worker error", code="internal_error", type="server_error")
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app.state.worker = state
+    app.add_middleware(WorkerHeaderMiddleware, worker_id=state.worker_id)
+    return app

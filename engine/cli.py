@@ -1,0 +1,52 @@
+"""``loraplex worker`` and ``loraplex fetch-demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.api import create_worker_app
+    from loraplex.settings import get_settings
+
+    overrides: dict[str, Any] = {}
+    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "threads"):
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[key] = value
+    settings = get_settings().replace(**overrides)
+    logging.basicConfig(level=settings.log_level)
+    app = create_worker_app(settings)
+    uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())
+    return 0
+
+
+def _fetch_demo(args: argparse.Namespace) -> int:
+    from engine.fetch_demo import FetchError, fetch_demo
+    from loraplex.settings import get_settings
+
+    try:
+        path = fetch_demo(get_settings())
+    except FetchError as exc:
+        print(f"error: {exc}")
+        return 1
+    print(path)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    w = subparsers.add_parser("worker", help="run an engine worker (OpenAI-shaped API over one base model)")
+    w.add_argument("--model", help="HF directory or .gguf file (default: LORAPLEX_MODEL, else the demo model)")
+    w.add_argument("--host", dest="worker_host")
+    w.add_argument("--port", dest="worker_port", type=int)
+    w.add_argument("--worker-id", dest="worker_id")
+    w.add_argument("--device")
+    w.add_argument("--dtype")
+    w.add_argument("--threads", type=int)
+    w.set_defaults(handler=_worker)
+    f = subparsers.add_parser("fetch-demo", help="fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)")
+    f.set_defaults(handler=_fetch_demo)

@@ -1,0 +1,67 @@
+"""Publish this worker's residency and load (``WorkerReport``) every ``report_interval_s``.
+
+The store is the process-wide in-memory table on the embedded default and Redis
+otherwise. Adapter residency comes from the LoRA runtime when one is plugged in: it
+may expose ``report_fields() -> dict`` with ``device_adapters`` / ``host_adapters`` /
+``disk_adapters`` lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from loraplex.residency import ResidencyStore
+from loraplex.wire import WorkerReport
+
+log = logging.getLogger("loraplex.engine.reporter")
+
+
+def build_report(engine: Any, worker_id: str, url: str, settings: Any) -> WorkerReport:
+    load = engine.load()
+    info = engine.info
+    report = WorkerReport(
+        worker_id=worker_id, url=url,
+        base_model=info.name if info else "", base_revision=info.revision if info else "",
+        queue_depth=load["queue_depth"], running=load["running"],
+        free_kv_blocks=load["kv_blocks_total"] - load["kv_blocks_used"],
+        total_kv_blocks=load["kv_blocks_total"], max_num_seqs=engine.config.max_num_seqs,
+        max_loras=settings.max_loras,
+    )
+    rt = engine.lora_runtime
+    if rt is not None and hasattr(rt, "report_fields"):
+        for key, value in rt.report_fields().items():
+            setattr(report, key, list(value))
+    return report
+
+
+def residency_store(settings: Any) -> tuple[ResidencyStore, Any]:
+    """The store for these settings and a closer (or None)."""
+    if settings.embedded:
+        from loraplex.residency import process_residency
+
+        return process_residency(), None
+    import redis.asyncio as aioredis
+
+    from loraplex.residency import RedisResidency
+
+    client = aioredis.from_url(settings.redis_url)
+    return RedisResidency(client, settings.redis_prefix), client
+
+
+async def report_forever(engine: Any, store: ResidencyStore, worker_id: str, url: str, settings: Any) -> None:
+    interval = max(0.05, float(settings.report_interval_s))
+    ttl = max(settings.worker_report_ttl_s, 3 * interval)
+    try:
+        while True:
+            try:
+                await store.publish(build_report(engine, worker_id, url, settings), ttl)
+            except Exception as exc:  # a flaky store must not kill the worker
+                log.warning("residency report failed: %s", exc)
+            await asyncio.sleep(interval)
+    finally:
+        try:
+            await asyncio.shield(store.remove(worker_id))
+        except Exception:
+            pass
