@@ -98,6 +98,10 @@ class SnapshotCache:
                                                               if is_postgres(self.database_url) else {}))
         self._sub = self.bus.subscribe()
         await self._sub.start()
+        try:  # listen before the first load, so no change between the two is missed
+            await asyncio.wait_for(self._sub.connected.wait(), timeout=2.0)
+        except TimeoutError:
+            log.warning("registry change listener not connected yet; relying on periodic refresh until it is")
         try:
             await self.refresh()
         except Exception as exc:
