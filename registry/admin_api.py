@@ -6,7 +6,8 @@ Every route but ``GET /openapi.json`` needs ``Authorization: Bearer <JWT>`` carr
 ``settings.jwt_admin_scope`` (missing/bad token: 401; a token without the scope: 403).
 Errors use the OpenAI shape (``loraplex.wire.error_body``): malformed JSON 400, unknown
 tenant/adapter/alias 404, duplicates and state conflicts 409, bad values and admission
-refusals 422 (``code`` names the reason), registry database down 503. Never a stack trace.
+refusals 422 (``code`` names the reason), body over ``max_body_bytes`` 413, registry
+database down (or its schema missing) 503. Never a stack trace.
 
 One table (``OPERATIONS``) drives both the routes and the OpenAPI document.
 """
@@ -434,6 +435,8 @@ def admin_app(service: RegistryService, settings: Settings) -> Starlette:
                     return _error(403, "this token lacks the admin scope", "permission_error", "insufficient_scope")
                 body: dict[str, Any] = {}
                 raw = await request.body()
+                if len(raw) > settings.max_body_bytes:
+                    return _error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
                 if op.body is not None:
                     try:
                         parsed = json.loads(raw) if raw.strip() else {}

@@ -29,7 +29,14 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import func, or_, select, update
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    DataError,
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -220,13 +227,8 @@ class RegistryService:
             raise Conflict(f"the change conflicts with existing registry rows: {_short(exc)}") from None
         except DataError as exc:
             raise Invalid(f"a value does not fit the registry schema: {_short(exc)}") from None
-        except (OperationalError, InterfaceError, OSError, ConnectionError, TimeoutError) as exc:
-            log.warning("registry write failed: database unavailable: %s", _short(exc))
-            raise Unavailable("the registry database is unavailable; nothing was changed") from None
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise Unavailable("the registry database is unavailable; nothing was changed") from None
-            raise
+        except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
+            raise _unavailable(exc, "nothing was changed") from None
         await self.bus.announce_committed(version)
         return result
 
@@ -241,9 +243,8 @@ class RegistryService:
                 return await op(session)
         except RegistryError:
             raise
-        except (OperationalError, InterfaceError, OSError, ConnectionError, TimeoutError) as exc:
-            log.warning("registry read failed: database unavailable: %s", _short(exc))
-            raise Unavailable("the registry database is unavailable") from None
+        except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
+            raise _unavailable(exc, "try again") from None
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -813,6 +814,22 @@ class _NoChange(Exception):
     def __init__(self, result: Any) -> None:
         super().__init__("no change")
         self.result = result
+
+
+def _unavailable(exc: BaseException, tail: str) -> RegistryError:
+    """Database errors that are not about the request: schema missing, or the database down."""
+    text = _short(exc).lower()
+    if isinstance(exc, ProgrammingError | OperationalError) and (
+            "no such table" in text or ("does not exist" in text and "relation" in text)):
+        log.error("registry schema missing: %s", _short(exc))
+        return Unavailable(f"the registry schema is missing or outdated (run `loraplex migrate`); {tail}",
+                           code="registry_schema_missing")
+    if isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError | InterfaceError) \
+            and not exc.connection_invalidated:
+        log.error("registry database error: %s", _short(exc))
+        return Unavailable(f"the registry database failed the operation; {tail}", code="registry_error")
+    log.warning("registry database unavailable: %s", _short(exc))
+    return Unavailable(f"the registry database is unavailable; {tail}")
 
 
 def _short(exc: BaseException) -> str:

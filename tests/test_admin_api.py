@@ -196,3 +196,20 @@ async def test_database_down_answers_503(tmp_path):
         _err(await client.post("/tenants/acme/bindings/x/rollback"), 503)
         _err(await client.get("/tenants"), 503)
     await service.close()
+
+
+async def test_missing_schema_answers_503(db_url, tmp_path):
+    from registry.migrate import downgrade_async
+
+    await fresh_registry(db_url)
+    await downgrade_async(db_url)
+    settings = make_settings(tmp_path, db_url, max_body_bytes=1000)
+    service = RegistryService(settings)
+    headers = {"authorization": f"Bearer {mint_admin(settings)}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mounted(admin_app(service, settings))),
+                                 base_url="http://t/admin", headers=headers) as client:
+        e = _err(await client.post("/tenants", json={"slug": "acme"}), 503, "registry_schema_missing")
+        assert "loraplex migrate" in e["message"]
+        _err(await client.get("/tenants"), 503, "registry_schema_missing")
+        _err(await client.post("/tenants", json={"slug": "a" * 2000}), 413, "body_too_large")
+    await service.close()

@@ -290,3 +290,40 @@ async def test_concurrent_binding_races_lose_no_update(svc):
     assert final["row_version"] == chain[-1]["after"]["row_version"]
     assert final["active"] == chain[-1]["after"]["active"] and final["canary"] == chain[-1]["after"]["canary"]
     assert await svc.version() >= binding_versions[-1]
+
+
+async def test_every_change_is_audited_at_its_own_version(svc):
+    """Every registry version from 1 to the current one has its audit row(s), and every kind
+    of operation appears in the log with before/after states."""
+    await svc.register_base_model(TINY)
+    await svc.create_tenant("acme")
+    await svc.set_tenant_limits("acme", requests_per_min=5)
+    await svc.disable_tenant("acme")
+    await svc.enable_tenant("acme")
+    v1 = await _adapter(svc, "support", owner="acme", seed=1)
+    v2 = await _adapter(svc, "support", owner="acme", seed=2)
+    v3 = await _adapter(svc, "support", owner="acme", seed=3, activate=False)
+    await svc.fail_adapter(v3["id"], reason="probe failed")
+    await svc.bind("acme", "support", v1["id"])
+    await svc.bind("acme", "support", v2["id"])
+    await svc.rollback("acme", "support")
+    await svc.canary_start("acme", "support", v2["id"], 5)
+    await svc.canary_set("acme", "support", 50)
+    await svc.canary_promote("acme", "support")
+    await svc.canary_start("acme", "support", v1["id"], 5)
+    await svc.canary_abort("acme", "support")
+    await svc.set_binding_enabled("acme", "support", False)
+    await svc.set_binding_enabled("acme", "support", True)
+    await svc.disable_adapter(v1["id"])
+    entries = await svc.audit(limit=1000)
+    assert {e["registry_version"] for e in entries} == set(range(1, await svc.version() + 1))
+    assert {e["action"] for e in entries} == {
+        "base_model.register", "tenant.create", "tenant.limits", "tenant.disable", "tenant.enable",
+        "adapter.register", "adapter.activate", "adapter.fail", "adapter.disable", "binding.create",
+        "binding.bind", "binding.rollback", "binding.canary_start", "binding.canary_set",
+        "binding.canary_promote", "binding.canary_abort", "binding.disable", "binding.enable"}
+    for e in entries:
+        assert e["after"] is not None and e["actor"] == "admin" and e["at"]
+        assert (e["before"] is None) == e["action"].endswith(("create", "register"))
+    reg = next(e for e in entries if e["action"] == "adapter.register" and e["after"]["id"] == v1["id"])
+    assert reg["target"] == f"adapter:{v1['id']}" and reg["after"]["sha256"] == v1["sha256"]
