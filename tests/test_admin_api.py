@@ -213,3 +213,36 @@ async def test_missing_schema_answers_503(db_url, tmp_path):
         _err(await client.get("/tenants"), 503, "registry_schema_missing")
         _err(await client.post("/tenants", json={"slug": "a" * 2000}), 413, "body_too_large")
     await service.close()
+
+
+async def test_responses_match_the_openapi_document(api):
+    """Real responses validate against the schemas the document publishes (JSON Schema 2020-12)."""
+    from jsonschema import Draft202012Validator
+
+    doc = (await api.get("/openapi.json")).json()
+    for schema in doc["components"]["schemas"].values():
+        Draft202012Validator.check_schema(schema)
+
+    def check(method: str, path: str, r: httpx.Response) -> None:
+        op = doc["paths"][path][method]
+        status = str(r.status_code)
+        assert status in op["responses"], (method, path, status)
+        schema = op["responses"][status]["content"]["application/json"]["schema"]
+        Draft202012Validator({**schema, "components": doc["components"]}).validate(r.json())
+
+    check("post", "/tenants", await api.post("/tenants", json={"slug": "acme"}))
+    check("post", "/tenants", await api.post("/tenants", json={"slug": "acme"}))  # 409 error shape
+    check("get", "/tenants", await api.get("/tenants"))
+    check("post", "/base-models", await api.post("/base-models", json=TINY.to_dict()))
+    check("get", "/base-models", await api.get("/base-models"))
+    write_adapter(Path(api.settings.resolved_adapter_root()) / "a", TINY)
+    r = await api.post("/adapters", json={"name": "bot", "uri": "a", "base_model": "tiny"})
+    check("post", "/adapters", r)
+    check("post", "/adapters/{ref}/activate", await api.post("/adapters/bot@1/activate", json={}))
+    check("get", "/adapters", await api.get("/adapters"))
+    check("put", "/tenants/{slug}/bindings/{alias}", await api.put("/tenants/acme/bindings/bot",
+                                                                   json={"adapter": "bot@1"}))
+    check("get", "/bindings", await api.get("/bindings"))
+    check("post", "/tenants/{slug}/bindings/{alias}/rollback", await api.post("/tenants/acme/bindings/bot/rollback"))
+    check("get", "/audit", await api.get("/audit"))
+    check("get", "/version", await api.get("/version"))
