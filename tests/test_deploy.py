@@ -1,0 +1,430 @@
+"""Deployment files: docker-compose, Dockerfiles, Kubernetes manifests, Prometheus, Grafana.
+
+Structural checks that need no container engine or cluster: every loraplex process is
+configured only through ``LORAPLEX_*`` variables that ``Settings`` knows and can parse,
+services start in the right order, the Kubernetes manifests validate against the API
+schemas (``kubernetes-validate``, strict: unknown fields are errors), and every dashboard
+panel queries a ``loraplex_`` metric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from loraplex.cli import COMMANDS
+from loraplex.settings import PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+K8S_VERSION = "1.30"
+SETTINGS_KEYS = {PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+OUR_IMAGES = {"loraplex", "loraplex-cuda"}
+
+
+# --- docker-compose ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _ours(svc: dict[str, Any]) -> bool:
+    return "build" in svc or str(svc.get("image", "")).split(":")[0] in OUR_IMAGES
+
+
+def _env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def test_compose_has_the_whole_system(compose):
+    services = compose["services"]
+    for name in ("postgres", "redis", "migrate", "gateway", "worker-1", "worker-2"):
+        assert name in services, name
+    for name, svc in services.items():
+        assert "image" in svc or "build" in svc, name
+        if "build" in svc:
+            assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file(), name
+
+
+def test_compose_loraplex_services_use_only_known_settings(compose):
+    for name, svc in compose["services"].items():
+        if not _ours(svc):
+            continue
+        env = _env(svc)
+        assert env, f"{name} has no environment"
+        unknown = sorted(set(env) - SETTINGS_KEYS)
+        assert not unknown, f"{name}: not LORAPLEX_* settings: {unknown}"
+        # Resolve ${VAR:-default} as compose would with nothing set, then parse like the processes do.
+        resolved = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+        settings = Settings.from_env(resolved)
+        db, redis = urlsplit(settings.database_url), urlsplit(settings.redis_url)
+        assert (db.scheme, db.hostname) == ("postgresql+asyncpg", "postgres"), name
+        assert (redis.scheme, redis.hostname) == ("redis", "redis"), name
+        assert settings.jwt_secret != Settings().jwt_secret, f"{name} uses the development JWT secret"
+
+
+def test_compose_third_party_images_use_their_own_env_only(compose):
+    services = compose["services"]
+    assert set(_env(services["postgres"])) <= {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"}
+    assert not _env(services["redis"])
+    assert set(_env(services.get("grafana", {}))) <= {"GF_AUTH_ANONYMOUS_ENABLED", "GF_AUTH_ANONYMOUS_ORG_ROLE"}
+
+
+def test_compose_commands_are_loraplex_commands(compose):
+    for name, svc in compose["services"].items():
+        if _ours(svc):
+            assert svc["command"][0] in COMMANDS, name
+    services = compose["services"]
+    assert services["migrate"]["command"] == ["migrate"]
+    assert services["gateway"]["command"] == ["gateway"]
+    assert services["worker-1"]["command"] == services["worker-2"]["command"] == ["worker"]
+
+
+def test_compose_start_order_and_healthchecks(compose):
+    services = compose["services"]
+    allowed = {"service_started", "service_healthy", "service_completed_successfully"}
+    for name, svc in services.items():
+        deps = svc.get("depends_on") or {}
+        assert isinstance(deps, dict), f"{name}: depends_on needs conditions"
+        for dep, spec in deps.items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert spec["condition"] in allowed, name
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep} health, which has no check"
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("gateway", "worker-1", "worker-2"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert "healthcheck" in services[name], name
+    assert "/readyz" in " ".join(services["gateway"]["healthcheck"]["test"])
+    for name in ("worker-1", "worker-2"):
+        assert "/health" in " ".join(services[name]["healthcheck"]["test"])
+
+
+def test_compose_workers_have_distinct_identities_they_can_be_reached_at(compose):
+    services = compose["services"]
+    seen_ids, seen_urls = set(), set()
+    for name in ("worker-1", "worker-2"):
+        s = Settings.from_env(_env(services[name]))
+        assert s.worker_id and s.worker_id not in seen_ids
+        assert s.worker_url == f"http://{name}:{s.worker_port}", "advertised URL must be the service name"
+        assert s.worker_host == "0.0.0.0"
+        assert s.model.startswith("/var/lib/loraplex/models/")
+        mounts = {v.split(":")[1] for v in services[name]["volumes"]}
+        assert str(Path(s.model).parent) in mounts, "the model volume is not mounted where LORAPLEX_MODEL points"
+        seen_ids.add(s.worker_id)
+        seen_urls.add(s.worker_url)
+    gateway = Settings.from_env(_env(services["gateway"]))
+    assert gateway.gateway_host == "0.0.0.0"
+    assert f"{gateway.gateway_port}:{gateway.gateway_port}" in services["gateway"]["ports"]
+
+
+def test_compose_bind_mounts_exist(compose):
+    for name, svc in compose["services"].items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (ROOT / src).exists(), f"{name} mounts missing {src}"
+            else:
+                assert src in compose["volumes"], f"{name} uses undeclared volume {src}"
+
+
+def _docker_compose_available() -> bool:
+    if not shutil.which("docker"):
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _docker_compose_available(), reason="docker compose plugin not installed")
+def test_docker_compose_config_parses():
+    proc = subprocess.run(["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- Dockerfiles ---------------------------------------------------------------------------
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_dockerfile_references_existing_paths_and_commands(name):
+    path = DEPLOY / name
+    ins = _instructions(path)
+    stages = [rest for op, rest in ins if op == "FROM"]
+    assert len(stages) >= 2, "multi-stage build expected"
+    ignore = (DEPLOY / f"{name}.dockerignore").read_text().splitlines()
+    included = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    for op, rest in ins:
+        if op == "COPY" and "--from=" not in rest:
+            parts = [p for p in rest.split() if not p.startswith("--")]
+            for src in parts[:-1]:
+                assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+                assert src.rstrip("/") in included, f"{name}: {src} is excluded by the .dockerignore"
+        if op == "RUN":
+            for cmd in re.findall(r"\bloraplex ([a-z-]+)", rest):
+                assert cmd in COMMANDS or cmd.startswith("-"), f"{name}: unknown command loraplex {cmd}"
+    assert ("ENTRYPOINT", '["loraplex"]') in ins
+    cmd = json.loads(next(rest for op, rest in ins if op == "CMD"))
+    assert cmd[0] in COMMANDS
+    user = [rest for op, rest in ins if op == "USER"]
+    assert user and not user[-1].startswith(("root", "0")), "the image must not run as root"
+    env = " ".join(rest for op, rest in ins if op == "ENV")
+    for key in re.findall(r"\b(LORAPLEX_[A-Z_]+)=", env):
+        assert key in SETTINGS_KEYS, f"{name}: {key} is not a setting"
+    if name == "Dockerfile":
+        assert stages[-1].startswith("${PYTHON_IMAGE}") and "ARG PYTHON_IMAGE=python:3.11-slim" in path.read_text()
+    else:
+        assert "nvidia/cuda:" in path.read_text()
+
+
+# --- Kubernetes ----------------------------------------------------------------------------
+
+def _k8s_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[str, dict[str, Any]]:
+    """``"Kind/name" -> manifest`` for every manifest file (the kustomization excluded)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted(K8S.glob("*.yaml")):
+        if f.name == "kustomization.yaml":
+            continue
+        for doc in _k8s_docs(f):
+            key = f"{doc['kind']}/{doc['metadata']['name']}"
+            assert key not in out, f"duplicate {key}"
+            out[key] = doc
+    return out
+
+
+def test_k8s_manifests_validate_strictly(k8s):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for key, doc in k8s.items():
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{key}: {exc.message}")
+
+
+def test_k8s_validation_catches_a_broken_manifest(k8s):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import copy
+
+    broken = copy.deepcopy(k8s["Deployment/loraplex-gateway"])
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {"path": "/"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest_but_the_secret_template(k8s):
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert set(kust["resources"]) == files
+    assert kust["namespace"] == "loraplex"
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed")
+def test_kustomize_build_validates():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    proc = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert len(docs) >= 10
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "loraplex", doc["metadata"]["name"]
+
+
+def _pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"]
+
+
+def _workloads(k8s: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in k8s.items() if v["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def test_k8s_containers_are_hardened_and_sized(k8s):
+    for key, doc in _workloads(k8s).items():
+        pod = _pod_spec(doc)
+        assert pod["securityContext"]["runAsNonRoot"] is True, key
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert c["image"].split(":")[0] in OUR_IMAGES, key
+            assert c["args"][0] in COMMANDS, f"{key}: {c['args']} is not a loraplex command"
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, key
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], key
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), key
+            assert {"cpu", "memory"} <= set(c["resources"]["limits"]), key
+
+
+def test_k8s_settings_come_from_the_configmap_and_the_named_secret(k8s):
+    config = k8s["ConfigMap/loraplex-config"]["data"]
+    assert set(config) <= SETTINGS_KEYS, sorted(set(config) - SETTINGS_KEYS)
+    Settings.from_env({k: v for k, v in config.items()})  # every value parses
+    secret = k8s["Secret/loraplex-secrets"]["stringData"]
+    assert set(secret) <= SETTINGS_KEYS
+    assert {"LORAPLEX_DATABASE_URL", "LORAPLEX_JWT_SECRET", "LORAPLEX_WORKER_SECRET"} <= set(secret)
+    assert not set(secret) & set(config), "a secret must not also sit in the ConfigMap"
+    for key, doc in _workloads(k8s).items():
+        for c in _pod_spec(doc).get("initContainers", []) + _pod_spec(doc)["containers"]:
+            refs = c["envFrom"]
+            assert {"configMapRef": {"name": "loraplex-config"}} in refs, key
+            for item in c.get("env", []):
+                assert item["name"] in SETTINGS_KEYS or item["name"].startswith("POD_"), item["name"]
+        main = _pod_spec(doc)["containers"][0]
+        assert {"secretRef": {"name": "loraplex-secrets"}} in main["envFrom"], key
+
+
+def test_k8s_gateway_probes_scaling_and_disruption_budget(k8s):
+    dep = k8s["Deployment/loraplex-gateway"]
+    c = _pod_spec(dep)["containers"][0]
+    assert c["args"] == ["gateway"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    config = Settings.from_env(k8s["ConfigMap/loraplex-config"]["data"])
+    assert port == config.gateway_port
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    svc = k8s["Service/loraplex-gateway"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    hpa = k8s["HorizontalPodAutoscaler/loraplex-gateway"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "loraplex-gateway"}
+    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    pdb = k8s["PodDisruptionBudget/loraplex-gateway"]["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_k8s_workers_get_a_gpu_and_a_stable_advertised_url(k8s):
+    sts = k8s["StatefulSet/loraplex-worker"]
+    headless = k8s["Service/loraplex-worker"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+    pod = _pod_spec(sts)
+    c = pod["containers"][0]
+    assert c["args"] == ["worker"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["LORAPLEX_WORKER_ID"]["value"] == "$(POD_NAME)"
+    url = env["LORAPLEX_WORKER_URL"]["value"]
+    config = Settings.from_env(k8s["ConfigMap/loraplex-config"]["data"])
+    assert url == f"http://$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE).svc:{config.worker_port}"
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    assert port == config.worker_port == headless["spec"]["ports"][0]["port"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health", probe
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert str(Path(env["LORAPLEX_MODEL"]["value"]).parent) in mounts
+    assert config.resolved_adapter_root() in mounts
+
+
+def test_k8s_migrate_job(k8s):
+    job = k8s["Job/loraplex-migrate"]
+    c = _pod_spec(job)["containers"][0]
+    assert c["args"] == ["migrate"]
+    assert _pod_spec(job)["restartPolicy"] in ("OnFailure", "Never")
+
+
+# --- Prometheus and Grafana ----------------------------------------------------------------
+
+def test_prometheus_scrapes_gateway_and_every_compose_worker(compose):
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom["global"]["scrape_interval"]
+    targets = {}
+    for job in prom["scrape_configs"]:
+        assert job["job_name"] and job.get("metrics_path", "/metrics") == "/metrics"
+        for sc in job["static_configs"]:
+            for t in sc["targets"]:
+                host, port = t.split(":")
+                targets[host] = int(port)
+    services = compose["services"]
+    assert targets["gateway"] == Settings.from_env(_env(services["gateway"])).gateway_port
+    for name in ("worker-1", "worker-2"):
+        assert targets[name] == Settings.from_env(_env(services[name])).worker_port
+
+
+def test_prometheus_kubernetes_variant_discovers_annotated_pods(k8s):
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
+    job = prom["scrape_configs"][0]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    keep = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    assert keep and keep[0]["source_labels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"]
+    for key in ("Deployment/loraplex-gateway", "StatefulSet/loraplex-worker"):
+        ann = k8s[key]["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true"
+        port = int(ann["prometheus.io/port"])
+        assert port in {p["containerPort"] for p in _pod_spec(k8s[key])["containers"][0]["ports"]}
+
+
+DASHBOARD_METRIC = re.compile(r"\b(loraplex_[a-z0-9_]+)")
+
+
+def _balanced(expr: str) -> bool:
+    depth = {"(": 0, "{": 0, "[": 0}
+    closing = {")": "(", "}": "{", "]": "["}
+    for ch in expr:
+        if ch in depth:
+            depth[ch] += 1
+        elif ch in closing:
+            depth[closing[ch]] -= 1
+            if depth[closing[ch]] < 0:
+                return False
+    return all(v == 0 for v in depth.values())
+
+
+def test_dashboard_panels_each_query_a_loraplex_metric():
+    dash = json.loads((DEPLOY / "grafana" / "loraplex-dashboard.json").read_text())
+    assert dash["uid"] and dash["title"]
+    panels = dash["panels"]
+    assert len(panels) >= 10
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    for p in panels:
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            expr = t["expr"]
+            assert DASHBOARD_METRIC.search(expr), f"{p['title']}: {expr}"
+            assert _balanced(expr), f"{p['title']}: unbalanced {expr}"
+            for call in re.findall(r"\brate\(([^()]*)\)", expr):
+                assert re.search(r"\[[^\]]+\]$", call), f"{p['title']}: rate() without a range: {expr}"
+                for m in DASHBOARD_METRIC.findall(call):
+                    assert m.endswith(("_total", "_bucket")), f"{p['title']}: rate() over a non-counter {m}"
+    titles = " ".join(p["title"].lower() for p in panels)
+    for topic in ("per tenant", "429", "p99", "first token", "tokens/s", "queue", "kv", "tier", "evictions"):
+        assert topic in titles, topic
+
+
+def test_dashboard_gateway_metrics_match_the_gateway_exporter():
+    """The gateway metrics the dashboard reads are the ones gateway/metrics.py defines."""
+    source = ROOT / "gateway" / "metrics.py"
+    if not source.is_file():
+        pytest.skip("gateway/metrics.py not present")
+    defined = set(re.findall(r'"(loraplex_gateway_[a-z0-9_]+)"', source.read_text()))
+    dash = (DEPLOY / "grafana" / "loraplex-dashboard.json").read_text()
+    used = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in DASHBOARD_METRIC.findall(dash)
+            if m.startswith("loraplex_gateway_")}
+    pending = {"loraplex_gateway_ttft_seconds"}  # time to first token, measured at the gateway
+    assert used - defined <= pending, sorted(used - defined)
