@@ -32,6 +32,7 @@ from gateway.proxy import Upstream, read_rest, relay_sse, sse_error, usage_of, u
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
 from gateway.resolve import Resolver
 from gateway.router import Router
+from gateway.transport import H11Transport
 from gateway.validate import validate
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
@@ -39,6 +40,8 @@ from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, PRIO
 from registry.snapshot import RegistrySnapshot
 
 log = logging.getLogger("loraplex.gateway")
+HDR_FALLBACK = "x-loraplex-fallback"
+"""Set when a disabled binding was answered by the base model instead of its adapter."""
 access_log = logging.getLogger("loraplex.gateway.access")
 
 
@@ -130,6 +133,8 @@ class Gateway:
             res = self.resolver.resolve(snapshot, tenant, req.model, req.user or request_id)
             label = res.label
             base_headers[HDR_ADAPTER] = res.label
+            if res.fallback:
+                base_headers[HDR_FALLBACK] = "binding-disabled"
             decision = await self.limiter.acquire(
                 tenant.slug, Limits(tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent),
                 req.reserve_tokens, self.lease_ttl_s)
@@ -351,7 +356,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     * ``limiter``: ``RedisLimiter`` (with a local fallback) when ``redis_url`` is set,
       else the in-process ``LocalLimiter``;
     * ``residency``: ``RedisResidency`` when ``redis_url`` is set, else the process table;
-    * ``http_client``: one pooled ``httpx.AsyncClient`` for every upstream call.
+    * ``http_client``: one pooled ``httpx.AsyncClient`` for every upstream call (over the lean
+      keep-alive ``H11Transport``).
 
     Components passed in are started/stopped by their owner, except the snapshot source,
     whose optional ``start()``/``stop()`` the app calls in its lifespan.
@@ -369,9 +375,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     own_client = http_client is None
     if http_client is None:
         http_client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512, keepalive_expiry=30.0),
-            trust_env=False,
+            transport=H11Transport(connect_timeout=2.0, keepalive_expiry=30.0),
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), trust_env=False,
         )
     router = Router(residency, candidates=settings.route_candidates, load_factor=settings.route_load_factor,
                     static_urls=settings.worker_urls,

@@ -39,6 +39,7 @@ def _gateway(args: argparse.Namespace) -> int:
         pass
     uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, access_log=False,
                 log_level=settings.log_level.lower(), workers=1, timeout_graceful_shutdown=5,
+                proxy_headers=False, server_header=False,
                 backlog=4096, **kwargs)  # type: ignore[arg-type]
     return 0
 

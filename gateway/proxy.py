@@ -17,12 +17,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
 from gateway.errors import GatewayError
 from gateway.router import Router, Worker
+from gateway.transport import H11Transport
 from loraplex.wire import HDR_REQUEST_ID, error_body
 
 log = logging.getLogger("loraplex.gateway.proxy")
@@ -33,7 +35,8 @@ _JSON = {"content-type": "application/json"}
 @dataclass(slots=True)
 class Opened:
     worker: Worker
-    response: httpx.Response
+    response: Any
+    """``httpx.Response`` or the fast transport's ``RawResponse`` (same surface)."""
     first: bytes
     """First body chunk (already read, so a failure before it could still be retried)."""
     chunks: AsyncIterator[bytes]
@@ -44,18 +47,37 @@ class Upstream:
         self.client = client
         self.router = router
         self.max_attempts = max_attempts
+        transport = getattr(client, "_transport", None)
+        self.fast = transport if isinstance(transport, H11Transport) else None
+        self._targets: dict[str, tuple[str, int, str]] = {}
+
+    def _target(self, base_url: str) -> tuple[str, int, str]:
+        hit = self._targets.get(base_url)
+        if hit is None:
+            u = urlsplit(base_url)
+            hit = (u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/"))
+            self._targets[base_url] = hit
+        return hit
+
+    async def _send(self, worker: Worker, path: str, payload: bytes, request_id: str) -> Any:
+        if self.fast is not None and worker.url.startswith("http://"):
+            host, port, prefix = self._target(worker.url)
+            extra = b"content-type: application/json\r\n" + HDR_REQUEST_ID.encode() + b": " \
+                + request_id.encode("latin-1") + b"\r\n"
+            return await self.fast.post(host, port, prefix + path, extra, payload)
+        req = self.client.build_request("POST", worker.url + path, content=payload,
+                                        headers={"content-type": "application/json", HDR_REQUEST_ID: request_id})
+        return await self.client.send(req, stream=True)
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str) -> Opened:
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker")
-        headers = {"content-type": "application/json", HDR_REQUEST_ID: request_id}
         last = "no worker answered"
         for worker in workers[: self.max_attempts]:
             worker.inflight += 1
-            resp: httpx.Response | None = None
+            resp: Any = None
             try:
-                req = self.client.build_request("POST", worker.url + path, content=payload, headers=headers)
-                resp = await self.client.send(req, stream=True)
+                resp = await self._send(worker, path, payload, request_id)
                 if resp.status_code == 503:
                     last = f"worker {worker.id} is overloaded"
                     await resp.aclose()

@@ -21,6 +21,7 @@ A limit of 0 means unlimited.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -193,6 +194,75 @@ return 1
 """
 
 
+class _Pipeliner:
+    """Coalesces the script calls issued in one event-loop tick into one Redis pipeline.
+
+    Under concurrency many requests acquire and settle at the same moment; sending them
+    together saves a round trip and the client's per-command overhead for each.
+    """
+
+    def __init__(self, redis: Any, scripts: list[Any]) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self._pending: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def call(self, script: Any, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((script, keys, args, fut))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> list[Any]:
+        if len(batch) == 1:
+            script, keys, args, _ = batch[0]
+            try:
+                return [await self.redis.evalsha(script.sha, len(keys), *keys, *args)]
+            except _no_script() as exc:
+                return [exc]
+        pipe = self.redis.pipeline(transaction=False)
+        for script, keys, args, _ in batch:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)
+
+    async def _run(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> None:
+        try:
+            results = await self._execute(batch)
+            if any(isinstance(r, _no_script()) for r in results):
+                for script in self.scripts:  # Redis restarted or flushed its script cache
+                    await self.redis.script_load(script.script)
+                results = await self._execute(batch)
+        except BaseException as exc:  # connection problems: every caller sees them
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+            return
+        for (*_, fut), res in zip(batch, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(res, Exception):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+
+def _no_script() -> type[BaseException]:
+    from redis.exceptions import NoScriptError
+
+    return NoScriptError
+
+
 class RedisLimiter:
     """Limits shared by every gateway replica, kept in Redis."""
 
@@ -205,6 +275,7 @@ class RedisLimiter:
         self.retry_s = retry_s
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
+        self._pipe = _Pipeliner(redis, [self._acquire, self._settle])
         self._down_until = 0.0
         self.degraded = False
 
@@ -230,10 +301,10 @@ class RedisLimiter:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         lease_id = uuid.uuid4().hex
         try:
-            reason, rq, tk, wait = await self._acquire(
-                keys=self._keys(tenant),
-                args=[limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent, tokens,
-                      lease_id, int(lease_ttl_s * 1000)])
+            reason, rq, tk, wait = await self._pipe.call(
+                self._acquire, self._keys(tenant),
+                [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent, tokens,
+                 lease_id, int(lease_ttl_s * 1000)])
         except (TimeoutError, OSError, _redis_errors()) as exc:
             self._failed(exc)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
@@ -253,8 +324,8 @@ class RedisLimiter:
             await lease.backend.settle(lease, used_tokens)
             return
         try:
-            await self._settle(keys=self._keys(lease.tenant),
-                               args=[lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id])
+            await self._pipe.call(self._settle, self._keys(lease.tenant),
+                                  [lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id])
         except (TimeoutError, OSError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)

@@ -90,6 +90,7 @@ async def test_disabled_binding_falls_back_or_refuses():
     async with Env() as env:
         r = await env.chat("old")
         assert r.status_code == 200 and r.headers["x-loraplex-adapter"] == "base"
+        assert r.headers["x-loraplex-fallback"] == "binding-disabled"
         assert env.sent[-1]["loraplex"]["adapter"] is None
         r = await env.chat("paused")
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_disabled"
