@@ -119,7 +119,11 @@ class Gateway:
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, "use POST", code="method_not_allowed")
-            snapshot = self.snapshots.current
+            try:
+                snapshot = self.snapshots.current
+            except Exception:
+                raise GatewayError(503, "The registry is not available yet; try again shortly.",
+                                   code="registry_unavailable") from None
             tenant = self.auth.tenant(authorization, snapshot)
             tenant_slug = tenant.slug
             raw = await self._read_body(receive, declared)

@@ -91,10 +91,18 @@ class Router:
             failed_at = self._failed.get(r.worker_id)
             if failed_at is not None and r.timestamp > failed_at:
                 del self._failed[r.worker_id]  # a fresh report after the failure: back in
+            if prev is not None and prev.url == r.url.rstrip("/") and prev.base_model == r.base_model:
+                # Update in place: requests in flight hold this object and decrement its counter.
+                prev.device = frozenset(r.device_adapters)
+                prev.host = frozenset(r.host_adapters)
+                prev.reported_load = r.load
+                prev.report_ts = r.timestamp
+                workers[r.worker_id] = prev
+                continue
             workers[r.worker_id] = Worker(
                 id=r.worker_id, url=r.url.rstrip("/"), base_model=r.base_model,
                 device=frozenset(r.device_adapters), host=frozenset(r.host_adapters),
-                reported_load=r.load, report_ts=r.timestamp, inflight=prev.inflight if prev else 0)
+                reported_load=r.load, report_ts=r.timestamp)
         if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
             self._rings = {}
             self._ring_cache = {}

@@ -277,9 +277,16 @@ class StubProcess:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if line.startswith("READY"):
-                return self
+                break
             if not line and self.proc.poll() is not None:
                 break
+        # READY comes from the lifespan startup, just before uvicorn binds: wait for the port.
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"stub worker {self.worker_id} did not start")
 

@@ -245,3 +245,37 @@ async def test_new_limits_from_snapshot_apply_immediately(redis_url, redis_prefi
         assert rs[0].headers["x-ratelimit-limit-requests"] == "2"
         metrics = (await c.get("/metrics")).text
         assert 'loraplex_gateway_rate_limited_total{reason="requests",tenant="acme"}' in metrics
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_gateway_survives_redis_outage_and_recovers(redis_url, redis_prefix, redis_client, mode):
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    s = Settings(worker_urls=("http://worker",), redis_url=f"redis://127.0.0.1:{proxy.port}/0",
+                 redis_prefix=redis_prefix, ratelimit_fail_mode=mode)
+    tenants = {"acme": {"requests_per_min": 10, "bindings": {"support": {"active": ("sup", 1)}}}}
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(tenants)), residency=MemoryResidency(),
+                     http_client=httpx.AsyncClient(transport=mock_worker_transport()), mount_admin=False)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    key = f"{redis_prefix}:rl:acme"
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            assert (await c.post("/v1/chat/completions", json=body, headers=h)).status_code == 200
+            before = float(await redis_client.hget(key, "rq"))
+            await proxy.stop()
+            r = await c.post("/v1/chat/completions", json=body, headers=h)
+            if mode == "open":
+                assert r.status_code == 200  # the per-replica limiter took over
+            else:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "ratelimiter_unavailable"
+                assert "retry-after" in r.headers
+            await proxy.start()
+            await asyncio.sleep(1.1)  # the limiter retries Redis after its back-off
+            assert (await c.post("/v1/chat/completions", json=body, headers=h)).status_code == 200
+            after = float(await redis_client.hget(key, "rq"))
+            assert after < before - 0.5  # counted in Redis again (refill is 1/6 per second)
+    finally:
+        with contextlib.suppress(Exception):
+            await proxy.stop()

@@ -157,3 +157,17 @@ async def test_routing_and_failover_with_real_workers(stubs, redis_url, redis_pr
             await router.refresh()
         assert "w2" not in {w.id for w in router.workers()}
         assert stubs["w3"].stats()["adapters"].get("sup-v1", 0) >= 10
+
+
+async def test_inflight_survives_refresh():
+    res = MemoryResidency()
+    await res.publish(_report("w1"), 5)
+    router = Router(res, refresh_s=0.0)
+    w = (await router.route("smol", None))[0]
+    w.inflight += 1  # a request in flight holds this object
+    await res.publish(_report("w1", device=["a"]), 5)
+    await router.refresh()
+    again = (await router.route("smol", "a"))[0]
+    assert again is w and again.inflight == 1 and "a" in again.device
+    w.inflight -= 1
+    assert again.load == 0

@@ -1,0 +1,146 @@
+"""The gateway's HTTP/1.1 keep-alive transport: bodies by length and chunked, connection reuse,
+stale keep-alive retry, early close drops the connection, errors as httpx exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from gateway.transport import H11Transport
+from tests.stub_worker import StubProcess, free_port
+
+
+class RawServer:
+    """A tiny HTTP/1.1 server on loopback whose behaviour each test scripts."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+        self.port = free_port()
+        self.connections = 0
+        self.closed = 0
+
+    async def _serve(self, reader, writer) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.closed += 1
+            writer.close()
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+
+async def _read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return await reader.readexactly(length)
+
+
+@pytest.fixture(scope="module")
+def stub():
+    with StubProcess("t1", extra=("--chunks", "4")) as p:
+        yield p
+
+
+async def test_json_and_sse_through_httpx_client(stub):
+    t = H11Transport()
+    async with httpx.AsyncClient(transport=t) as c:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(3):
+            r = await c.post(stub.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert len(t._idle[("127.0.0.1", stub.port)]) == 1  # one connection, reused
+        async with c.stream("POST", stub.url + "/v1/chat/completions", json=body | {"stream": True}) as r:
+            chunks = [ch async for ch in r.aiter_bytes()]
+        assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+        assert len(chunks) >= 2  # streamed chunk by chunk, not buffered
+        r = await c.get(stub.url + "/stub/stats")
+        assert r.json()["worker_id"] == "t1"
+
+
+async def test_fast_post_path(stub):
+    t = H11Transport()
+    payload = orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 2})
+    resp = await t.post("127.0.0.1", stub.port, "/v1/completions", b"content-type: application/json\r\n", payload)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    data = b"".join([c async for c in resp.aiter_bytes()])
+    await resp.aclose()
+    assert orjson.loads(data)["usage"]["completion_tokens"] == 2
+    await t.aclose()
+
+
+async def test_stale_keepalive_is_retried_on_a_fresh_connection():
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        # keep-alive announced, but the server drops the idle connection right away
+
+    async with RawServer(handler) as srv:
+        t = H11Transport()
+        for _ in range(3):
+            resp = await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+            assert b"".join([c async for c in resp.aiter_bytes()]) == b"ok"
+            await resp.aclose()
+            await asyncio.sleep(0.05)
+        assert srv.connections == 3
+        await t.aclose()
+
+
+async def test_early_close_drops_the_connection_so_the_server_sees_it():
+    seen_eof = asyncio.Event()
+
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        if not await reader.read(1):
+            seen_eof.set()
+
+    async with RawServer(handler) as srv:
+        t = H11Transport()
+        resp = await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+        it = resp.aiter_bytes()
+        assert await it.__anext__() == b"hello"
+        await resp.aclose()  # before the end of the body
+        await asyncio.wait_for(seen_eof.wait(), 2)
+        assert not t._idle.get(("127.0.0.1", srv.port))
+
+
+async def test_errors_are_httpx_exceptions():
+    t = H11Transport(connect_timeout=0.5)
+    with pytest.raises(httpx.ConnectError):
+        await t.post("127.0.0.1", free_port(), "/", b"", b"{}")
+
+    async def broken(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await writer.drain()
+
+    async with RawServer(broken) as srv:
+        resp = await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+        with pytest.raises(httpx.HTTPError):
+            _ = [c async for c in resp.aiter_bytes()]
+        await resp.aclose()
+
+    async def garbage(reader, writer):
+        await _read_request(reader)
+        writer.write(b"NOT HTTP\r\n\r\n")
+        await writer.drain()
+
+    async with RawServer(garbage) as srv:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
