@@ -7,9 +7,10 @@ Checks, in order, each refusal naming a machine ``code`` and a human message:
   ``symlink``, ``not_found``);
 * layout: PEFT only (``adapter_config.json`` + ``adapter_model.safetensors``); any pickle
   format present is refused (``pickle_format``, ``missing_file``), size cap (``too_large``);
-* config: LoRA only, no DoRA / ``modules_to_save`` / per-module ranks / bias / rsLoRA
-  (``unsupported_feature``), rank cap (``rank_too_large``), allowed target modules
-  (``target_module_not_allowed``), base revision (``base_revision_mismatch``);
+* config: LoRA only, no DoRA / ``modules_to_save`` / per-module ranks / biases / layer
+  replication / token training (``unsupported_feature``), rank cap (``rank_too_large``),
+  allowed target modules (``target_module_not_allowed``), base revision
+  (``base_revision_mismatch``); rsLoRA and ``layers_to_transform`` are fine;
 * safetensors header, parsed by hand so truncated files are caught (``truncated``,
   ``bad_header``); every tensor's name, dtype, shape and layer index checked against the
   base model (``unexpected_tensor``, ``bad_dtype``, ``shape_mismatch``, ``layer_out_of_range``,
@@ -75,6 +76,7 @@ class AdmittedAdapter:
     rank: int
     alpha: float
     target_modules: list[str]
+    """Projections the tensors actually adapt (in ``PROJECTIONS`` order)."""
     num_tensors: int
     config: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -149,12 +151,12 @@ def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str |
     if size > settings.max_adapter_bytes:
         raise AdmissionError("too_large", f"adapter is {size} bytes; the cap is {settings.max_adapter_bytes}")
     config = _read_config(path / CONFIG_FILE)
-    rank, alpha, targets = _check_config(config, base, settings)
+    cfg = _check_config(config, base, settings)
     header = read_safetensors_header(weights)
-    num = _check_tensors(header, base, rank, targets)
+    num, modules = _check_tensors(header, base, cfg, settings)
     _check_finite(weights)
     return AdmittedAdapter(path=path, uri=path.as_uri(), sha256=sha256_file(weights), size_bytes=size,
-                           rank=rank, alpha=alpha, target_modules=targets, num_tensors=num, config=config)
+                           rank=cfg.rank, alpha=cfg.alpha, target_modules=modules, num_tensors=num, config=config)
 
 
 def _check_layout(path: Path) -> None:
@@ -183,24 +185,39 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _check_config(config: dict[str, Any], base: BaseDims, settings: Settings) -> tuple[int, float, list[str]]:
+UNSUPPORTED_FLAGS: dict[str, str] = {
+    "use_dora": "DoRA adapters (use_dora) are not supported",
+    "modules_to_save": "modules_to_save is not supported (LoRA deltas on decoder projections only)",
+    "rank_pattern": "rank_pattern (per-module ranks) is not supported",
+    "alpha_pattern": "alpha_pattern (per-module alphas) is not supported",
+    "lora_bias": "lora_bias is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "trainable_token_indices": "trainable_token_indices (embedding training) is not supported",
+    "target_parameters": "target_parameters is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QA-LoRA (use_qalora) is not supported",
+    "fan_in_fan_out": "fan_in_fan_out is not supported (Llama projections are nn.Linear)",
+}
+
+
+@dataclass(frozen=True)
+class _Config:
+    rank: int
+    alpha: float
+    targets: frozenset[str] | None
+    """Named target modules, or None when the config gives a regex (tensors decide)."""
+    layers: frozenset[int] | None
+
+
+def _check_config(config: dict[str, Any], base: BaseDims, settings: Settings) -> _Config:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise AdmissionError("unsupported_feature", f"peft_type {peft_type!r} is not supported (LoRA only)")
-    if config.get("use_dora"):
-        raise AdmissionError("unsupported_feature", "DoRA adapters (use_dora) are not supported")
-    if config.get("modules_to_save"):
-        raise AdmissionError("unsupported_feature",
-                             f"modules_to_save {config['modules_to_save']!r} is not supported (LoRA deltas only)")
-    for key in ("rank_pattern", "alpha_pattern"):
+    for key, message in UNSUPPORTED_FLAGS.items():
         if config.get(key):
-            raise AdmissionError("unsupported_feature", f"{key} (per-module ranks/alphas) is not supported")
+            raise AdmissionError("unsupported_feature", f"{message}: {key}={config[key]!r}")
     if config.get("bias", "none") not in ("none", None):
         raise AdmissionError("unsupported_feature", f"bias={config['bias']!r} is not supported (only 'none')")
-    if config.get("use_rslora"):
-        raise AdmissionError("unsupported_feature", "rsLoRA scaling (use_rslora) is not supported")
-    if config.get("fan_in_fan_out"):
-        raise AdmissionError("unsupported_feature", "fan_in_fan_out is not supported")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdmissionError("bad_config", f"r must be a positive integer, got {rank!r}")
@@ -210,21 +227,32 @@ def _check_config(config: dict[str, Any], base: BaseDims, settings: Settings) ->
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
         raise AdmissionError("bad_config", f"lora_alpha must be a positive number, got {alpha!r}")
     raw_targets = config.get("target_modules")
-    if isinstance(raw_targets, str):
-        raw_targets = [raw_targets]
-    if not isinstance(raw_targets, list) or not raw_targets or not all(isinstance(t, str) for t in raw_targets):
-        raise AdmissionError("bad_config", "target_modules must be a non-empty list of module names")
-    allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
-    bad = sorted(t for t in raw_targets if t not in allowed)
-    if bad:
-        raise AdmissionError("target_module_not_allowed",
-                             f"target modules {bad} are not allowed; allowed: {sorted(allowed)}")
+    targets: frozenset[str] | None
+    if isinstance(raw_targets, str) and raw_targets:
+        targets = None  # a regex or "all-linear": every tensor's module is checked against the allow-list
+    elif isinstance(raw_targets, list) and raw_targets and all(isinstance(t, str) for t in raw_targets):
+        allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
+        bad = sorted(t for t in raw_targets if t.rsplit(".", 1)[-1] not in allowed)
+        if bad:
+            raise AdmissionError("target_module_not_allowed",
+                                 f"target modules {bad} are not allowed; allowed: {sorted(allowed)}")
+        targets = frozenset(t.rsplit(".", 1)[-1] for t in raw_targets)
+    else:
+        raise AdmissionError("bad_config", "target_modules must be a non-empty list of module names or a regex")
+    ltt = config.get("layers_to_transform")
+    layers: frozenset[int] | None = None
+    if isinstance(ltt, int) and not isinstance(ltt, bool):
+        layers = frozenset((ltt,))
+    elif isinstance(ltt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ltt):
+        layers = frozenset(ltt)
+    elif ltt is not None:
+        raise AdmissionError("bad_config", f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
     revision = config.get("base_model_revision")
     if revision is not None and str(revision) != base.revision:
         raise AdmissionError("base_revision_mismatch",
                              f"adapter was trained on base revision {revision!r}; the registry's "
                              f"{base.name} is at revision {base.revision!r}")
-    return rank, float(alpha), sorted(set(raw_targets), key=PROJECTIONS.index)
+    return _Config(rank=rank, alpha=float(alpha), targets=targets, layers=layers)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -277,7 +305,9 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _check_tensors(header: dict[str, Any], base: BaseDims, rank: int, targets: list[str]) -> int:
+def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: _Config,
+                   settings: Settings) -> tuple[int, list[str]]:
+    allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
     seen: dict[tuple[int, str], set[str]] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -289,19 +319,25 @@ def _check_tensors(header: dict[str, Any], base: BaseDims, rank: int, targets: l
         layer, module, ab = int(m["layer"]), m["module"], m["ab"]
         if MODULE_GROUP.get(module) != m["group"]:
             raise AdmissionError("unexpected_tensor", f"tensor {name!r} names an unknown projection")
-        if module not in targets:
+        if module not in allowed:
+            raise AdmissionError("target_module_not_allowed",
+                                 f"tensor {name!r} adapts {module}, which is not allowed; allowed: {sorted(allowed)}")
+        if cfg.targets is not None and module not in cfg.targets:
             raise AdmissionError("unexpected_tensor",
                                  f"tensor {name!r} is for {module}, which is not in target_modules")
         if layer >= base.num_layers:
             raise AdmissionError("layer_out_of_range",
                                  f"tensor {name!r}: layer {layer} but {base.name} has {base.num_layers} layers")
+        if cfg.layers is not None and layer not in cfg.layers:
+            raise AdmissionError("layer_out_of_range", f"tensor {name!r}: layer {layer} is outside layers_to_transform")
         in_f, out_f = base.projection_shape(module)
         shape = tuple(info["shape"])
-        want = (rank, in_f) if ab == "A" else (out_f, rank)
+        want = (cfg.rank, in_f) if ab == "A" else (out_f, cfg.rank)
         if len(shape) == 2:
             r_dim, f_dim = (shape[0], shape[1]) if ab == "A" else (shape[1], shape[0])
-            if f_dim == (in_f if ab == "A" else out_f) and r_dim != rank:
-                raise AdmissionError("rank_mismatch", f"tensor {name!r} has rank {r_dim} but the config says r={rank}")
+            if f_dim == (in_f if ab == "A" else out_f) and r_dim != cfg.rank:
+                raise AdmissionError("rank_mismatch",
+                                     f"tensor {name!r} has rank {r_dim} but the config says r={cfg.rank}")
         if shape != want:
             raise AdmissionError("shape_mismatch",
                                  f"tensor {name!r} has shape {list(shape)}; {base.name} needs {list(want)}")
@@ -312,7 +348,8 @@ def _check_tensors(header: dict[str, Any], base: BaseDims, rank: int, targets: l
         if parts != {"A", "B"}:
             missing = "B" if "A" in parts else "A"
             raise AdmissionError("missing_tensor", f"layer {layer} {module} has no lora_{missing} weight")
-    return sum(len(p) for p in seen.values())
+    modules = sorted({module for _, module in seen}, key=PROJECTIONS.index)
+    return sum(len(p) for p in seen.values()), modules
 
 
 def _check_finite(path: Path) -> None:

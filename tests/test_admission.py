@@ -104,6 +104,9 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
     "modules_to_save": ({"config": {"modules_to_save": ["lm_head"]}}, None, None, "unsupported_feature"),
     "rank_pattern": ({"config": {"rank_pattern": {"q_proj": 8}}}, None, None, "unsupported_feature"),
     "not_lora": ({"config": {"peft_type": "IA3"}}, None, None, "unsupported_feature"),
+    "lora_bias": ({"config": {"lora_bias": True}}, None, None, "unsupported_feature"),
+    "trainable_tokens": ({"config": {"trainable_token_indices": [1, 2]}}, None, None, "unsupported_feature"),
+    "outside_layers_to_transform": ({"config": {"layers_to_transform": [0]}}, None, None, "layer_out_of_range"),
     "rank_over_cap": ({"rank": 32}, None, None, "rank_too_large"),
     "target_not_allowed": ({"config": {"target_modules": ["q_proj", "lm_head"]}}, None, None,
                            "target_module_not_allowed"),
@@ -226,3 +229,32 @@ async def test_refusals_leave_registry_unchanged(db_url, tmp_path):
         assert await svc.list_adapters() == []
     finally:
         await svc.close()
+
+
+def test_regex_targets_are_checked_per_tensor(settings):
+    write_adapter(root(settings) / "rx", TINY, targets=("q_proj", "gate_proj"),
+                  config={"target_modules": ".*(q_proj|gate_proj)", "use_rslora": True, "layers_to_transform": [0, 1]})
+    assert admit("rx", TINY, settings).target_modules == ["q_proj", "gate_proj"]
+    with pytest.raises(AdmissionError) as exc:
+        admit("rx", TINY, settings.replace(allowed_target_modules=("q_proj",)))
+    assert exc.value.code == "target_module_not_allowed"
+
+
+def test_adapter_saved_by_peft_is_admitted(settings, monkeypatch):
+    """What PEFT's save_pretrained writes (names, config keys) passes admission unchanged."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=TINY.hidden_size, intermediate_size=TINY.intermediate_size, num_hidden_layers=TINY.num_layers,
+        num_attention_heads=TINY.num_heads, num_key_value_heads=TINY.num_kv_heads, vocab_size=TINY.vocab_size,
+        max_position_embeddings=TINY.context_length))
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                  target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]))
+    out = root(settings) / "from-peft"
+    peft_model.save_pretrained(str(out))
+    a = admit("from-peft", TINY, settings)
+    assert (a.rank, a.alpha, a.target_modules) == (8, 16.0, ["q_proj", "k_proj", "o_proj", "up_proj"])
+    assert a.num_tensors == 2 * 4 * TINY.num_layers
