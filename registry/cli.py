@@ -454,7 +454,8 @@ def register(subparsers: Any) -> None:
              "model, rank cap, target modules, NaN/Inf, base revision and pickle files, and refuses with "
              "the reason.")
     p.add_argument("name", help="adapter name (versions are numbered per name)")
-    p.add_argument("uri", help="file:// URI or path (relative to the adapter root) of the PEFT directory")
+    p.add_argument("uri", help="file:// URI or path (absolute, or relative to LORAPLEX_ADAPTER_ROOT) of the "
+                   "PEFT directory, as the gateway host sees it")
     p.add_argument("--base-model", required=True, help="base model name the adapter was trained on")
     p.add_argument("--version", type=int, help="version number (default: the next one)")
     p.add_argument("--owner", help="owning tenant (default: shared by all tenants)")

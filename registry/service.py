@@ -233,7 +233,7 @@ class RegistryService:
         return result
 
     async def _write_audit(self, session: AsyncSession, version: int, actor: str, change: _Change) -> None:
-        session.add(AuditEntry(registry_version=version, actor=actor or "unknown", action=change.action,
+        session.add(AuditEntry(registry_version=version, actor=(actor or "unknown")[:200], action=change.action,
                                target=change.target, before=change.before, after=change.after, at=utcnow()))
         await session.flush()
 
