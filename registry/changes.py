@@ -28,6 +28,9 @@ from registry.db import is_postgres
 
 log = logging.getLogger("loraplex.registry.changes")
 
+LISTENER_APPLICATION_NAME = "loraplex-registry-listen"
+"""``application_name`` of the reader's LISTEN connection (visible in ``pg_stat_activity``)."""
+
 RESYNC = -1
 """Delivered after a listener (re)connects: the reader should refresh unconditionally."""
 
@@ -156,7 +159,8 @@ class Subscription:
         while True:
             conn = None
             try:
-                conn = await asyncpg.connect(dsn, timeout=5)
+                conn = await asyncpg.connect(dsn, timeout=5,
+                                             server_settings={"application_name": LISTENER_APPLICATION_NAME})
                 lost = asyncio.Event()
                 conn.add_termination_listener(lambda _c, ev=lost: ev.set())
 

@@ -222,3 +222,38 @@ async def test_cache_start_with_database_down_serves_empty_snapshot(tmp_path):
         assert cache.current.version == 0 and not cache.healthy
     finally:
         await cache.stop()
+
+
+async def test_listener_reconnects_after_its_connection_is_killed(pg_url, tmp_path):
+    """The LISTEN connection is terminated server-side; the reader reconnects, resyncs, and
+    still sees the next change long before its 300 s periodic refresh."""
+    from registry.changes import LISTENER_APPLICATION_NAME
+
+    await fresh_registry(pg_url)
+    settings = make_settings(tmp_path, pg_url, registry_refresh_s=300.0)
+    svc = RegistryService(settings)
+    cache = SnapshotCache(settings)
+    await cache.start()
+    try:
+        await _seed(svc)
+        assert await cache.wait_for(await svc.version(), timeout=5)
+        db = pg_url.rsplit("/", 1)[1]
+        admin = await asyncpg.connect(PG_ADMIN_URL)
+        try:
+            killed = await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = $1 AND application_name = $2", db, LISTENER_APPLICATION_NAME)
+        finally:
+            await admin.close()
+        assert killed == 1
+        await asyncio.sleep(0.3)
+        await svc.set_tenant_limits("acme", tokens_per_min=7)
+        target = await svc.version()
+        deadline = time.monotonic() + 10
+        while cache.current.version < target:  # no wait_for: it would trigger a refresh itself
+            assert time.monotonic() < deadline, "the reader never saw the change after losing LISTEN"
+            await asyncio.sleep(0.02)
+        assert cache.current.tenants["acme"].tokens_per_min == 7
+    finally:
+        await cache.stop()
+        await svc.close()
