@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -22,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.ops import SegmentPlan, choose_path, lora_gather, lora_reference, lora_segmented
+from engine.lora.ops import (
+    GATHER_MAX_TOKENS_PER_ADAPTER,
+    SegmentPlan,
+    choose_path,
+    lora_gather,
+    lora_reference,
+    lora_segmented,
+)
 from loraplex.modelinfo import PROJECTIONS, ModelInfo
 
 DEMO = ModelInfo(name="smollm2-135m", revision="-", architecture="llama", hidden_size=576,
@@ -42,28 +50,12 @@ def timeit(fn, min_time: float) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--min-time", type=float, default=0.05)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "lora_ops.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(0)
-    r, max_slots = args.rank, 32
-    stacks = {}
-    for p in PROJECTIONS:
-        fin, fout = DEMO.projection_shape(p)
-        stacks[p] = (torch.randn(max_slots, r, fin, generator=g) * 0.05,
-                     torch.randn(max_slots, fout, r, generator=g) * 0.05,
-                     torch.rand(max_slots, generator=g) + 0.5,
-                     torch.randn(fout, fin, generator=g) * 0.05)
-    rows = []
+def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
     seen: set[tuple[int, int, str]] = set()
     header = (f"{'tokens':>6} {'adapters':>8} {'layout':>11} | {'base mm':>9} {'gather':>9} {'segmented':>9} "
               f"{'loop':>9} | {'pick':>9} {'best':>9} {'gather/base':>11} {'seg/base':>9}")
-    print(f"LoRA op per projection (mean of 7), rank {r}, float32, {args.threads} threads, median times in us")
+    print(f"LoRA op per projection (mean of 7), rank {r}, float32, {threads} threads, median times in us")
     print(header)
     print("-" * len(header))
     for tokens in (1, 8, 32, 128):
@@ -84,14 +76,14 @@ def main() -> None:
                     a, b, sc, w = stacks[p]
                     x = torch.randn(tokens, w.shape[1], generator=g)
                     y = torch.zeros(tokens, w.shape[0])
-                    t["base"] += timeit(partial(torch.mm, x, w.T), args.min_time)
-                    t["gather"] += timeit(partial(lora_gather, y, x, a, b, sc, plan), args.min_time)
-                    t["segmented"] += timeit(partial(lora_segmented, y, x, a, b, sc, plan), args.min_time)
-                    t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), args.min_time)
+                    t["base"] += timeit(partial(torch.mm, x, w.T), min_time)
+                    t["gather"] += timeit(partial(lora_gather, y, x, a, b, sc, plan), min_time)
+                    t["segmented"] += timeit(partial(lora_segmented, y, x, a, b, sc, plan), min_time)
+                    t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), min_time)
                 us = {k: v / len(PROJECTIONS) * 1e6 for k, v in t.items()}
                 pick = choose_path(plan)
                 best = min(("gather", "segmented"), key=lambda k: us[k])
-                row = {"tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
+                row = {"threads": threads, "tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
                        "base_mm_us": us["base"], "gather_us": us["gather"], "segmented_us": us["segmented"],
                        "loop_us": us["loop"], "pick": pick, "best": best,
                        "pick_over_best": us[pick] / us[best]}
@@ -99,15 +91,41 @@ def main() -> None:
                 print(f"{tokens:>6} {distinct:>8} {layout:>11} | {us['base']:>9.1f} {us['gather']:>9.1f} "
                       f"{us['segmented']:>9.1f} {us['loop']:>9.1f} | {pick:>9} {best:>9} "
                       f"{us['gather'] / us['base']:>11.2f} {us['segmented'] / us['base']:>9.2f}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="2,1", help="comma-separated torch thread counts, one table each")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--min-time", type=float, default=0.05)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "lora_ops.json"))
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    r, max_slots = args.rank, 32
+    stacks = {}
+    for p in PROJECTIONS:
+        fin, fout = DEMO.projection_shape(p)
+        stacks[p] = (torch.randn(max_slots, r, fin, generator=g) * 0.05,
+                     torch.randn(max_slots, fout, r, generator=g) * 0.05,
+                     torch.rand(max_slots, generator=g) + 0.5,
+                     torch.randn(fout, fin, generator=g) * 0.05)
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        rows += run_table(stacks, r, threads, args.min_time, g)
     worst = max(rows, key=lambda row: row["pick_over_best"])
-    print(f"\nheuristic: gather when LoRA tokens <= 2 x distinct adapters, else segmented; "
+    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other work shares this machine)")
+    print(f"heuristic: gather when LoRA tokens <= {GATHER_MAX_TOKENS_PER_ADAPTER} x distinct adapters, "
+          f"else segmented; "
           f"worst pick/best ratio {worst['pick_over_best']:.2f} "
           f"(tokens {worst['tokens']}, adapters {worst['distinct']}, {worst['layout']})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "bench": "lora_ops", "rank": r, "threads": args.threads, "dtype": "float32",
-        "torch": torch.__version__, "machine": platform.machine(), "shapes": DEMO.to_dict(),
+        "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "loadavg_at_end": os.getloadavg(), "shapes": DEMO.to_dict(),
         "rows": rows,
     }, indent=2))
     print(f"wrote {out}")

@@ -310,3 +310,42 @@ def test_unknown_scheme_and_oversized_download(tmp_path, http_root):
         small.acquire_slots([AdapterRef(id="big", name="big", uri=f"{url}/v1")])
     small.close()
     assert issubclass(AdapterFetchError, RuntimeError)
+
+
+def test_from_settings(tmp_path, adapters):
+    from loraplex.settings import Settings
+
+    settings = Settings(home=str(tmp_path / "home"), max_loras=3, max_cpu_loras=5, lora_rank_classes=(8, 32))
+    m = AdapterManager.from_settings(settings, TINY)
+    assert m.bank.rank_classes == (8, 32) and m.bank.slots_per_class == 3 and m.bank.num_slots == 6
+    assert m.max_cpu_loras == 5 and str(m.disk.root) == settings.resolved_adapter_cache_dir()
+    assert m.acquire_slots([adapters["a"]]) == [0]
+    m.close()
+
+
+def test_acquired_slots_drive_the_batch(tmp_path, adapters):
+    """Slot ids from the manager, per-token slots into LoRABatch: each row gets its own adapter alone."""
+    from engine.lora.batch import LoRABatch
+
+    m = manager(tmp_path)
+    big = ref_for(make_adapter(tmp_path / "r16", seed=7, rank=16), "r16")
+    refs = [adapters["a"], big, adapters["b"]]
+    seq_slots = m.acquire_slots(refs)
+    assert len({m.bank.split(s)[0] for s in seq_slots}) == 2  # two rank classes in one batch
+    token_slots = [seq_slots[0]] * 3 + [-1] * 2 + [seq_slots[1]] * 4 + [seq_slots[2]]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(len(token_slots), 16, generator=g)
+    out0 = torch.randn(len(token_slots), 16, generator=g)
+    mixed = out0.clone()
+    LoRABatch.build(m.bank, token_slots).apply(1, "q_proj", x, mixed)
+    for i, s in enumerate(token_slots):
+        alone = out0[i:i + 1].clone()
+        LoRABatch.build(m.bank, [s]).apply(1, "q_proj", x[i:i + 1], alone)
+        torch.testing.assert_close(mixed[i], alone[0], rtol=1e-5, atol=1e-5)
+        if s < 0:
+            assert torch.equal(mixed[i], out0[i])
+    no_k = out0.clone()
+    LoRABatch.build(m.bank, token_slots).apply(1, "k_proj", x, no_k)  # no adapter targets k_proj
+    assert torch.equal(no_k, out0)
+    m.release(refs)
+    m.close()

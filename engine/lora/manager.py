@@ -29,14 +29,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter
 from engine.lora.slots import RankTooLarge, SlotBank
-from engine.lora.sources import AdapterFetchError, DiskCache, SourceRegistry, verify_sha256
+from engine.lora.sources import (
+    AdapterFetchError,
+    DiskCache,
+    HttpSource,
+    LocalSource,
+    SourceRegistry,
+    verify_sha256,
+)
 from loraplex.modelinfo import ModelInfo
+from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -158,10 +166,15 @@ class AdapterManager:
         self._pin_host = bank.device.type == "cuda"
 
     @classmethod
-    def from_settings(cls, settings: object, model: ModelInfo, bank: SlotBank, **kw: object) -> AdapterManager:
-        return cls(model, bank, max_loras=settings.max_loras,  # type: ignore[attr-defined]
-                   max_cpu_loras=settings.max_cpu_loras,  # type: ignore[attr-defined]
-                   cache_dir=settings.resolved_adapter_cache_dir(), **kw)  # type: ignore[attr-defined, arg-type]
+    def from_settings(cls, settings: Settings, model: ModelInfo, *, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu", **kw: Any) -> AdapterManager:
+        """The worker's manager: a slot bank per ``lora_rank_classes`` with ``max_loras`` slots
+        per class, the host LRU of ``max_cpu_loras`` and the disk cache directory from settings."""
+        bank = SlotBank.for_model(model, settings.lora_rank_classes, settings.max_loras, dtype=dtype, device=device)
+        return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
+                   cache_dir=settings.resolved_adapter_cache_dir(),
+                   sources=kw.pop("sources", None) or SourceRegistry([LocalSource(), HttpSource(
+                       max_bytes=settings.max_adapter_bytes)]), **kw)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
