@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httpx
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -104,7 +105,7 @@ class Gateway:
                 rid = v.decode("latin-1")
                 if 0 < len(rid) <= 128 and rid.isprintable():
                     request_id = rid
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or os.urandom(16).hex()
         path = "/v1/chat/completions" if chat else "/v1/completions"
         st = _State()
         base_headers = {HDR_REQUEST_ID: request_id}
@@ -304,6 +305,26 @@ class _Watcher:
             self._watch.cancel()
 
 
+class _HotPaths:
+    """Pure-ASGI middleware: the two hot routes skip Starlette's router and exception
+    middleware (the server-error middleware around it still catches anything unexpected)."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == "/v1/chat/completions":
+                await self.gateway.completions(scope, receive, send, chat=True)
+                return
+            if path == "/v1/completions":
+                await self.gateway.completions(scope, receive, send, chat=False)
+                return
+        await self.app(scope, receive, send)
+
+
 class _Completions:
     """Raw ASGI endpoint for one of the two hot routes."""
 
@@ -461,7 +482,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     ]
     if admin is not None:
         routes.append(Mount("/admin", app=admin))
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_HotPaths, gateway=gw)],
                     exception_handlers={HTTPException: not_found, Exception: server_error})
     app.state.gateway = gw
     return app

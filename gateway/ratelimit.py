@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from gateway.resp import ReplyError, RespConnection
 
 log = logging.getLogger("loraplex.gateway.ratelimit")
 
@@ -195,15 +197,17 @@ return 1
 
 
 class _Pipeliner:
-    """Coalesces the script calls issued in one event-loop tick into one Redis pipeline.
+    """Coalesces the script calls issued in one event-loop tick into one Redis round trip.
 
     Under concurrency many requests acquire and settle at the same moment; sending them
-    together saves a round trip and the client's per-command overhead for each.
+    together saves a round trip and the per-command client overhead for each. Over plain
+    TCP the calls go through the lean ``RespConnection``; otherwise through redis-py.
     """
 
     def __init__(self, redis: Any, scripts: list[Any]) -> None:
         self.redis = redis
         self.scripts = scripts
+        self.conn = RespConnection.from_redis(redis)
         self._pending: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -225,23 +229,26 @@ class _Pipeliner:
         task.add_done_callback(self._tasks.discard)
 
     async def _execute(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> list[Any]:
-        if len(batch) == 1:
-            script, keys, args, _ = batch[0]
-            try:
-                return [await self.redis.evalsha(script.sha, len(keys), *keys, *args)]
-            except _no_script() as exc:
-                return [exc]
+        if self.conn is not None:
+            return await self.conn.execute([("EVALSHA", script.sha, len(keys), *keys, *args)
+                                            for script, keys, args, _ in batch])
         pipe = self.redis.pipeline(transaction=False)
         for script, keys, args, _ in batch:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         return await pipe.execute(raise_on_error=False)
 
+    async def _load_scripts(self) -> None:
+        if self.conn is not None:
+            await self.conn.execute([("SCRIPT", "LOAD", s.script) for s in self.scripts])
+        else:
+            for s in self.scripts:
+                await self.redis.script_load(s.script)
+
     async def _run(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> None:
         try:
             results = await self._execute(batch)
-            if any(isinstance(r, _no_script()) for r in results):
-                for script in self.scripts:  # Redis restarted or flushed its script cache
-                    await self.redis.script_load(script.script)
+            if any(_is_noscript(r) for r in results):  # Redis restarted or flushed its scripts
+                await self._load_scripts()
                 results = await self._execute(batch)
         except BaseException as exc:  # connection problems: every caller sees them
             for *_, fut in batch:
@@ -256,11 +263,14 @@ class _Pipeliner:
             else:
                 fut.set_result(res)
 
+    async def close(self) -> None:
+        if self.conn is not None:
+            await self.conn.close()
 
-def _no_script() -> type[BaseException]:
-    from redis.exceptions import NoScriptError
 
-    return NoScriptError
+def _is_noscript(res: Any) -> bool:
+    return (isinstance(res, Exception) and str(res).startswith("NOSCRIPT")) or \
+        type(res).__name__ == "NoScriptError"
 
 
 class RedisLimiter:
@@ -299,13 +309,13 @@ class RedisLimiter:
     async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
         if self._down_until and time.monotonic() < self._down_until:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
-        lease_id = uuid.uuid4().hex
+        lease_id = os.urandom(12).hex()
         try:
             reason, rq, tk, wait = await self._pipe.call(
                 self._acquire, self._keys(tenant),
                 [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent, tokens,
                  lease_id, int(lease_ttl_s * 1000)])
-        except (TimeoutError, OSError, _redis_errors()) as exc:
+        except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             self._failed(exc)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         if self.degraded:
@@ -326,11 +336,12 @@ class RedisLimiter:
         try:
             await self._pipe.call(self._settle, self._keys(lease.tenant),
                                   [lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id])
-        except (TimeoutError, OSError, _redis_errors()) as exc:
+        except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)
 
     async def close(self) -> None:
+        await self._pipe.close()
         await self.fallback.close()
 
 
@@ -401,7 +412,7 @@ class LocalLimiter:
                 rq -= 1
             if tpm > 0:
                 tk -= tokens
-            lease = Lease(tenant, uuid.uuid4().hex, tokens, tpm, self)
+            lease = Lease(tenant, os.urandom(12).hex(), tokens, tpm, self)
             if maxc > 0:
                 b.leases[lease.lease_id] = now + lease_ttl_s
         b.rq, b.rt, b.tk, b.tt = rq, now, tk, now
