@@ -121,6 +121,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "AuditEntry": _obj({"id": INT, "registry_version": INT, "at": STR, "actor": STR, "action": STR,
                         "target": STR, "before": {"type": ["object", "null"]}, "after": {"type": ["object", "null"]}}),
     "Version": _obj({"version": INT}),
+    "Deleted": _obj({"tenant": STR, "alias": STR, "deleted": BOOL}),
     "Error": _obj({"error": _obj({"message": STR, "type": STR, "code": {"type": ["string", "null"]},
                                   "param": {"type": ["string", "null"]}})}),
 }
@@ -211,6 +212,10 @@ async def _bind(c: Call) -> Any:
                                 on_disabled=c.body.get("on_disabled"), actor=c.actor)
 
 
+async def _unbind(c: Call) -> Any:
+    return await c.service.unbind(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
 async def _rollback(c: Call) -> Any:
     return await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor)
 
@@ -289,6 +294,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", B, "getBinding", "Get a binding", _binding_get, response="Binding", tag="bindings"),
     Operation("PUT", B, "bind", "Bind an alias to an active adapter version (create, or re-point: the "
               "current version becomes previous)", _bind, BIND, response="Binding", tag="bindings"),
+    Operation("DELETE", B, "unbind", "Remove an alias (its requests get 404)", _unbind, response="Deleted",
+              tag="bindings"),
     Operation("POST", B + "/rollback", "rollback", "Roll an alias back to its previous version", _rollback,
               response="Binding", tag="bindings"),
     Operation("POST", B + "/canary", "startCanary", "Start a canary: send percent of traffic to a version",

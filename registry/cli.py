@@ -289,6 +289,12 @@ def binding_show(a: argparse.Namespace) -> int:
     return 0
 
 
+def binding_delete(a: argparse.Namespace) -> int:
+    data = _request(a, "DELETE", _b(a))
+    print(json.dumps(data) if a.json else f"removed {a.tenant}/{a.alias}")
+    return 0
+
+
 def binding_enable(a: argparse.Namespace) -> int:
     _show(a, "binding", _request(a, "POST", _b(a, "/enable"), {"on_disabled": a.on_disabled}),
           f"enabled {a.tenant}/{a.alias}")
@@ -507,16 +513,17 @@ def register(subparsers: Any) -> None:
         p.add_argument("tenant")
         p.add_argument("alias")
 
-    bg = group("binding", "list, show, enable and disable bindings")
+    bg = group("binding", "list, show, enable, disable and delete bindings")
     p = leaf(bg, "list", binding_list, "list bindings")
     p.add_argument("--tenant")
     for name, fn, text in (("show", binding_show, "show one binding"),
                            ("enable", binding_enable, "enable a binding"),
-                           ("disable", binding_disable, "disable a binding")):
+                           ("disable", binding_disable, "disable a binding"),
+                           ("delete", binding_delete, "remove an alias (its requests get 404)")):
         p = leaf(bg, name, fn, text)
         p.add_argument("tenant")
         p.add_argument("alias")
-        if name != "show":
+        if name in ("enable", "disable"):
             p.add_argument("--on-disabled", choices=["base", "refuse"],
                            help="while disabled: answer with the base model or refuse")
 

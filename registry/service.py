@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import func, or_, select, update
@@ -92,7 +92,10 @@ class _Tx:
 # --- row -> JSON ------------------------------------------------------------------------------
 
 def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
+    """ISO 8601 in UTC (SQLite hands timestamps back without their zone)."""
+    if value is None:
+        return None
+    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).isoformat()
 
 
 def tenant_dict(t: Tenant) -> dict[str, Any]:
@@ -751,6 +754,22 @@ class RegistryService:
 
         return await self._binding_op(tenant, alias, "binding.enable" if enabled else "binding.disable",
                                       actor, mutate)
+
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin") -> dict:
+        """Remove an alias: the tenant's requests for it get 404 from then on."""
+        _slug(tenant)
+        _name(alias, "alias")
+
+        async def op(tx: _Tx) -> dict:
+            await self._tenant(tx.session, tenant)
+            b = await self._binding(tx.session, tenant, alias)
+            before = await self._binding_out(tx.session, b)
+            await tx.session.delete(b)
+            await tx.session.flush()
+            tx.audit("binding.delete", f"binding:{tenant}/{alias}", _audit_view(before), None)
+            return {"tenant": tenant, "alias": alias, "deleted": True}
+
+        return await self._write(actor, op)
 
     async def get_binding(self, tenant: str, alias: str) -> dict:
         async def op(s: AsyncSession) -> dict:

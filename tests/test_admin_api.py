@@ -244,5 +244,7 @@ async def test_responses_match_the_openapi_document(api):
                                                                    json={"adapter": "bot@1"}))
     check("get", "/bindings", await api.get("/bindings"))
     check("post", "/tenants/{slug}/bindings/{alias}/rollback", await api.post("/tenants/acme/bindings/bot/rollback"))
+    check("delete", "/tenants/{slug}/bindings/{alias}", await api.delete("/tenants/acme/bindings/bot"))
+    check("delete", "/tenants/{slug}/bindings/{alias}", await api.delete("/tenants/acme/bindings/bot"))  # 404
     check("get", "/audit", await api.get("/audit"))
     check("get", "/version", await api.get("/version"))

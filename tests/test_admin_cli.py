@@ -136,8 +136,13 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, _, err = run(capsys, "rollback", "acme", "missing")
     assert code == 1 and "404" in err
     assert run_json(capsys, "adapter", "disable", "support@1", "--reason", "old")["status"] == "disabled"
+    run_json(capsys, "bind", "acme", "spare", "support@2")
+    code, out, _ = run(capsys, "binding", "delete", "acme", "spare")
+    assert code == 0 and "removed acme/spare" in out
+    code, _, err = run(capsys, "binding", "show", "acme", "spare")
+    assert code == 1 and "binding_not_found" in err
 
-    entries = run_json(capsys, "audit", "--target", "binding:acme/*", "--limit", "4")["data"]
+    entries = run_json(capsys, "audit", "--target", "binding:acme/support", "--limit", "4")["data"]
     assert [e["action"] for e in entries] == ["binding.enable", "binding.disable", "binding.canary_abort",
                                               "binding.canary_start"]
     assert all(e["actor"] == "cli" for e in entries)

@@ -156,6 +156,15 @@ async def test_bind_rollback_canary_flow(svc):
     b = await svc.set_binding_enabled("acme", "support", False, on_disabled="refuse")
     assert (b["enabled"], b["on_disabled"]) == (False, "refuse")
     assert (await svc.set_binding_enabled("acme", "support", True))["enabled"] is True
+    await svc.bind("acme", "spare", v1["id"])
+    assert (await svc.unbind("acme", "spare"))["deleted"] is True
+    with pytest.raises(NotFound):
+        await svc.get_binding("acme", "spare")
+    with pytest.raises(NotFound):
+        await svc.unbind("acme", "spare")
+    deleted = (await svc.audit(target="binding:acme/spare"))[0]
+    assert deleted["action"] == "binding.delete" and deleted["after"] is None
+    assert deleted["before"]["active"]["id"] == v1["id"]
     with pytest.raises(NotFound):
         await svc.rollback("acme", "nope")
     with pytest.raises(NotFound):
@@ -164,7 +173,7 @@ async def test_bind_rollback_canary_flow(svc):
     assert actions == ["binding.enable", "binding.disable", "binding.canary_abort", "binding.canary_start",
                        "binding.canary_promote", "binding.canary_set", "binding.canary_start",
                        "binding.rollback", "binding.rollback", "binding.bind", "binding.create"]
-    assert len(await svc.audit(target="binding:acme/*")) == len(actions)
+    assert len(await svc.audit(target="binding:acme/*")) == len(actions) + 2  # + spare create/delete
 
 
 async def test_binding_rules(svc):
