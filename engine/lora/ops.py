@@ -13,7 +13,8 @@ Plain-torch paths (CPU, and the correctness oracle for the Triton kernels):
   memory traffic ``tokens x r x (in + out)`` (the BGMV pattern; on CPU it lost everywhere).
 * ``segmented``: tokens grouped by slot once per step (:class:`SegmentPlan`), then one
   ``mm`` pair per adapter; contiguous runs (a prefill sequence) are processed in place
-  through slices, without gather/scatter. Fastest on CPU at every measured shape.
+  through slices, without gather/scatter; otherwise one gather and one scatter per call.
+  Fastest on CPU at every measured shape.
 * ``reference``: a per-row loop, the literal definition (tests and benchmark baseline).
 
 :func:`lora_apply` is the one public entry point: Triton on CUDA when it imports,
@@ -133,19 +134,23 @@ def lora_gather(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 def lora_segmented(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    scale: torch.Tensor, plan: SegmentPlan) -> None:
-    """One shrink/expand ``mm`` pair per adapter; contiguous runs update ``y`` through slices."""
+    """One shrink/expand ``mm`` pair per adapter (the scale folded into the expand's ``alpha``).
+
+    Contiguous runs update ``y`` in place through slices; otherwise the LoRA rows are gathered
+    once in sorted order, each segment expands into its slice of one buffer, and one
+    ``index_add_`` scatters the buffer back.
+    """
     scales = scale.tolist() if plan.num_adapters else []
     if plan.runs is not None:
         for start, end, s in plan.runs:
-            t = torch.mm(x[start:end], a[s].T)
-            t.mul_(scales[s])
-            y[start:end].addmm_(t, b[s].T)
+            y[start:end].addmm_(torch.mm(x[start:end], a[s].T), b[s].T, alpha=scales[s])
         return
+    xs = x.index_select(0, plan.rows)
+    d = torch.empty(plan.num_lora_tokens, y.shape[1], dtype=y.dtype, device=y.device)
     for s, st, n in zip(plan.seg_slots, plan.seg_starts, plan.seg_lens, strict=True):
-        rows = plan.rows[st:st + n]
-        t = torch.mm(x.index_select(0, rows), a[s].T)
-        t.mul_(scales[s])
-        y.index_add_(0, rows, torch.mm(t, b[s].T))
+        seg = d[st:st + n]
+        torch.addmm(seg, torch.mm(xs[st:st + n], a[s].T), b[s].T, beta=0, alpha=scales[s], out=seg)
+    y.index_add_(0, plan.rows, d)
 
 
 @functools.cache
