@@ -63,8 +63,9 @@ class Gateway:
         self.client = client
         self.auth = Authenticator(settings)
         self.resolver = Resolver()
-        self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1)
         self.metrics = GatewayMetrics()
+        self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
+                                 on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.log_enabled = True
 
@@ -117,6 +118,7 @@ class Gateway:
         usage: dict[str, Any] | None = None
         status = 500
         worker_id = ""
+        streaming = False
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, "use POST", code="method_not_allowed")
@@ -135,6 +137,7 @@ class Gateway:
             s = self.settings
             req = validate(data, chat=chat, max_tokens_cap=s.max_tokens_cap, default_max_tokens=s.default_max_tokens)
             alias = req.model
+            streaming = req.stream
             res = self.resolver.resolve(snapshot, tenant, req.model, req.user or request_id)
             label = res.label
             base_headers[HDR_ADAPTER] = res.label
@@ -178,8 +181,7 @@ class Gateway:
                             usage = result.usage
                             if result.error:
                                 status = 502
-                                self.metrics.upstream_failures.labels(
-                                    self.metrics.adapter_cap(worker_id)).inc()
+                                self.metrics.upstream_failure(worker_id)
                             st.finished = True
                             await send({"type": "http.response.body", "body": b"", "more_body": False})
                         else:
@@ -245,7 +247,7 @@ class Gateway:
                 access_log.info(orjson.dumps({
                     "request_id": request_id, "tenant": tenant_slug, "alias": alias, "adapter": label,
                     "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct, "status": status,
-                    "latency_ms": round(elapsed * 1000, 3), "stream": "stream" if st.started else "",
+                    "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
                 }).decode())
 
 

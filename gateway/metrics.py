@@ -32,10 +32,11 @@ def status_class(status: int) -> str:
 
 
 class GatewayMetrics:
-    def __init__(self, max_tenants: int = 200, max_adapters: int = 500) -> None:
+    def __init__(self, max_tenants: int = 200, max_adapters: int = 500, max_workers: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.tenant_cap = LabelCap(max_tenants)
         self.adapter_cap = LabelCap(max_adapters)
+        self.worker_cap = LabelCap(max_workers)
         r = self.registry
         self.requests = Counter("loraplex_gateway_requests", "Requests by tenant, adapter version and status",
                                 ["tenant", "adapter", "status"], registry=r)
@@ -76,6 +77,9 @@ class GatewayMetrics:
             ctok.inc(completion_tokens)
         if status >= 400:
             err.inc()
+
+    def upstream_failure(self, worker: str) -> None:
+        self.upstream_failures.labels(self.worker_cap(worker)).inc()
 
     def limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.tenant_cap(tenant), reason).inc()

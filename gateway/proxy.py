@@ -43,8 +43,10 @@ class Opened:
 
 
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, router: Router, max_attempts: int = 4) -> None:
+    def __init__(self, client: httpx.AsyncClient, router: Router, max_attempts: int = 4,
+                 on_failure: Any = None) -> None:
         self.client = client
+        self.on_failure = on_failure
         self.router = router
         self.max_attempts = max_attempts
         transport = getattr(client, "_transport", None)
@@ -96,6 +98,8 @@ class Upstream:
                     await resp.aclose()
                 last = f"worker {worker.id}: {type(exc).__name__}"
                 self.router.mark_failed(worker)
+                if self.on_failure is not None:
+                    self.on_failure(worker.id)
             except BaseException:
                 worker.inflight -= 1
                 if resp is not None:

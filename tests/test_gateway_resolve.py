@@ -145,3 +145,21 @@ def test_canary_bucket_is_stable_and_uniform():
     snap = make_snapshot({"t": {"bindings": {"a": {"active": ("a", 1), "canary": ("a", 2), "canary_percent": 100}}}})
     res = Resolver().resolve(snap, snap.tenants["t"], "a", "anyone")
     assert res.label == "a@2" and res.canary
+
+
+async def test_one_structured_log_line_per_request(caplog):
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="loraplex.gateway.access")
+    async with Env() as env:
+        r = await env.chat("support")
+        await env.chat("nothing")
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "loraplex.gateway.access"]
+    assert len(lines) == 2
+    ok, missing = lines
+    assert ok["request_id"] == r.headers["x-request-id"]
+    assert (ok["tenant"], ok["alias"], ok["adapter"], ok["worker"], ok["status"]) == \
+        ("acme", "support", "sup@1", "http://worker", 200)
+    assert ok["prompt_tokens"] == 7 and ok["completion_tokens"] == 3 and ok["latency_ms"] > 0
+    assert missing["status"] == 404 and missing["adapter"] == ""
