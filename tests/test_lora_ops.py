@@ -169,3 +169,31 @@ def test_for_sequences_expands_per_token():
     assert torch.equal(a, b)
     with pytest.raises(ValueError):
         LoRABatch.for_sequences(bank, [0], [1, 2])
+
+
+@pytest.mark.parametrize("path", ["gather", "segmented", None])
+@pytest.mark.parametrize("layout", ["runs", "interleaved"])
+def test_out_may_be_a_column_slice_of_a_fused_output(path, layout):
+    """The model passes q/k/v and gate/up outputs as column views of one fused matmul."""
+    shapes = {"q_proj": (16, 12), "k_proj": (16, 4)}
+    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=3)
+    g = torch.Generator().manual_seed(5)
+    for s in range(3):
+        bank.write(s, _random_weights(g, 1, shapes, 8, tuple(shapes), 0.5 + s))
+    slots = [0, 0, 0, -1, 2, 2] if layout == "runs" else [0, 2, 0, -1, 1, 2]
+    x = torch.randn(6, 16, generator=g)
+    fused0 = torch.randn(6, 20, generator=g)
+    fused = fused0.clone()
+    q, k = fused[:, :12], fused[:, 12:16]
+    assert not q.is_contiguous()
+    batch = LoRABatch.build(bank, slots, path=path)
+    with torch.inference_mode():
+        batch.apply(0, "q_proj", x, q)
+        batch.apply(0, "k_proj", x, k)
+    expect_q, expect_k = fused0[:, :12].clone(), fused0[:, 12:16].clone()
+    LoRABatch.build(bank, slots, path="reference").apply(0, "q_proj", x, expect_q)
+    LoRABatch.build(bank, slots, path="reference").apply(0, "k_proj", x, expect_k)
+    torch.testing.assert_close(fused[:, :12], expect_q)
+    torch.testing.assert_close(fused[:, 12:16], expect_k)
+    assert torch.equal(fused[:, 16:], fused0[:, 16:]), "columns of other projections untouched"
+    assert torch.equal(fused[3], fused0[3])

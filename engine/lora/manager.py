@@ -378,6 +378,24 @@ class AdapterManager:
         self.stats.load_seconds["host"] += time.perf_counter() - t0
         e.slot = slot
 
+    def try_acquire(self, ref: AdapterRef) -> int | None:
+        """Non-blocking acquire for admission: the slot id (one user), or None when the adapter
+        is not in host memory yet (a prefetch is started) or no slot can take it now.
+        Raises :class:`AdapterLoadError` when its load failed (within ``failure_ttl_s``)."""
+        st = self.state(ref)
+        if st.state == "failed" and st.error is not None:
+            self.prefetch(ref)  # retries once the failure has expired
+            st = self.state(ref)
+            if st.state == "failed":
+                raise AdapterLoadError(ref.id, st.error or "load failed")
+        if st.state not in ("host", "device"):
+            self.prefetch(ref)
+            return None
+        try:
+            return self.acquire_slots([ref])[0]
+        except SlotsExhausted:
+            return None
+
     def release(self, refs: Iterable[AdapterRef | str]) -> None:
         """One user fewer per ref (a finished or preempted sequence)."""
         with self._lock:

@@ -1,0 +1,98 @@
+"""The engine-facing LoRA runtime: admission, per-step batch context, release.
+
+It implements the engine's hooks (see ``engine.engine`` / ``engine.model``):
+
+* ``admit(seq, batch) -> bool`` (``engine.scheduler.AdmissionPolicy``): base-model sequences
+  always; an adapter sequence once its adapter is in host memory (a background load is
+  started otherwise) and a device slot can hold it. The slot is taken (one user) at
+  admission and kept until ``release(seq)``, also across preemption, so a running
+  sequence's adapter is never evicted and resident adapters are naturally preferred when
+  active adapters outnumber slots. A sequence whose adapter failed to load is not admitted;
+  ``failure(seq)`` gives the reason so the engine can finish it with an error.
+* ``prepare_batch(ctx)``: sets ``ctx.seq_slots`` and ``ctx.lora`` (a
+  :class:`~engine.lora.batch.LoRABatch`, or None for a base-only step).
+* ``release(seq)``: drops the sequence's slot user when it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from engine.lora.batch import LoRABatch
+from engine.lora.manager import AdapterLoadError, AdapterManager
+
+
+class LoRARuntime:
+    def __init__(self, manager: AdapterManager) -> None:
+        self.manager = manager
+        self._held: dict[int, tuple[Any, int]] = {}  # seq_id -> (AdapterRef, slot)
+        self._failed: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    # --- admission -------------------------------------------------------------------------
+    def admit(self, seq: Any, batch: list[Any]) -> bool:
+        ref = seq.adapter
+        if ref is None:
+            return True
+        with self._lock:
+            if seq.seq_id in self._held:
+                return True
+        try:
+            slot = self.manager.try_acquire(ref)
+        except AdapterLoadError as exc:
+            with self._lock:
+                self._failed[seq.seq_id] = exc.reason
+            return False
+        if slot is None:
+            return False
+        with self._lock:
+            self._held[seq.seq_id] = (ref, slot)
+            self._failed.pop(seq.seq_id, None)
+        return True
+
+    def prefetch(self, seq: Any) -> None:
+        """Start loading a queued sequence's adapter (call when the request arrives)."""
+        if seq.adapter is not None:
+            self.manager.prefetch(seq.adapter)
+
+    def failure(self, seq: Any) -> str | None:
+        """Why the sequence's adapter cannot be served, if its load failed."""
+        with self._lock:
+            return self._failed.get(seq.seq_id)
+
+    # --- per step ----------------------------------------------------------------------------
+    def slot_for(self, seq: Any) -> int:
+        """The sequence's slot (``-1`` for the base model); acquires (blocking) if not admitted."""
+        ref = seq.adapter
+        if ref is None:
+            return -1
+        with self._lock:
+            held = self._held.get(seq.seq_id)
+        if held is not None:
+            return held[1]
+        [slot] = self.manager.acquire_slots([ref])
+        with self._lock:
+            self._held[seq.seq_id] = (ref, slot)
+        return slot
+
+    def prepare_batch(self, ctx: Any) -> None:
+        seq_slots = torch.tensor([self.slot_for(s) for s in ctx.seqs], dtype=torch.int64)
+        ctx.seq_slots = seq_slots
+        token_slots = seq_slots[ctx.token_seq.cpu()] if seq_slots.numel() else seq_slots
+        batch = LoRABatch.build(self.manager.bank, token_slots)
+        ctx.lora = None if batch.empty else batch
+
+    def release(self, seq: Any) -> None:
+        with self._lock:
+            held = self._held.pop(seq.seq_id, None)
+            self._failed.pop(seq.seq_id, None)
+        if held is not None:
+            self.manager.release([held[0]])
+
+    def held(self) -> dict[int, int]:
+        """seq_id -> slot of every sequence holding a slot."""
+        with self._lock:
+            return {k: v[1] for k, v in self._held.items()}

@@ -1,0 +1,102 @@
+"""LoRARuntime: admission takes slots, prepare_batch maps token rows to slots, release frees them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from engine.lora.manager import AdapterManager
+from engine.lora.runtime import LoRARuntime
+from engine.lora.slots import SlotBank
+from loraplex.wire import AdapterRef
+from tests.test_lora_manager import TINY, make_adapter, ref_for
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    adapter: AdapterRef | None
+
+
+def runtime(tmp_path, slots=2, max_loras=4, ttl=60.0):
+    bank = SlotBank.for_model(TINY, (8, 16), slots_per_class=slots)
+    m = AdapterManager(TINY, bank, max_loras=max_loras, cache_dir=str(tmp_path / "cache"), failure_ttl_s=ttl)
+    return LoRARuntime(m)
+
+
+def wait_ready(rt, ref, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not rt.manager.ready(ref):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_admission_prefetches_then_admits(tmp_path):
+    rt = runtime(tmp_path)
+    a = ref_for(make_adapter(tmp_path / "a", 1), "a")
+    seq = Seq(1, a)
+    assert rt.admit(Seq(0, None), [])
+    assert not rt.admit(seq, []), "not admitted before its adapter is in host memory"
+    wait_ready(rt, a)
+    assert rt.admit(seq, []) and rt.admit(seq, []), "re-admission (after preemption) keeps the slot"
+    assert rt.manager.state(a).users == 1
+    rt.release(seq)
+    assert rt.manager.state(a).users == 0 and rt.held() == {}
+    rt.manager.close()
+
+
+def test_slots_full_defers_admission_until_release(tmp_path):
+    rt = runtime(tmp_path, slots=1)
+    a, b = (ref_for(make_adapter(tmp_path / n, i), n) for i, n in enumerate("ab"))
+    for r in (a, b):
+        rt.manager.prefetch(r)
+        wait_ready(rt, r)
+    sa, sb = Seq(1, a), Seq(2, b)
+    assert rt.admit(sa, [])
+    assert not rt.admit(sb, []), "the only rank-8 slot is in use"
+    assert rt.admit(Seq(3, a), []), "a sequence on a resident adapter still gets in"
+    rt.release(sa)
+    rt.release(Seq(3, a))
+    assert rt.admit(sb, [])
+    rt.manager.close()
+
+
+def test_failed_adapter_reports_reason(tmp_path):
+    rt = runtime(tmp_path)
+    bad = AdapterRef(id="bad", name="bad", uri=(tmp_path / "missing").as_uri())
+    seq = Seq(1, bad)
+    assert not rt.admit(seq, [])
+    deadline = time.monotonic() + 10
+    while rt.manager.state(bad).state == "loading":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not rt.admit(seq, [])
+    assert "does not exist" in rt.failure(seq)
+    rt.manager.close()
+
+
+def test_prepare_batch_maps_rows_to_slots(tmp_path):
+    rt = runtime(tmp_path)
+    a = ref_for(make_adapter(tmp_path / "a", 1), "a")
+    b = ref_for(make_adapter(tmp_path / "b", 2, rank=16), "b")
+    seqs = [Seq(1, a), Seq(2, None), Seq(3, b)]
+    ctx = SimpleNamespace(seqs=seqs, token_seq=torch.tensor([0, 0, 0, 1, 2, 2]), lora="unset", seq_slots=None)
+    rt.prepare_batch(ctx)  # not admitted through the policy: acquired (blocking) here
+    sa, sb = rt.manager.slot_of(a), rt.manager.slot_of(b)
+    assert ctx.seq_slots.tolist() == [sa, -1, sb]
+    assert ctx.lora.token_slots.tolist() == [sa, sa, sa, -1, sb, sb]
+    x = torch.randn(6, TINY.hidden_size)
+    out0 = torch.randn(6, TINY.num_heads * TINY.head_dim)
+    out = out0.clone()
+    ctx.lora.apply(0, "q_proj", x, out)
+    assert torch.equal(out[3], out0[3]) and not torch.equal(out[0], out0[0])
+    base_only = SimpleNamespace(seqs=[Seq(4, None)], token_seq=torch.tensor([0, 0]), lora="unset", seq_slots=None)
+    rt.prepare_batch(base_only)
+    assert base_only.lora is None
+    for s in seqs:
+        rt.release(s)
+    assert rt.manager.state(a).users == 0 and rt.manager.state(b).users == 0
+    rt.manager.close()
