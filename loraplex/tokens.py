@@ -19,6 +19,8 @@ import jwt
 from loraplex.settings import Settings
 
 _HMAC = {"HS256", "HS384", "HS512"}
+_KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC"}
+"""JWK ``kty`` for each asymmetric algorithm family (EdDSA: ``OKP``)."""
 _ASYM = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "PS384", "PS512", "EdDSA"}
 
 
@@ -94,10 +96,12 @@ class Verifier:
             raise TokenError(f"token algorithm {alg!r} is not supported")
         if self._jwks is not None:
             kid = header.get("kid")
+            family = _KEY_TYPES.get(alg[:2], "OKP")
             for key in self._jwks.keys:
-                if kid is None or key.key_id == kid:
+                # Only a public key of the algorithm's own family (never an "oct" secret).
+                if (kid is None or key.key_id == kid) and key.key_type == family:
                     return key, alg
-            raise TokenError("no key matches the token's kid")
+            raise TokenError("no key matches the token's kid and algorithm")
         if self._pem is not None:
             return self._pem, alg
         raise TokenError("no public key is configured for asymmetric tokens")

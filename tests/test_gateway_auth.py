@@ -170,3 +170,25 @@ async def test_cache_honours_expiry_and_snapshot_changes():
     assert (await _post(app, token)).status_code == 200
     snaps.current = make_snapshot({"acme": {"status": "disabled", "bindings": {}}}, version=2)
     assert (await _post(app, token)).status_code == 403
+
+
+async def test_jwks_key_is_chosen_by_algorithm_family(tmp_path):
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    keys = [json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key())),
+            json.loads(jwt.algorithms.ECAlgorithm.to_jwk(ec_key.public_key())),
+            {"kty": "oct", "k": base64.urlsafe_b64encode(b"shared-secret-in-a-public-file!!").decode(),
+             "kid": "oct"}]
+    path = tmp_path / "jwks.json"
+    path.write_text(json.dumps({"keys": keys}))
+    s = _settings(jwt_algorithms=("RS256", "ES256"), jwt_jwks_file=str(path))
+    app = _app(s)
+    # No kid: the EC key serves ES256 tokens even though an RSA key comes first.
+    assert (await _post(app, jwt.encode(_claims(s), ec_key, algorithm="ES256"))).status_code == 200
+    assert (await _post(app, jwt.encode(_claims(s), rsa_key, algorithm="RS256"))).status_code == 200
+    # A symmetric key in the JWKS is never used, whatever the kid says.
+    forged = jwt.encode(_claims(s), b"shared-secret-in-a-public-file!!", algorithm="HS256", headers={"kid": "oct"})
+    _assert_401(await _post(app, forged))
+    h = base64.urlsafe_b64encode(b'{"alg":"RS256","kid":"oct"}').rstrip(b"=")
+    _assert_401(await _post(app, forged.split(".", 1)[0].replace(forged.split(".")[0], h.decode())
+                            + "." + forged.split(".", 1)[1]))
