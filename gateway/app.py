@@ -179,7 +179,7 @@ class Gateway:
                             st.started = True
                             result = await relay_sse(opened, send, keep_usage=req.include_usage)
                             usage = result.usage
-                            if result.error:
+                            if result.error or result.worker_error:
                                 status = 502
                                 self.metrics.upstream_failure(worker_id)
                             st.finished = True

@@ -150,6 +150,8 @@ class StreamResult:
     usage: dict[str, Any] | None = None
     done: bool = False
     error: str | None = None
+    """Why the stream broke (the gateway then ends it with an error event)."""
+    worker_error: bool = False
     sent_bytes: int = 0
 
 
@@ -167,13 +169,15 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
             return
         complete, buf = buf[: cut + 2], buf[cut + 2:]
         out = complete
-        if b'"usage"' in complete or b"[DONE]" in complete:
+        if b'"usage"' in complete or b"[DONE]" in complete or b'{"error"' in complete:
             kept = []
             for event in complete.split(b"\n\n"):
                 if not event:
                     continue
                 if b"[DONE]" in event:
                     result.done = True
+                elif event.startswith(b'data: {"error"'):
+                    result.worker_error = True  # the worker reported a failure in-stream
                 elif b'"usage"' in event and event.startswith(b"data:"):
                     try:
                         obj = orjson.loads(event[5:])
