@@ -363,6 +363,10 @@ def validate(body: Any, schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _parse_query(request: Request, spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in request.query_params.items():
@@ -446,7 +450,7 @@ def admin_app(service: RegistryService, settings: Settings) -> Starlette:
                     return _error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
                 if op.body is not None:
                     try:
-                        parsed = json.loads(raw) if raw.strip() else {}
+                        parsed = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
                     except (ValueError, UnicodeDecodeError) as exc:
                         return _error(400, f"malformed JSON body: {exc}", code="invalid_json")
                     body = validate(parsed, op.body)

@@ -97,6 +97,7 @@ async def test_operations_and_errors(api):
     assert r.status_code == 201 and r.json()["priority"] == "high"
     _err(await api.post("/tenants", json={"slug": "acme"}), 409, "tenant_exists")
     _err(await api.post("/tenants", content=b"{bad json"), 400, "invalid_json")
+    _err(await api.post("/tenants", content=b'{"slug": "b", "requests_per_min": NaN}'), 400, "invalid_json")
     _err(await api.post("/tenants", json=["slug"]), 422, "invalid_body")
     _err(await api.post("/tenants", json={"slug": "b", "colour": "red"}), 422, "unknown_field")
     _err(await api.post("/tenants", json={}), 422, "missing_field")
