@@ -21,8 +21,9 @@ from loraplex.wire import EXT_KEY
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MESSAGE_OVERHEAD_TOKENS = 8
 """Chat-template tokens per message (role markers, separators), generously counted."""
-REQUEST_OVERHEAD_TOKENS = 16
-"""Tokens the template adds once per request (e.g. the generation prompt)."""
+REQUEST_OVERHEAD_TOKENS = 64
+"""Tokens the template adds once per request: the generation prompt and the default system
+prompt some chat templates inject (SmolLM2's adds ~30 tokens when none is given)."""
 
 
 @dataclass(slots=True)
