@@ -78,7 +78,7 @@ class Gateway:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise asyncio.CancelledError
+                raise _ClientGone
             part = msg.get("body", b"")
             if part:
                 size += len(part)
@@ -220,6 +220,8 @@ class Gateway:
             elif not st.started:
                 await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"),
                                  base_headers)
+        except _ClientGone:
+            status = 499
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling() == 0 or not _client_gone(scope):
@@ -263,6 +265,10 @@ def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
     if extra:
         out.extend(extra)
     return out
+
+
+class _ClientGone(Exception):
+    """The client disconnected while sending its request."""
 
 
 class _State:

@@ -148,3 +148,20 @@ def test_no_worker_is_503():
         r = c.post("/v1/chat/completions", json=_body(), headers=h)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
         assert c.get("/healthz").status_code == 200
+
+
+def test_client_gone_while_sending_body(stub):
+    import socket
+
+    s, app = _gateway(stub)
+    with ThreadServer(app) as gw:
+        sock = socket.create_connection(("127.0.0.1", gw.port))
+        token = mint(s, "u", tenant="acme")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\nauthorization: Bearer " + token.encode() + b"\r\n\r\n{\"model\"")
+        time.sleep(0.2)
+        sock.close()
+        assert _wait_for(lambda: 'status="499"' in httpx.get(gw.url + "/metrics").text)
+        # the gateway is fine afterwards
+        r = httpx.post(gw.url + "/v1/chat/completions", json=_body(), headers={"authorization": f"Bearer {token}"})
+        assert r.status_code == 200
