@@ -1,0 +1,91 @@
+"""``loraplex token`` and ``loraplex gateway`` as real commands; metrics label caps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway.metrics import OTHER, GatewayMetrics
+from loraplex.cli import main
+from loraplex.settings import Settings
+from loraplex.tokens import Verifier
+from tests.stub_worker import StubProcess, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_token_command(capsys):
+    assert main(["token", "--tenant", "acme", "--ttl", "60"]) == 0
+    p = Verifier(Settings.from_env()).verify(capsys.readouterr().out.strip())
+    assert p.tenant == "acme" and p.claims["exp"] - p.claims["iat"] == 60
+    assert main(["token", "--admin"]) == 0
+    p = Verifier(Settings.from_env()).verify(capsys.readouterr().out.strip())
+    assert p.tenant is None and p.has_scope(Settings().jwt_admin_scope)
+    assert main(["token"]) == 2
+
+
+def test_gateway_command_serves_with_a_snapshot_file(tmp_path):
+    snap = {"version": 1, "base_models": {"smol": {"revision": "r"}},
+            "adapters": {"v1": {"name": "support", "version": 1, "base_model": "smol", "uri": "file:///a"}},
+            "tenants": {"acme": {"bindings": {"support": {"active": "v1"}}}}}
+    path = tmp_path / "snapshot.json"
+    path.write_text(json.dumps(snap))
+    port = free_port()
+    with StubProcess("c1") as stub:
+        env = dict(os.environ, LORAPLEX_REGISTRY_SNAPSHOT_FILE=str(path), LORAPLEX_GATEWAY_PORT=str(port),
+                   LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_HOME=str(tmp_path / "home"))
+        env.pop("LORAPLEX_REDIS_URL", None)
+        proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/healthz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            assert httpx.get(url + "/readyz").status_code == 200
+            token = subprocess.run([sys.executable, "-m", "loraplex.cli", "token", "--tenant", "acme"], cwd=ROOT,
+                                   env=env, capture_output=True, text=True, check=True).stdout.strip()
+            r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
+                           json={"model": "support", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.headers["x-loraplex-adapter"] == "support@1"
+            # The snapshot file is re-read when it changes.
+            snap["tenants"]["acme"]["status"] = "disabled"
+            path.write_text(json.dumps(snap))
+            os.utime(path, (time.time() + 5, time.time() + 5))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
+                               json={"model": "support", "messages": [{"role": "user", "content": "hi"}]})
+                if r.status_code == 403:
+                    break
+                time.sleep(0.2)
+            assert r.status_code == 403
+        finally:
+            proc.terminate()
+            proc.wait(10)
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_metric_labels_are_capped():
+    m = GatewayMetrics(max_tenants=3, max_adapters=2)
+    for i in range(10):
+        m.observe(f"t{i}", f"a{i}@1", 200, 0.01, 5, 5)
+        m.limited(f"t{i}", "tokens")
+    text = m.render().decode()
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
+               if line.startswith("loraplex_gateway_requests_total{")}
+    assert tenants == {"t0", "t1", "t2", OTHER}
+    adapters = {line.split('adapter="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("loraplex_gateway_requests_total{")}
+    assert adapters == {"a0@1", "a1@1", OTHER}
+    assert 'loraplex_gateway_tokens_total{adapter="other",kind="prompt",tenant="other"} 35.0' in text
