@@ -141,6 +141,7 @@ def test_slot_bank_padding_clear_and_limits():
     w = _random_weights(g, 1, shapes, 12, ("q_proj",), 2.0)
     bank.write(3, w)
     assert bank.allocated(1) and not bank.allocated(0)
+    assert bank.capacity(1) == 2 and bank.capacity(0) == 0  # slot 3 is the class's second slot
     a, b, sc = bank.stacks(1, 0, "q_proj")
     assert torch.equal(a[1, :12], w.modules[(0, "q_proj")].a) and torch.count_nonzero(a[1, 12:]) == 0
     assert torch.count_nonzero(b[1, :, 12:]) == 0 and float(sc[1]) == 2.0
@@ -197,3 +198,21 @@ def test_out_may_be_a_column_slice_of_a_fused_output(path, layout):
     torch.testing.assert_close(fused[:, 12:16], expect_k)
     assert torch.equal(fused[:, 16:], fused0[:, 16:]), "columns of other projections untouched"
     assert torch.equal(fused[3], fused0[3])
+
+
+def test_slot_storage_grows_and_keeps_contents():
+    shapes = {"q_proj": (8, 8), "v_proj": (8, 4)}
+    bank = SlotBank(2, shapes, rank_classes=(8,), slots_per_class=5)
+    g = torch.Generator().manual_seed(9)
+    ws = [_random_weights(g, 2, shapes, 8, ("q_proj",) if i % 2 else tuple(shapes), 1.0 + i) for i in range(5)]
+    caps = []
+    for i, w in enumerate(ws):
+        bank.write(i, w)
+        caps.append(bank.capacity(0))
+    assert caps == [1, 2, 4, 4, 5]
+    for i, w in enumerate(ws):
+        for (layer, proj), mod in w.modules.items():
+            a, b, sc = bank.stacks(0, layer, proj)
+            assert torch.equal(a[i], mod.a) and torch.equal(b[i], mod.b) and float(sc[i]) == mod.scale
+    assert bank.layers_with_module(0, "v_proj", [1, 3]) == [False, False]
+    assert bank.layers_with_module(0, "v_proj", [1, 4]) == [True, True]
