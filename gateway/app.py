@@ -152,8 +152,9 @@ class Gateway:
                 if decision.status == 503:
                     raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
                                        code="ratelimiter_unavailable")
-                raise GatewayError(429, limit_message(decision.reason), code="rate_limit_exceeded",
-                                   type="rate_limit_error" if decision.reason != "too_large" else "tokens")
+                raise GatewayError(429, limit_message(decision.reason),
+                                   code="request_too_large" if decision.reason == "too_large"
+                                   else "rate_limit_exceeded")
             lease = decision.lease
             body = req.body
             if req.stream:

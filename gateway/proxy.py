@@ -73,7 +73,8 @@ class Upstream:
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str) -> Opened:
         if not workers:
-            raise GatewayError(503, "No worker is available for this model right now.", code="no_worker")
+            raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
+                               headers={"retry-after": "1"})
         last = "no worker answered"
         for worker in workers[: self.max_attempts]:
             worker.inflight += 1
@@ -106,7 +107,8 @@ class Upstream:
                     await resp.aclose()
                 raise
         log.warning("request %s: every candidate failed (%s)", request_id, last)
-        raise GatewayError(503, "No worker could serve this request right now.", code="no_worker")
+        raise GatewayError(503, "No worker could serve this request right now.", code="no_worker",
+                           headers={"retry-after": "1"})
 
     async def done(self, opened: Opened) -> None:
         opened.worker.inflight -= 1
