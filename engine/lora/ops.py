@@ -58,6 +58,8 @@ class SegmentPlan:
     seg_lens: tuple[int, ...]
     runs: tuple[tuple[int, int, int], ...] | None
     """``(start, end, slot)`` token ranges when every slot's tokens are one contiguous range."""
+    seg_table: torch.Tensor
+    """[3, num_adapters] int32 on the slots' device: starts, lengths, slots (for kernels)."""
 
     @property
     def num_lora_tokens(self) -> int:
@@ -98,6 +100,7 @@ class SegmentPlan:
             seg_starts=tuple(starts),
             seg_lens=seg_lens,
             runs=tuple(sorted(runs)) if runs is not None else None,
+            seg_table=torch.tensor([starts, list(seg_lens), uniq.tolist()], dtype=torch.int32).to(device),
         )
 
 

@@ -179,7 +179,7 @@ def lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         return
     if kernel != "sgmv":
         raise ValueError(f"unknown Triton LoRA kernel {kernel!r}")
-    seg = torch.tensor([plan.seg_starts, plan.seg_lens, plan.seg_slots], dtype=torch.int32, device=x.device)
+    seg = plan.seg_table.to(x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     mblocks = k.cdiv(max(plan.seg_lens), BLOCK_M)
     nseg = plan.num_adapters
