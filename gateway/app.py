@@ -248,7 +248,7 @@ class Gateway:
             self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
             if self.log_enabled and access_log.isEnabledFor(logging.INFO):
                 access_log.info(orjson.dumps({
-                    "request_id": request_id, "tenant": tenant_slug, "alias": alias, "adapter": label,
+                    "ts": round(time.time(), 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias, "adapter": label,
                     "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct, "status": status,
                     "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
                 }).decode())
@@ -266,6 +266,14 @@ def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
     if extra:
         out.extend(extra)
     return out
+
+
+async def _flush_access_log(every_s: float = 1.0) -> None:
+    """Flush buffered access-log handlers (``loraplex gateway`` buffers the per-request lines)."""
+    while True:
+        await asyncio.sleep(every_s)
+        for handler in access_log.handlers:
+            handler.flush()
 
 
 class _ClientGone(Exception):
@@ -465,9 +473,13 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         if start is not None:
             await start()
         await router.refresh()
+        flusher = asyncio.create_task(_flush_access_log(), name="access-log-flush")
         try:
             yield
         finally:
+            flusher.cancel()
+            for handler in access_log.handlers:
+                handler.flush()
             stop = getattr(snapshots, "stop", None)
             if stop is not None:
                 await stop()

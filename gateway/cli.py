@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from logging.handlers import MemoryHandler
 
 from loraplex.settings import Settings
 
@@ -21,8 +22,16 @@ def _gateway(args: argparse.Namespace) -> int:
         overrides["gateway_port"] = args.port
     settings = Settings.from_env(**overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    access = logging.getLogger("loraplex.gateway.access")
     if args.no_access_log:
-        logging.getLogger("loraplex.gateway.access").setLevel(logging.WARNING)
+        access.setLevel(logging.WARNING)
+    else:
+        # One JSON line per request, buffered (flushed every second by the app, or when full):
+        # a write per request would cost more CPU than the rest of the request path.
+        out = logging.StreamHandler(sys.stderr)
+        out.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(MemoryHandler(512, flushLevel=logging.ERROR, target=out, flushOnClose=True))
+        access.propagate = False
     app = create_app(settings)
     kwargs: dict[str, object] = {}
     try:
@@ -37,7 +46,8 @@ def _gateway(args: argparse.Namespace) -> int:
         kwargs["http"] = "httptools"
     except ImportError:
         pass
-    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, access_log=False,
+    # log_config=None: keep the logging set up above (uvicorn's own config would close its handlers).
+    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, access_log=False, log_config=None,
                 log_level=settings.log_level.lower(), workers=1, timeout_graceful_shutdown=5,
                 proxy_headers=False, server_header=False,
                 backlog=4096, **kwargs)  # type: ignore[arg-type]

@@ -73,7 +73,11 @@ def test_gateway_command_serves_with_a_snapshot_file(tmp_path):
         finally:
             proc.terminate()
             proc.wait(10)
-        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+        err = proc.stderr.read() if proc.stderr else ""
+        assert "Traceback" not in err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert lines and lines[0]["tenant"] == "acme" and lines[0]["adapter"] == "support@1"
+        assert {line["status"] for line in lines} >= {200, 403}
 
 
 def test_metric_labels_are_capped():
