@@ -5,9 +5,38 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from logging.handlers import MemoryHandler
+from typing import TextIO
 
 from loraplex.settings import Settings
+
+
+class BufferedLines(logging.Handler):
+    """Writes log messages as plain lines, many per ``write`` (flushed when full and by the app
+    every second)."""
+
+    def __init__(self, stream: TextIO, capacity: int = 256) -> None:
+        super().__init__()
+        self.stream = stream
+        self.capacity = capacity
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        if len(self.lines) >= self.capacity:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.lines:
+            lines, self.lines = self.lines, []
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        self.flush()
+        super().close()
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -28,9 +57,7 @@ def _gateway(args: argparse.Namespace) -> int:
     else:
         # One JSON line per request, buffered (flushed every second by the app, or when full):
         # a write per request would cost more CPU than the rest of the request path.
-        out = logging.StreamHandler(sys.stderr)
-        out.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(MemoryHandler(512, flushLevel=logging.ERROR, target=out, flushOnClose=True))
+        access.addHandler(BufferedLines(sys.stderr))
         access.propagate = False
     app = create_app(settings)
     kwargs: dict[str, object] = {}
