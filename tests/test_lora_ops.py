@@ -39,7 +39,7 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
     expect = y0.clone()
     lora_reference(expect, x, a, b, scale, slots)
     plan = SegmentPlan.build(slots)
-    for path in ("gather", "segmented", "reference", None):
+    for path in ("gather", "segmented", "padded", "reference", None):
         y = y0.clone()
         lora_apply(y, x, a, b, scale, plan, path=path)
         torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
@@ -65,10 +65,32 @@ def test_plan_runs_and_segments():
 def test_choose_path_heuristic(monkeypatch):
     decode = SegmentPlan.build(torch.arange(8))
     prefill = SegmentPlan.build(torch.zeros(128, dtype=torch.int64))
-    assert choose_path(decode) == "segmented"  # measured: segmented wins on CPU at every shape
-    assert choose_path(prefill) == "segmented"
+    assert choose_path(decode, 8) == "padded"
+    assert choose_path(prefill, 8) == "segmented"
+    assert choose_path(SegmentPlan.build(torch.tensor([0, 0, 1, 1, 1])), 2) == "padded"
+    assert choose_path(SegmentPlan.build(torch.tensor([0] * 40 + [1])), 2) == "segmented"  # long segment
+    assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4) == "segmented"  # one adapter
     monkeypatch.setattr("engine.lora.ops.GATHER_MAX_TOKENS_PER_ADAPTER", 2.0)
-    assert choose_path(decode) == "gather" and choose_path(prefill) == "segmented"
+    assert choose_path(decode, 8) == "gather" and choose_path(prefill, 8) == "segmented"
+
+
+@pytest.mark.parametrize("capacity", [4, 12])
+def test_padded_layouts(capacity):
+    """Whole-stack (capacity <= 2 x adapters) and gathered layouts, uneven segments."""
+    g = torch.Generator().manual_seed(capacity)
+    slots = torch.tensor([3, -1, 0, 3, 3, 2, -1, 0])
+    plan = SegmentPlan.build(slots)
+    assert plan.padded_layout(capacity).full_stack == (capacity == 4)
+    a = torch.randn(capacity, 4, 10, generator=g, dtype=torch.float64)
+    b = torch.randn(capacity, 6, 4, generator=g, dtype=torch.float64)
+    scale = torch.rand(capacity, generator=g, dtype=torch.float64)
+    x = torch.randn(8, 10, generator=g, dtype=torch.float64)
+    y0 = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    expect, y = y0.clone(), y0.clone()
+    lora_reference(expect, x, a, b, scale, slots)
+    lora_apply(y, x, a, b, scale, plan, path="padded")
+    torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[slots < 0], y0[slots < 0])
 
 
 def _random_weights(g, layers, shapes, rank, projs, scale):
@@ -81,7 +103,7 @@ def _random_weights(g, layers, shapes, rank, projs, scale):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 96])
-@pytest.mark.parametrize("path", ["gather", "segmented", None])
+@pytest.mark.parametrize("path", ["gather", "segmented", "padded", None])
 def test_batch_across_rank_classes(tokens, path):
     g = torch.Generator().manual_seed(tokens)
     shapes = {"q_proj": (32, 48), "v_proj": (32, 16), "down_proj": (40, 32)}
@@ -172,7 +194,7 @@ def test_for_sequences_expands_per_token():
         LoRABatch.for_sequences(bank, [0], [1, 2])
 
 
-@pytest.mark.parametrize("path", ["gather", "segmented", None])
+@pytest.mark.parametrize("path", ["gather", "segmented", "padded", None])
 @pytest.mark.parametrize("layout", ["runs", "interleaved"])
 def test_out_may_be_a_column_slice_of_a_fused_output(path, layout):
     """The model passes q/k/v and gate/up outputs as column views of one fused matmul."""

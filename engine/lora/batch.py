@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.ops import SegmentPlan, choose_path, lora_apply
+from engine.lora.ops import SegmentPlan, lora_apply
 from engine.lora.slots import SlotBank
 
 
@@ -52,7 +52,7 @@ class LoRABatch:
                 local = torch.where(cls_of == c, slots - c * s, -1)
                 plan = SegmentPlan.build(local.to(bank.device))
                 active = {p: bank.layers_with_module(c, p, plan.seg_slots) for p in bank.projections}
-                chosen = path if path is not None else (None if bank.device.type == "cuda" else choose_path(plan))
+                chosen = path  # None: lora_apply dispatches per call (Triton on CUDA, else choose_path)
                 passes.append(_ClassPass(c, plan, chosen, active))
         return cls(bank, slots, passes)
 

@@ -14,7 +14,9 @@ Plain-torch paths (CPU, and the correctness oracle for the Triton kernels):
 * ``segmented``: tokens grouped by slot once per step (:class:`SegmentPlan`), then one
   ``mm`` pair per adapter; contiguous runs (a prefill sequence) are processed in place
   through slices, without gather/scatter; otherwise one gather and one scatter per call.
-  Fastest on CPU at every measured shape.
+  Fastest on CPU for prefill and for few adapters.
+* ``padded``: all adapters of the call in one ``bmm`` pair, segments padded to the
+  longest (the SGMV shape in plain torch). Fastest on CPU for decode-like batches.
 * ``reference``: a per-row loop, the literal definition (tests and benchmark baseline).
 
 :func:`lora_apply` is the one public entry point: Triton on CUDA when it imports,
@@ -25,22 +27,44 @@ otherwise the torch path that :func:`choose_path` picks from the measured heuris
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-Path = Literal["gather", "segmented"]
+Path = Literal["gather", "segmented", "padded"]
 
 GATHER_MAX_TOKENS_PER_ADAPTER = 0.0
 """CPU dispatch threshold: gather while LoRA tokens per distinct adapter stay at or below this.
 
 Measured by ``bench/lora_ops.py`` (demo shapes, rank 16, float32, tokens 1-128, 1-32
-adapters, interleaved and contiguous): segmented was faster at every shape, by 1.3x
-(1 token) to 20x+ (128 tokens, 1 adapter). Gathering copies ``r x (in + out)`` weights
-per token, while segmented reads each adapter's weights once in place and the per-adapter
-launch cost (~30 us) stays below the per-token gather cost (~50 us). So 0: the CPU always
-runs segmented; ``path="gather"`` stays available (and mirrors the BGMV kernel)."""
+adapters, interleaved and contiguous): gather lost to segmented at every shape, by 1.3x
+(1 token) to 20x+ (128 tokens, 1 adapter): it copies ``r x (in + out)`` weights per token.
+So 0: the CPU never picks it; ``path="gather"`` stays available (it mirrors BGMV)."""
+
+PADDED_MAX_TOKENS_PER_ADAPTER = 16
+"""Padded-bmm is considered while the largest segment has at most this many tokens ..."""
+PADDED_MIN_ADAPTERS = 2
+"""... there are at least this many adapters, and padding at most doubles the rows.
+
+Padded-bmm (one ``bmm`` pair over all adapters of the call, segments padded to the longest)
+costs a fixed ~8 torch ops per call instead of ~2-3 per adapter: measured 2-3x faster than
+segmented for decode-like batches (8-32 adapters with 1-16 tokens each), slower for one
+adapter or long segments (prefill), where segmented's in-place slices win."""
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where each LoRA token sits in a ``[groups, m]`` padded batch (see :func:`lora_padded`)."""
+
+    groups: int
+    m: int
+    pad_rows: torch.Tensor
+    """[groups * m] token row feeding each padded position (padding repeats a real row)."""
+    take: torch.Tensor | None
+    """[n] padded position of each sorted LoRA row; None when it is the identity."""
+    full_stack: bool
+    """True: group g is slot g of the whole stack (no A/B gather); else group k is segment k."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,35 @@ class SegmentPlan:
     """``(start, end, slot)`` token ranges when every slot's tokens are one contiguous range."""
     seg_table: torch.Tensor
     """[3, num_adapters] int32 on the slots' device: starts, lengths, slots (for kernels)."""
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_segment(self) -> int:
+        return max(self.seg_lens, default=0)
+
+    def padded_layout(self, capacity: int) -> PaddedLayout:
+        """Padded layout for a stack of ``capacity`` slots (cached: built once per step)."""
+        key = ("padded", capacity)
+        lay = self._cache.get(key)
+        if lay is None:
+            lay = self._cache[key] = self._build_padded(capacity)
+        return lay
+
+    def _build_padded(self, capacity: int) -> PaddedLayout:
+        m, d, n = self.max_segment, self.num_adapters, self.num_lora_tokens
+        full = capacity <= 2 * d
+        groups = capacity if full else d
+        rows = self.rows.cpu()
+        pad = torch.full((groups, m), int(rows[0]), dtype=torch.int64)
+        take = torch.empty(n, dtype=torch.int64)
+        for k, (st, ln, slot) in enumerate(zip(self.seg_starts, self.seg_lens, self.seg_slots, strict=True)):
+            g = slot if full else k
+            pad[g, :ln] = rows[st:st + ln]
+            pad[g, ln:] = rows[st]
+            take[st:st + ln] = torch.arange(g * m, g * m + ln)
+        identity = groups * m == n and bool(torch.equal(take, torch.arange(n)))
+        dev = self.rows.device
+        return PaddedLayout(groups, m, pad.flatten().to(dev), None if identity else take.to(dev), full)
 
     @property
     def num_lora_tokens(self) -> int:
@@ -104,10 +157,22 @@ class SegmentPlan:
         )
 
 
-def choose_path(plan: SegmentPlan) -> Path:
-    """The torch path for this batch shape (see ``GATHER_MAX_TOKENS_PER_ADAPTER``)."""
-    if plan.num_adapters and plan.num_lora_tokens <= GATHER_MAX_TOKENS_PER_ADAPTER * plan.num_adapters:
+def choose_path(plan: SegmentPlan, capacity: int | None = None) -> Path:
+    """The torch path for this batch shape (thresholds measured by ``bench/lora_ops.py``).
+
+    ``capacity``: slots in the stack the op reads (decides whether padded-bmm can use the
+    whole stack without gathering A/B); None: the plan's largest slot + 1.
+    """
+    d, n = plan.num_adapters, plan.num_lora_tokens
+    if d == 0:
+        return "segmented"
+    if n <= GATHER_MAX_TOKENS_PER_ADAPTER * d:
         return "gather"
+    cap = capacity if capacity is not None else plan.seg_slots[-1] + 1
+    m = plan.max_segment
+    groups = cap if cap <= 2 * d else d
+    if d >= PADDED_MIN_ADAPTERS and m <= PADDED_MAX_TOKENS_PER_ADAPTER and groups * m <= 2 * n:
+        return "padded"
     return "segmented"
 
 
@@ -156,6 +221,31 @@ def lora_segmented(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     y.index_add_(0, plan.rows, d)
 
 
+def lora_padded(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                scale: torch.Tensor, plan: SegmentPlan) -> None:
+    """All adapters of the call in one ``bmm`` pair: segments padded to the longest one.
+
+    With most of the stack's slots in the batch the whole stack is used as is (no A/B copy;
+    padded groups of absent slots are computed and dropped); otherwise the present slots'
+    A/B are gathered once per call (per adapter, not per token).
+    """
+    if plan.num_lora_tokens == 0:
+        return
+    lay = plan.padded_layout(a.shape[0])
+    if lay.full_stack:
+        a_g, b_g, s_g = a, b, scale
+    else:
+        idx = plan.seg_table[2].to(torch.int64)
+        a_g, b_g, s_g = a.index_select(0, idx), b.index_select(0, idx), scale.index_select(0, idx)
+    xp = x.index_select(0, lay.pad_rows).view(lay.groups, lay.m, x.shape[1])
+    t = torch.bmm(xp, a_g.transpose(1, 2))
+    t.mul_(s_g.view(-1, 1, 1))
+    d = torch.bmm(t, b_g.transpose(1, 2)).view(lay.groups * lay.m, b.shape[1])
+    if lay.take is not None:
+        d = d.index_select(0, lay.take)
+    y.index_add_(0, plan.rows, d)
+
+
 @functools.cache
 def _triton_available() -> bool:
     try:
@@ -169,14 +259,16 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                scale: torch.Tensor, plan: SegmentPlan, path: str | None = None) -> None:
     """``y[i] += (x[i] @ A[s].T) @ B[s].T * scale[s]`` for ``s = slot[i] >= 0``, in place.
 
-    ``path`` forces ``"gather"``, ``"segmented"``, ``"triton"`` or ``"reference"``;
+    ``path`` forces ``"gather"``, ``"segmented"``, ``"padded"``, ``"triton"`` or ``"reference"``;
     None dispatches: CUDA tensors with Triton -> Triton; otherwise :func:`choose_path`.
     """
     if plan.num_lora_tokens == 0:
         return
     if path is None:
-        path = "triton" if (y.is_cuda and _triton_available()) else choose_path(plan)
-    if path == "gather":
+        path = "triton" if (y.is_cuda and _triton_available()) else choose_path(plan, a.shape[0])
+    if path == "padded":
+        lora_padded(y, x, a, b, scale, plan)
+    elif path == "gather":
         lora_gather(y, x, a, b, scale, plan)
     elif path == "segmented":
         lora_segmented(y, x, a, b, scale, plan)
