@@ -92,10 +92,10 @@ def default_model_path() -> Path:
     try:
         from engine.fetch_demo import demo_model_path  # type: ignore[import-not-found]
 
-        p = Path(demo_model_path())
-        if p.is_file():
-            return p
-    except Exception:
+        found = demo_model_path()
+        if found is not None:
+            return Path(found)
+    except ImportError:
         pass
     return FALLBACK_GGUF
 
