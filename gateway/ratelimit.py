@@ -210,20 +210,33 @@ class _Pipeliner:
         self.conn = RespConnection.from_redis(redis)
         self._pending: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
         self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def call(self, script: Any, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+    def call(self, script: Any, keys: list[str], args: list[Any], *, defer_s: float = 0.0) -> asyncio.Future[Any]:
+        """Queue one script call. ``defer_s``: it may wait that long for company (settlements
+        ride along with the next acquire instead of costing a round trip of their own)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((script, keys, args, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
+        if self._scheduled:
+            return fut
+        if defer_s > 0:
+            if self._timer is None:
+                self._timer = loop.call_later(defer_s, self._flush)
+            return fut
+        self._scheduled = True
+        loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
         self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         batch, self._pending = self._pending, []
+        if not batch:
+            return
         task = asyncio.get_running_loop().create_task(self._run(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -264,6 +277,14 @@ class _Pipeliner:
                 fut.set_result(res)
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:  # settlements still waiting for company
+            await self._run(batch)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.conn is not None:
             await self.conn.close()
 
@@ -288,6 +309,8 @@ class RedisLimiter:
         self._pipe = _Pipeliner(redis, [self._acquire, self._settle])
         self._down_until = 0.0
         self.degraded = False
+        self.settle_delay_s = 0.005
+        """Settlements wait up to this long to share a round trip with the next acquire."""
 
     def _keys(self, tenant: str) -> list[str]:
         base = self.prefix + tenant
@@ -335,7 +358,8 @@ class RedisLimiter:
             return
         try:
             await self._pipe.call(self._settle, self._keys(lease.tenant),
-                                  [lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id])
+                                  [lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id],
+                                  defer_s=self.settle_delay_s)
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)
