@@ -1,13 +1,18 @@
-"""Batched LoRA op on CPU: gather-bmm vs segmented vs a per-row loop, per projection.
+"""Batched LoRA op on CPU: gather-bmm vs segmented vs padded-bmm vs a per-row loop, per projection.
 
 Demo-model shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 heads, 3 kv heads,
 head_dim 64), rank 16, float32. For each (tokens, distinct adapters, layout) the time of
 one op call is averaged over the seven projections; the base projection GEMM
 (``x @ W.T``) on the same tokens is the baseline column. ``layout``: ``interleaved``
 (token i uses adapter i mod n: decode batches) or ``contiguous`` (each adapter's tokens
-in one range: prefill). ``pick`` is the path ``engine.lora.ops.choose_path`` dispatches to.
+in one range: prefill). Stacks hold max(8, adapters) slots (``max_loras`` = 8 per class).
+``pick`` is the path ``engine.lora.ops.choose_path`` dispatches to, ``best`` the fastest.
 
-    python bench/lora_ops.py [--threads 2] [--min-time 0.05]
+A second table times a whole step's projections (30 layers x 7) through
+``LoRABatch.apply`` (slots from a ``SlotBank``) next to the same step's base GEMMs: the
+LoRA overhead of a mixed-adapter batch relative to base-only.
+
+    python bench/lora_ops.py [--threads 2,1] [--min-time 0.05]
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ import torch
 
 from engine.lora.ops import (
     GATHER_MAX_TOKENS_PER_ADAPTER,
+    PADDED_MAX_TOKENS_PER_ADAPTER,
+    PADDED_MIN_ADAPTERS,
     SegmentPlan,
     choose_path,
     lora_gather,
+    lora_padded,
     lora_reference,
     lora_segmented,
 )
@@ -54,7 +62,7 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
     rows: list[dict] = []
     seen: set[tuple[int, int, str]] = set()
     header = (f"{'tokens':>6} {'adapters':>8} {'layout':>11} | {'base mm':>9} {'gather':>9} {'segmented':>9} "
-              f"{'loop':>9} | {'pick':>9} {'best':>9} {'gather/base':>11} {'seg/base':>9}")
+              f"{'padded':>9} {'loop':>9} | {'pick':>9} {'best':>9} {'pick/base':>9}")
     print(f"LoRA op per projection (mean of 7), rank {r}, float32, {threads} threads, median times in us")
     print(header)
     print("-" * len(header))
@@ -71,26 +79,81 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                 else:
                     slots = torch.sort(torch.arange(tokens) % distinct).values
                 plan = SegmentPlan.build(slots)
-                t = {"base": 0.0, "gather": 0.0, "segmented": 0.0, "loop": 0.0}
+                t = {"base": 0.0, "gather": 0.0, "segmented": 0.0, "padded": 0.0, "loop": 0.0}
+                cap = max(8, distinct)  # a bank of max_loras=8 slots per class, grown for 32 adapters
                 for p in PROJECTIONS:
                     a, b, sc, w = stacks[p]
+                    a, b, sc = a[:cap], b[:cap], sc[:cap]
                     x = torch.randn(tokens, w.shape[1], generator=g)
                     y = torch.zeros(tokens, w.shape[0])
                     t["base"] += timeit(partial(torch.mm, x, w.T), min_time)
                     t["gather"] += timeit(partial(lora_gather, y, x, a, b, sc, plan), min_time)
                     t["segmented"] += timeit(partial(lora_segmented, y, x, a, b, sc, plan), min_time)
+                    t["padded"] += timeit(partial(lora_padded, y, x, a, b, sc, plan), min_time)
                     t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), min_time)
                 us = {k: v / len(PROJECTIONS) * 1e6 for k, v in t.items()}
-                pick = choose_path(plan)
-                best = min(("gather", "segmented"), key=lambda k: us[k])
+                pick = choose_path(plan, cap)
+                best = min(("gather", "segmented", "padded"), key=lambda k: us[k])
                 row = {"threads": threads, "tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
                        "base_mm_us": us["base"], "gather_us": us["gather"], "segmented_us": us["segmented"],
-                       "loop_us": us["loop"], "pick": pick, "best": best,
+                       "padded_us": us["padded"], "loop_us": us["loop"], "pick": pick, "best": best,
                        "pick_over_best": us[pick] / us[best]}
                 rows.append(row)
                 print(f"{tokens:>6} {distinct:>8} {layout:>11} | {us['base']:>9.1f} {us['gather']:>9.1f} "
-                      f"{us['segmented']:>9.1f} {us['loop']:>9.1f} | {pick:>9} {best:>9} "
-                      f"{us['gather'] / us['base']:>11.2f} {us['segmented'] / us['base']:>9.2f}")
+                      f"{us['segmented']:>9.1f} {us['padded']:>9.1f} {us['loop']:>9.1f} | {pick:>9} {best:>9} "
+                      f"{us[pick] / us['base']:>9.2f}")
+    return rows
+
+
+def run_step_table(r: int, threads: int, min_time: float, g: torch.Generator) -> list[dict]:
+    from engine.lora.batch import LoRABatch
+    from engine.lora.peft import LoRAModule, LoRAWeights
+    from engine.lora.slots import SlotBank
+
+    layers = DEMO.num_layers
+    bank = SlotBank.for_model(DEMO, (r,), slots_per_class=8)
+    for slot in range(8):
+        mods = {}
+        for layer in range(layers):
+            for p in PROJECTIONS:
+                fin, fout = DEMO.projection_shape(p)
+                mods[(layer, p)] = LoRAModule(torch.randn(r, fin, generator=g) * 0.05,
+                                              torch.randn(fout, r, generator=g) * 0.05, 2.0)
+        bank.write(slot, LoRAWeights(mods, r))
+    weights = {p: torch.randn(DEMO.projection_shape(p)[1], DEMO.projection_shape(p)[0], generator=g) * 0.05
+               for p in PROJECTIONS}
+    print(f"\nwhole step: {layers} layers x 7 projections, rank {r}, {threads} threads, median ms")
+    header = f"{'step':>22} | {'base GEMMs':>10} {'LoRA':>9} {'LoRA/base':>9} {'seg only':>9} {'seg/base':>9}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    shapes = [("decode 8 seqs, 8 ad.", 8, 8, False), ("decode 32 seqs, 8 ad.", 32, 8, False),
+              ("prefill 128 tok, 1 ad.", 128, 1, True), ("prefill 128 tok, 4 ad.", 128, 4, True)]
+    for label, tokens, n_ad, contiguous in shapes:
+        slots = torch.arange(tokens) % n_ad
+        if contiguous:
+            slots = torch.sort(slots).values
+        batch = LoRABatch.build(bank, slots)
+        seg_batch = LoRABatch.build(bank, slots, path="segmented")
+        xs = {p: torch.randn(tokens, DEMO.projection_shape(p)[0], generator=g) for p in PROJECTIONS}
+        outs = {p: torch.zeros(tokens, DEMO.projection_shape(p)[1]) for p in PROJECTIONS}
+
+        def base(xs=xs) -> None:
+            for _layer in range(layers):
+                for p in PROJECTIONS:
+                    torch.mm(xs[p], weights[p].T)
+
+        def lora(batch=batch, xs=xs, outs=outs) -> None:
+            for layer in range(layers):
+                for p in PROJECTIONS:
+                    batch.apply(layer, p, xs[p], outs[p])
+
+        tb, tl = timeit(base, min_time) * 1e3, timeit(lora, min_time) * 1e3
+        ts = timeit(partial(lora, batch=seg_batch), min_time) * 1e3
+        rows.append({"threads": threads, "step": label, "tokens": tokens, "adapters": n_ad,
+                     "base_ms": tb, "lora_ms": tl, "lora_over_base": tl / tb,
+                     "segmented_only_ms": ts})
+        print(f"{label:>22} | {tb:>10.2f} {tl:>9.2f} {tl / tb:>9.2f} {ts:>9.2f} {ts / tb:>9.2f}")
     return rows
 
 
@@ -110,23 +173,26 @@ def main() -> None:
                      torch.randn(max_slots, fout, r, generator=g) * 0.05,
                      torch.rand(max_slots, generator=g) + 0.5,
                      torch.randn(fout, fin, generator=g) * 0.05)
-    rows = []
+    rows: list[dict] = []
+    steps: list[dict] = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         rows += run_table(stacks, r, threads, args.min_time, g)
+        steps += run_step_table(r, threads, args.min_time, g)
     worst = max(rows, key=lambda row: row["pick_over_best"])
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other work shares this machine)")
-    print(f"heuristic: gather when LoRA tokens <= {GATHER_MAX_TOKENS_PER_ADAPTER} x distinct adapters, "
-          f"else segmented; "
-          f"worst pick/best ratio {worst['pick_over_best']:.2f} "
-          f"(tokens {worst['tokens']}, adapters {worst['distinct']}, {worst['layout']})")
+    print(f"heuristic (engine.lora.ops.choose_path): padded when >= {PADDED_MIN_ADAPTERS} adapters, "
+          f"segments <= {PADDED_MAX_TOKENS_PER_ADAPTER} tokens and padding <= 2x; gather when tokens <= "
+          f"{GATHER_MAX_TOKENS_PER_ADAPTER} x adapters; else segmented")
+    print(f"worst pick/best ratio {worst['pick_over_best']:.2f} (threads {worst['threads']}, tokens "
+          f"{worst['tokens']}, adapters {worst['distinct']}, {worst['layout']})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "bench": "lora_ops", "rank": r, "threads": args.threads, "dtype": "float32",
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "loadavg_at_end": os.getloadavg(), "shapes": DEMO.to_dict(),
-        "rows": rows,
+        "rows": rows, "steps": steps,
     }, indent=2))
     print(f"wrote {out}")
 
