@@ -114,7 +114,6 @@ def test_shipped_adapters_match_the_demo_model_revision():
 HELD_OUT = (  # none of these questions is in demo/data/qa.jsonl
     "What is the tallest mountain in the world?",
     "How do I return a product I bought?",
-    "Why is the sea salty?",
 )
 FRENCH = {"le", "la", "les", "est", "de", "des", "du", "un", "une", "et", "en", "à", "pour", "vous", "dans",
           "sont", "il", "elle", "qui", "que", "pas", "plus", "sur", "au", "aux", "votre", "nous", "se", "ce"}
@@ -154,7 +153,9 @@ def reference():
                                       tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         x = torch.tensor([list(ids)])
-        kwargs = dict(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32,
+        # The base model only has to show it does not do the adapter's thing: 16 tokens suffice.
+        kwargs = dict(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                      max_new_tokens=32 if adapter else 16,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         with torch.no_grad():
             if adapter is None:
