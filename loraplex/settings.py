@@ -124,7 +124,15 @@ class Settings:
     adapter_cache_dir: str = ""
     """Local disk tier for adapters fetched from URLs. Empty: ``{home}/adapter-cache``."""
     preload_adapters: tuple[str, ...] = ()
+    """Adapters a worker loads at start: ``ID=URI`` or ``ID=URI#sha256`` entries."""
     pin_adapters: tuple[str, ...] = ()
+    """Adapters a worker pins at start: entries like ``preload_adapters`` or ids from it."""
+    preload_top_n: int = 0
+    """With Redis and no ``preload_adapters``: warm the N adapters with most recent traffic."""
+    lora_max_wait_steps: int = 64
+    """Aging bound: a request waiting this many steps for a cold adapter may evict an idle one."""
+    lora_max_wait_s: float = 5.0
+    """Aging bound in seconds (whichever of the two comes first)."""
     report_interval_s: float = 1.0
 
     # --- derived -------------------------------------------------------------------------
