@@ -376,16 +376,19 @@ def _default_snapshots(settings: Settings) -> Any:
     return factory(settings) if factory else SnapshotCache(settings)
 
 
-def _admin_app(settings: Settings) -> tuple[Any, Any] | tuple[None, None]:
-    """The registry admin API (``registry.admin_api``) and the service behind it, if installed."""
+def _admin_app(settings: Settings, router: Router,
+               client: httpx.AsyncClient) -> tuple[Any, Any] | tuple[None, None]:
+    """The registry admin API (``registry.admin_api``) behind the activation gate, and its service."""
     try:
         from registry.admin_api import admin_app
         from registry.service import RegistryService
     except ImportError:
         log.info("registry admin API not available; /admin is not mounted")
         return None, None
+    from gateway.activation import ActivationGate
+
     service = RegistryService(settings)
-    return admin_app(service, settings), service
+    return admin_app(service, settings, gate=ActivationGate(settings, router, client)), service
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
@@ -465,7 +468,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _error(500, "internal error", "internal_error")
 
-    admin, admin_service = _admin_app(settings) if mount_admin else (None, None)
+    admin, admin_service = _admin_app(settings, router, http_client) if mount_admin else (None, None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

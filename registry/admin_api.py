@@ -18,7 +18,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,12 +29,24 @@ from starlette.routing import Route
 from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
-from registry.errors import Invalid, RegistryError
+from registry.errors import Conflict, Invalid, RegistryError
 from registry.service import DIMENSIONS, RegistryService
 
 log = logging.getLogger("loraplex.registry.admin")
 
 Handler = Callable[["Call"], Awaitable[Any]]
+
+
+class ActivationGate(Protocol):
+    """Verifies a pending adapter version on a worker before it may go active.
+
+    Called with the adapter record and the activate request body; returns an object with
+    ``passed``, ``reason`` and ``verification``; raises ``RegistryError`` when it cannot run.
+    The gateway provides one (``gateway.activation``); without it, activation records the
+    caller's ``verification`` as given.
+    """
+
+    async def __call__(self, adapter: dict[str, Any], request: dict[str, Any]) -> Any: ...
 
 
 @dataclass
@@ -44,6 +56,7 @@ class Call:
     body: dict[str, Any]
     query: dict[str, Any]
     actor: str
+    gate: ActivationGate | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,10 @@ ADAPTER_CREATE = _obj({
     "owner": {**STR, "description": "owning tenant; omit for a shared adapter"},
     "expected_revision": {**STR, "description": "refuse unless the base model is at this revision"},
 }, ("name", "uri", "base_model"))
-ACTIVATE = _obj({"verification": {**OBJ, "description": "probe / eval results to record"}})
+ACTIVATE = _obj({
+    "verification": {**OBJ, "description": "results to record (only without an activation gate)"},
+    "eval": {**OBJ, "description": "evaluation set for the gate: {cases: [{prompt, expect (regex)}], threshold}"},
+})
 DISABLE_ADAPTER = _obj({"reason": STR})
 FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
 BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
@@ -187,7 +203,25 @@ async def _adapter_get(c: Call) -> Any:
 
 
 async def _adapter_activate(c: Call) -> Any:
-    return await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"), actor=c.actor)
+    if c.gate is None:
+        return await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"),
+                                                actor=c.actor)
+    if "verification" in c.body:
+        raise Invalid("verification is recorded by the activation gate, not given", param="verification")
+    adapter = await c.service.get_adapter(c.path["ref"])
+    if adapter["status"] == "active":
+        return adapter
+    if adapter["status"] == "disabled":  # it passed the gate before it was disabled
+        return await c.service.activate_adapter(adapter["id"], actor=c.actor)
+    if adapter["status"] != "pending":
+        raise Conflict(f"adapter {adapter['name']}@{adapter['version']} is {adapter['status']}; only a pending "
+                       f"version is verified and activated", code="not_pending")
+    result = await c.gate(adapter, c.body)
+    if not result.passed:
+        await c.service.fail_adapter(adapter["id"], reason=result.reason, verification=result.verification,
+                                     actor=c.actor)
+        raise Invalid(f"activation refused: {result.reason}", code="adapter_verification_failed")
+    return await c.service.activate_adapter(adapter["id"], verification=result.verification, actor=c.actor)
 
 
 async def _adapter_disable(c: Call) -> Any:
@@ -433,8 +467,11 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
     return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
 
 
-def admin_app(service: RegistryService, settings: Settings) -> Starlette:
-    """The admin API as a Starlette app, to mount at ``/admin``."""
+def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationGate | None = None) -> Starlette:
+    """The admin API as a Starlette app, to mount at ``/admin``.
+
+    With ``gate``, activating an adapter version first verifies it on a worker.
+    """
     verifier = Verifier(settings)
     doc = openapi_document()
 
@@ -457,7 +494,7 @@ def admin_app(service: RegistryService, settings: Settings) -> Starlette:
                 elif raw.strip() and raw.strip() not in (b"{}", b"null"):
                     raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
                 query = _parse_query(request, op.query)
-                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin")
+                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate)
                 result = await op.handler(call)
                 return JSONResponse(result, status_code=op.status)
             except TokenError as exc:
