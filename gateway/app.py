@@ -33,6 +33,7 @@ from gateway.proxy import Upstream, read_rest, relay_sse, sse_error, usage_of, u
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
 from gateway.resolve import Resolver
 from gateway.router import Router
+from gateway.traffic import AdapterTraffic
 from gateway.transport import H11Transport
 from gateway.validate import validate
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
@@ -68,6 +69,8 @@ class Gateway:
                                  on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.log_enabled = True
+        self.traffic: AdapterTraffic | None = None
+        """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes
@@ -156,6 +159,8 @@ class Gateway:
                                    code="request_too_large" if decision.reason == "too_large"
                                    else "rate_limit_exceeded")
             lease = decision.lease
+            if self.traffic is not None and res.wire is not None:
+                self.traffic.record(res.wire)
             body = req.body
             if req.stream:
                 body["stream_options"] = {"include_usage": True}
@@ -407,11 +412,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     Components passed in are started/stopped by their owner, except the snapshot source,
     whose optional ``start()``/``stop()`` the app calls in its lifespan.
     """
-    redis = None
-    if (limiter is None or residency is None) and settings.redis_url:
-        redis = _redis_client(settings)
+    redis = _redis_client(settings) if settings.redis_url else None
     if snapshots is None:
         snapshots = _default_snapshots(settings)
+    own_limiter = limiter is None
     if limiter is None:
         limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode) \
             if redis is not None else LocalLimiter()
@@ -427,6 +431,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                     static_urls=settings.worker_urls,
                     cooldown_s=max(2.0, settings.worker_report_ttl_s))
     gw = Gateway(settings, snapshots, limiter, router, http_client)
+    if redis is not None:
+        gw.traffic = AdapterTraffic(redis, settings.redis_prefix)
 
     async def models(request: Request) -> Response:
         try:
@@ -477,10 +483,15 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             await start()
         await router.refresh()
         flusher = asyncio.create_task(_flush_access_log(), name="access-log-flush")
+        traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
         try:
             yield
         finally:
             flusher.cancel()
+            if traffic is not None and gw.traffic is not None:
+                traffic.cancel()
+                with contextlib.suppress(Exception):
+                    await gw.traffic.flush()
             for handler in access_log.handlers:
                 handler.flush()
             stop = getattr(snapshots, "stop", None)
@@ -488,8 +499,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 await stop()
             if own_client:
                 await http_client.aclose()
-            if redis is not None:
+            if own_limiter:
                 await limiter.close()
+            if redis is not None:
                 await redis.aclose()
             if admin_service is not None:
                 await admin_service.close()
