@@ -17,7 +17,9 @@ LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
 ``prepare_batch(ctx: BatchContext) -> None`` that sets ``ctx.lora`` before each forward,
 and optionally ``release(seq)`` when a sequence leaves) and
 ``engine.scheduler.policy`` (adapter-aware admission). With ``lora_runtime`` unset the
-worker API refuses requests naming an adapter.
+worker API refuses requests naming an adapter. ``Engine.from_settings`` plugs in both
+(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission.FairAdmission`` as
+the policy (priority, tenant fairness, adapter residency and aging).
 """
 
 from __future__ import annotations
@@ -139,7 +141,35 @@ class Engine:
             max_model_len=settings.max_model_len)
         engine = cls.from_path(path, config)
         engine.info = describe_model(path, name=settings.model_name or None)
+        if settings.max_loras > 0:
+            engine.enable_lora(settings)
+        else:
+            from engine.admission import FairAdmission
+
+            engine.scheduler.policy = FairAdmission(None)
         return engine
+
+    def enable_lora(self, settings: Any, **manager_kw: Any) -> None:
+        """Build the adapter manager + runtime from settings and plug them in."""
+        from engine.admission import FairAdmission
+        from engine.lora.manager import AdapterManager
+        from engine.lora.runtime import LoRARuntime
+        from loraplex.modelinfo import describe_model
+
+        if self.info is None:
+            self.info = describe_model(self.model_path, name=settings.model_name or None)
+        manager = AdapterManager.from_settings(settings, self.info, dtype=self.model.dtype,
+                                               device=self.model.device, **manager_kw)
+        self.lora_runtime = LoRARuntime(manager)
+        self.scheduler.policy = FairAdmission(self.lora_runtime, max_wait_steps=settings.lora_max_wait_steps,
+                                              max_wait_s=settings.lora_max_wait_s)
+
+    def close(self) -> None:
+        """Stop the thread and the adapter loaders."""
+        self.stop()
+        rt = self.lora_runtime
+        if rt is not None:
+            rt.manager.close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
@@ -154,6 +184,15 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, adapter=adapter, tenant=tenant, priority=priority,
                        request_id=request_id, listener=listener)
         seq.max_total_len = self.max_model_len
+        rt = self.lora_runtime
+        if adapter is None or rt is None:
+            seq.extra["cache"] = "base"
+        else:
+            warm = rt.manager.state(adapter).state in ("host", "device")
+            seq.extra["cache"] = "warm" if warm else "cold"
+            rt.prefetch(seq)  # load while earlier requests run
+        if self.metrics is not None:
+            self.metrics.observe_arrival(seq.extra["cache"])
         with self._wake:
             self.scheduler.add(seq)
             self._wake.notify()
@@ -182,6 +221,13 @@ class Engine:
             out = self.scheduler.schedule()
             for seq in out.failed:
                 self._finish(seq, "error", error="the request does not fit in this worker's KV cache")
+            take_failed = getattr(self.scheduler.policy, "take_failed", None)
+            if take_failed is not None:
+                for seq, reason in take_failed():
+                    if not seq.is_finished:
+                        name = seq.adapter.name if seq.adapter is not None else "?"
+                        self._finish(seq, "error", error=f"adapter {name} could not be loaded: {reason}",
+                                     code="adapter_load_failed")
         if not out.chunks:
             return False
         ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
@@ -210,7 +256,8 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             if self.metrics is not None:
-                self.metrics.observe_first_token(now - seq.arrival, len(seq.prompt_ids))
+                self.metrics.observe_first_token(now - seq.arrival, len(seq.prompt_ids),
+                                                 seq.extra.get("cache", "base"))
         if self.metrics is not None:
             self.metrics.add_generated(1)
         reason: str | None = None
@@ -242,14 +289,14 @@ class Engine:
         if seq.listener is not None:
             seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason))
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, code: str | None = None) -> None:
         seq.finish_reason = reason
         if not seq.is_finished:
             self.scheduler.finish(seq)
         seq.status = SeqStatus.FINISHED
         self._release(seq)
         if seq.listener is not None:
-            seq.listener(SeqEvent(seq.seq_id, [], "", True, reason, error))
+            seq.listener(SeqEvent(seq.seq_id, [], "", True, reason, error, code))
 
     def fail_all(self, error: str) -> None:
         with self._lock:
@@ -284,10 +331,14 @@ class Engine:
                 if self._stopping:
                     return
             try:
-                self.step()
+                progressed = self.step()
             except Exception:
                 log.exception("engine step failed; failing the in-flight requests")
                 self.fail_all("internal engine error")
+                progressed = True
+            if not progressed:  # work waits on an adapter load: do not spin
+                with self._wake:
+                    self._wake.wait(0.005)
 
     # ------------------------------------------------------------------ sync helper
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -1,10 +1,27 @@
-"""Prometheus metrics of one worker, in its own registry (several workers may share a process)."""
+"""Prometheus metrics of one worker, in its own registry (several workers may share a process).
+
+Adapter tiers (with LoRA on; every series carries ``worker``):
+
+* ``loraplex_worker_adapters_resident{tier}`` gauge: ``device`` (in a slot), ``host`` (host
+  memory), ``disk`` (local disk cache);
+* ``loraplex_worker_adapter_loads_total{tier}`` and ``loraplex_worker_adapter_load_seconds{tier}``
+  histogram: ``source`` (download into the disk cache and read), ``disk`` (local read into
+  host memory), ``host`` (host -> device slot copy);
+* ``loraplex_worker_adapter_evictions_total{tier}`` (``device``, ``host``);
+* ``loraplex_worker_adapter_hits_total{tier}`` (``device``, ``host``),
+  ``loraplex_worker_adapter_misses_total``, ``loraplex_worker_adapter_load_failures_total``;
+* ``loraplex_worker_adapter_requests_total{cache}``: per request, ``warm`` (hit), ``cold``
+  (miss), ``base``;
+* ``loraplex_worker_time_to_first_token_seconds{cache}``: ``warm`` (adapter on device or in
+  host memory at arrival), ``cold`` (had to be loaded), ``base`` (no adapter).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -26,9 +43,10 @@ class WorkerMetrics:
         gauge("loraplex_worker_kv_blocks_total", "KV cache blocks in the pool", "kv_blocks_total")
         self.step_seconds = Histogram("loraplex_worker_step_seconds", "Wall time of one engine step",
                                       list(labels), buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.ttft_seconds = Histogram("loraplex_worker_time_to_first_token_seconds",
-                                      "Arrival to first sampled token", list(labels),
-                                      buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self._ttft = Histogram("loraplex_worker_time_to_first_token_seconds",
+                               "Arrival to first sampled token, by adapter cache state at arrival "
+                               "(warm, cold, base)", [*labels, "cache"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = self._ttft.labels(cache="base", **labels)
         self.prompt_tokens = Counter("loraplex_worker_prompt_tokens", "Prompt tokens of requests that "
                                      "produced a first token", list(labels), registry=r).labels(**labels)
         self.generation_tokens = Counter("loraplex_worker_generation_tokens", "Tokens sampled",
@@ -38,13 +56,31 @@ class WorkerMetrics:
         self._requests = Counter("loraplex_worker_requests", "Finished requests by outcome",
                                  [*labels, "outcome"], registry=r)
         self._labels = labels
+        self._arrivals = Counter("loraplex_worker_adapter_requests", "Requests by adapter cache state at "
+                                 "arrival: warm (hit: device or host), cold (miss: had to load), base",
+                                 [*labels, "cache"], registry=r)
+        rt = getattr(engine, "lora_runtime", None)
+        if rt is not None:
+            manager = rt.manager
+            self._load_seconds = Histogram("loraplex_worker_adapter_load_seconds",
+                                           "Adapter load latency by tier (source, disk, host)",
+                                           [*labels, "tier"], buckets=_LATENCY_BUCKETS, registry=r)
+            manager.on_load = self.observe_adapter_load
+            r.register(_LoRACollector(manager, worker_id))
+
+    def observe_arrival(self, cache: str) -> None:
+        """One request arrived; ``cache`` is ``warm``/``cold`` for adapter requests, ``base`` otherwise."""
+        self._arrivals.labels(cache=cache, **self._labels).inc()
+
+    def observe_adapter_load(self, tier: str, seconds: float) -> None:
+        self._load_seconds.labels(tier=tier, **self._labels).observe(seconds)
 
     def observe_step(self, seconds: float, tokens: int) -> None:
         self.step_seconds.observe(seconds)
         self.batched_tokens.inc(tokens)
 
-    def observe_first_token(self, seconds: float, prompt_tokens: int) -> None:
-        self.ttft_seconds.observe(seconds)
+    def observe_first_token(self, seconds: float, prompt_tokens: int, cache: str = "base") -> None:
+        self._ttft.labels(cache=cache, **self._labels).observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
 
     def add_generated(self, n: int) -> None:
@@ -55,3 +91,40 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoRACollector:
+    """Adapter tier gauges and counters read from the manager's stats at scrape time."""
+
+    def __init__(self, manager: Any, worker_id: str) -> None:
+        self.manager = manager
+        self.worker = worker_id
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        m, w = self.manager, self.worker
+        st = m.stats
+        resident = GaugeMetricFamily("loraplex_worker_adapters_resident", "Adapters resident per tier",
+                                     labels=["worker", "tier"])
+        for tier, n in m.resident_counts().items():
+            resident.add_metric([w, tier], n)
+        yield resident
+        for name, doc, values in (
+            ("loraplex_worker_adapter_loads", "Adapter loads per tier", st.loads),
+            ("loraplex_worker_adapter_evictions", "Adapter evictions per tier", st.evictions),
+            ("loraplex_worker_adapter_hits", "Slot requests served from a tier without IO", st.hits),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["worker", "tier"])
+            for tier, n in values.items():
+                fam.add_metric([w, tier], n)
+            yield fam
+        misses = CounterMetricFamily("loraplex_worker_adapter_misses", "Slot requests that had to load first",
+                                     labels=["worker"])
+        misses.add_metric([w], st.misses)
+        yield misses
+        failures = CounterMetricFamily("loraplex_worker_adapter_load_failures", "Adapter loads that failed",
+                                       labels=["worker"])
+        failures.add_metric([w], st.failures)
+        yield failures

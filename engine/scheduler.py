@@ -17,7 +17,10 @@ Prefill chunks and decode rows of the step go through ONE forward pass.
 Adapter-aware admission plugs in through ``AdmissionPolicy``: ``admit(seq, batch)`` is
 asked for each waiting candidate with the sequences already chosen for this step
 (running ones included); returning False skips the candidate this step without
-blocking the ones behind it. The default admits everything.
+blocking the ones behind it. The default admits everything. A policy may also define
+``order(waiting, running) -> list`` (the candidates in the order to try them; default:
+priority, then arrival) and ``charge(chunks)`` (told the chunks each step serves) —
+``engine.admission.FairAdmission`` uses both for tenant fairness and adapter residency.
 """
 
 from __future__ import annotations
@@ -147,15 +150,18 @@ class Scheduler:
             out.chunks.append((seq, n))
             chosen.append(seq)
             budget -= n
-        # Admit waiting sequences (priority, then arrival).
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i][2]
+        # Admit waiting sequences (the policy's order; default: priority, then arrival).
+        order = getattr(self.policy, "order", None)
+        waiting = [e[2] for e in self.waiting]
+        candidates = order(waiting, list(self.running)) if order is not None and waiting else waiting
+        admitted: set[int] = set()
+        for seq in candidates:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if not self.policy.admit(seq, chosen):
-                i += 1
                 continue
             if alloc.blocks_for(seq.num_tokens + 1) > alloc.num_blocks:
-                del self.waiting[i]
+                admitted.add(id(seq))
                 self._release(seq)
                 seq.status = SeqStatus.FINISHED
                 out.failed.append(seq)
@@ -164,11 +170,16 @@ class Scheduler:
             need = alloc.blocks_for(n)
             if not alloc.can_allocate(need):
                 break  # head of line waits for blocks; nothing jumps ahead of it
-            del self.waiting[i]
+            admitted.add(id(seq))
             seq.block_table = alloc.allocate(need)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.chunks.append((seq, n))
             chosen.append(seq)
             budget -= n
+        if admitted:
+            self.waiting = [e for e in self.waiting if id(e[2]) not in admitted]
+        charge = getattr(self.policy, "charge", None)
+        if charge is not None and out.chunks:
+            charge(out.chunks)
         return out

@@ -47,6 +47,8 @@ class SeqEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
+    """Machine-readable error code (``adapter_load_failed``, ``engine_error`` ...)."""
 
 
 _ids = itertools.count(1)

@@ -61,6 +61,10 @@ class AdapterLoadError(RuntimeError):
         self.reason = reason
 
 
+class AdapterBusy(RuntimeError):
+    """An unload was refused: the adapter is in use or pinned."""
+
+
 class SlotsExhausted(RuntimeError):
     """No device slot can take the adapter now (all in use or pinned, or max_loras reached)."""
 
@@ -164,13 +168,18 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load")
         self._free = {c: list(bank.slot_ids(c)) for c in range(len(bank.rank_classes))}
         self._pin_host = bank.device.type == "cuda"
+        self.on_load: Callable[[str, float], None] | None = None
+        """Called with ``(tier, seconds)`` after every load (metrics histograms)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelInfo, *, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu", **kw: Any) -> AdapterManager:
         """The worker's manager: a slot bank per ``lora_rank_classes`` with ``max_loras`` slots
         per class, the host LRU of ``max_cpu_loras`` and the disk cache directory from settings."""
-        bank = SlotBank.for_model(model, settings.lora_rank_classes, settings.max_loras, dtype=dtype, device=device)
+        # Classes above max_lora_rank are dropped: such adapters are refused as in vLLM.
+        classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
+            settings.max_lora_rank,)
+        bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device)
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
                    sources=kw.pop("sources", None) or SourceRegistry([LocalSource(), HttpSource(
@@ -261,6 +270,7 @@ class AdapterManager:
             self.stats.loads[tier] += 1
             self.stats.load_seconds[tier] += seconds
             self._host_policy.touch(ref.id)
+            self._observe(tier, seconds)
             self._evict_host(keep=ref.id)
 
     def _read(self, ref: AdapterRef) -> tuple[LoRAWeights, str, float]:
@@ -320,12 +330,14 @@ class AdapterManager:
             return e
 
     # --- device slots ----------------------------------------------------------------------
-    def acquire_slots(self, refs: Sequence[AdapterRef], *, timeout: float | None = None) -> list[int]:
+    def acquire_slots(self, refs: Sequence[AdapterRef], *, timeout: float | None = None,
+                      protect: Iterable[str] = ()) -> list[int]:
         """Place each ref's adapter in a device slot; one user per ref until :meth:`release`.
 
         All or nothing for the users: on :class:`AdapterLoadError` or :class:`SlotsExhausted`
         no user count changes. Waits for loads that are not ready (check :meth:`ready` first to
         avoid stalling a step). Must be called from the thread that runs the model.
+        ``protect``: adapter ids whose idle slots must not be taken (they still have queued work).
         """
         distinct: dict[str, AdapterRef] = {}
         for r in refs:
@@ -341,7 +353,7 @@ class AdapterManager:
                 if e is None or (e.slot is None and e.weights is None):
                     raise AdapterLoadError(key, "evicted from host memory before it reached a slot; retry")
                 if e.slot is None:
-                    self._place(e, protect=set(distinct))
+                    self._place(e, protect=set(distinct) | set(protect))
                 self._device_policy.touch(key)
                 self._host_policy.touch(key)
             for r in refs:
@@ -374,11 +386,20 @@ class AdapterManager:
         self.bank.write(slot, e.weights)
         if self.bank.device.type == "cuda":
             torch.cuda.current_stream(self.bank.device).synchronize()
+        seconds = time.perf_counter() - t0
         self.stats.loads["host"] += 1
-        self.stats.load_seconds["host"] += time.perf_counter() - t0
+        self.stats.load_seconds["host"] += seconds
         e.slot = slot
+        self._observe("host", seconds)
 
-    def try_acquire(self, ref: AdapterRef) -> int | None:
+    def _observe(self, tier: str, seconds: float) -> None:
+        if self.on_load is not None:
+            try:
+                self.on_load(tier, seconds)
+            except Exception:  # a metrics hook must never break a load
+                log.exception("adapter load observer failed")
+
+    def try_acquire(self, ref: AdapterRef, protect: Iterable[str] = ()) -> int | None:
         """Non-blocking acquire for admission: the slot id (one user), or None when the adapter
         is not in host memory yet (a prefetch is started) or no slot can take it now.
         Raises :class:`AdapterLoadError` when its load failed (within ``failure_ttl_s``)."""
@@ -392,7 +413,7 @@ class AdapterManager:
             self.prefetch(ref)
             return None
         try:
-            return self.acquire_slots([ref])[0]
+            return self.acquire_slots([ref], protect=protect)[0]
         except SlotsExhausted:
             return None
 
@@ -412,6 +433,49 @@ class AdapterManager:
         with self._lock:
             e = self._start_load(ref)
             e.pinned = True
+
+    def entries(self) -> list[tuple[AdapterRef, AdapterState]]:
+        """Every adapter the manager knows (loading, failed, host, device), with its state."""
+        with self._lock:
+            refs = [e.ref for e in self._entries.values()]
+        return [(r, self.state(r)) for r in refs]
+
+    def wait(self, ref: AdapterRef, timeout: float | None = None) -> AdapterState:
+        """Block until ``ref`` is no longer loading; its state then (host/device/failed)."""
+        with self._lock:
+            e = self._entries.get(ref.id)
+            fut = None if e is None else e.future
+        if fut is not None:
+            fut.result(timeout=timeout)
+        return self.state(ref)
+
+    def unload(self, ref: AdapterRef | str, *, force: bool = False) -> bool:
+        """Drop an adapter from device and host memory. False when unknown.
+
+        Raises :class:`AdapterBusy` while sequences use it, or while pinned unless ``force``
+        (which also unpins it). A load in flight finishes and is dropped.
+        """
+        key = ref if isinstance(ref, str) else ref.id
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return False
+            if e.users > 0:
+                raise AdapterBusy(f"adapter {key} is used by {e.users} running sequence(s)")
+            if e.pinned and not force:
+                raise AdapterBusy(f"adapter {key} is pinned (unpin it first, or force)")
+            if e.slot is not None:
+                self._free[self.bank.split(e.slot)[0]].append(e.slot)
+                e.slot = None
+                self._device_policy.remove(key)
+            e.weights = None
+            e.pinned = False
+            e.error = None
+            self._host_policy.remove(key)
+            if e.future is not None:
+                e.future.cancel()
+            del self._entries[key]
+            return True
 
     def unpin(self, ref: AdapterRef | str) -> None:
         key = ref if isinstance(ref, str) else ref.id

@@ -17,6 +17,7 @@ It implements the engine's hooks (see ``engine.engine`` / ``engine.model``):
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ class LoRARuntime:
         self._lock = threading.Lock()
 
     # --- admission -------------------------------------------------------------------------
-    def admit(self, seq: Any, batch: list[Any]) -> bool:
+    def admit(self, seq: Any, batch: list[Any], protect: Iterable[str] = ()) -> bool:
+        """``protect``: adapter ids whose idle slots must not be taken for ``seq``'s adapter."""
         ref = seq.adapter
         if ref is None:
             return True
@@ -41,7 +43,7 @@ class LoRARuntime:
             if seq.seq_id in self._held:
                 return True
         try:
-            slot = self.manager.try_acquire(ref)
+            slot = self.manager.try_acquire(ref, protect=protect)
         except AdapterLoadError as exc:
             with self._lock:
                 self._failed[seq.seq_id] = exc.reason
@@ -91,6 +93,13 @@ class LoRARuntime:
             self._failed.pop(seq.seq_id, None)
         if held is not None:
             self.manager.release([held[0]])
+
+    def report_fields(self) -> dict[str, list[str]]:
+        """Adapter ids per tier for ``loraplex.wire.WorkerReport`` (device, host, disk)."""
+        r = self.manager.resident()
+        disk = self.manager.disk.ids() if self.manager.disk is not None else []
+        return {"device_adapters": sorted(r["device"]), "host_adapters": sorted(r["host"]),
+                "disk_adapters": disk}
 
     def held(self) -> dict[int, int]:
         """seq_id -> slot of every sequence holding a slot."""

@@ -184,6 +184,12 @@ class DiskCache:
     def remove(self, ref: AdapterRef) -> None:
         shutil.rmtree(self.path_for(ref), ignore_errors=True)
 
+    def ids(self) -> list[str]:
+        """Directory names of complete entries (the version ids, hashed when not path-safe)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+
     def count(self) -> int:
         if not self.root.is_dir():
             return 0
