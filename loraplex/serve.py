@@ -93,22 +93,27 @@ async def register_base_model(settings: Settings) -> str:
 
 
 async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[str, str]:
-    """Register the base model, tenants, demo adapters and bindings (idempotent).
+    """Register the base model, tenants, demo adapters and bindings through the admin API.
 
-    Returns a bearer token per tenant.
+    Idempotent. Each adapter version goes through the activation gate (a worker probes
+    it against the base model) exactly as an operator's would. Returns a token per tenant.
     """
-    from loraplex.tokens import mint
-    from registry.errors import Conflict, NotFound
-    from registry.service import RegistryService
+    import httpx
 
-    service = RegistryService(settings)
-    try:
-        base_name = (await _ensure_base_model(service, settings))["name"]
+    from loraplex.tokens import mint, mint_admin
+
+    url = f"http://{settings.gateway_host}:{settings.gateway_port}/admin"
+    headers = {"Authorization": f"Bearer {mint_admin(settings, subject='demo')}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600.0, trust_env=False) as api:
+        async def call(method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
+            r = await api.request(method, path, json=body)
+            if r.status_code >= 400 and r.status_code not in ok:
+                raise RuntimeError(f"{method} /admin{path}: {r.status_code} {r.text}")
+            return r.json()
+
+        base_name = await register_base_model(settings)
         for slug, limits in DEMO_TENANTS.items():
-            try:
-                await service.get_tenant(slug)
-            except NotFound:
-                await service.create_tenant(slug, **limits, actor="demo")
+            await call("POST", "/tenants", {"slug": slug, **limits}, ok=(409,))
         root = Path(settings.resolved_adapter_root()) / "demo"
         root.mkdir(parents=True, exist_ok=True)
         for b in DEMO_BINDINGS:
@@ -116,25 +121,21 @@ async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[s
             if not (src / "adapter_model.safetensors").is_file():
                 raise FileNotFoundError(f"demo adapter {src} is missing (see demo/README.md)")
             name = f"{b.tenant}-{b.adapter}"
-            existing = await service.list_adapters(name=name)
-            if existing:
-                version = existing[-1]
-            else:
+            versions = (await call("GET", f"/adapters?name={name}"))["data"]
+            version = versions[-1] if versions else None
+            if version is None:
                 dst = root / name
                 if dst.exists():
                     shutil.rmtree(dst)
                 shutil.copytree(src, dst)
-                version = await service.register_adapter(name, str(dst), base_name, owner=b.tenant,
-                                                         actor="demo")
+                version = await call("POST", "/adapters", {"name": name, "uri": str(dst), "base_model": base_name,
+                                                           "owner": b.tenant})
             if version["status"] == "pending":
-                version = await service.activate_adapter(version["id"], actor="demo",
-                                                         verification={"source": "demo seed"})
-            try:
-                await service.bind(b.tenant, b.alias, version["id"], actor="demo")
-            except Conflict:
-                pass
-    finally:
-        await service.close()
+                _step(f"activation gate: probing {name}@{version['version']} on the worker")
+                version = await call("POST", f"/adapters/{version['id']}/activate", {})
+                v = version.get("verification") or {}
+                _step(f"  {v.get('probes_differing')} of {len(v.get('probes') or [])} probes differ from base")
+            await call("PUT", f"/bindings/{b.tenant}/{b.alias}", {"adapter": version["id"]})
     return {slug: mint(settings, f"{slug}-backend", tenant=slug, ttl_s=30 * 86400) for slug in DEMO_TENANTS}
 
 
@@ -193,6 +194,7 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
         await asyncio.sleep(0.05)
     _step(f"worker on {settings.resolved_worker_url()}, gateway on "
           f"http://{settings.gateway_host}:{settings.gateway_port}")
+    await _wait_ready(f"http://{settings.gateway_host}:{settings.gateway_port}/readyz")
     if demo:
         _step("seeding demo tenants, adapters and bindings")
         print_instructions(settings, await seed_demo(settings))
@@ -202,6 +204,23 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     worker.should_exit = gateway.should_exit = True  # one stops (Ctrl-C, failure): stop both
     await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Until the gateway sees the worker's first residency report."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while True:
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway is not ready after {timeout_s:.0f}s ({url})")
+            await asyncio.sleep(0.2)
 
 
 def _handler(demo: bool):  # type: ignore[no-untyped-def]
