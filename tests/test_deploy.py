@@ -439,3 +439,15 @@ def test_dashboard_metrics_match_the_exporters(prefix, exporter):
     missing = sorted(m for m in set(DASHBOARD_METRIC.findall(dash)) if m.startswith(prefix)
                      and m not in known and re.sub(r"_(total|bucket|sum|count)$", "", m) not in known)
     assert not missing, missing
+
+
+@pytest.mark.parametrize(("app", "paths"), [("gateway/app.py", ("/healthz", "/readyz", "/metrics")),
+                                            ("engine/api.py", ("/health", "/metrics"))])
+def test_probe_and_scrape_paths_are_routes_of_the_apps(app, paths):
+    """Every path a healthcheck, probe or scrape uses is served by the process it targets."""
+    source = ROOT / app
+    if not source.is_file():
+        pytest.skip(f"{app} not present")
+    text = source.read_text()
+    for path in paths:
+        assert f'Route("{path}"' in text, f"{app} serves no {path}"
