@@ -52,7 +52,7 @@ def run_migrations_offline() -> None:
 
 
 async def run_async_migrations() -> None:
-    engine = make_engine(_url())
+    engine = make_engine(_url(), statement_timeout_s=None)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(do_run_migrations)

@@ -31,6 +31,9 @@ from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, Re
 
 log = logging.getLogger("loraplex.registry.cache")
 
+REFRESH_TIMEOUT_S = 15.0
+"""A refresh that takes longer fails (and is retried): a stuck connection never freezes the cache."""
+
 
 async def load_snapshot(conn: AsyncConnection) -> RegistrySnapshot:
     """Read the whole registry in one transaction (consistent at one version)."""
@@ -130,7 +133,7 @@ class SnapshotCache:
         assert self._engine is not None, "start() first"
         async with self._refresh_lock:
             try:
-                async with self._engine.connect() as conn:
+                async with asyncio.timeout(REFRESH_TIMEOUT_S), self._engine.connect() as conn:
                     if is_postgres(self.database_url):
                         conn = await conn.execution_options(isolation_level="REPEATABLE READ")
                     async with conn.begin():

@@ -25,8 +25,13 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
-def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
-    """An async engine; SQLite gets WAL, foreign keys and a busy timeout for concurrent writers."""
+def make_engine(url: str, *, statement_timeout_s: float | None = 30.0, **kwargs: Any) -> AsyncEngine:
+    """An async engine; SQLite gets WAL, foreign keys and a busy timeout for concurrent writers.
+
+    On PostgreSQL, connecting fails after 5 s and (unless ``statement_timeout_s`` is None, as
+    for migrations) no statement waits longer than ``statement_timeout_s``: a stuck lock or a
+    half-open connection becomes an error (503) instead of a hang.
+    """
     if is_sqlite(url):
         ensure_sqlite_dir(url)
         kwargs.setdefault("connect_args", {"timeout": 30})
@@ -46,7 +51,10 @@ def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
             conn.exec_driver_sql("BEGIN")
 
         return engine
-    kwargs.setdefault("connect_args", {"timeout": 5})  # fail fast (503) instead of asyncpg's 60 s
+    connect_args: dict[str, Any] = {"timeout": 5}  # fail fast (503) instead of asyncpg's 60 s
+    if statement_timeout_s is not None:
+        connect_args["command_timeout"] = statement_timeout_s
+    kwargs.setdefault("connect_args", connect_args)
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)

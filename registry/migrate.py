@@ -70,7 +70,7 @@ async def _with_engine(url_or_engine: str | AsyncEngine, fn, revision: str) -> N
     if isinstance(url_or_engine, AsyncEngine):
         await _run(url_or_engine, fn, revision)
         return
-    engine = make_engine(url_or_engine)
+    engine = make_engine(url_or_engine, statement_timeout_s=None)
     try:
         await _run(engine, fn, revision)
     finally:

@@ -64,7 +64,14 @@ def make_settings(tmp_path: Path, url: str, **overrides: Any) -> Settings:
 
 async def fresh_registry(url: str) -> None:
     """Empty, migrated schema (a PostgreSQL database is shared by one test module)."""
+    from registry.db import is_postgres, make_engine
     from registry.migrate import downgrade_async, upgrade_async
 
-    await downgrade_async(url)
-    await upgrade_async(url)
+    # A lock left by a leaked connection makes DROP TABLE fail loudly instead of waiting forever.
+    extra = {"connect_args": {"server_settings": {"lock_timeout": "20s"}}} if is_postgres(url) else {}
+    engine = make_engine(url, statement_timeout_s=None, **extra)
+    try:
+        await downgrade_async(engine)
+        await upgrade_async(engine)
+    finally:
+        await engine.dispose()
