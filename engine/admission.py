@@ -17,10 +17,11 @@ tokens each step served (``charge(chunks)``). The order is:
    model) before the others, then arrival order.
 
 ``admit`` (LoRA on) delegates to ``LoRARuntime.admit`` with the set of adapters that still
-have queued or running work as ``protect``: their idle slots are not taken for another
-adapter, so when active adapters outnumber slots a slot is kept while its adapter has work
-and swapped only when it runs dry (a slot is not refilled every step; an adapter's queued
-requests join together once it is in). An AGED request may evict any idle slot (one with
+have queued or running work, or had some within the last ``linger_steps`` steps, as
+``protect``: their idle slots are not taken for another adapter, so when active adapters
+outnumber slots a slot is kept while its adapter has work (and briefly after, for the
+gaps of a steady stream) and swapped only when it runs dry — a slot is not refilled every
+step, and a waiting adapter's queued requests join together once it is in. An AGED request may evict any idle slot (one with
 no running user, protected or not). When even that fails because every slot has running
 users, the policy enters drain mode for the aged adapter: new sequences on other adapters
 are not admitted (base requests and already-admitted ones are) until a slot frees and the
@@ -43,8 +44,10 @@ from engine.sequence import Sequence
 
 class FairAdmission:
     def __init__(self, runtime: Any = None, *, max_wait_steps: int = 64, max_wait_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 linger_steps: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
         self.runtime = runtime
+        self.linger_steps = linger_steps
+        self._last_busy: dict[str, int] = {}
         self.max_wait_steps = max_wait_steps
         self.max_wait_s = max_wait_s
         self.clock = clock
@@ -74,7 +77,12 @@ class FairAdmission:
 
     def order(self, waiting: list[Sequence], running: list[Sequence]) -> list[Sequence]:
         self.step += 1
-        self._busy = {s.adapter.id for s in (*waiting, *running) if s.adapter is not None}
+        for s in (*waiting, *running):
+            if s.adapter is not None:
+                self._last_busy[s.adapter.id] = self.step
+        horizon = self.step - self.linger_steps
+        self._last_busy = {k: v for k, v in self._last_busy.items() if v >= horizon}
+        self._busy = set(self._last_busy)
         if self.drain is not None and not any(s.adapter is not None and s.adapter.id == self.drain
                                               for s in waiting):
             self.drain = None

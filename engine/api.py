@@ -1,5 +1,10 @@
 """The worker's HTTP API (Starlette): OpenAI-shaped completions, health, metrics.
 
+A request whose ``"loraplex"`` extension names an adapter is served with it (LoRA on); its
+load starts when the request arrives. If the adapter cannot be loaded, only the requests
+for it fail: 503 ``adapter_load_failed`` with the reason (a stream that already started
+ends with an error event carrying that code). Internal control routes: ``engine.internal_api``.
+
 The asyncio side parses and validates requests and streams results; the engine runs
 in its own thread (``Engine.start``). Each request registers a listener that hands
 engine events to its asyncio queue with ``call_soon_threadsafe``. A client that goes
@@ -29,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import Engine, PromptTooLongError
+from engine.internal_api import internal_routes
 from engine.metrics import WorkerMetrics
 from engine.protocol import (
     GenerationRequest,
@@ -114,8 +120,11 @@ def _sse(obj: Any) -> bytes:
 
 
 def create_worker_app(settings: Any, engine: Engine | None = None, *, residency: Any = None,
-                      report: bool = True) -> Starlette:
+                      report: bool = True, warm_start: bool = True) -> Starlette:
     """The worker ASGI app. Without ``engine`` the lifespan loads one from ``settings``.
+
+    With LoRA on, the lifespan first runs the warm start (``engine.warmstart``:
+    ``preload_adapters``/``pin_adapters``, or the top ``preload_top_n`` adapters by traffic).
 
     The lifespan starts the engine thread (if not running) and the residency reporter
     (``report=False`` to skip it); an engine the app loaded itself is stopped on shutdown.
@@ -194,8 +203,8 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
         if ev.finish_reason == "error":
             if state.metrics:
                 state.metrics.request_done("error")
-            return _error(503, ev.error or "generation failed", code="engine_error", type="server_error",
-                          headers=headers)
+            return _error(503, ev.error or "generation failed", code=ev.error_code or "engine_error",
+                          type="server_error", headers=headers)
         if state.metrics:
             state.metrics.request_done("ok")
         text = seq.output_text
@@ -212,7 +221,7 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
                 ev = await queue.get()
                 if ev.finish_reason == "error":
                     yield _sse(error_body(ev.error or "generation failed", type="server_error",
-                                          code="engine_error"))
+                                          code=ev.error_code or "engine_error"))
                     finished = True
                     if state.metrics:
                         state.metrics.request_done("error")
@@ -250,6 +259,10 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
         body = {"status": "ok", "worker_id": state.worker_id, "model": state.model_name,
                 "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
                 "lora": eng.lora_runtime is not None, **eng.load()}
+        if eng.lora_runtime is not None:
+            r = eng.lora_runtime.manager.resident()
+            body["adapters"] = {"device": len(r["device"]), "host": len(r["host"]),
+                                "max_loras": eng.lora_runtime.manager.max_loras}
         return JSONResponse(body)
 
     async def metrics(request: Request) -> Response:
@@ -273,6 +286,13 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
         assert eng is not None
         started_here = not eng.running_thread
         eng.start()
+        if warm_start:
+            from engine.warmstart import warm_start as run_warm_start
+
+            try:
+                app.state.warm_start = await run_warm_start(eng, settings)
+            except Exception as exc:  # bad preload entries must not keep the worker down
+                log.error("warm start failed: %s", exc)
         task = None
         closer = None
         if report:
@@ -293,7 +313,9 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await closer.aclose()
-            if started_here or state.owns_engine:
+            if state.owns_engine:
+                await asyncio.to_thread(eng.close)
+            elif started_here:
                 await asyncio.to_thread(eng.stop)
 
     routes = [
@@ -302,6 +324,7 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *internal_routes(state),
     ]
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)

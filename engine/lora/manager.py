@@ -123,6 +123,8 @@ class AdapterState:
     users: int = 0
     pinned: bool = False
     in_host: bool = False
+    rank: int = 0
+    """The adapter's rank once read (0 before)."""
 
 
 @dataclass
@@ -205,7 +207,8 @@ class AdapterManager:
                 name = "failed"
             else:
                 name = "absent"
-            return AdapterState(name, e.error, e.slot, e.users, e.pinned, e.weights is not None)
+            rank = e.weights.rank if e.weights is not None else e.ref.rank
+            return AdapterState(name, e.error, e.slot, e.users, e.pinned, e.weights is not None, rank)
 
     def ready(self, ref: AdapterRef | str) -> bool:
         """True when ``acquire_slots`` would not wait on IO for this adapter."""
