@@ -14,10 +14,15 @@ def _worker(args: argparse.Namespace) -> int:
     from loraplex.settings import get_settings
 
     overrides: dict[str, Any] = {}
-    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "threads"):
+    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "threads", "max_loras",
+                "max_cpu_loras", "max_lora_rank", "preload_top_n"):
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value
+    for key in ("preload_adapters", "pin_adapters"):
+        value = getattr(args, key, None)
+        if value:
+            overrides[key] = tuple(value)
     settings = get_settings().replace(**overrides)
     logging.basicConfig(level=settings.log_level)
     app = create_worker_app(settings)
@@ -47,6 +52,15 @@ def register(subparsers: Any) -> None:
     w.add_argument("--device")
     w.add_argument("--dtype")
     w.add_argument("--threads", type=int)
+    w.add_argument("--max-loras", dest="max_loras", type=int, help="distinct adapters per batch (0: LoRA off)")
+    w.add_argument("--max-cpu-loras", dest="max_cpu_loras", type=int, help="adapters kept in host memory")
+    w.add_argument("--max-lora-rank", dest="max_lora_rank", type=int)
+    w.add_argument("--preload-adapter", dest="preload_adapters", action="append", metavar="ID=URI[#SHA256]",
+                   help="load at start (repeatable)")
+    w.add_argument("--pin-adapter", dest="pin_adapters", action="append", metavar="ID|ID=URI[#SHA256]",
+                   help="load and pin at start (repeatable)")
+    w.add_argument("--preload-top-n", dest="preload_top_n", type=int,
+                   help="with Redis: warm the N adapters with most recent traffic")
     w.set_defaults(handler=_worker)
     f = subparsers.add_parser("fetch-demo", help="fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)")
     f.set_defaults(handler=_fetch_demo)

@@ -1,9 +1,11 @@
 """Publish this worker's residency and load (``WorkerReport``) every ``report_interval_s``.
 
-The store is the process-wide in-memory table on the embedded default and Redis
-otherwise. Adapter residency comes from the LoRA runtime when one is plugged in: it
-may expose ``report_fields() -> dict`` with ``device_adapters`` / ``host_adapters`` /
-``disk_adapters`` lists.
+The store is the process-wide in-memory table on the embedded default
+(``loraplex.residency.process_residency()``) and Redis otherwise
+(``loraplex.residency.RedisResidency``: one key per worker with TTL ``worker_report_ttl_s``).
+Adapter residency comes from the LoRA runtime when one is plugged in
+(``LoRARuntime.report_fields()``: ``device_adapters`` / ``host_adapters`` / ``disk_adapters``
+version ids). A worker that stops removes its report.
 """
 
 from __future__ import annotations
