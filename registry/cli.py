@@ -140,6 +140,13 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 
 
 def _json_arg(value: str) -> dict[str, Any]:
+    """A JSON object given inline, or ``@path`` to read it from a file."""
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as fh:
+                value = fh.read()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {exc}") from None
     try:
         parsed = json.loads(value)
     except ValueError as exc:
@@ -256,7 +263,8 @@ def adapter_show(a: argparse.Namespace) -> int:
 
 
 def adapter_activate(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification})
+    data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification,
+                                                                  "eval": a.eval})
     _show(a, "adapter", data, f"activated {data['label']}")
     return 0
 
@@ -473,9 +481,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--status", choices=["pending", "active", "disabled", "failed"])
     p = leaf(ad, "show", adapter_show, "show one adapter version")
     p.add_argument("adapter", help="id or NAME@VERSION")
-    p = leaf(ad, "activate", adapter_activate, "activate an adapter version (it can then be bound)")
+    p = leaf(ad, "activate", adapter_activate, "activate an adapter version (it can then be bound)",
+             "Activate an adapter version. On a gateway with the activation gate, a worker first probes "
+             "the version (its outputs must differ from the base model's; with --eval, the share of "
+             "answers matching each case's regex must reach the threshold); a refusal marks it failed.")
     p.add_argument("adapter", help="id or NAME@VERSION")
-    p.add_argument("--verification", type=_json_arg, help="JSON object of probe/eval results to record")
+    p.add_argument("--eval", type=_json_arg, metavar="JSON|@FILE",
+                   help='evaluation set for the gateway\'s activation gate: {"cases": [{"prompt": ..., '
+                        '"expect": REGEX}], "threshold": 0.8}')
+    p.add_argument("--verification", type=_json_arg,
+                   help="JSON object of results to record (only where the gateway runs no activation gate)")
     p = leaf(ad, "disable", adapter_disable, "disable an adapter version (aborts canaries on it and "
              "disables bindings whose active version it is)")
     p.add_argument("adapter", help="id or NAME@VERSION")

@@ -37,7 +37,8 @@ def server(tmp_path, monkeypatch):
     settings = make_settings(tmp_path, url)
     port = _free_port()
     service = RegistryService(settings)
-    app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings))])
+    gate = RecordingGate()
+    app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings, gate=gate))])
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -49,9 +50,22 @@ def server(tmp_path, monkeypatch):
     monkeypatch.setenv("LORAPLEX_ADMIN_URL", admin_url)
     monkeypatch.setenv("LORAPLEX_JWT_SECRET", settings.jwt_secret)
     monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
-    yield settings, admin_url
+    yield settings, admin_url, gate
     srv.should_exit = True
     thread.join(timeout=10)
+
+
+class RecordingGate:
+    """The activation-gate seam: passes every version, remembering what it was asked."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+
+    async def __call__(self, adapter: dict, request: dict):
+        from types import SimpleNamespace
+
+        self.requests.append(request)
+        return SimpleNamespace(passed=True, reason=None, verification={"passed": True, "gate": "recording"})
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -67,7 +81,7 @@ def run_json(capsys, *argv: str):
 
 
 def test_admin_cli_end_to_end(server, capsys, tmp_path):
-    settings, _ = server
+    settings, _, gate = server
     code, out, _ = run(capsys, "tenant", "create", "acme", "--tokens-per-min", "5000", "--priority", "high")
     assert code == 0 and "created tenant acme" in out and "5000" in out and "high" in out
     code, _, err = run(capsys, "tenant", "create", "acme")
@@ -102,7 +116,7 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
         a = run_json(capsys, "adapter", "register", "support", f"support-v{seed}", "--base-model", "tiny",
                      "--owner", "acme")
         assert a["status"] == "pending" and a["version"] == seed
-        run_json(capsys, "adapter", "activate", f"support@{seed}", "--verification", '{"probe": "ok"}')
+        run_json(capsys, "adapter", "activate", f"support@{seed}")
     bad = write_adapter(root / "bad", tiny, config={"r": 999})
     code, _, err = run(capsys, "adapter", "register", "bad", str(bad), "--base-model", "tiny")
     assert code == 1 and "rank_too_large" in err
@@ -111,7 +125,15 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, out, _ = run(capsys, "adapter", "list", "--owner", "acme")
     assert code == 0 and out.count("support@") == 3
     code, out, _ = run(capsys, "adapter", "show", "support@1")
-    assert "target modules: q_proj, v_proj" in out and '"probe": "ok"' in out
+    assert "target modules: q_proj, v_proj" in out and '"gate": "recording"' in out
+    eval_file = tmp_path / "eval.json"
+    eval_file.write_text(json.dumps({"cases": [{"prompt": "hi", "expect": "hello"}], "threshold": 0.5}))
+    write_adapter(root / "support-v4", tiny, seed=4)
+    run_json(capsys, "adapter", "register", "support", "support-v4", "--base-model", "tiny", "--owner", "acme")
+    assert run_json(capsys, "adapter", "activate", "support@4", "--eval", f"@{eval_file}")["status"] == "active"
+    assert gate.requests[-1] == {"eval": {"cases": [{"prompt": "hi", "expect": "hello"}], "threshold": 0.5}}
+    code, _, err = run(capsys, "adapter", "activate", "support@4", "--verification", "{}")
+    assert code == 1 and "recorded by the activation gate" in err
 
     code, out, _ = run(capsys, "bind", "acme", "support", "support@1", "--on-disabled", "base")
     assert code == 0 and "acme/support -> support@1" in out
@@ -153,7 +175,7 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
 
 
 def test_admin_cli_auth_and_unreachable(server, capsys, monkeypatch):
-    settings, _ = server
+    settings, _, _ = server
     from loraplex.tokens import mint
 
     code, _, err = run(capsys, "tenant", "list", "--token", mint(settings, "x", tenant="acme"))
@@ -166,7 +188,7 @@ def test_admin_cli_auth_and_unreachable(server, capsys, monkeypatch):
 
 def test_admin_cli_subprocess(server, tmp_path):
     """The installed entry point, as an operator runs it."""
-    _, admin_url = server
+    _, admin_url, _ = server
     env = {**os.environ, "LORAPLEX_ADMIN_URL": admin_url}
     cmd = [sys.executable, "-m", "loraplex.cli", "admin"]
     r = subprocess.run([*cmd, "tenant", "create", "globex", "--json"], env=env, capture_output=True, text=True)
