@@ -88,6 +88,7 @@ class FairAdmission:
             self.drain = None
         self._lift({s.tenant for s in waiting} | {s.tenant for s in running})
         device = self._device_ids()
+        waiting = self._drop_failed(waiting)
         by_prio: dict[int, list[Sequence]] = defaultdict(list)
         for s in waiting:
             by_prio[s.priority].append(s)
@@ -119,6 +120,22 @@ class FairAdmission:
             if q:
                 heapq.heappush(heap, (vt + max(1, s.remaining), first, tenant))
         return out
+
+    def _drop_failed(self, waiting: list[Sequence]) -> list[Sequence]:
+        """Report requests whose adapter failed at once, even when no row is free for them."""
+        rt = self.runtime
+        if rt is None:
+            return waiting
+        keep = []
+        for s in waiting:
+            if s.adapter is not None and rt.manager.state(s.adapter).state == "failed":
+                rt.admit(s, [], protect=self._busy)  # records the reason, or retries once it expired
+                if rt.failure(s) is not None:
+                    if s not in self._failed:
+                        self._failed.append(s)
+                    continue
+            keep.append(s)
+        return keep
 
     def _device_ids(self) -> set[str]:
         if self.runtime is None:

@@ -225,11 +225,14 @@ def test_preemption_keeps_the_adapter_slot(tmp_path, sims):
     assert slot in (0, 1)
 
 
-def test_failed_adapter_is_reported_once(tmp_path, sims):
-    sim = sims(tmp_path, n_adapters=1)
+def test_failed_adapter_is_reported_once_even_when_rows_are_full(tmp_path, sims):
+    sim = sims(tmp_path, n_adapters=1, max_num_seqs=1)
+    long = sim.add(None, max_tokens=100)
+    sim.step()
     bad = AdapterRef(id="bad", name="bad@1", uri=(tmp_path / "missing").as_uri())
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=2), adapter=bad)
     sim.sched.add(seq)
+    sim.rt.prefetch(seq)
     ok = sim.add(0)
     failed: list = []
     for _ in range(200):
@@ -238,7 +241,8 @@ def test_failed_adapter_is_reported_once(tmp_path, sims):
         if failed:
             break
         time.sleep(0.005)
+    assert not long.is_finished, "the only row is still busy"
     assert [s for s, _ in failed] == [seq] and "does not exist" in failed[0][1]
     sim.sched.finish(seq)
-    sim.run(10)
-    assert ok.is_finished and sim.policy.take_failed() == []
+    sim.run(120)
+    assert long.is_finished and ok.is_finished and sim.policy.take_failed() == []
