@@ -2,8 +2,9 @@
 
 Shapes (``H`` query heads, ``Hk`` KV heads, ``g = H // Hk``, ``d`` head dim):
 
-* decode group: queries ``[B, H, d]``; each layer gathers the group's contexts from
-  the paged cache with ONE ``index_select`` into ``[Hk, B, C, d]`` and computes
+* decode group: queries ``[B, H, d]``; each layer gathers the group's KV blocks
+  (whole ``block_size x d`` tiles, so the copy is a few large memcpys) from the paged
+  cache with ONE ``index_select`` into ``[Hk, B, C, d]`` and computes
   ``[Hk, B, g, C]`` scores with batched matmuls (grouped-query attention without
   repeating K/V), masked to each sequence's length;
 * prefill chunk: queries ``[L, H, d]`` against the sequence's ``C`` cached keys
@@ -34,7 +35,6 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
     """``q``: ``[T, H, d]`` (already rotated; K/V of this step already written). Returns ``[T, H*d]``."""
     t, h, d = q.shape
     g = h // num_kv_heads
-    kc, vc = cache.k[layer], cache.v[layer]
     dec = ctx.decode
     if dec is not None and dec.contiguous:
         out = None
@@ -45,8 +45,9 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
         c = dec.valid.shape[1]
         qd = q if dec.contiguous else q.index_select(0, dec.rows)
         qd = qd.view(b, num_kv_heads, g, d).transpose(0, 1)  # [Hk, B, g, d]
-        kd = kc.index_select(1, dec.slots).view(num_kv_heads, b, c, d)
-        vd = vc.index_select(1, dec.slots).view(num_kv_heads, b, c, d)
+        kd, vd = cache.gather(layer, dec.blocks)
+        kd = kd.view(num_kv_heads, b, c, d)
+        vd = vd.view(num_kv_heads, b, c, d)
         keep = dec.valid.view(1, b, 1, c)
         od = _softmax_attend(qd, kd, vd, keep, scale)  # [Hk, B, g, d]
         od = od.transpose(0, 1).reshape(b, h * d)
@@ -57,8 +58,9 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
     for item in ctx.prefills:
         n = item.end - item.start
         qp = q[item.start:item.end].view(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
-        kp = kc.index_select(1, item.slots).unsqueeze(1)  # [Hk, 1, C, d]
-        vp = vc.index_select(1, item.slots).unsqueeze(1)
+        kp, vp = cache.gather(layer, item.blocks)
+        kp = kp.unsqueeze(1)  # [Hk, 1, C, d]
+        vp = vp.unsqueeze(1)
         op = _softmax_attend(qp, kp, vp, item.mask, scale)  # [Hk, g, L, d]
         out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)
     return out

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 class DecodeGroup:
     rows: torch.Tensor
     """``[B]`` token rows (one per decoding sequence)."""
-    slots: torch.Tensor
-    """``[B * C]`` KV slots to gather, row-major (C = longest context in the group)."""
+    blocks: torch.Tensor
+    """``[B * nb]`` KV blocks to gather, row-major (``nb`` blocks of the longest context; padded)."""
     valid: torch.Tensor
-    """``[B, C]`` bool: key position is inside that sequence's context."""
+    """``[B, nb * block_size]`` bool: key position is inside that sequence's context."""
     contiguous: bool
     """True when ``rows`` is ``0..B-1`` (a pure decode step), so no scatter is needed."""
 
@@ -47,8 +47,8 @@ class PrefillItem:
     start: int
     end: int
     """Token rows ``[start, end)`` of this chunk."""
-    slots: torch.Tensor
-    """``[C]`` KV slots of the sequence's context, positions ``0..C-1``."""
+    blocks: torch.Tensor
+    """``[nb]`` the sequence's KV blocks covering positions ``0..C-1`` (``C = nb * block_size``)."""
     mask: torch.Tensor
     """``[L, C]`` bool causal mask (query at position p sees keys ``0..p``)."""
 
@@ -113,20 +113,17 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
             prefill_specs.append((row, row + n, seq))
         row += n
 
-    def ctx_slots(seq: Sequence, length: int) -> list[int]:
-        table = seq.block_table
-        return [table[p // block_size] * block_size + p % block_size for p in range(length)]
-
     decode = None
     if dec_rows:
         lens = [s.num_computed + 1 for s in dec_seq]
-        c = max(lens)
+        nb = -(-max(lens) // block_size)
         flat: list[int] = []
-        for s, ln in zip(dec_seq, lens, strict=True):
-            flat.extend(ctx_slots(s, ln))
-            flat.extend([0] * (c - ln))
+        for s in dec_seq:
+            table = s.block_table[:nb]
+            flat.extend(table)
+            flat.extend([0] * (nb - len(table)))
         lens_t = torch.tensor(lens)
-        valid = torch.arange(c).unsqueeze(0) < lens_t.unsqueeze(1)
+        valid = torch.arange(nb * block_size).unsqueeze(0) < lens_t.unsqueeze(1)
         contiguous = dec_rows == list(range(len(dec_rows))) and row == len(dec_rows)
         decode = DecodeGroup(torch.tensor(dec_rows, device=device), torch.tensor(flat, device=device),
                              valid.to(device), contiguous)
@@ -134,9 +131,10 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
     for start_row, end_row, seq in prefill_specs:
         n = end_row - start_row
         c = seq.num_computed + n
+        nb = -(-c // block_size)
         qpos = torch.arange(seq.num_computed, c)
-        mask = torch.arange(c).unsqueeze(0) <= qpos.unsqueeze(1)
-        prefills.append(PrefillItem(start_row, end_row, torch.tensor(ctx_slots(seq, c), device=device),
+        mask = torch.arange(nb * block_size).unsqueeze(0) <= qpos.unsqueeze(1)
+        prefills.append(PrefillItem(start_row, end_row, torch.tensor(seq.block_table[:nb], device=device),
                                     mask.to(device)))
     return BatchContext(
         seqs=[s for s, _ in chunks],

@@ -73,6 +73,10 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self._gather_k = torch.empty(0, device=device, dtype=dtype)
+        self._gather_v = torch.empty(0, device=device, dtype=dtype)
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
 
     @classmethod
     def from_bytes(cls, cfg: ModelConfig, cache_bytes: int, block_size: int, device: torch.device,
@@ -82,6 +86,27 @@ class KVCache:
             raise ValueError(f"kv_cache_bytes={cache_bytes} holds no {block_size}-token block "
                              f"({block_bytes(cfg, block_size, dtype)} bytes each)")
         return cls(cfg, int(n), block_size, device, dtype)
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` as ``[kv_heads, len(blocks) * block_size, head_dim]``.
+
+        The result lives in a reused workspace (valid until the next ``gather``): fresh
+        multi-megabyte buffers every layer would cost page faults on CPU.
+        """
+        n = int(blocks.shape[0])
+        numel = self.num_kv_heads * n * self.block_size * self.head_dim
+        if self._gather_k.numel() < numel:
+            self._gather_k = torch.empty(numel, device=self._gather_k.device, dtype=self._gather_k.dtype)
+            self._gather_v = torch.empty(numel, device=self._gather_v.device, dtype=self._gather_v.dtype)
+        shape = (self.num_kv_heads, n, self.block_size * self.head_dim)
+        k_out = self._gather_k[:numel].view(shape)
+        v_out = self._gather_v[:numel].view(shape)
+        kc = self.k[layer].view(self.num_kv_heads, self.num_blocks, -1)
+        vc = self.v[layer].view(self.num_kv_heads, self.num_blocks, -1)
+        torch.index_select(kc, 1, blocks, out=k_out)
+        torch.index_select(vc, 1, blocks, out=v_out)
+        out_shape = (self.num_kv_heads, n * self.block_size, self.head_dim)
+        return k_out.view(out_shape), v_out.view(out_shape)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""

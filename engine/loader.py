@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -172,11 +173,23 @@ def gguf_metadata_getter(reader: Any) -> Any:
     return get
 
 
-def load_gguf(path: str | Path) -> ModelWeights:
+@lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_reader(path: str | Path) -> Any:
+    """A parsed ``GGUFReader`` (parsing the metadata is slow, so weights and tokenizer share one)."""
+    st = Path(path).stat()
+    return _cached_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+def load_gguf(path: str | Path) -> ModelWeights:
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     get_meta = gguf_metadata_getter(reader)
     cfg = ModelConfig.from_gguf_fields(get_meta, set(tensors))
@@ -187,7 +200,7 @@ def load_gguf(path: str | Path) -> ModelWeights:
             raise KeyError(f"tensor {name!r} missing from {path}")
         arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return np.asarray(arr, dtype=np.float32).reshape(shape)
+        return np.array(arr, dtype=np.float32, copy=True).reshape(shape)
 
     permute = cfg.architecture == "llama"
 
@@ -197,7 +210,7 @@ def load_gguf(path: str | Path) -> ModelWeights:
             arr = unpermute_rope_rows(arr, cfg.num_heads)
         elif permute and key in ("k_proj", "k_bias"):
             arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
-        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+        return torch.from_numpy(np.ascontiguousarray(arr))
 
     embed = torch.from_numpy(tensor("token_embd.weight"))
     layers = [_fuse_layer(get, i, cfg) for i in range(cfg.num_layers)]

@@ -137,11 +137,9 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
-        from gguf import GGUFReader
+        from engine.loader import gguf_metadata_getter, gguf_reader
 
-        from engine.loader import gguf_metadata_getter
-
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
         get = gguf_metadata_getter(reader)
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -1,0 +1,151 @@
+"""Scheduler, KV block allocator and sampler on their own (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import BlockAllocator, OutOfBlocksError
+from engine.sampler import sample
+from engine.scheduler import QueueFullError, Scheduler
+from engine.sequence import SamplingParams, SeqStatus, Sequence
+
+
+def _seq(n: int, priority: int = 1, **params) -> Sequence:
+    return Sequence(list(range(1, n + 1)), SamplingParams(**params), priority=priority)
+
+
+def _sched(blocks: int = 64, bs: int = 4, budget: int = 32, seqs: int = 8, waiting: int = 16) -> Scheduler:
+    return Scheduler(BlockAllocator(blocks, bs), max_num_seqs=seqs, max_num_batched_tokens=budget,
+                     max_waiting=waiting)
+
+
+def _run(s: Scheduler, out) -> None:
+    """Pretend the model ran: advance computed tokens and sample a token when a chunk completes."""
+    for seq, n in out.chunks:
+        seq.num_computed += n
+        if seq.num_computed == seq.num_tokens:
+            seq.output_ids.append(7)
+
+
+def test_allocator_allocates_and_frees():
+    a = BlockAllocator(4, 16)
+    got = a.allocate(3)
+    assert len(set(got)) == 3 and a.num_free == 1
+    with pytest.raises(OutOfBlocksError):
+        a.allocate(2)
+    a.free(got)
+    assert a.num_free == 4
+    assert a.blocks_for(17) == 2
+
+
+def test_budget_chunks_long_prompt_and_mixes_decode():
+    s = _sched(budget=32)
+    short, long = _seq(5), _seq(70)
+    s.add(short)
+    s.add(long)
+    out = s.schedule()
+    assert [(q, n) for q, n in out.chunks] == [(short, 5), (long, 27)]
+    _run(s, out)
+    out = s.schedule()  # short decodes (1) while long continues its prefill (31)
+    assert [(q, n) for q, n in out.chunks] == [(short, 1), (long, 31)]
+    _run(s, out)
+    out = s.schedule()
+    assert [(q, n) for q, n in out.chunks] == [(short, 1), (long, 12)]
+    assert out.num_tokens <= 32
+
+
+def test_priority_then_arrival_order():
+    s = _sched(budget=4, seqs=8)
+    low, normal1, high, normal2 = _seq(4, 2), _seq(4, 1), _seq(4, 0), _seq(4, 1)
+    for q in (low, normal1, high, normal2):
+        s.add(q)
+    admitted = []
+    for _ in range(4):
+        out = s.schedule()
+        admitted += [q for q, _ in out.chunks if q not in admitted]
+        for q, _ in out.chunks:
+            s.finish(q)
+    assert admitted == [high, normal1, normal2, low]
+
+
+def test_preempts_newest_when_kv_runs_out_and_recomputes():
+    s = _sched(blocks=6, bs=4, budget=64)
+    a, b = _seq(8), _seq(8)  # 2 blocks each
+    s.add(a)
+    s.add(b)
+    _run(s, s.schedule())
+    assert s.allocator.num_free == 2
+    # Grow both until the pool is exhausted: the newer one (b) is preempted.
+    preempted = []
+    for _ in range(12):
+        out = s.schedule()
+        preempted += out.preempted
+        _run(s, out)
+        if preempted:
+            break
+    assert preempted == [b]
+    assert b.status is SeqStatus.WAITING and b.block_table == [] and b.num_computed == 0
+    assert b.num_preemptions == 1
+    s.finish(a)
+    assert s.allocator.num_free == 6
+    out = s.schedule()  # b comes back and recomputes prompt + produced tokens in one chunk
+    assert out.chunks == [(b, b.num_tokens)]
+
+
+def test_abort_frees_blocks_and_queue_bound():
+    s = _sched(waiting=2)
+    a, b = _seq(10), _seq(10)
+    s.add(a)
+    s.add(b)
+    with pytest.raises(QueueFullError):
+        s.add(_seq(3))
+    s.schedule()
+    used = s.allocator.num_used
+    assert used > 0
+    s.finish(a)
+    s.finish(b)
+    assert s.allocator.num_used == 0 and not s.has_work()
+
+
+def test_never_fitting_request_fails_instead_of_waiting_forever():
+    s = _sched(blocks=2, bs=4)
+    big = _seq(20)
+    s.add(big)
+    out = s.schedule()
+    assert out.failed == [big] and not s.has_work()
+
+
+def test_admission_policy_hook_can_hold_back_candidates():
+    class OneAdapter:
+        def admit(self, seq, batch):
+            return all(q.tenant == seq.tenant for q in batch)
+
+    s = _sched()
+    s.policy = OneAdapter()
+    x1, y, x2 = _seq(3), _seq(3), _seq(3)
+    x1.tenant, y.tenant, x2.tenant = "x", "y", "x"
+    for q in (x1, y, x2):
+        s.add(q)
+    out = s.schedule()
+    assert [q for q, _ in out.chunks] == [x1, x2]
+    assert s.num_waiting == 1
+
+
+def test_sampler_greedy_topk_topp_and_seed():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = _seq(1, temperature=0.0)
+    top1 = _seq(1, temperature=1.0, top_k=1)
+    nucleus = _seq(1, temperature=1.0, top_p=1e-6)
+    free = _seq(1, temperature=1.0)
+    out = sample(logits, [greedy, top1, nucleus, free])
+    best = logits.argmax(-1).tolist()
+    assert out[:3] == best[:3]
+    a = [_seq(1, temperature=0.8, seed=42) for _ in range(2)]
+    draws_a = [sample(logits[:1].clone(), [a[0]])[0] for _ in range(20)]
+    draws_b = [sample(logits[:1].clone(), [a[1]])[0] for _ in range(20)]
+    assert draws_a == draws_b and len(set(draws_a)) > 1
+    k3 = _seq(1, temperature=2.0, top_k=3)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    assert {sample(logits[:1], [k3])[0] for _ in range(50)} <= allowed
