@@ -18,7 +18,9 @@ wrong -> 403. Errors use the OpenAI error shape. Bodies and answers:
 * ``POST /internal/adapters/probe`` ``{"adapter": AdapterRef, "prompts": ["..."], "max_tokens": 32}``:
   each prompt as one user chat message (chat template), greedy, with the base model and with
   the adapter, all through the normal engine path (one batch) -> 200
-  ``{"results": [{"prompt", "base", "adapter"}], "adapter_load_ms"}``; a load failure -> 422.
+  ``{"results": [{"prompt", "base", "adapter"}], "adapter_load_ms"}``; a load failure -> 422
+  ``adapter_load_failed`` (the only 422: the activation gate reads it as a verdict on the
+  adapter). Malformed bodies -> 400.
 
 Without LoRA (``max_loras`` 0) every route but the auth check answers 404 ``lora_disabled``.
 """
@@ -41,7 +43,8 @@ from engine.scheduler import QueueFullError
 from engine.sequence import SamplingParams, SeqEvent
 from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef, error_body
 
-MAX_PROBE_PROMPTS = 64
+MAX_PROBE_PROMPTS = 128
+"""Default gate probes plus up to 64 eval cases fit."""
 MAX_PROBE_TOKENS = 512
 LOAD_TIMEOUT_S = 300.0
 
@@ -78,16 +81,16 @@ async def _json(request: Request, limit: int) -> dict[str, Any]:
 
 def _ref(data: Any) -> AdapterRef:
     if not isinstance(data, dict):
-        raise ControlError(422, "'adapter' must be an object with id, name and uri", "invalid_value")
+        raise ControlError(400, "'adapter' must be an object with id, name and uri", "invalid_value")
     for key in ("id", "uri"):
         if not isinstance(data.get(key), str) or not data[key]:
-            raise ControlError(422, f"adapter.{key} must be a non-empty string", "invalid_value")
+            raise ControlError(400, f"adapter.{key} must be a non-empty string", "invalid_value")
     sha = data.get("sha256")
     if sha is not None and not isinstance(sha, str):
-        raise ControlError(422, "adapter.sha256 must be a string", "invalid_value")
+        raise ControlError(400, "adapter.sha256 must be a string", "invalid_value")
     rank = data.get("rank", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise ControlError(422, "adapter.rank must be a non-negative integer", "invalid_value")
+        raise ControlError(400, "adapter.rank must be a non-negative integer", "invalid_value")
     name = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else data["id"]
     return AdapterRef(id=data["id"], name=name, uri=data["uri"], sha256=sha or None, rank=rank)
 
@@ -101,7 +104,7 @@ def _id_of(body: dict[str, Any]) -> str:
     if aid is None and isinstance(body.get("adapter"), dict):
         aid = body["adapter"].get("id")
     if not isinstance(aid, str) or not aid:
-        raise ControlError(422, "'id' must be a non-empty string", "invalid_value")
+        raise ControlError(400, "'id' must be a non-empty string", "invalid_value")
     return aid
 
 
@@ -221,23 +224,23 @@ def internal_routes(state: Any) -> list[Route]:
         prompts = body.get("prompts")
         if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROBE_PROMPTS
                 or not all(isinstance(p, str) and p for p in prompts)):
-            raise ControlError(422, f"'prompts' must be a list of 1..{MAX_PROBE_PROMPTS} non-empty strings",
+            raise ControlError(400, f"'prompts' must be a list of 1..{MAX_PROBE_PROMPTS} non-empty strings",
                                "invalid_value")
         max_tokens = body.get("max_tokens", 32)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_PROBE_TOKENS:
-            raise ControlError(422, f"'max_tokens' must be an integer in 1..{MAX_PROBE_TOKENS}", "invalid_value")
+            raise ControlError(400, f"'max_tokens' must be an integer in 1..{MAX_PROBE_TOKENS}", "invalid_value")
         try:
             encoded = [eng.tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
                        for p in prompts]
         except Exception as exc:
-            raise ControlError(422, f"cannot apply the chat template: {exc}", "invalid_value") from None
+            raise ControlError(400, f"cannot apply the chat template: {exc}", "invalid_value") from None
         _, load_ms = await load_and_wait(manager, ref)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         try:
             texts = await asyncio.gather(*(run_to_text(eng, ids, params, a)
                                            for ids in encoded for a in (None, ref)))
         except PromptTooLongError as exc:
-            raise ControlError(422, str(exc), "context_length_exceeded") from None
+            raise ControlError(400, str(exc), "context_length_exceeded") from None
         except QueueFullError as exc:
             raise ControlError(503, str(exc), "queue_full", "server_error") from None
         results = [{"prompt": p, "base": texts[2 * i], "adapter": texts[2 * i + 1]} for i, p in enumerate(prompts)]

@@ -169,7 +169,7 @@ async def test_load_pin_unpin_unload_list(client, world):
     r = await client.post("/internal/adapters/load", json={"adapter": ref(world, "bad").to_dict()}, headers=H())
     assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed"
     r = await client.post("/internal/adapters/load", json={"adapter": {"id": ""}}, headers=H())
-    assert r.status_code == 422
+    assert r.status_code == 400
     r = await client.post("/internal/adapters/load", content=b"{oops", headers=H())
     assert r.status_code == 400
 
@@ -211,7 +211,7 @@ async def test_probe_runs_base_and_adapter(client, world):
     assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed"
     r = await client.post("/internal/adapters/probe", headers=H(),
                           json={"adapter": ref(world, "a").to_dict(), "prompts": []})
-    assert r.status_code == 422
+    assert r.status_code == 400
 
 
 async def test_report_tiers_in_process_and_redis(client, world, redis_url, redis_prefix):
