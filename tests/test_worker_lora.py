@@ -313,3 +313,30 @@ async def test_warm_start_top_n_from_redis_traffic(world, redis_url, redis_prefi
     m = engine.lora_runtime.manager
     assert m.state(hot).in_host and m.state(cold).state == "absent"
     assert await warm_start(engine, s.replace(preload_top_n=0)) is None
+
+
+async def test_http_adapter_reaches_the_disk_tier_and_report(client, world):
+    import functools
+    import http.server
+    import shutil
+    import threading
+
+    settings, engine, adapters = world
+    served = adapters["a"].parent / "served"
+    shutil.copytree(adapters["c"], served / "c", dirs_exist_ok=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = AdapterRef(id="id-remote-c", name="c@2", uri=f"http://127.0.0.1:{server.server_address[1]}/c")
+        got = await chat(client, remote)
+        assert got == await chat(client, ref(world, "c")), "same files over HTTP give the same output"
+    finally:
+        server.shutdown()
+        server.server_close()
+    rep = build_report(engine, "w-lora", "http://w", settings)
+    assert "id-remote-c" in rep.disk_adapters and "id-remote-c" in rep.host_adapters
+    text = (await client.get("/metrics")).text
+    assert 'loraplex_worker_adapter_loads_total{tier="source",worker="w-lora"} 1.0' in text
+    assert 'loraplex_worker_adapters_resident{tier="disk",worker="w-lora"} 1.0' in text
