@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),
     "serve": ("loraplex.serve", "run gateway + one worker in one process on the embedded default"),
     "demo": ("loraplex.serve", "seed demo tenants/adapters and run the embedded system"),
+    "config": ("loraplex.config_cmd", "print every setting (LORAPLEX_* variable) and its effective value"),
 }
 
 

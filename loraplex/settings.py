@@ -41,16 +41,19 @@ class Settings:
     redis_prefix: str = "loraplex"
     """Namespace for every Redis key and channel (lets several deployments share one Redis)."""
     log_level: str = "INFO"
-    log_json: bool = False
+    """Python logging level of every process (DEBUG, INFO, WARNING, ...)."""
 
     # --- registry / control plane ------------------------------------------------------
     adapter_root: str = ""
     """Admission refuses adapter paths outside this directory. Empty: ``{home}/adapters``."""
     max_lora_rank: int = 64
+    """Highest adapter rank admitted and served (as in vLLM)."""
     max_adapter_bytes: int = 512 * 1024 * 1024
+    """Admission refuses adapter files larger than this."""
     allowed_target_modules: tuple[str, ...] = (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     )
+    """Projections an adapter may target; admission refuses others."""
     registry_refresh_s: float = 30.0
     """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
 
@@ -62,17 +65,27 @@ class Settings:
     jwt_jwks_file: str = ""
     """JWKS file with public keys (selected by ``kid``)."""
     jwt_algorithms: tuple[str, ...] = ("HS256",)
+    """Accepted JWT algorithms (allow-list; ``none`` is never accepted)."""
     jwt_issuer: str = "loraplex"
+    """Required ``iss`` claim."""
     jwt_audience: str = "loraplex"
+    """Required ``aud`` claim."""
     jwt_leeway_s: float = 5.0
+    """Clock skew tolerated on ``exp``/``nbf``/``iat``."""
     jwt_tenant_claim: str = "tenant"
+    """Claim that names the caller's tenant."""
     jwt_scope_claim: str = "scope"
+    """Claim with space-separated scopes."""
     jwt_admin_scope: str = "loraplex:admin"
+    """Scope required by the admin API."""
 
     # --- gateway -------------------------------------------------------------------------
     gateway_host: str = "127.0.0.1"
+    """Gateway listen address."""
     gateway_port: int = 8000
+    """Gateway listen port."""
     max_body_bytes: int = 1024 * 1024
+    """Request bodies larger than this are refused with 413."""
     max_tokens_cap: int = 8192
     """Largest ``max_tokens`` a request may ask for (above: 400)."""
     default_max_tokens: int = 1024
@@ -80,8 +93,11 @@ class Settings:
     registry_snapshot_file: str = ""
     """Static registry snapshot (JSON) served instead of the live registry; for tests and benchmarks."""
     request_timeout_s: float = 300.0
+    """Per-request deadline at the gateway (504 when exceeded)."""
     ratelimit_fail_mode: Literal["open", "closed"] = "open"
+    """While Redis is unreachable: ``open`` (per-replica local limits) or ``closed`` (503)."""
     route_candidates: int = 3
+    """Consistent-hash ring candidates per adapter version (2-3)."""
     route_load_factor: float = 1.5
     """Bounded load: a candidate is skipped above this multiple of the mean load (+1)."""
     worker_report_ttl_s: float = 3.0
@@ -99,21 +115,31 @@ class Settings:
     model_name: str = ""
     """Name the base model is served and registered as. Empty: derived from the model."""
     worker_id: str = ""
+    """Stable worker id in reports and routing. Empty: derived from host and port."""
     worker_host: str = "127.0.0.1"
+    """Worker listen address."""
     worker_port: int = 8100
+    """Worker listen port."""
     worker_url: str = ""
     """URL the gateway should use to reach this worker. Empty: from host and port."""
     worker_secret: str = "loraplex-internal-secret-change-me"
     """Shared secret for the worker's internal control endpoints."""
     device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda[:N]``."""
     dtype: str = "auto"
+    """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``."""
     threads: int = 0
     """torch intra-op threads (0: torch default)."""
     kv_cache_bytes: int = 256 * 1024 * 1024
+    """Memory budget of the paged KV cache (sets the number of blocks)."""
     kv_block_size: int = 16
+    """Tokens per KV cache block."""
     max_num_seqs: int = 32
+    """Most sequences running in one batch."""
     max_num_batched_tokens: int = 512
+    """Token budget of one engine step (prefill chunks + decode rows)."""
     max_waiting: int = 256
+    """Bounded waiting queue; a full queue answers 503."""
     max_model_len: int = 0
     """0: the model's own context length."""
     max_loras: int = 8
@@ -121,6 +147,7 @@ class Settings:
     max_cpu_loras: int = 64
     """Adapters kept in host memory (LRU), as in vLLM."""
     lora_rank_classes: tuple[int, ...] = (8, 16, 32, 64)
+    """Device slot rank classes; an adapter takes the smallest class >= its rank."""
     adapter_cache_dir: str = ""
     """Local disk tier for adapters fetched from URLs. Empty: ``{home}/adapter-cache``."""
     preload_adapters: tuple[str, ...] = ()
@@ -134,6 +161,7 @@ class Settings:
     lora_max_wait_s: float = 5.0
     """Aging bound in seconds (whichever of the two comes first)."""
     report_interval_s: float = 1.0
+    """How often a worker publishes its residency/load report."""
 
     # --- derived -------------------------------------------------------------------------
     def resolved_database_url(self) -> str:
