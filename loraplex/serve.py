@@ -135,7 +135,7 @@ async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[s
                 version = await call("POST", f"/adapters/{version['id']}/activate", {})
                 v = version.get("verification") or {}
                 _step(f"  {v.get('probes_differing')} of {len(v.get('probes') or [])} probes differ from base")
-            await call("PUT", f"/bindings/{b.tenant}/{b.alias}", {"adapter": version["id"]})
+            await call("PUT", f"/tenants/{b.tenant}/bindings/{b.alias}", {"adapter": version["id"]})
     return {slug: mint(settings, f"{slug}-backend", tenant=slug, ttl_s=30 * 86400) for slug in DEMO_TENANTS}
 
 
@@ -197,7 +197,13 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     await _wait_ready(f"http://{settings.gateway_host}:{settings.gateway_port}/readyz")
     if demo:
         _step("seeding demo tenants, adapters and bindings")
-        print_instructions(settings, await seed_demo(settings))
+        try:
+            tokens = await seed_demo(settings)
+        except (RuntimeError, OSError) as exc:
+            worker.should_exit = gateway.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise SystemExit(f"error: demo seeding failed: {exc}") from None
+        print_instructions(settings, tokens)
     else:
         name = await register_base_model(settings)
         print(f"Serving base model {name!r}. Ctrl-C stops it.", flush=True)
@@ -230,6 +236,8 @@ def _handler(demo: bool):  # type: ignore[no-untyped-def]
                      if v is not None}
         settings = settings.replace(**overrides)
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        for chatty in ("httpx", "alembic"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
         try:
             settings = prepare(settings)
             asyncio.run(run(settings, demo=demo))

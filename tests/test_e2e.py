@@ -70,9 +70,9 @@ def _seed(c: Cluster) -> None:
                                            "owner": tenant})
         ad = c.admin("POST", f"/adapters/{ad['id']}/activate", {})
         assert ad["status"] == "active", ad
-    c.admin("PUT", "/bindings/acme/assistant", {"adapter": "acme-french@1"})
-    c.admin("PUT", "/bindings/acme/support", {"adapter": "acme-terse@1"})
-    c.admin("PUT", "/bindings/globex/assistant", {"adapter": "globex-json@1"})
+    c.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-french@1"})
+    c.admin("PUT", "/tenants/acme/bindings/support", {"adapter": "acme-terse@1"})
+    c.admin("PUT", "/tenants/globex/bindings/assistant", {"adapter": "globex-json@1"})
     time.sleep(1.5)  # both gateways see the registry version
 
 
@@ -122,7 +122,7 @@ def test_models_lists_only_the_callers_aliases(cluster):
 
 
 def test_canary_split_near_setting_and_sticky(cluster):
-    cluster.admin("POST", "/bindings/acme/assistant/canary", {"adapter": "acme-terse@1", "percent": 20})
+    cluster.admin("POST", "/tenants/acme/bindings/assistant/canary", {"adapter": "acme-terse@1", "percent": 20})
     time.sleep(1.5)
 
     async def run() -> dict[str, str]:
@@ -149,11 +149,11 @@ def test_canary_split_near_setting_and_sticky(cluster):
         i = int(user.split("-")[1])
         r = _chat(cluster, "acme", "assistant", gateway=(i + 1) % 2, user=user, max_tokens=1)
         assert r.headers[HDR_ADAPTER] == seen[user]
-    cluster.admin("DELETE", "/bindings/acme/assistant/canary")
+    cluster.admin("DELETE", "/tenants/acme/bindings/assistant/canary")
 
 
 def test_rollback_reaches_every_gateway_within_2s(cluster):
-    cluster.admin("PUT", "/bindings/acme/assistant", {"adapter": "acme-terse@1"})
+    cluster.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-terse@1"})
     time.sleep(1.5)
     for gw in (0, 1):
         assert _chat(cluster, "acme", "assistant", gateway=gw, max_tokens=1).headers[HDR_ADAPTER] == "acme-terse@1"
