@@ -46,7 +46,7 @@ def sqlite_url(tmp_path):
     return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def redis_url():
     return REDIS_URL
 
