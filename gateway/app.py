@@ -185,6 +185,8 @@ class Gateway:
                             st.started = True
                             result = await relay_sse(opened, send, keep_usage=req.include_usage)
                             usage = result.usage
+                            if result.first_token_at is not None:
+                                self.metrics.first_token(tenant_slug, label, result.first_token_at - t0)
                             if result.error or result.worker_error:
                                 status = 502
                                 self.metrics.upstream_failure(worker_id)

@@ -49,6 +49,10 @@ class GatewayMetrics:
         self.latency = Histogram("loraplex_gateway_request_seconds", "Request latency by tenant and adapter",
                                  ["tenant", "adapter"], registry=r,
                                  buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.ttft = Histogram("loraplex_gateway_ttft_seconds",
+                              "Streaming: time from request arrival to the first token sent to the client",
+                              ["tenant", "adapter"], registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
@@ -77,6 +81,9 @@ class GatewayMetrics:
             ctok.inc(completion_tokens)
         if status >= 400:
             err.inc()
+
+    def first_token(self, tenant: str, adapter: str, seconds: float) -> None:
+        self.ttft.labels(self.tenant_cap(tenant or "-"), self.adapter_cap(adapter or "-")).observe(seconds)
 
     def upstream_failure(self, worker: str) -> None:
         self.upstream_failures.labels(self.worker_cap(worker)).inc()

@@ -14,6 +14,7 @@ SSE error event, never silently.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,8 @@ class StreamResult:
     """Why the stream broke (the gateway then ends it with an error event)."""
     worker_error: bool = False
     sent_bytes: int = 0
+    first_token_at: float | None = None
+    """``time.perf_counter()`` when the first event went to the client."""
 
 
 async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[None]], *,
@@ -192,6 +195,8 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
                 kept.append(event)
             out = b"".join(e + b"\n\n" for e in kept)
         if out:
+            if result.first_token_at is None:
+                result.first_token_at = time.perf_counter()
             result.sent_bytes += len(out)
             await send({"type": "http.response.body", "body": out, "more_body": True})
 

@@ -419,7 +419,6 @@ def test_dashboard_panels_each_query_a_loraplex_metric():
 
 # Metrics the dashboard reads that the exporters do not define yet (panels show "no data").
 PENDING_METRICS = {
-    "loraplex_gateway_ttft_seconds",  # time to first token as the client sees it
     "loraplex_worker_adapters_resident",  # gauge {worker, tier=device|host|disk}
     "loraplex_worker_adapter_loads",  # counter {worker, tier}
     "loraplex_worker_adapter_evictions",  # counter {worker, tier}
