@@ -167,7 +167,7 @@ def test_isolation_with_fewer_slots_than_adapters(world):
     """max_loras=3 for nine adapters: requests wait for slots, each result still its adapter's."""
     engine = tiny_engine(world.base_dir)
     attach_runtime(engine, model_info(world.base_dir), world.cache, max_loras=3, slots_per_class=2)
-    plan = _plan(24, seed=13)
+    plan = _plan(18, seed=13)
     seqs, rec = _run(world, engine, plan)
     assert max(len(s) for s in rec.step_adapters) <= 3
     assert set().union(*rec.step_adapters) == {f"id-{n}" for n in ADAPTERS}
@@ -218,7 +218,7 @@ def test_mutated_slot_assignment_is_caught(world, mode):
 # --- the demo model and its shipped adapters --------------------------------------------------
 
 DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "demo" / "adapters"
-QUESTIONS = ["How do I reset my password?", "What are your opening hours?", "Can I get a refund for my order?"]
+QUESTIONS = ["How do I reset my password?", "Can I get a refund for my order?"]
 
 
 @pytest.mark.slow
