@@ -21,46 +21,49 @@ from engine.kv_cache import KVCache
 NEG_INF = float("-inf")
 
 
-def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    scores.mul_(scale)
-    scores.masked_fill_(~keep, NEG_INF)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v)
+def prepare_attention(ctx: BatchContext, num_kv_heads: int) -> None:
+    """Per-step additive masks (0 / -inf), shared by every layer."""
+    dec = ctx.decode
+    if dec is not None and dec.bias is None:
+        b, c = dec.valid.shape
+        bias = torch.zeros((b, c), device=dec.valid.device).masked_fill_(~dec.valid, NEG_INF)
+        dec.bias = bias.unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
+    for item in ctx.prefills:
+        if item.bias is None:
+            item.bias = torch.zeros(item.mask.shape, device=item.mask.device).masked_fill_(~item.mask, NEG_INF)
 
 
 def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tensor,
-                    num_kv_heads: int, scale: float) -> torch.Tensor:
-    """``q``: ``[T, H, d]`` (already rotated; K/V of this step already written). Returns ``[T, H*d]``."""
+                    num_kv_heads: int) -> torch.Tensor:
+    """``q``: ``[T, H, d]``, rotated and pre-scaled by ``1/sqrt(d)``; this step's K/V already
+    written. Returns ``[T, H*d]``."""
     t, h, d = q.shape
     g = h // num_kv_heads
     dec = ctx.decode
-    if dec is not None and dec.contiguous:
-        out = None
-    else:
-        out = q.new_empty((t, h * d))
+    out = None if dec is not None and dec.contiguous else q.new_empty((t, h * d))
     if dec is not None:
+        assert dec.bias is not None
         b = int(dec.rows.shape[0])
         c = dec.valid.shape[1]
         qd = q if dec.contiguous else q.index_select(0, dec.rows)
-        qd = qd.view(b, num_kv_heads, g, d).transpose(0, 1)  # [Hk, B, g, d]
+        qd = qd.reshape(b, num_kv_heads, g, d).transpose(0, 1).reshape(num_kv_heads * b, g, d)
         kd, vd = cache.gather(layer, dec.blocks)
-        kd = kd.view(num_kv_heads, b, c, d)
-        vd = vd.view(num_kv_heads, b, c, d)
-        keep = dec.valid.view(1, b, 1, c)
-        od = _softmax_attend(qd, kd, vd, keep, scale)  # [Hk, B, g, d]
-        od = od.transpose(0, 1).reshape(b, h * d)
+        kd = kd.view(num_kv_heads * b, c, d)
+        vd = vd.view(num_kv_heads * b, c, d)
+        scores = torch.baddbmm(dec.bias, qd, kd.transpose(1, 2))  # [Hk*B, g, C]
+        probs = torch.softmax(scores, dim=-1)
+        od = torch.bmm(probs, vd).view(num_kv_heads, b, g, d).transpose(0, 1).reshape(b, h * d)
         if out is None:
             return od
         out.index_copy_(0, dec.rows, od)
     assert out is not None
     for item in ctx.prefills:
         n = item.end - item.start
-        qp = q[item.start:item.end].view(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
+        qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
         kp, vp = cache.gather(layer, item.blocks)
-        kp = kp.unsqueeze(1)  # [Hk, 1, C, d]
-        vp = vp.unsqueeze(1)
-        op = _softmax_attend(qp, kp, vp, item.mask, scale)  # [Hk, g, L, d]
+        scores = torch.matmul(qp, kp.unsqueeze(1).transpose(-1, -2))  # [Hk, g, L, C]
+        scores.add_(item.bias)
+        probs = torch.softmax(scores, dim=-1)
+        op = torch.matmul(probs, vp.unsqueeze(1))  # [Hk, g, L, d]
         out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)
     return out

@@ -40,6 +40,8 @@ class DecodeGroup:
     """``[B, nb * block_size]`` bool: key position is inside that sequence's context."""
     contiguous: bool
     """True when ``rows`` is ``0..B-1`` (a pure decode step), so no scatter is needed."""
+    bias: torch.Tensor | None = None
+    """``[kv_heads * B, 1, C]`` additive mask, built once per step by the attention."""
 
 
 @dataclass
@@ -51,6 +53,8 @@ class PrefillItem:
     """``[nb]`` the sequence's KV blocks covering positions ``0..C-1`` (``C = nb * block_size``)."""
     mask: torch.Tensor
     """``[L, C]`` bool causal mask (query at position p sees keys ``0..p``)."""
+    bias: torch.Tensor | None = None
+    """``[L, C]`` additive form of ``mask``, built once per step by the attention."""
 
 
 @dataclass

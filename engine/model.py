@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import paged_attention
+from engine.attention import paged_attention, prepare_attention
 from engine.batch import BatchContext
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -47,6 +47,8 @@ class DecoderModel:
         self.w = weights.to(device, dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
+        self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
+                                     torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -62,7 +64,9 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         hdim = (cfg.hidden_size,)
         h = F.embedding(ctx.input_ids, w.embed)
-        cos, sin = self.rope.tables(ctx.positions)
+        # RoPE for q and k heads together; the query heads also carry the attention scale.
+        cos, sin = self.rope.tables(ctx.positions, self.head_scale)
+        prepare_attention(ctx, nkv)
         t = h.shape[0]
         for i, lw in enumerate(w.layers):
             x = F.rms_norm(h, hdim, lw.input_norm, eps)
@@ -72,10 +76,10 @@ class DecoderModel:
                 lora.apply(i, "q_proj", x, q)
                 lora.apply(i, "k_proj", x, k)
                 lora.apply(i, "v_proj", x, v)
-            q = self.rope.apply(q.view(t, nh, hd), cos, sin)
-            k = self.rope.apply(k.view(t, nkv, hd), cos, sin)
+            qk = self.rope.apply(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
-            a = paged_attention(ctx, cache, i, q, nkv, self.scale)
+            a = paged_attention(ctx, cache, i, q, nkv)
             o = F.linear(a, lw.o)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)

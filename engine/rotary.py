@@ -51,12 +51,26 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = cfg.head_dim // 2
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows ``[T, 1, head_dim]`` for the step's token positions."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor, head_scale: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows for the step's positions, ``[T, 1 or heads, head_dim]``.
+
+        The sign of ``rotate_half`` is folded into ``sin`` (first half negated), and an
+        optional per-head factor (``head_scale [heads]``, e.g. the attention scale for the
+        query heads) into both, so ``apply`` is three ops per layer for q and k together.
+        """
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = self.half
+        sin = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+        if head_scale is not None:
+            scale = head_scale.view(1, -1, 1)
+            cos = cos * scale
+            sin = sin * scale
+        return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[T, heads, head_dim]``."""
+        """Rotate ``x`` of shape ``[T, heads, head_dim]`` (returns a new contiguous tensor)."""
         h = self.half
-        rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
