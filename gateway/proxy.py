@@ -77,15 +77,21 @@ class Upstream:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
         last = "no worker answered"
+        load_failure = None
         for worker in workers[: self.max_attempts]:
             worker.inflight += 1
             resp: Any = None
             try:
                 resp = await self._send(worker, path, payload, request_id)
                 if resp.status_code == 503:
-                    last = f"worker {worker.id} is overloaded"
+                    body = b"".join([part async for part in resp.aiter_bytes()])
                     await resp.aclose()
+                    resp = None
                     worker.inflight -= 1
+                    if b"adapter_load_failed" in body:
+                        load_failure = _message(body)
+                        break  # the artifact itself failed: another worker would fail the same way
+                    last = f"worker {worker.id} is overloaded"
                     continue
                 chunks = resp.aiter_bytes()
                 first = b""
@@ -107,6 +113,8 @@ class Upstream:
                 if resp is not None:
                     await resp.aclose()
                 raise
+        if load_failure is not None:
+            raise GatewayError(503, f"The adapter could not be loaded: {load_failure}", code="adapter_load_failed")
         log.warning("request %s: every candidate failed (%s)", request_id, last)
         raise GatewayError(503, "No worker could serve this request right now.", code="no_worker",
                            headers={"retry-after": "1"})
@@ -114,6 +122,13 @@ class Upstream:
     async def done(self, opened: Opened) -> None:
         opened.worker.inflight -= 1
         await opened.response.aclose()
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "unknown reason"
 
 
 async def read_rest(opened: Opened) -> bytes:

@@ -9,7 +9,7 @@ requests were cancelled by their client (``GET /stub/stats``).
 Per-request behaviour can be changed through the OpenAI ``metadata`` field:
 ``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
 chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
-``500``). ``--mode`` sets the default for every request.
+``500``, ``load-fail`` = the adapter could not be loaded). ``--mode`` sets the default for every request.
 
 Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
 """
@@ -111,6 +111,10 @@ class Stub:
         chunk_delay = float(meta.get("stub_chunk_delay", self.args.chunk_delay))
         if mode == "503":
             await self._json(send, 503, {"error": {"message": "overloaded", "type": "overloaded", "code": None}})
+            return
+        if mode == "load-fail":
+            await self._json(send, 503, {"error": {"message": "sha256 mismatch", "type": "server_error",
+                                                   "code": "adapter_load_failed"}})
             return
         if mode == "500":
             await self._json(send, 500, {"error": {"message": "boom", "type": "server_error", "code": None}})
@@ -232,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=5)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--chunk-delay", type=float, default=0.0)
-    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "break"])
+    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "break", "load-fail"])
     p.add_argument("--report-interval", type=float, default=0.5)
     p.add_argument("--report-ttl", type=float, default=2.0)
     return p.parse_args(argv)

@@ -150,6 +150,12 @@ async def test_routing_and_failover_with_real_workers(stubs, redis_url, redis_pr
         # A worker answering 503 is skipped too (retried before the first byte).
         r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "503"}}, headers=h)
         assert r.status_code == 503  # every candidate answered 503 for this request
+        # An adapter that cannot be loaded is not retried elsewhere: the same artifact fails everywhere.
+        before = sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2")
+        r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "load-fail"}}, headers=h)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_load_failed"
+        assert "sha256 mismatch" in r.json()["error"]["message"]
+        assert sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2") == before + 1
         # The dead worker leaves the live set within the report TTL.
         router = app.state.gateway.router
         while "w2" in {w.id for w in router.workers()} and time.monotonic() - t0 < 5:
