@@ -21,16 +21,16 @@ from engine.kv_cache import KVCache
 NEG_INF = float("-inf")
 
 
-def prepare_attention(ctx: BatchContext, num_kv_heads: int) -> None:
-    """Per-step additive masks (0 / -inf), shared by every layer."""
+def prepare_attention(ctx: BatchContext, num_kv_heads: int, dtype: torch.dtype) -> None:
+    """Per-step additive masks (0 / -inf) in the model's dtype, shared by every layer."""
     dec = ctx.decode
     if dec is not None and dec.bias is None:
         b, c = dec.valid.shape
-        bias = torch.zeros((b, c), device=dec.valid.device).masked_fill_(~dec.valid, NEG_INF)
+        bias = torch.zeros((b, c), device=dec.valid.device, dtype=dtype).masked_fill_(~dec.valid, NEG_INF)
         dec.bias = bias.unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
     for item in ctx.prefills:
         if item.bias is None:
-            item.bias = torch.zeros(item.mask.shape, device=item.mask.device).masked_fill_(~item.mask, NEG_INF)
+            item.bias = torch.zeros(item.mask.shape, device=item.mask.device, dtype=dtype).masked_fill_(~item.mask, NEG_INF)
 
 
 def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tensor,

@@ -18,11 +18,12 @@ with ``module`` one of ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 The hook must ADD its delta into ``out`` in place (``out += scale * (x @ A.T) @ B.T``
 per row's adapter); ``ctx.token_seq[t]`` gives the sequence index of row ``t`` and
 ``ctx.seqs[i].adapter`` its ``AdapterRef`` (or ``None``). The q/k/v hooks run before
-RoPE; inputs per module: q/k/v/gate/up get the normed hidden state ``[T, hidden]``,
-o_proj gets the attention output ``[T, heads*head_dim]``, down_proj gets
-``silu(gate) * up`` ``[T, intermediate]``. Out-of-place views: q/k/v and gate/up
-``out`` are non-contiguous column slices of the fused output, so use in-place ops
-(``out.add_(delta)``) and never rebind.
+RoPE (and before the attention scale, which this model folds into the rotated
+queries). Inputs per module: q/k/v/gate/up get the normed hidden state
+``[T, hidden]``, o_proj gets the attention output ``[T, heads*head_dim]``, down_proj
+gets ``silu(gate) * up`` ``[T, intermediate]``. For q/k/v and gate/up, ``out`` is a
+non-contiguous column slice of the fused output: update it in place
+(``out.add_(delta)``); rebinding the name has no effect.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class DecoderModel:
         h = F.embedding(ctx.input_ids, w.embed)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
-        prepare_attention(ctx, nkv)
+        prepare_attention(ctx, nkv, self.dtype)
         t = h.shape[0]
         for i, lw in enumerate(w.layers):
             x = F.rms_norm(h, hdim, lw.input_norm, eps)

@@ -252,3 +252,30 @@ async def test_queue_full_is_503(tiny_dir, tmp_path):
             assert (await first).status_code == 200
         finally:
             eng.stop()
+
+
+def test_app_loads_engine_from_settings_and_reports(tiny_dir, tmp_path):
+    """The path a whole-system runner takes: settings only, the app's lifespan loads the model."""
+    from starlette.testclient import TestClient
+
+    from loraplex.residency import MemoryResidency
+
+    store = MemoryResidency()
+    settings = Settings(home=str(tmp_path), model=str(tiny_dir), worker_id="w-life", model_name="tiny",
+                        kv_cache_bytes=1 << 20, report_interval_s=0.05)
+    app = create_worker_app(settings, residency=store)
+    with TestClient(app) as c:
+        assert c.get("/health").json()["model"] == "tiny"
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        reports = []
+        for _ in range(100):
+            reports = asyncio.run(store.live())
+            if reports:
+                break
+            import time
+
+            time.sleep(0.02)
+        assert reports and reports[0].worker_id == "w-life" and reports[0].base_model == "tiny"
+        assert reports[0].total_kv_blocks > 0 and len(reports[0].base_revision) == 16
+    assert app.state.worker.engine.running_thread is False

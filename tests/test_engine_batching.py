@@ -100,3 +100,18 @@ def test_demo_batch_invariance_with_preemption(demo_gguf):  # noqa: F811
     seqs = tight.generate(prompts, params)
     assert sum(s.num_preemptions for s in seqs) > 0
     assert [s.output_ids for s in seqs] == alone
+
+
+def test_bfloat16_path_runs_and_tracks_float32(tiny_dir):
+    """The reduced-precision path CUDA uses, exercised on CPU: same shapes, close logits."""
+    from tests.engine_fixtures import rel_err, teacher_forced_logits
+
+    ids = list(range(3, 60))
+    f32 = Engine.from_path(tiny_dir, EngineConfig(kv_cache_bytes=1 << 20))
+    bf16 = Engine.from_path(tiny_dir, EngineConfig(kv_cache_bytes=1 << 20, dtype="bfloat16"))
+    assert bf16.cache.k[0].dtype == torch.bfloat16
+    a = teacher_forced_logits(f32, ids, 40)
+    b = teacher_forced_logits(bf16, ids, 40)
+    assert b.dtype == torch.float32 and rel_err(b, a) < 0.05
+    (s,) = bf16.generate([ids], SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=8, ignore_eos=True))
+    assert len(s.output_ids) == 8
