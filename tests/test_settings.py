@@ -68,3 +68,10 @@ def test_admin_help_lists_every_operation():
     out = subprocess.run([str(BIN), "admin", "--help"], capture_output=True, text=True, check=True).stdout
     for cmd in ("tenant", "base-model", "adapter", "bind", "rollback", "canary", "binding", "audit"):
         assert cmd in out
+
+
+def test_readme_configuration_reference_lists_every_setting():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f"LORAPLEX_{f.name.upper()}" for f in dataclasses.fields(Settings)
+               if f"`LORAPLEX_{f.name.upper()}`" not in readme]
+    assert not missing, f"README lacks {missing}: paste `loraplex config --markdown`"
