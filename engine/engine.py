@@ -144,7 +144,7 @@ class Engine:
         cfg = weights.config
         limit = cfg.max_position_embeddings
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
-        model = DecoderModel(weights, device, dtype, max_len)
+        model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs)
         tok = TextTokenizer.from_model_path(path)
         return cls(model, tok, config, model_path=path)
 

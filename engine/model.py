@@ -35,19 +35,31 @@ from engine.attention import paged_attention, prepare_attention
 from engine.batch import BatchContext
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.loader import ModelWeights
+from engine.linear import Linear
+from engine.loader import LayerWeights, ModelWeights
 from engine.rotary import RotaryEmbedding
+
+
+class _LayerLinears:
+    def __init__(self, lw: LayerWeights, pack_batch: int) -> None:
+        self.qkv = Linear(lw.qkv, lw.qkv_bias, pack_batch)
+        self.o = Linear(lw.o, None, pack_batch)
+        self.gate_up = Linear(lw.gate_up, None, pack_batch)
+        self.down = Linear(lw.down, None, pack_batch)
 
 
 class DecoderModel:
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, pack_batch: int = 32) -> None:
+        """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
         self.w = weights.to(device, dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
+        self.layers = [_LayerLinears(lw, pack_batch) for lw in self.w.layers]
+        self.lm_head = Linear(self.w.lm_head, None, pack_batch)
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -69,9 +81,9 @@ class DecoderModel:
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
         prepare_attention(ctx, nkv, self.dtype)
         t = h.shape[0]
-        for i, lw in enumerate(w.layers):
+        for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
             x = F.rms_norm(h, hdim, lw.input_norm, eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = lin.qkv(x)
             q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
             if lora is not None:
                 lora.apply(i, "q_proj", x, q)
@@ -81,18 +93,18 @@ class DecoderModel:
             q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
             a = paged_attention(ctx, cache, i, q, nkv)
-            o = F.linear(a, lw.o)
+            o = lin.o(a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
             h = h + o
             x = F.rms_norm(h, hdim, lw.post_norm, eps)
-            gu = F.linear(x, lw.gate_up)
+            gu = lin.gate_up(x)
             gate, up = gu[:, :inter], gu[:, inter:]
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate)
                 lora.apply(i, "up_proj", x, up)
             m = F.silu(gate) * up
-            down = F.linear(m, lw.down)
+            down = lin.down(m)
             if lora is not None:
                 lora.apply(i, "down_proj", m, down)
             h = h + down
@@ -102,4 +114,4 @@ class DecoderModel:
         # One sampled row per sequence, in row order: all rows sampling means rows == 0..T-1.
         hs = h if rows.numel() == t else h.index_select(0, rows)
         hs = F.rms_norm(hs, hdim, w.norm, eps)
-        return F.linear(hs, w.lm_head).float()
+        return self.lm_head(hs).float()

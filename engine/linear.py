@@ -1,0 +1,45 @@
+"""Projection matmuls, with oneDNN-prepacked weights for CPU float32 batches.
+
+MKL's sgemm repacks the weight matrix on every call, which dominates when the batch
+(``M``) is small, as in decode: at ``M = 8..32`` a weight packed once into oneDNN's
+blocked layout runs about 1.5-2.5x faster. A single row keeps the plain matrix-vector
+path. Packing is CPU float32 only; elsewhere this is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+
+@lru_cache(maxsize=1)
+def onednn_packing_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.randn(8, 4)
+        x = torch.randn(3, 4)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w), atol=1e-5))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Linear:
+    """``y = x @ weight.T + bias``; ``weight`` stays available (shapes, LoRA, benchmarks)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        if (pack_batch > 0 and weight.device.type == "cpu" and weight.dtype == torch.float32
+                and onednn_packing_available()):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
