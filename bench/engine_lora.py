@@ -200,6 +200,11 @@ def scenario_batch(args: argparse.Namespace, engine: Any, info: ModelInfo, gguf:
                 peft_model.load_adapter(str(d), adapter_name=d.name)
         peft_model.eval()
 
+    # A full-size warm-up for both sides: the first full-size run after loading is often slow
+    # (page faults on fresh KV and activation memory), which would be charged to the base case.
+    run_ours(engine, prompts, [None] * b, 4)
+    if peft_model is not None:
+        run_peft(peft_model, prompts, None, 2)
     rows = []
     for n in [0, *args.cases]:
         chosen = case_dirs(args, dirs, n)
