@@ -7,8 +7,8 @@ the base model alone and for 1, 8 and 32 distinct adapters in the batch it measu
 * this engine's decode tokens/s (tokens produced after every row has its first token, over
   the time that took) and mean time to first token;
 * PEFT: a ``PeftModel`` holding the adapters, ``generate(..., adapter_names=[...])`` on the
-  same mixed batch (``--peft-new`` new tokens, 16 by default; decode tokens/s = tokens after
-  the first over generate time minus a 1-token generate);
+  same mixed batch (``--peft-new`` new tokens, 16 by default; decode tokens/s timed from the
+  first generated token to the last inside one ``generate``);
 * the floor ``batch / max(bytes / bandwidth, flops / matmul_rate)`` where ``bytes`` is the
   base weights plus the distinct adapters' bytes and ``flops`` include every row's adapter
   matmuls; bandwidth and matmul rate come from ``bench/engine_base.py``'s measurements, taken
@@ -149,25 +149,35 @@ def run_ours(engine: Any, prompts: list[list[int]], adapters: list[AdapterRef | 
 
 
 def run_peft(model: Any, prompts: list[list[int]], names: list[str] | None, new: int) -> dict[str, Any]:
+    """One ``generate``; a stopping criterion stamps the time of every generated token, so decode
+    tokens/s is measured from the first token to the last inside the same call."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Clock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
     ids = torch.tensor(prompts)
-    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    clock = Clock()
+    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                              max_new_tokens=new, min_new_tokens=new,
+                              stopping_criteria=StoppingCriteriaList([clock]))
     if names is not None:
         kw["adapter_names"] = names
-
-    def gen(n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        t0 = time.perf_counter()
         if names is None:
             with model.disable_adapter():
-                return model.generate(max_new_tokens=n, min_new_tokens=n, **kw)
-        return model.generate(max_new_tokens=n, min_new_tokens=n, **kw)
-
-    with torch.inference_mode():
-        t = time.perf_counter()
-        gen(1)
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        out = gen(new)
-        total = time.perf_counter() - t
-    return {"ttft_s": ttft, "decode_tok_s": len(prompts) * (new - 1) / max(total - ttft, 1e-9),
+                out = model.generate(**kw)
+        else:
+            out = model.generate(**kw)
+    decode_s = clock.times[-1] - clock.times[0]
+    return {"ttft_s": clock.times[0] - t0,
+            "decode_tok_s": len(prompts) * (new - 1) / decode_s if new > 1 else float("nan"),
             "tokens": out[:, ids.shape[1]:].tolist()}
 
 
