@@ -137,10 +137,10 @@ def main() -> int:
             rows.append((name, "-", f"unreadable results: {exc!r}", ""))
     widths = [max(len(r[i]) for r in [("benchmark", "case", "measured", "target"), *rows]) for i in range(4)]
     print("\n" + " | ".join(h.ljust(w) for h, w in zip(("benchmark", "case", "measured", "target"), widths,
-                                                        strict=True)))
+                                                        strict=True)).rstrip())
     print("-+-".join("-" * w for w in widths))
     for r in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for name, s in status.items():
         print(f"{name}: {s}")
     (RESULTS / "summary.json").parent.mkdir(parents=True, exist_ok=True)
