@@ -41,6 +41,14 @@ def pg_url():
     asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request, tmp_path):
+    """Each test runs twice: on a real PostgreSQL database and on SQLite."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg_url")
+    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
+
+
 @pytest.fixture
 def sqlite_url(tmp_path):
     return f"sqlite+aiosqlite:///{tmp_path}/registry.db"

@@ -199,13 +199,6 @@ def test_header_reader_matches_safetensors(settings):
     assert json.loads((d / C).read_text())["r"] == 4
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request, tmp_path):
-    if request.param == "postgresql":
-        return request.getfixturevalue("pg_url")
-    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
-
-
 async def test_refusals_leave_registry_unchanged(db_url, tmp_path):
     await fresh_registry(db_url)
     settings = make_settings(tmp_path, db_url, max_lora_rank=16)

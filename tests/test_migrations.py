@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -19,13 +18,6 @@ from registry.models import Base
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = {"registry_state", "base_models", "tenants", "adapter_versions", "bindings", "audit_log"}
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request, tmp_path):
-    if request.param == "postgresql":
-        return request.getfixturevalue("pg_url")
-    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
 
 
 async def _tables(engine) -> set[str]:

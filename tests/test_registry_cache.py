@@ -50,13 +50,6 @@ READER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request, tmp_path):
-    if request.param == "postgresql":
-        return request.getfixturevalue("pg_url")
-    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
-
-
 async def _seed(svc: RegistryService) -> list[dict]:
     await svc.register_base_model(TINY)
     await svc.create_tenant("acme", tokens_per_min=1000, priority="high")

@@ -17,13 +17,6 @@ from registry.service import RegistryService
 from tests.registry_support import OTHER, TINY, fresh_registry, make_settings, write_adapter
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request, tmp_path):
-    if request.param == "postgresql":
-        return request.getfixturevalue("pg_url")
-    return f"sqlite+aiosqlite:///{tmp_path}/registry.db"
-
-
 @pytest.fixture
 async def svc(db_url, tmp_path):
     await fresh_registry(db_url)
