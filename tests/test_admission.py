@@ -125,6 +125,10 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
     "integer_dtype": ({"tensors": lambda t: {k: v.to(torch.int8) for k, v in t.items()}}, None, None, "bad_dtype"),
     "nan_weights": ({"tensors": _mutate_tensor("lora_A", _nan)}, None, None, "non_finite"),
     "inf_weights": ({"tensors": _mutate_tensor("lora_B", _inf)}, None, None, "non_finite"),
+    "nan_bf16_weights": ({"tensors": lambda t: _mutate_tensor("lora_B", _nan)(
+        {k: v.to(torch.bfloat16) for k, v in t.items()})}, None, None, "non_finite"),
+    "inf_f16_weights": ({"tensors": lambda t: _mutate_tensor("lora_A", _inf)(
+        {k: v.to(torch.float16) for k, v in t.items()})}, None, None, "non_finite"),
     "base_revision_mismatch": ({"config": {"base_model_revision": "some-other-rev"}}, None, None,
                                "base_revision_mismatch"),
     "symlink_inside": ({}, _symlink_inside, None, "symlink"),
