@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from loraplex.settings import Settings
 from registry.changes import RESYNC, ChangeBus, Subscription
-from registry.db import is_postgres, make_engine
+from registry.db import is_postgres, make_engine, resolve_url
 from registry.models import AdapterVersion, BaseModelRow, Binding, RegistryState, Tenant
 from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, RegistrySnapshot, TenantView
 
@@ -69,8 +69,7 @@ class SnapshotCache:
     def __init__(self, settings: Settings, engine: AsyncEngine | None = None, *,
                  bus: ChangeBus | None = None, database_url: str | None = None) -> None:
         self.settings = settings
-        self.database_url = database_url or (engine.url.render_as_string(hide_password=False) if engine
-                                             else settings.resolved_database_url())
+        self.database_url = resolve_url(settings, engine, database_url)
         self._own_engine = engine is None
         self._engine = engine
         self.bus = bus or ChangeBus(settings, self.database_url)

@@ -25,6 +25,15 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
+def resolve_url(settings: Any, engine: AsyncEngine | None = None, url: str | None = None) -> str:
+    """The database URL a registry component uses: explicit, else its engine's, else the settings'."""
+    if url:
+        return url
+    if engine is not None:
+        return engine.url.render_as_string(hide_password=False)
+    return str(settings.resolved_database_url())
+
+
 def make_engine(url: str, *, statement_timeout_s: float | None = 30.0, **kwargs: Any) -> AsyncEngine:
     """An async engine; SQLite gets WAL, foreign keys and a busy timeout for concurrent writers.
 

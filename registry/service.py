@@ -45,7 +45,7 @@ from loraplex.settings import Settings
 from loraplex.wire import PRIORITY_CLASSES
 from registry.admission import AdmissionError, admit
 from registry.changes import ChangeBus
-from registry.db import make_engine, session_factory
+from registry.db import make_engine, resolve_url, session_factory
 from registry.errors import Conflict, Invalid, NotFound, RegistryError, Unavailable
 from registry.models import (
     AdapterVersion,
@@ -191,8 +191,7 @@ class RegistryService:
     def __init__(self, settings: Settings, engine: AsyncEngine | None = None, *,
                  bus: ChangeBus | None = None, database_url: str | None = None) -> None:
         self.settings = settings
-        self.database_url = database_url or (engine.url.render_as_string(hide_password=False) if engine
-                                             else settings.resolved_database_url())
+        self.database_url = resolve_url(settings, engine, database_url)
         self._own_engine = engine is None
         self.engine = engine or make_engine(self.database_url)
         self.sessions = session_factory(self.engine)
