@@ -9,6 +9,10 @@ Shapes (``H`` query heads, ``Hk`` KV heads, ``g = H // Hk``, ``d`` head dim):
   repeating K/V), masked to each sequence's length;
 * prefill chunk: queries ``[L, H, d]`` against the sequence's ``C`` cached keys
   (earlier chunks included) under a causal mask.
+
+On CPU float32 the decode group instead goes through the native kernel
+(``engine.native.DecodeAttention``), which reads the K/V blocks in place: the gather
+copy above moves every cached byte three times per layer, the kernel once.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ import torch
 
 from engine.batch import BatchContext
 from engine.kv_cache import KVCache
+from engine.native import DecodeAttention
 
 NEG_INF = float("-inf")
 
 
-def prepare_attention(ctx: BatchContext, num_kv_heads: int, dtype: torch.dtype) -> None:
-    """Per-step additive masks (0 / -inf) in the model's dtype, shared by every layer."""
+def prepare_attention(ctx: BatchContext, num_kv_heads: int, dtype: torch.dtype,
+                      kernel: DecodeAttention | None = None) -> None:
+    """Per-step additive masks (0 / -inf) in the model's dtype, shared by every layer
+    (the native decode kernel needs none)."""
     dec = ctx.decode
-    if dec is not None and dec.bias is None:
+    if dec is not None and dec.bias is None and kernel is None:
         b, c = dec.valid.shape
         bias = torch.zeros((b, c), device=dec.valid.device, dtype=dtype).masked_fill_(~dec.valid, NEG_INF)
         dec.bias = bias.unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
@@ -34,14 +41,20 @@ def prepare_attention(ctx: BatchContext, num_kv_heads: int, dtype: torch.dtype) 
 
 
 def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tensor,
-                    num_kv_heads: int) -> torch.Tensor:
+                    num_kv_heads: int, kernel: DecodeAttention | None = None) -> torch.Tensor:
     """``q``: ``[T, H, d]``, rotated and pre-scaled by ``1/sqrt(d)``; this step's K/V already
     written. Returns ``[T, H*d]``."""
     t, h, d = q.shape
     g = h // num_kv_heads
     dec = ctx.decode
     out = None if dec is not None and dec.contiguous else q.new_empty((t, h * d))
-    if dec is not None:
+    if dec is not None and kernel is not None:
+        b = int(dec.rows.shape[0])
+        if out is None:
+            out = q.new_empty((b, h * d))
+        kernel(q, cache.k[layer], cache.v[layer], dec.blocks.view(b, -1), dec.lens, dec.valid.shape[1],
+               cache.block_size, out, rows=None if dec.contiguous else dec.rows)
+    elif dec is not None:
         assert dec.bias is not None
         b = int(dec.rows.shape[0])
         c = dec.valid.shape[1]

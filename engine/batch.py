@@ -40,6 +40,8 @@ class DecodeGroup:
     """``[B, nb * block_size]`` bool: key position is inside that sequence's context."""
     contiguous: bool
     """True when ``rows`` is ``0..B-1`` (a pure decode step), so no scatter is needed."""
+    lens: torch.Tensor
+    """``[B]`` int64: context length of each sequence (this step's token included)."""
     bias: torch.Tensor | None = None
     """``[kv_heads * B, 1, C]`` additive mask, built once per step by the attention."""
 
@@ -130,7 +132,7 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
         valid = torch.arange(nb * block_size).unsqueeze(0) < lens_t.unsqueeze(1)
         contiguous = dec_rows == list(range(len(dec_rows))) and row == len(dec_rows)
         decode = DecodeGroup(torch.tensor(dec_rows, device=device), torch.tensor(flat, device=device),
-                             valid.to(device), contiguous)
+                             valid.to(device), contiguous, lens_t.to(device))
     prefills = []
     for start_row, end_row, seq in prefill_specs:
         n = end_row - start_row

@@ -61,6 +61,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
     max_model_len: int = 0
+    native_kernels: bool = True
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -144,7 +145,8 @@ class Engine:
         cfg = weights.config
         limit = cfg.max_position_embeddings
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
-        model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs)
+        model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
+                             native_kernels=config.native_kernels)
         tok = TextTokenizer.from_model_path(path)
         return cls(model, tok, config, model_path=path)
 
@@ -161,7 +163,7 @@ class Engine:
             device=settings.device, dtype=settings.dtype, kv_cache_bytes=settings.kv_cache_bytes,
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
-            max_model_len=settings.max_model_len)
+            max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)
         engine = cls.from_path(path, config)
         engine.info = describe_model(path, name=settings.model_name or None)
         if settings.max_loras > 0:

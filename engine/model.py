@@ -37,6 +37,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.linear import Linear
 from engine.loader import LayerWeights, ModelWeights
+from engine.native import decode_attention_kernel
 from engine.rotary import RotaryEmbedding
 
 
@@ -50,8 +51,9 @@ class _LayerLinears:
 
 class DecoderModel:
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 max_positions: int, pack_batch: int = 32) -> None:
-        """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size."""
+                 max_positions: int, pack_batch: int = 32, native_kernels: bool = True) -> None:
+        """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size.
+        ``native_kernels``: on CPU float32, decode attention through ``engine.native`` (when it builds)."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
@@ -60,6 +62,8 @@ class DecoderModel:
         self.scale = self.cfg.head_dim ** -0.5
         self.layers = [_LayerLinears(lw, pack_batch) for lw in self.w.layers]
         self.lm_head = Linear(self.w.lm_head, None, pack_batch)
+        cpu_f32 = device.type == "cpu" and dtype == torch.float32
+        self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -79,7 +83,7 @@ class DecoderModel:
         h = F.embedding(ctx.input_ids, w.embed)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
-        prepare_attention(ctx, nkv, self.dtype)
+        prepare_attention(ctx, nkv, self.dtype, self.decode_kernel)
         t = h.shape[0]
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
             x = F.rms_norm(h, hdim, lw.input_norm, eps)
@@ -92,7 +96,7 @@ class DecoderModel:
             qk = self.rope.apply(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
-            a = paged_attention(ctx, cache, i, q, nkv)
+            a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel)
             o = lin.o(a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)

@@ -17,11 +17,12 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_batch"), "llama", seed=11)
 
 
-def _engine(path, blocks: int, budget: int = 48, block_size: int = 8) -> Engine:
+def _engine(path, blocks: int, budget: int = 48, block_size: int = 8, native: bool = True) -> Engine:
     probe = Engine.from_path(path, EngineConfig(kv_cache_bytes=1 << 20, kv_block_size=block_size))
     per_block = block_bytes(probe.model.cfg, block_size, torch.float32)
     return Engine.from_path(path, EngineConfig(kv_cache_bytes=blocks * per_block, kv_block_size=block_size,
-                                               max_num_batched_tokens=budget, max_num_seqs=8))
+                                               max_num_batched_tokens=budget, max_num_seqs=8,
+                                               native_kernels=native))
 
 
 def _alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -29,17 +30,18 @@ def _alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list[in
     return seq.output_ids
 
 
-def test_tiny_batch_invariance_with_preemption(tiny_dir):
+@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
+def test_tiny_batch_invariance_with_preemption(tiny_dir, native):
     gen = torch.Generator().manual_seed(5)
     lengths = [7, 33, 12, 60, 3, 25]
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=40, ignore_eos=True)
     params = [greedy, seeded, greedy, seeded, greedy, greedy]
-    roomy = _engine(tiny_dir, blocks=256)
+    roomy = _engine(tiny_dir, blocks=256, native=native)
     alone = [_alone(roomy, p, sp) for p, sp in zip(prompts, params, strict=True)]
     # 24 blocks x 8 tokens = 192 slots for ~360 tokens of demand: preemption must happen.
-    tight = _engine(tiny_dir, blocks=24)
+    tight = _engine(tiny_dir, blocks=24, native=native)
     seqs = tight.generate(prompts, params)
     assert sum(s.num_preemptions for s in seqs) > 0
     for s, ref in zip(seqs, alone, strict=True):

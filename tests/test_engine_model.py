@@ -27,8 +27,9 @@ def _hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3"])
-def test_tiny_models_match_transformers(tmp_path, kind):
+def test_tiny_models_match_transformers(tmp_path, kind, native):
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path, kind, seed=3)
@@ -39,7 +40,8 @@ def test_tiny_models_match_transformers(tmp_path, kind):
     if kind == "llama3":
         assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = Engine.from_path(path, EngineConfig(kv_cache_bytes=1 << 22, kv_block_size=16))
+    eng = Engine.from_path(path, EngineConfig(kv_cache_bytes=1 << 22, kv_block_size=16, native_kernels=native))
+    assert (eng.model.decode_kernel is not None) == native
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen).tolist()
     prefill = 150  # beyond the llama3 config's original context (64): scaling matters

@@ -1,0 +1,122 @@
+"""Native CPU kernels (C, built on first use with the system compiler, loaded with ctypes).
+
+``engine/csrc/*.c`` is compiled once per machine into a cache directory
+(``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
+this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
+failed build or a non-x86/Linux platform: ``decode_attention_kernel()`` returns
+``None`` and the engine keeps its pure-torch path, with one warning in the log.
+
+The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
+imported torch this is the same OpenMP runtime PyTorch uses, so the kernels share its
+thread pool instead of competing with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("loraplex.engine.native")
+
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "loraplex" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(name: str) -> Path:
+    src = CSRC / f"{name}.c"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_flags().encode())
+    out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling native kernel %s -> %s", src.name, out)
+    # Build to a private name and rename: concurrent workers never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build("decode_attention")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable, using the torch path: %s", e)
+        return None
+    fn = lib.loraplex_decode_attention_f32
+    fn.restype = _int
+    fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                   _int, _int, _int, _int, _int, _int, _int]
+    return lib
+
+
+class DecodeAttention:
+    """``out[rows[b]] = softmax(q[rows[b]] . K_b) V_b`` for every decoding sequence ``b``,
+    K/V read from the paged pools in place (see ``engine/csrc/decode_attention.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_decode_attention_f32
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+                 lens: torch.Tensor, max_len: int, block_size: int, out: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
+        """``q``: ``[T, H, d]`` (head dim contiguous); ``k_pool``/``v_pool``: ``[Hk, slots, d]``
+        contiguous; ``blocks``: ``[B, nb]`` int64 contiguous; ``lens``: ``[B]`` int64;
+        ``out``: ``[T, H*d]`` (row dim may be strided); ``rows``: ``[B]`` int64 or None (0..B-1)."""
+        _, h, d = q.shape
+        hk = k_pool.shape[0]
+        assert q.dtype == torch.float32 and q.stride(2) == 1 and out.stride(1) == 1
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and blocks.is_contiguous()
+        assert blocks.dtype == torch.int64 and lens.dtype == torch.int64 and lens.is_contiguous()
+        b, nb = blocks.shape
+        rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr() if rows is not None else None,
+                      k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
+                      blocks.data_ptr(), nb, lens.data_ptr(), out.data_ptr(), out.stride(0),
+                      b, h, hk, d, block_size, max_len, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native decode attention failed ({rc}): heads {h}/{hk}, head dim {d}")
+
+
+@lru_cache(maxsize=1)
+def decode_attention_kernel() -> DecodeAttention | None:
+    lib = _library()
+    return DecodeAttention(lib) if lib is not None else None
