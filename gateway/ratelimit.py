@@ -22,6 +22,8 @@ A limit of 0 means unlimited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import math
 import os
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gateway.resp import ReplyError, RespConnection
+from gateway.resp import ReplyError, RespConnection, bulk, encode, head
 
 log = logging.getLogger("loraplex.gateway.ratelimit")
 
@@ -49,6 +51,17 @@ class Lease:
     tokens_per_min: int
     backend: Any
     settled: bool = False
+
+
+class LeaseIds:
+    """Unique lease ids without a system call each: a random per-process prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"
 
 
 @dataclass(slots=True)
@@ -121,9 +134,9 @@ local kc = KEYS[2]
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local maxc = tonumber(ARGV[3])
-local need = tonumber(ARGV[4])
-local lease = ARGV[5]
-local ttl = tonumber(ARGV[6])
+local ttl = tonumber(ARGV[4])
+local need = tonumber(ARGV[5])
+local lease = ARGV[6]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h = redis.call('HMGET', kh, 'rq', 'rt', 'tk', 'tt')
@@ -196,29 +209,40 @@ return 1
 """
 
 
+_Command = tuple[Any, list[str], list[Any], bytes]
+"""(script, keys, args, the same call as one encoded ``EVALSHA`` frame)."""
+
+
+def script_call(script: Any, keys: list[str], args: list[Any]) -> _Command:
+    """A ``_Command`` encoded in full (the limiter caches the constant start of its frames)."""
+    return script, keys, args, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
+
+
 class _Pipeliner:
     """Coalesces the script calls issued in one event-loop tick into one Redis round trip.
 
     Under concurrency many requests acquire and settle at the same moment; sending them
     together saves a round trip and the per-command client overhead for each. Over plain
-    TCP the calls go through the lean ``RespConnection``; otherwise through redis-py.
+    TCP the frames go through the lean ``RespConnection`` (no task per batch); otherwise
+    through a redis-py pipeline.
     """
 
     def __init__(self, redis: Any, scripts: list[Any]) -> None:
         self.redis = redis
         self.scripts = scripts
         self.conn = RespConnection.from_redis(redis)
-        self._pending: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[_Command, asyncio.Future[Any]]] = []
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def call(self, script: Any, keys: list[str], args: list[Any], *, defer_s: float = 0.0) -> asyncio.Future[Any]:
-        """Queue one script call. ``defer_s``: it may wait that long for company (settlements
-        ride along with the next acquire instead of costing a round trip of their own)."""
+    def submit(self, cmd: _Command, *, defer_s: float = 0.0) -> asyncio.Future[Any]:
+        """Queue one script call; the future gets its reply (an error reply as an exception
+        *value*). ``defer_s``: it may wait that long for company (settlements ride along with
+        the next acquire instead of costing a round trip of their own)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((script, keys, args, fut))
+        self._pending.append((cmd, fut))
         if self._scheduled:
             return fut
         if defer_s > 0:
@@ -229,6 +253,16 @@ class _Pipeliner:
         loop.call_soon(self._flush)
         return fut
 
+    async def call(self, cmd: _Command, *, defer_s: float = 0.0) -> Any:
+        """``submit`` and wait: the reply, or the error raised."""
+        res = await self.submit(cmd, defer_s=defer_s)
+        if _is_noscript(res):  # Redis restarted or flushed its scripts
+            await self._load_scripts()
+            res = await self.submit(cmd)
+        if isinstance(res, Exception):
+            raise res
+        return res
+
     def _flush(self) -> None:
         self._scheduled = False
         if self._timer is not None:
@@ -237,18 +271,34 @@ class _Pipeliner:
         batch, self._pending = self._pending, []
         if not batch:
             return
+        conn = self.conn
+        if conn is not None and conn.connected:
+            conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
+            return
         task = asyncio.get_running_loop().create_task(self._run(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> list[Any]:
-        if self.conn is not None:
-            return await self.conn.execute([("EVALSHA", script.sha, len(keys), *keys, *args)
-                                            for script, keys, args, _ in batch])
-        pipe = self.redis.pipeline(transaction=False)
-        for script, keys, args, _ in batch:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        return await pipe.execute(raise_on_error=False)
+    async def _run(self, batch: list[tuple[_Command, asyncio.Future[Any]]]) -> None:
+        """The slow path: connect first, or go through redis-py (TLS, unix sockets)."""
+        try:
+            if self.conn is not None:
+                await self.conn.connect()
+                self.conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            for (script, keys, args, _), _ in batch:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:  # connection problems: every caller sees them
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+                    fut.exception()  # a settlement nobody waits for must not warn
+            return
+        for (_, fut), res in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(res)
 
     async def _load_scripts(self) -> None:
         if self.conn is not None:
@@ -256,25 +306,6 @@ class _Pipeliner:
         else:
             for s in self.scripts:
                 await self.redis.script_load(s.script)
-
-    async def _run(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> None:
-        try:
-            results = await self._execute(batch)
-            if any(_is_noscript(r) for r in results):  # Redis restarted or flushed its scripts
-                await self._load_scripts()
-                results = await self._execute(batch)
-        except BaseException as exc:  # connection problems: every caller sees them
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
-            return
-        for (*_, fut), res in zip(batch, results, strict=True):
-            if fut.done():
-                continue
-            if isinstance(res, Exception):
-                fut.set_exception(res)
-            else:
-                fut.set_result(res)
 
     async def close(self) -> None:
         if self._timer is not None:
@@ -286,6 +317,9 @@ class _Pipeliner:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.conn is not None:
+            if self.conn.connected:  # replies come in order: once a PING is answered, so is everything before it
+                with contextlib.suppress(Exception):
+                    await self.conn.execute([("PING",)])
             await self.conn.close()
 
 
@@ -307,14 +341,26 @@ class RedisLimiter:
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._pipe = _Pipeliner(redis, [self._acquire, self._settle])
+        self._heads: dict[tuple[Any, ...], tuple[list[str], list[Any], bytes]] = {}
+        self._lease_ids = LeaseIds()
         self._down_until = 0.0
         self.degraded = False
         self.settle_delay_s = 0.005
         """Settlements wait up to this long to share a round trip with the next acquire."""
 
-    def _keys(self, tenant: str) -> list[str]:
-        base = self.prefix + tenant
-        return [base, base + ":c"]
+    def _head(self, script: Any, tenant: str, const: list[Any], n_var: int) -> tuple[list[str], list[Any], bytes]:
+        """Keys, constant arguments and the encoded frame start of a call, cached per tenant and limits."""
+        key = (script.sha, tenant, *const)
+        hit = self._heads.get(key)
+        if hit is None:
+            base = self.prefix + tenant
+            keys = [base, base + ":c"]
+            hit = (keys, const, head(3 + len(keys) + len(const) + n_var, "EVALSHA", script.sha, len(keys), *keys,
+                                     *const))
+            if len(self._heads) >= 50_000:
+                self._heads.clear()
+            self._heads[key] = hit
+        return hit
 
     def _failed(self, exc: BaseException) -> None:
         if not self.degraded:
@@ -332,12 +378,12 @@ class RedisLimiter:
     async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
         if self._down_until and time.monotonic() < self._down_until:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
-        lease_id = os.urandom(12).hex()
+        lease_id = self._lease_ids.next()
+        keys, const, frame = self._head(self._acquire, tenant, [limits.requests_per_min, limits.tokens_per_min,
+                                                                limits.max_concurrent, int(lease_ttl_s * 1000)], 2)
         try:
             reason, rq, tk, wait = await self._pipe.call(
-                self._acquire, self._keys(tenant),
-                [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent, tokens,
-                 lease_id, int(lease_ttl_s * 1000)])
+                (self._acquire, keys, [*const, tokens, lease_id], frame + bulk(tokens) + bulk(lease_id)))
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             self._failed(exc)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
@@ -356,10 +402,11 @@ class RedisLimiter:
         if lease.backend is not self:
             await lease.backend.settle(lease, used_tokens)
             return
+        keys, const, frame = self._head(self._settle, lease.tenant, [lease.tokens_per_min], 2)
+        refund = lease.reserved - used_tokens
         try:
-            await self._pipe.call(self._settle, self._keys(lease.tenant),
-                                  [lease.tokens_per_min, lease.reserved - used_tokens, lease.lease_id],
-                                  defer_s=self.settle_delay_s)
+            await self._pipe.call((self._settle, keys, [*const, refund, lease.lease_id],
+                                   frame + bulk(refund) + bulk(lease.lease_id)), defer_s=self.settle_delay_s)
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)
@@ -404,6 +451,7 @@ class LocalLimiter:
     def __init__(self, max_tenants: int = 100_000) -> None:
         self._buckets: dict[str, _Bucket] = {}
         self.max_tenants = max_tenants
+        self._lease_ids = LeaseIds()
 
     async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
         now = time.monotonic()
@@ -436,7 +484,7 @@ class LocalLimiter:
                 rq -= 1
             if tpm > 0:
                 tk -= tokens
-            lease = Lease(tenant, os.urandom(12).hex(), tokens, tpm, self)
+            lease = Lease(tenant, self._lease_ids.next(), tokens, tpm, self)
             if maxc > 0:
                 b.leases[lease.lease_id] = now + lease_ttl_s
         b.rq, b.rt, b.tk, b.tt = rq, now, tk, now

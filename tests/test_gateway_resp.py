@@ -9,7 +9,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.ratelimit import _Pipeliner
+from gateway.ratelimit import _Pipeliner, script_call
 from gateway.resp import ReplyError, RespConnection, RespError, encode
 from tests.stub_worker import free_port
 
@@ -41,8 +41,8 @@ async def test_noscript_is_reloaded(redis_url):
     script = r.register_script(f"-- {uuid.uuid4().hex}\nreturn tonumber(ARGV[1]) + 1")
     p = _Pipeliner(r, [script])
     try:
-        assert await p.call(script, [], [41]) == 42
-        assert await asyncio.gather(*[p.call(script, [], [i]) for i in range(10)]) == list(range(1, 11))
+        assert await p.call(script_call(script, [], [41])) == 42
+        assert await asyncio.gather(*[p.call(script_call(script, [], [i])) for i in range(10)]) == list(range(1, 11))
     finally:
         await p.close()
         await r.aclose()
