@@ -1,7 +1,8 @@
-"""The gateway application: ``create_app(settings, ...) -> Starlette``.
+"""The gateway application: ``create_app(settings, ...) -> GatewayApp`` (a Starlette app).
 
 The two hot routes (``/v1/chat/completions``, ``/v1/completions``) are raw ASGI
-handlers (no Request/Response objects): auth (cached JWT verification) -> body
+handlers (no Request/Response objects), dispatched before Starlette's middleware and
+router: auth (cached JWT verification) -> body
 (size-capped) -> validation -> resolution -> limits (reserve before admission) ->
 routing -> proxy -> settle, one access-log line and metrics. The rest (``/v1/models``,
 health, readiness, metrics, the registry admin API under ``/admin``) are ordinary
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -21,7 +22,6 @@ from typing import Any, Protocol
 import httpx
 import orjson
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -109,7 +109,7 @@ class Gateway:
                 rid = v.decode("latin-1")
                 if 0 < len(rid) <= 128 and rid.isprintable():
                     request_id = rid
-        request_id = request_id or os.urandom(16).hex()
+        request_id = request_id or _request_id()
         path = "/v1/chat/completions" if chat else "/v1/completions"
         st = _State()
         base_headers = {HDR_REQUEST_ID: request_id}
@@ -254,14 +254,24 @@ class Gateway:
             ct = ct if isinstance(ct, int) else 0
             self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
             if self.log_enabled and access_log.isEnabledFor(logging.INFO):
-                access_log.info(orjson.dumps({
-                    "ts": round(time.time(), 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias, "adapter": label,
-                    "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct, "status": status,
-                    "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
+                _log_access(orjson.dumps({
+                    "ts": round(time.time(), 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias,
+                    "adapter": label, "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct,
+                    "status": status, "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
                 }).decode())
 
 
 _SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _request_id() -> str:
+    """A random 128-bit hex id (no system call: the generator was seeded from the OS at start)."""
+    return f"{random.getrandbits(128):032x}"
+
+
+def _log_access(line: str) -> None:
+    """One access-log record, made directly (no caller lookup: the line says everything)."""
+    access_log.handle(logging.LogRecord(access_log.name, logging.INFO, __file__, 0, line, None, None))
 
 
 def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
@@ -296,6 +306,8 @@ class _State:
 
 
 _GONE = "loraplex.client_gone"
+WATCH_AFTER_S = 0.02
+"""A request starts watching for its client's disconnect after running this long."""
 
 
 def _client_gone(scope: Any) -> bool:
@@ -303,20 +315,29 @@ def _client_gone(scope: Any) -> bool:
 
 
 class _Watcher:
-    """Cancels the request task when the client disconnects (so the upstream call is cancelled)."""
+    """Cancels the request task when the client disconnects (so the upstream call is cancelled).
 
-    __slots__ = ("_scope", "_state", "_task", "_watch")
+    Watching costs a task per request, so it starts only once the request has run for
+    ``WATCH_AFTER_S``: most requests are answered sooner, and a disconnect before then is
+    still noticed, that much later."""
+
+    __slots__ = ("_receive", "_scope", "_state", "_task", "_timer", "_watch")
 
     def __init__(self, scope: Any, receive: Any, state: _State) -> None:
         self._task = asyncio.current_task()
         self._scope = scope
+        self._receive = receive
         self._state = state
         self._watch: asyncio.Task[None] | None = None
-        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
 
-    async def _run(self, receive: Any) -> None:
+    def _start(self) -> None:
+        self._timer = None
+        self._watch = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
         while True:
-            msg = await receive()
+            msg = await self._receive()
             if msg["type"] == "http.disconnect":
                 # After the last byte went out, the server reports a disconnect too: ignore it.
                 if not self._state.finished and self._task is not None and not self._task.done():
@@ -325,39 +346,31 @@ class _Watcher:
                 return
 
     def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._watch is not None and not self._watch.done():
             self._watch.cancel()
 
 
-class _HotPaths:
-    """Pure-ASGI middleware: the two hot routes skip Starlette's router and exception
-    middleware (the server-error middleware around it still catches anything unexpected)."""
+_HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+"""The two hot routes (path -> chat?)."""
 
-    def __init__(self, app: Any, gateway: Gateway) -> None:
-        self.app = app
-        self.gateway = gateway
+
+class GatewayApp(Starlette):
+    """The gateway's Starlette app; the two hot routes go straight to ``Gateway.completions``
+    (a raw ASGI handler that answers every error itself), skipping the middleware stack and
+    the router."""
+
+    gateway: Gateway
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
-            if path == "/v1/chat/completions":
-                await self.gateway.completions(scope, receive, send, chat=True)
+            chat = _HOT_ROUTES.get(scope["path"])
+            if chat is not None:
+                await self.gateway.completions(scope, receive, send, chat=chat)
                 return
-            if path == "/v1/completions":
-                await self.gateway.completions(scope, receive, send, chat=False)
-                return
-        await self.app(scope, receive, send)
-
-
-class _Completions:
-    """Raw ASGI endpoint for one of the two hot routes."""
-
-    def __init__(self, gateway: Gateway, chat: bool) -> None:
-        self.gateway = gateway
-        self.chat = chat
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.gateway.completions(scope, receive, send, chat=self.chat)
+        await super().__call__(scope, receive, send)
 
 
 def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> Response:
@@ -400,7 +413,7 @@ def _admin_app(settings: Settings, router: Router,
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
                residency: ResidencyStore | None = None, http_client: httpx.AsyncClient | None = None,
-               mount_admin: bool = True) -> Starlette:
+               mount_admin: bool = True) -> GatewayApp:
     """The gateway app. Anything not passed is built from ``settings``:
 
     * ``snapshots``: ``registry.cache.SnapshotCache`` over the registry database (or a
@@ -511,8 +524,6 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     from starlette.exceptions import HTTPException
 
     routes: list[Any] = [
-        Route("/v1/chat/completions", _Completions(gw, chat=True)),
-        Route("/v1/completions", _Completions(gw, chat=False)),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
@@ -520,7 +531,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     ]
     if admin is not None:
         routes.append(Mount("/admin", app=admin))
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_HotPaths, gateway=gw)],
-                    exception_handlers={HTTPException: not_found, Exception: server_error})
+    app = GatewayApp(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: not_found, Exception: server_error})
+    app.gateway = gw
     app.state.gateway = gw
     return app
