@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Sleeping (not spinning) OpenMP workers: on a shared, oversubscribed machine spinning
-# threads wait for descheduled peers at every op and both engines collapse. Set before
-# torch loads; applies to this engine and transformers alike. Override from the shell.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP runs with its defaults (spin briefly, then sleep), as a worker does; both engines
+# share this process and so the same setting. On an oversubscribed machine
+# OMP_WAIT_POLICY=PASSIVE from the shell keeps spinning threads from starving each other.
 
 import torch
 

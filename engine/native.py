@@ -3,8 +3,9 @@
 ``engine/csrc/*.c`` is compiled once per machine into a cache directory
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
-failed build or a non-x86/Linux platform: ``decode_attention_kernel()`` returns
-``None`` and the engine keeps its pure-torch path, with one warning in the log.
+failed build or a non-Linux platform: ``decode_attention_kernel()`` and
+``lora_rows_kernel()`` return ``None`` and the engine keeps its pure-torch paths, with
+one warning in the log.
 
 The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
 imported torch this is the same OpenMP runtime PyTorch uses, so the kernels share its
@@ -78,7 +79,7 @@ def _library() -> ctypes.CDLL | None:
     if platform.system() != "Linux":
         return None
     try:
-        lib = ctypes.CDLL(str(_build("decode_attention")))
+        lib = ctypes.CDLL(str(_build("cpu_kernels")))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
@@ -86,12 +87,15 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = _int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                    _int, _int, _int, _int, _int, _int, _int]
+    fn = lib.loraplex_lora_rows_f32
+    fn.restype = _int
+    fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
     return lib
 
 
 class DecodeAttention:
     """``out[rows[b]] = softmax(q[rows[b]] . K_b) V_b`` for every decoding sequence ``b``,
-    K/V read from the paged pools in place (see ``engine/csrc/decode_attention.c``)."""
+    K/V read from the paged pools in place (see ``engine/csrc/cpu_kernels.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.loraplex_decode_attention_f32
@@ -120,3 +124,37 @@ class DecodeAttention:
 def decode_attention_kernel() -> DecodeAttention | None:
     lib = _library()
     return DecodeAttention(lib) if lib is not None else None
+
+
+class LoRARows:
+    """``y[rows[n]] += scale[s] * B[s] @ (A[s] @ x[rows[n]])`` with ``s = row_slots[n]``
+    (see ``engine/csrc/cpu_kernels.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_lora_rows_f32
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 rows: torch.Tensor, row_slots: torch.Tensor) -> None:
+        """``x``: ``[T, in]``, ``y``: ``[T, out]`` (rows may be strided, columns contiguous);
+        ``a``: ``[S, r, in]`` contiguous; ``b``: ``[S, out, r]``, contiguous or the transposed
+        view of a contiguous ``[S, r, out]`` (as ``SlotBank`` stores it: the faster expand);
+        ``scale``: ``[S]``; all float32; ``rows``/``row_slots``: ``[n]`` int64, best sorted by slot."""
+        s, r, n_in = a.shape
+        n_out = b.shape[1]
+        assert x.dtype == y.dtype == a.dtype == b.dtype == scale.dtype == torch.float32
+        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == n_in and y.shape[1] == n_out
+        assert a.is_contiguous() and scale.is_contiguous() and b.shape == (s, n_out, r)
+        transposed = b.transpose(1, 2).is_contiguous()
+        assert transposed or b.is_contiguous()
+        assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
+        rc = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), b.data_ptr(),
+                      int(transposed), scale.data_ptr(), rows.data_ptr(), row_slots.data_ptr(), int(rows.numel()),
+                      n_in, n_out, r, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {r}")
+
+
+@lru_cache(maxsize=1)
+def lora_rows_kernel() -> LoRARows | None:
+    lib = _library()
+    return LoRARows(lib) if lib is not None else None

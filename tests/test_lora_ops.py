@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.lora.batch import LoRABatch
-from engine.lora.ops import SegmentPlan, choose_path, lora_apply, lora_reference
+from engine.lora.ops import SegmentPlan, choose_path, lora_apply, lora_reference, native_usable
 from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.slots import RankTooLarge, SlotBank
 
@@ -47,6 +47,31 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
         assert torch.equal(y[base], y0[base]), "base rows must be untouched bit for bit"
 
 
+@pytest.mark.skipif(not native_usable(torch.empty(0)), reason="native kernels did not build here")
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+@pytest.mark.parametrize("rank", [5, 16, 64])
+@pytest.mark.parametrize("b_layout", ["contiguous", "transposed"])
+def test_native_kernel_matches_definition(tokens, rank, b_layout):
+    """float32 C kernel vs the float64 definition; ``out`` a column slice; base rows untouched."""
+    g = torch.Generator().manual_seed(tokens * 7 + rank)
+    fin, fout, num_slots = 72, 100, 6  # fout not a multiple of the kernel's 64-wide blocks
+    a = torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5
+    bt = torch.randn(num_slots, rank, fout, generator=g)
+    b = bt.transpose(1, 2) if b_layout == "transposed" else bt.transpose(1, 2).contiguous()
+    scale = torch.rand(num_slots, generator=g) + 0.5
+    slots = torch.randint(-1, num_slots, (tokens,), generator=g)
+    x = torch.randn(tokens, fin, generator=g)
+    fused = torch.randn(tokens, fout + 30, generator=g)
+    before = fused.clone()
+    lora_apply(fused[:, 10:10 + fout], x, a, b, scale, SegmentPlan.build(slots), path="native")
+    adapters = {s: (a[s], b[s], float(scale[s])) for s in range(num_slots)}
+    expect = before[:, 10:10 + fout].double() + _naive(x, slots.tolist(), adapters)
+    torch.testing.assert_close(fused[:, 10:10 + fout].double(), expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused[:, :10], before[:, :10]) and torch.equal(fused[:, 10 + fout:], before[:, 10 + fout:])
+    base = slots < 0
+    assert torch.equal(fused[base], before[base]), "base rows must be untouched bit for bit"
+
+
 def test_plan_runs_and_segments():
     plan = SegmentPlan.build(torch.tensor([-1, 2, 2, 2, -1, 0, 0, -1]))
     assert plan.seg_slots == (0, 2)
@@ -72,6 +97,10 @@ def test_choose_path_heuristic(monkeypatch):
     assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4) == "segmented"  # one adapter
     monkeypatch.setattr("engine.lora.ops.GATHER_MAX_TOKENS_PER_ADAPTER", 2.0)
     assert choose_path(decode, 8) == "gather" and choose_path(prefill, 8) == "segmented"
+    # With the C kernel: decode-like batches (short segments) go native, prefill stays segmented.
+    assert choose_path(decode, 8, native=True) == "native"
+    assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4, native=True) == "native"
+    assert choose_path(prefill, 8, native=True) == "segmented"
 
 
 @pytest.mark.parametrize("capacity", [4, 12])

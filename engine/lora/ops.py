@@ -16,7 +16,10 @@ Plain-torch paths (CPU, and the correctness oracle for the Triton kernels):
   through slices, without gather/scatter; otherwise one gather and one scatter per call.
   Fastest on CPU for prefill and for few adapters.
 * ``padded``: all adapters of the call in one ``bmm`` pair, segments padded to the
-  longest (the SGMV shape in plain torch). Fastest on CPU for decode-like batches.
+  longest (the SGMV shape in plain torch).
+* ``native``: the C kernel of ``engine.native`` (CPU float32): per LoRA row, shrink and
+  expand straight from the slot stacks into ``y``, no gather/pad/scatter copies. Fastest
+  on CPU for decode-like batches (few rows per adapter); padded is its fallback.
 * ``reference``: a per-row loop, the literal definition (tests and benchmark baseline).
 
 :func:`lora_apply` is the one public entry point: Triton on CUDA when it imports,
@@ -32,7 +35,9 @@ from typing import Literal
 
 import torch
 
-Path = Literal["gather", "segmented", "padded"]
+from engine.native import lora_rows_kernel
+
+Path = Literal["gather", "segmented", "padded", "native"]
 
 GATHER_MAX_TOKENS_PER_ADAPTER = 0.0
 """CPU dispatch threshold: gather while LoRA tokens per distinct adapter stay at or below this.
@@ -51,6 +56,15 @@ Padded-bmm (one ``bmm`` pair over all adapters of the call, segments padded to t
 costs a fixed ~8 torch ops per call instead of ~2-3 per adapter: measured 2-3x faster than
 segmented for decode-like batches (8-32 adapters with 1-16 tokens each), slower for one
 adapter or long segments (prefill), where segmented's in-place slices win."""
+
+
+NATIVE_MAX_TOKENS_PER_ADAPTER = 64
+"""The native kernel takes batches whose largest segment has at most this many tokens.
+
+It works row by row (an adapter's A/B come from cache for its later rows); measured by
+``bench/lora_ops.py`` (demo shapes, rank 16, 2 threads) it beat every torch path from 1 to
+128 tokens with 8-32 adapters (4-8x padded for decode batches), and lost only to
+segmented's one GEMM pair for a single adapter's 128-token run (prefill)."""
 
 
 @dataclass(frozen=True)
@@ -157,15 +171,18 @@ class SegmentPlan:
         )
 
 
-def choose_path(plan: SegmentPlan, capacity: int | None = None) -> Path:
-    """The torch path for this batch shape (thresholds measured by ``bench/lora_ops.py``).
+def choose_path(plan: SegmentPlan, capacity: int | None = None, native: bool = False) -> Path:
+    """The CPU path for this batch shape (thresholds measured by ``bench/lora_ops.py``).
 
     ``capacity``: slots in the stack the op reads (decides whether padded-bmm can use the
-    whole stack without gathering A/B); None: the plan's largest slot + 1.
+    whole stack without gathering A/B); None: the plan's largest slot + 1. ``native``: the
+    C kernel may be used (CPU float32 and it built).
     """
     d, n = plan.num_adapters, plan.num_lora_tokens
     if d == 0:
         return "segmented"
+    if native and plan.max_segment <= NATIVE_MAX_TOKENS_PER_ADAPTER:
+        return "native"
     if n <= GATHER_MAX_TOKENS_PER_ADAPTER * d:
         return "gather"
     cap = capacity if capacity is not None else plan.seg_slots[-1] + 1
@@ -246,6 +263,19 @@ def lora_padded(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     y.index_add_(0, plan.rows, d)
 
 
+def lora_native(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                scale: torch.Tensor, plan: SegmentPlan) -> None:
+    """The C kernel (``engine.native.LoRARows``) over the plan's rows, sorted by slot."""
+    kernel = lora_rows_kernel()
+    if kernel is None:
+        raise RuntimeError("the native LoRA kernel is not available here")
+    kernel(y, x, a, b, scale, plan.rows, plan.row_slots)
+
+
+def native_usable(y: torch.Tensor) -> bool:
+    return y.device.type == "cpu" and y.dtype == torch.float32 and lora_rows_kernel() is not None
+
+
 @functools.cache
 def _triton_available() -> bool:
     try:
@@ -259,14 +289,20 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                scale: torch.Tensor, plan: SegmentPlan, path: str | None = None) -> None:
     """``y[i] += (x[i] @ A[s].T) @ B[s].T * scale[s]`` for ``s = slot[i] >= 0``, in place.
 
-    ``path`` forces ``"gather"``, ``"segmented"``, ``"padded"``, ``"triton"`` or ``"reference"``;
-    None dispatches: CUDA tensors with Triton -> Triton; otherwise :func:`choose_path`.
+    ``path`` forces ``"gather"``, ``"segmented"``, ``"padded"``, ``"native"``, ``"triton"`` or
+    ``"reference"``; None dispatches: CUDA tensors with Triton -> Triton; otherwise
+    :func:`choose_path`.
     """
     if plan.num_lora_tokens == 0:
         return
     if path is None:
-        path = "triton" if (y.is_cuda and _triton_available()) else choose_path(plan, a.shape[0])
-    if path == "padded":
+        if y.is_cuda and _triton_available():
+            path = "triton"
+        else:
+            path = choose_path(plan, a.shape[0], native=native_usable(y))
+    if path == "native":
+        lora_native(y, x, a, b, scale, plan)
+    elif path == "padded":
         lora_padded(y, x, a, b, scale, plan)
     elif path == "gather":
         lora_gather(y, x, a, b, scale, plan)

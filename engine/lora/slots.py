@@ -3,10 +3,13 @@
 For each rank class ``r_c`` (``settings.lora_rank_classes``) and projection there is one
 stack per kind:
 
-* ``A[L, S, r_c, in]``, ``B[L, S, out, r_c]``, ``scale[L, S]``
+* ``A[L, S, r_c, in]``, ``B^T[L, S, r_c, out]``, ``scale[L, S]``
 
-so ``stacks(c, layer, proj)`` is a contiguous ``[S, r_c, in]`` / ``[S, out, r_c]`` / ``[S]``
-view, exactly what the batched op takes. Storage is allocated on a class's first use and
+so ``stacks(c, layer, proj)`` gives ``A [S, r_c, in]`` (contiguous), ``B [S, out, r_c]`` (the
+transposed view of the contiguous ``B^T`` block) and ``scale [S]``, what the batched op
+takes. B is stored transposed so that the expand step streams rows of ``out`` contiguous
+values per rank component: plain vector FMAs in the CPU kernel, and for ``mm`` the
+``B.T`` operand is contiguous. Storage is allocated on a class's first use and
 grows by doubling up to ``S`` slots, so classes and slots nobody uses cost no memory.
 An adapter of rank ``r`` goes in the smallest
 class with ``r_c >= r``; its A rows and B columns beyond ``r`` are zero, which is exact.
@@ -36,7 +39,7 @@ class RankTooLarge(ValueError):
 @dataclass
 class _ClassStacks:
     a: dict[str, torch.Tensor]       # proj -> [L, S, r, in]
-    b: dict[str, torch.Tensor]       # proj -> [L, S, out, r]
+    bt: dict[str, torch.Tensor]      # proj -> [L, S, r, out] (B transposed)
     scale: dict[str, torch.Tensor]   # proj -> [L, S]
     present: dict[str, torch.Tensor]  # proj -> [L, S] bool, on CPU
 
@@ -102,7 +105,7 @@ class SlotBank:
     def nbytes(self) -> int:
         total = 0
         for st in self._stacks.values():
-            for t in (*st.a.values(), *st.b.values(), *st.scale.values()):
+            for t in (*st.a.values(), *st.bt.values(), *st.scale.values()):
                 total += t.numel() * t.element_size()
         return total
 
@@ -122,14 +125,14 @@ class SlotBank:
         kw = {"dtype": self.dtype, "device": self.device}
         new = _ClassStacks(
             a={p: torch.zeros(L, cap, r, fi, **kw) for p, (fi, _fo) in self.shapes.items()},
-            b={p: torch.zeros(L, cap, fo, r, **kw) for p, (_fi, fo) in self.shapes.items()},
+            bt={p: torch.zeros(L, cap, r, fo, **kw) for p, (_fi, fo) in self.shapes.items()},
             scale={p: torch.zeros(L, cap, **kw) for p in self.shapes},
             present={p: torch.zeros(L, cap, dtype=torch.bool) for p in self.shapes},
         )
         if st is not None:
             for p in self.shapes:
                 new.a[p][:, :have].copy_(st.a[p])
-                new.b[p][:, :have].copy_(st.b[p])
+                new.bt[p][:, :have].copy_(st.bt[p])
                 new.scale[p][:, :have].copy_(st.scale[p])
                 new.present[p][:, :have].copy_(st.present[p])
         self._stacks[c] = new
@@ -152,7 +155,7 @@ class SlotBank:
         for (layer, proj), mod in weights.modules.items():
             r = mod.rank
             st.a[proj][layer, i, :r].copy_(mod.a, non_blocking=non_blocking)
-            st.b[proj][layer, i, :, :r].copy_(mod.b, non_blocking=non_blocking)
+            st.bt[proj][layer, i, :r].copy_(mod.b.T, non_blocking=non_blocking)
             st.scale[proj][layer, i] = mod.scale
             st.present[proj][layer, i] = True
 
@@ -163,7 +166,7 @@ class SlotBank:
         st = self._stacks[c]
         for p in self.shapes:
             st.a[p][:, i].zero_()
-            st.b[p][:, i].zero_()
+            st.bt[p][:, i].zero_()
             st.scale[p][:, i] = 0
             st.present[p][:, i] = False
 
@@ -171,7 +174,7 @@ class SlotBank:
         """``(A [C, r, in], B [C, out, r], scale [C])`` of one class, layer and projection
         (``C`` = the class's current capacity; take them per call, storage may grow between steps)."""
         st = self._class(class_index)
-        return st.a[proj][layer], st.b[proj][layer], st.scale[proj][layer]
+        return st.a[proj][layer], st.bt[proj][layer].transpose(1, 2), st.scale[proj][layer]
 
     def layers_with_module(self, class_index: int, proj: str, local_slots: Iterable[int]) -> list[bool]:
         """For each layer: does any of ``local_slots`` adapt ``proj`` there?"""

@@ -1,4 +1,6 @@
-/* Paged decode attention for CPU float32, reading K/V blocks in place.
+/* CPU float32 kernels of the engine's decode step (built by engine/native.py).
+ *
+ * 1. loraplex_decode_attention_f32: paged decode attention, reading K/V blocks in place.
  *
  * One query token per sequence (token row ``rows[b]`` of ``q`` and ``out``, or row ``b``
  * when ``rows`` is NULL). K/V of one layer live in ``[kv_heads, slots, head_dim]``
@@ -9,6 +11,11 @@
  * accumulates the weighted values. Compared with gathering the blocks into a
  * contiguous copy first, K/V are read once instead of read, written and read again.
  *
+ * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
+ *    adapter slot (decode-like batches: few rows per adapter). Per row,
+ *    ``y += scale * B[s] (A[s] x)``; the adapter weights are streamed once per row with no
+ *    gather, padding or scatter copies.
+ *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
  */
@@ -18,6 +25,7 @@
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
+#define MAX_RANK 1024
 
 /* exp(x) for x <= 0 (Cephes-style range reduction + degree-6 polynomial, ~2 ulp);
  * written branch-free so the compiler vectorizes the loop that calls it. */
@@ -125,4 +133,83 @@ int loraplex_decode_attention_f32(
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+int loraplex_lora_rows_f32(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride,
+    const float *a, const float *b, int b_transposed, const float *scale,
+    const int64_t *rows, const int64_t *row_slots, int num_rows,
+    int in_dim, int out_dim, int rank, int num_threads)
+{
+    /* a: [slots, rank, in_dim] contiguous; b: [slots, out_dim, rank] contiguous, or with
+     * b_transposed its transpose [slots, rank, out_dim] contiguous (the expand is then
+     * plain vector FMAs along out_dim, no horizontal sums). Rows sorted by slot, so a
+     * thread's consecutive rows of one adapter reuse its weights from cache. */
+    if (rank > MAX_RANK) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < num_rows; n++) {
+        const int64_t s = row_slots[n];
+        const float *xr = x + rows[n] * x_stride;
+        float *yr = y + rows[n] * y_stride;
+        const float *as = a + s * (int64_t)rank * in_dim;
+        const float *bs = b + s * (int64_t)out_dim * rank;
+        const float sc = scale[s];
+        float t[MAX_RANK];
+        /* shrink, four rows of A at a time (independent accumulators) */
+        int j = 0;
+        for (; j + 4 <= rank; j += 4) {
+            const float *a0 = as + (int64_t)j * in_dim, *a1 = a0 + in_dim, *a2 = a1 + in_dim, *a3 = a2 + in_dim;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int i = 0; i < in_dim; i++) {
+                const float xi = xr[i];
+                s0 += a0[i] * xi;
+                s1 += a1[i] * xi;
+                s2 += a2[i] * xi;
+                s3 += a3[i] * xi;
+            }
+            t[j] = s0 * sc;
+            t[j + 1] = s1 * sc;
+            t[j + 2] = s2 * sc;
+            t[j + 3] = s3 * sc;
+        }
+        for (; j < rank; j++) {
+            const float *aj = as + (int64_t)j * in_dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+            for (int i = 0; i < in_dim; i++) acc += aj[i] * xr[i];
+            t[j] = acc * sc;
+        }
+        /* expand */
+        if (b_transposed) {
+            int o = 0;
+            for (; o + 64 <= out_dim; o += 64) {
+                float acc[64];
+#pragma omp simd
+                for (int k = 0; k < 64; k++) acc[k] = yr[o + k];
+                for (int jj = 0; jj < rank; jj++) {
+                    const float tj = t[jj];
+                    const float *bj = bs + (int64_t)jj * out_dim + o;
+#pragma omp simd
+                    for (int k = 0; k < 64; k++) acc[k] += tj * bj[k];
+                }
+#pragma omp simd
+                for (int k = 0; k < 64; k++) yr[o + k] = acc[k];
+            }
+            for (; o < out_dim; o++) {
+                float acc = yr[o];
+                for (int jj = 0; jj < rank; jj++) acc += t[jj] * bs[(int64_t)jj * out_dim + o];
+                yr[o] = acc;
+            }
+        } else {
+            for (int o = 0; o < out_dim; o++) {
+                const float *bo = bs + (int64_t)o * rank;
+                float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+                for (int jj = 0; jj < rank; jj++) acc += bo[jj] * t[jj];
+                yr[o] += acc;
+            }
+        }
+    }
+    return 0;
 }
