@@ -122,6 +122,7 @@ class Gateway:
         status = 500
         worker_id = ""
         streaming = False
+        guard: _Guard | None = None
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, "use POST", code="method_not_allowed")
@@ -171,47 +172,46 @@ class Gateway:
             }
             payload = orjson.dumps(body)
             workers = await self.router.route(res.base_model, res.adapter.id if res.adapter else None)
-            watcher = _Watcher(scope, receive, st)
+            guard = _Guard(scope, receive, st, s.request_timeout_s)
             try:
-                async with asyncio.timeout(s.request_timeout_s):
-                    opened = await self.upstream.open(workers, path, payload, request_id)
-                    worker_id = opened.worker.id
-                    base_headers[HDR_WORKER] = worker_id
-                    try:
-                        if req.stream and opened.response.status_code == 200:
-                            status = 200
-                            await send({"type": "http.response.start", "status": 200,
-                                        "headers": _headers(base_headers, b"text/event-stream", extra=_SSE)})
-                            st.started = True
-                            result = await relay_sse(opened, send, keep_usage=req.include_usage)
-                            usage = result.usage
-                            if result.first_token_at is not None:
-                                self.metrics.first_token(tenant_slug, label, result.first_token_at - t0)
-                            if result.error or result.worker_error:
-                                status = 502
-                                self.metrics.upstream_failure(worker_id)
-                            st.finished = True
-                            await send({"type": "http.response.body", "body": b"", "more_body": False})
-                        else:
-                            content = await read_rest(opened)
-                            status = opened.response.status_code
-                            if status == 200:
-                                usage = usage_of(content)
-                            elif status >= 500:
-                                status = 502
-                                content = orjson.dumps(error_body("the worker failed to answer", "upstream_error",
-                                                                  "upstream_error"))
-                            ctype = opened.response.headers.get("content-type", "application/json")
-                            st.finished = True
-                            await send({"type": "http.response.start", "status": status,
-                                        "headers": _headers(base_headers, ctype.encode("latin-1"),
-                                                            length=len(content))})
-                            st.started = True
-                            await send({"type": "http.response.body", "body": content})
-                    finally:
-                        await self.upstream.done(opened)
+                opened = await self.upstream.open(workers, path, payload, request_id)
+                worker_id = opened.worker.id
+                base_headers[HDR_WORKER] = worker_id
+                try:
+                    if req.stream and opened.response.status_code == 200:
+                        status = 200
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": _headers(base_headers, b"text/event-stream", extra=_SSE)})
+                        st.started = True
+                        result = await relay_sse(opened, send, keep_usage=req.include_usage)
+                        usage = result.usage
+                        if result.first_token_at is not None:
+                            self.metrics.first_token(tenant_slug, label, result.first_token_at - t0)
+                        if result.error or result.worker_error:
+                            status = 502
+                            self.metrics.upstream_failure(worker_id)
+                        st.finished = True
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    else:
+                        content = await read_rest(opened)
+                        status = opened.response.status_code
+                        if status == 200:
+                            usage = usage_of(content)
+                        elif status >= 500:
+                            status = 502
+                            content = orjson.dumps(error_body("the worker failed to answer", "upstream_error",
+                                                              "upstream_error"))
+                        ctype = opened.response.headers.get("content-type", "application/json")
+                        st.finished = True
+                        await send({"type": "http.response.start", "status": status,
+                                    "headers": _headers(base_headers, ctype.encode("latin-1"),
+                                                        length=len(content))})
+                        st.started = True
+                        await send({"type": "http.response.body", "body": content})
+                finally:
+                    await self.upstream.done(opened)
             finally:
-                watcher.stop()
+                guard.stop()
             used = used_tokens(usage)
             if used is None:
                 # No usage (error answer, broken stream): refund only what the worker never saw.
@@ -220,22 +220,24 @@ class Gateway:
             status = err.status
             if not st.started:
                 await send_error(send, err, base_headers)
-        except TimeoutError:
-            status = 504
-            if st.started and not st.finished:
-                await send({"type": "http.response.body", "body": sse_error("the request deadline passed",
-                                                                            "timeout"), "more_body": False})
-            elif not st.started:
-                await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"),
-                                 base_headers)
         except _ClientGone:
             status = 499
         except asyncio.CancelledError:
+            # Ours (the deadline passed, the client left) or someone else's (shutdown): re-raised.
             task = asyncio.current_task()
-            if task is None or task.cancelling() == 0 or not _client_gone(scope):
+            if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
                 raise
             task.uncancel()
-            status = 499
+            if guard.expired:
+                status = 504
+                if st.started and not st.finished:
+                    await send({"type": "http.response.body", "body": sse_error("the request deadline passed",
+                                                                                "timeout"), "more_body": False})
+                elif not st.started:
+                    await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"),
+                                     base_headers)
+            else:
+                status = 499
         except Exception:
             log.exception("request %s failed", request_id)
             status = 500
@@ -305,44 +307,57 @@ class _State:
         self.finished = False
 
 
-_GONE = "loraplex.client_gone"
 WATCH_AFTER_S = 0.02
-"""A request starts watching for its client's disconnect after running this long."""
+"""A request starts watching its deadline and its client's disconnect after running this long."""
 
 
-def _client_gone(scope: Any) -> bool:
-    return bool(scope.get(_GONE))
+class _Guard:
+    """Cancels the request task when its deadline passes (``expired``) or its client
+    disconnects, so the upstream call is cancelled too; ``cancelled`` says it did.
 
+    Both need a timer, and watching the client needs a task, so for the common case of a
+    request answered within ``WATCH_AFTER_S`` there is one timer only: the deadline timer
+    and the watcher start when it fires (a disconnect before then is noticed that much
+    later)."""
 
-class _Watcher:
-    """Cancels the request task when the client disconnects (so the upstream call is cancelled).
+    __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired")
 
-    Watching costs a task per request, so it starts only once the request has run for
-    ``WATCH_AFTER_S``: most requests are answered sooner, and a disconnect before then is
-    still noticed, that much later."""
-
-    __slots__ = ("_receive", "_scope", "_state", "_task", "_timer", "_watch")
-
-    def __init__(self, scope: Any, receive: Any, state: _State) -> None:
+    def __init__(self, scope: Any, receive: Any, state: _State, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        self._scope = scope
         self._receive = receive
         self._state = state
+        self._deadline = loop.time() + timeout_s
         self._watch: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self.cancelled = False
+        self.expired = False
+        self._timer: asyncio.TimerHandle | None = (
+            loop.call_later(WATCH_AFTER_S, self._start) if timeout_s > WATCH_AFTER_S
+            else loop.call_at(self._deadline, self._expire))
 
     def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(self._deadline, self._expire)
+        self._watch = loop.create_task(self._run())
+
+    def _cancel(self) -> None:
+        if not self.cancelled and self._task is not None and not self._task.done():
+            self.cancelled = True
+            self._task.cancel()
+
+    def _expire(self) -> None:
         self._timer = None
-        self._watch = asyncio.get_running_loop().create_task(self._run())
+        if not self.cancelled:
+            self.expired = True
+            self._cancel()
 
     async def _run(self) -> None:
         while True:
             msg = await self._receive()
             if msg["type"] == "http.disconnect":
                 # After the last byte went out, the server reports a disconnect too: ignore it.
-                if not self._state.finished and self._task is not None and not self._task.done():
-                    self._scope[_GONE] = True
-                    self._task.cancel()
+                if not self._state.finished:
+                    self._cancel()
                 return
 
     def stop(self) -> None:

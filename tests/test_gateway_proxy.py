@@ -139,6 +139,16 @@ def test_deadline_and_worker_errors(stub):
         assert r.status_code == 502 and "boom" not in r.text
 
 
+def test_deadline_shorter_than_the_watch_delay(stub):
+    # A deadline below WATCH_AFTER_S is armed at once, not when the watcher would start.
+    s, app = _gateway(stub, request_timeout_s=0.005)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "2"}), headers=h)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert app.state.gateway.router.workers()[0].inflight == 0
+
+
 def test_no_worker_is_503():
     s = Settings(worker_urls=("http://127.0.0.1:9",))
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
