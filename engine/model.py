@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from engine.attention import paged_attention, prepare_attention
 from engine.batch import BatchContext
 from engine.config import ModelConfig
+from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import Linear
 from engine.loader import LayerWeights, ModelWeights
-from engine.native import decode_attention_kernel
+from engine.native import decode_attention_kernel, fused_ops
 from engine.rotary import RotaryEmbedding
 
 
@@ -53,7 +54,8 @@ class DecoderModel:
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
                  max_positions: int, pack_batch: int = 32, native_kernels: bool = True) -> None:
         """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size.
-        ``native_kernels``: on CPU float32, decode attention through ``engine.native`` (when it builds)."""
+        ``native_kernels``: on CPU float32, decode attention and the fused elementwise steps
+        through ``engine.native`` (when it builds)."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
@@ -64,6 +66,7 @@ class DecoderModel:
         self.lm_head = Linear(self.w.lm_head, None, pack_batch)
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
+        self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -79,43 +82,43 @@ class DecoderModel:
         qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
-        hdim = (cfg.hidden_size,)
+        ops = self.ops
         h = F.embedding(ctx.input_ids, w.embed)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
         prepare_attention(ctx, nkv, self.dtype, self.decode_kernel)
         t = h.shape[0]
+        delta = None  # the previous layer's MLP output, added into h by the next norm
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
-            x = F.rms_norm(h, hdim, lw.input_norm, eps)
+            x = ops.add_rms_norm(h, delta, lw.input_norm, eps)
             qkv = lin.qkv(x)
             q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
             if lora is not None:
                 lora.apply(i, "q_proj", x, q)
                 lora.apply(i, "k_proj", x, k)
                 lora.apply(i, "v_proj", x, v)
-            qk = self.rope.apply(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
+            qk = ops.rope(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
             a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel)
             o = lin.o(a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
-            h = h + o
-            x = F.rms_norm(h, hdim, lw.post_norm, eps)
+            x = ops.add_rms_norm(h, o, lw.post_norm, eps)
             gu = lin.gate_up(x)
             gate, up = gu[:, :inter], gu[:, inter:]
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate)
                 lora.apply(i, "up_proj", x, up)
-            m = F.silu(gate) * up
-            down = lin.down(m)
+            m = ops.silu_mul(gu, inter)
+            delta = lin.down(m)
             if lora is not None:
-                lora.apply(i, "down_proj", m, down)
-            h = h + down
+                lora.apply(i, "down_proj", m, delta)
+        h.add_(delta)
         rows = ctx.sample_rows
         if rows.numel() == 0:
             return h.new_empty((0, cfg.vocab_size))
         # One sampled row per sequence, in row order: all rows sampling means rows == 0..T-1.
         hs = h if rows.numel() == t else h.index_select(0, rows)
-        hs = F.rms_norm(hs, hdim, w.norm, eps)
+        hs = ops.add_rms_norm(hs, None, w.norm, eps)
         return self.lm_head(hs).float()

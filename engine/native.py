@@ -3,9 +3,9 @@
 ``engine/csrc/*.c`` is compiled once per machine into a cache directory
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
-failed build or a non-Linux platform: ``decode_attention_kernel()`` and
-``lora_rows_kernel()`` return ``None`` and the engine keeps its pure-torch paths, with
-one warning in the log.
+failed build or a non-Linux platform: ``decode_attention_kernel()``,
+``lora_rows_kernel()`` and ``fused_ops()`` return ``None`` and the engine keeps its
+pure-torch paths, with one warning in the log.
 
 The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
 imported torch this is the same OpenMP runtime PyTorch uses, so the kernels share its
@@ -31,7 +31,16 @@ log = logging.getLogger("loraplex.engine.native")
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                                      _int, _int, _int, _int, _int, _int, _int],
+    "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int,
+                               _int],
+    "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
+    "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
+    "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
+}
 
 
 def cache_dir() -> Path:
@@ -83,13 +92,10 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native CPU kernels unavailable, using the torch path: %s", e)
         return None
-    fn = lib.loraplex_decode_attention_f32
-    fn.restype = _int
-    fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                   _int, _int, _int, _int, _int, _int, _int]
-    fn = lib.loraplex_lora_rows_f32
-    fn.restype = _int
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int]
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = _int
+        fn.argtypes = argtypes
     return lib
 
 
@@ -158,3 +164,51 @@ class LoRARows:
 def lora_rows_kernel() -> LoRARows | None:
     lib = _library()
     return LoRARows(lib) if lib is not None else None
+
+
+class FusedOps:
+    """Fused elementwise steps of a decoder layer (CPU float32); same contract as
+    ``engine.fused.TorchOps``."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = lib.loraplex_add_rms_norm_f32
+        self._silu_mul = lib.loraplex_silu_mul_f32
+        self._rope = lib.loraplex_rope_f32
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        t, dim = h.shape
+        assert h.stride(1) == 1 and weight.is_contiguous() and h.dtype == weight.dtype == torch.float32
+        if delta is not None:
+            assert delta.shape == h.shape and delta.stride(1) == 1 and delta.dtype == torch.float32
+        out = torch.empty_like(h, memory_format=torch.contiguous_format)
+        self._norm(h.data_ptr(), h.stride(0), delta.data_ptr() if delta is not None else None,
+                   delta.stride(0) if delta is not None else 0, out.data_ptr(), out.stride(0), weight.data_ptr(),
+                   eps, t, dim, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        t = gate_up.shape[0]
+        assert gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * inter and gate_up.dtype == torch.float32
+        out = gate_up.new_empty((t, inter))
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t, inter,
+                       torch.get_num_threads())
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, heads, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d and x.dtype == cos.dtype == sin.dtype == torch.float32
+        assert cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(2) == 1
+        assert cos.shape[0] == t and cos.shape[1] in (1, heads) and cos.shape[2] == d
+        head_stride = 0 if cos.shape[1] == 1 else cos.stride(1)
+        rc = self._rope(x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                        head_stride, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native rotary embedding failed ({rc}): head dim {d}")
+        return x
+
+
+@lru_cache(maxsize=1)
+def fused_ops() -> FusedOps | None:
+    lib = _library()
+    return FusedOps(lib) if lib is not None else None

@@ -57,7 +57,7 @@ class RotaryEmbedding:
 
         The sign of ``rotate_half`` is folded into ``sin`` (first half negated), and an
         optional per-head factor (``head_scale [heads]``, e.g. the attention scale for the
-        query heads) into both, so ``apply`` is three ops per layer for q and k together.
+        query heads) into both, so applying them (``engine.fused``) is one pass over q and k together.
         """
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
@@ -68,9 +68,3 @@ class RotaryEmbedding:
             cos = cos * scale
             sin = sin * scale
         return cos, sin
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[T, heads, head_dim]`` (returns a new contiguous tensor)."""
-        h = self.half
-        swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -223,9 +224,17 @@ async def test_stream_disconnect_aborts_and_frees_blocks(live_url, engine):
     assert _client_gone(app) == 1
 
 
-async def test_nonstream_disconnect_aborts(live_url, engine):
+async def test_nonstream_disconnect_aborts(live_url, engine, monkeypatch):
     live_url, app = live_url
     await _wait_idle(engine)
+    # Steps of at least 5 ms: 450 tokens take over 2 s, well past the client's 0.3 s timeout.
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.005)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
     body = {"prompt": "Hello", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=live_url, timeout=0.3) as c:
         with pytest.raises(httpx.ReadTimeout):

@@ -86,3 +86,37 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     finally:
         native._library.cache_clear()
         native.decode_attention_kernel.cache_clear()
+
+
+def test_fused_ops_match_torch_definitions():
+    from engine.fused import TorchOps
+    from engine.native import fused_ops
+
+    nat, ref = fused_ops(), TorchOps()
+    gen = torch.Generator().manual_seed(3)
+    # Residual add + RMSNorm on a row-strided h (as a slice of a wider buffer), and without delta.
+    wide = torch.randn(7, 100, generator=gen) * 3
+    delta = torch.randn(7, 96, generator=gen)
+    weight = torch.randn(96, generator=gen)
+    h_nat, h_ref = wide.clone()[:, :96], wide.clone()[:, :96]
+    out = nat.add_rms_norm(h_nat, delta, weight, 1e-5)
+    expect = ref.add_rms_norm(h_ref, delta, weight, 1e-5)
+    torch.testing.assert_close(h_nat, h_ref, rtol=0, atol=0)  # the add itself is exact
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nat.add_rms_norm(h_nat, None, weight, 1e-5),
+                               ref.add_rms_norm(h_ref, None, weight, 1e-5), rtol=1e-5, atol=1e-5)
+    # SwiGLU over the whole float range that matters, extreme gates included (no overflow).
+    gu = torch.randn(33, 2 * 80, generator=gen) * 6
+    gu[0, :4] = torch.tensor([-120.0, -88.0, 88.0, 120.0])
+    torch.testing.assert_close(nat.silu_mul(gu, 80), ref.silu_mul(gu, 80), rtol=1e-5, atol=1e-6)
+    # RoPE in place on a head slice of a fused qkv buffer, per-head and broadcast tables.
+    for per_head in (True, False):
+        qkv = torch.randn(9, 6 * 32, generator=gen)
+        x = qkv[:, :4 * 32].view(9, 4, 32)
+        cos = torch.randn(9, 4 if per_head else 1, 32, generator=gen)
+        sin = torch.randn(9, 4 if per_head else 1, 32, generator=gen)
+        expect = ref.rope(x.clone(), cos, sin)
+        before_tail = qkv[:, 4 * 32:].clone()
+        got = nat.rope(x, cos, sin)
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+        assert got.data_ptr() == x.data_ptr() and torch.equal(qkv[:, 4 * 32:], before_tail)

@@ -14,6 +14,7 @@ into a base row, adapters silently dropped) must make the comparison fail.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,15 @@ def test_mutated_slot_assignment_is_caught(world, mode):
     engine = tiny_engine(world.base_dir)
     runtime_cls = type(f"Mutated_{mode}", (_MutatedRuntime,), {"mode": mode})
     attach_runtime(engine, model_info(world.base_dir), world.cache, runtime_cls=runtime_cls)
+    # Adapters in host memory first, so adapter rows share steps with base rows from the start
+    # (otherwise fast base rows may finish before any adapter loads, and nothing can leak).
+    manager = engine.lora_runtime.manager
+    for name in ADAPTERS:
+        manager.prefetch(world.refs[name])
+    deadline = time.monotonic() + 120
+    while not all(manager.ready(world.refs[name]) for name in ADAPTERS):
+        assert time.monotonic() < deadline, "adapters did not load"
+        time.sleep(0.01)
     plan = _plan(12, seed=17)
     seqs, rec = _run(world, engine, plan, new_tokens=2)
     bad = _mismatches(world, seqs, rec, new_tokens=2)

@@ -267,3 +267,17 @@ def test_slot_storage_grows_and_keeps_contents():
             assert torch.equal(a[i], mod.a) and torch.equal(b[i], mod.b) and float(sc[i]) == mod.scale
     assert bank.layers_with_module(0, "v_proj", [1, 3]) == [False, False]
     assert bank.layers_with_module(0, "v_proj", [1, 4]) == [True, True]
+
+
+def test_native_flag_keeps_decode_batches_on_torch(monkeypatch):
+    """``native=False`` (LORAPLEX_NATIVE_KERNELS=false) never reaches the C kernel."""
+    calls: list[int] = []
+    monkeypatch.setattr("engine.lora.ops.lora_native", lambda *args: calls.append(1))
+    plan = SegmentPlan.build(torch.arange(4))
+    x, a, b, sc = torch.randn(4, 6), torch.randn(4, 2, 6), torch.randn(4, 8, 2), torch.ones(4)
+    y = torch.zeros(4, 8)
+    lora_apply(y, x, a, b, sc, plan, native=False)
+    assert not calls and bool(y.abs().sum() > 0)
+    if native_usable(y):
+        lora_apply(y, x, a, b, sc, plan)
+        assert calls == [1]

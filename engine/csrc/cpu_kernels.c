@@ -16,6 +16,10 @@
  *    ``y += scale * B[s] (A[s] x)``; the adapter weights are streamed once per row with no
  *    gather, padding or scatter copies.
  *
+ * 3. Fused elementwise steps of a decoder layer, each one pass over its rows:
+ *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
+ *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place).
+ *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
  */
@@ -208,6 +212,89 @@ int loraplex_lora_rows_f32(
 #pragma omp simd reduction(+:acc)
                 for (int jj = 0; jj < rank; jj++) acc += bo[jj] * t[jj];
                 yr[o] += acc;
+            }
+        }
+    }
+    return 0;
+}
+
+int loraplex_add_rms_norm_f32(
+    float *h, int64_t h_stride, const float *delta, int64_t delta_stride,
+    float *out, int64_t out_stride, const float *weight, float eps,
+    int rows, int dim, int num_threads)
+{
+    /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int t = 0; t < rows; t++) {
+        float *hr = h + (int64_t)t * h_stride;
+        float *orow = out + (int64_t)t * out_stride;
+        float ss = 0.0f;
+        if (delta != NULL) {
+            const float *dr = delta + (int64_t)t * delta_stride;
+#pragma omp simd reduction(+:ss)
+            for (int i = 0; i < dim; i++) {
+                const float v = hr[i] + dr[i];
+                hr[i] = v;
+                ss += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+:ss)
+            for (int i = 0; i < dim; i++) ss += hr[i] * hr[i];
+        }
+        const float inv = 1.0f / __builtin_sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int i = 0; i < dim; i++) orow[i] = hr[i] * inv * weight[i];
+    }
+    return 0;
+}
+
+int loraplex_silu_mul_f32(
+    const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+    int rows, int inter, int num_threads)
+{
+    /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]; silu(g) = g * sigmoid(g),
+     * sigmoid from exp(-|g|) so no exponent overflows. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int t = 0; t < rows; t++) {
+        const float *g = gate_up + (int64_t)t * gu_stride;
+        const float *u = g + inter;
+        float *o = out + (int64_t)t * out_stride;
+#pragma omp simd
+        for (int i = 0; i < inter; i++) {
+            const float x = g[i];
+            const float e = exp_nonpos(x >= 0.0f ? -x : x);
+            const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[i] = x * sig * u[i];
+        }
+    }
+    return 0;
+}
+
+int loraplex_rope_f32(
+    float *x, int64_t row_stride, int rows, int heads, int head_dim,
+    const float *cos, const float *sin, int64_t cs_row_stride, int64_t cs_head_stride,
+    int num_threads)
+{
+    /* In place, per row and head: x = x * cos + rotate(x) * sin with rotate(x) = [x2, x1]
+     * (the halves swapped; rotate_half's sign is already folded into sin). */
+    const int half = head_dim / 2;
+    if (head_dim > MAX_HEAD_DIM || 2 * half != head_dim) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int t = 0; t < rows; t++) {
+        for (int hh = 0; hh < heads; hh++) {
+            float *v = x + (int64_t)t * row_stride + (int64_t)hh * head_dim;
+            const float *c = cos + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
+            const float *sn = sin + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
+            float lo[MAX_HEAD_DIM / 2], hi[MAX_HEAD_DIM / 2];
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                lo[i] = v[i];
+                hi[i] = v[half + i];
+            }
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                v[i] = lo[i] * c[i] + hi[i] * sn[i];
+                v[half + i] = hi[i] * c[half + i] + lo[i] * sn[half + i];
             }
         }
     }

@@ -23,6 +23,7 @@ class _ClassPass:
     class_index: int
     plan: SegmentPlan
     path: str | None
+    native: bool
     active: dict[str, list[bool]]  # proj -> per layer: any adapter of this pass touches it
 
 
@@ -36,10 +37,11 @@ class LoRABatch:
 
     @classmethod
     def build(cls, bank: SlotBank, token_slots: torch.Tensor | Sequence[int], *,
-              path: str | None = None) -> LoRABatch:
+              path: str | None = None, native: bool = True) -> LoRABatch:
         """``token_slots``: one global slot id per token of the step, ``-1`` for base rows.
 
-        ``path`` forces an op path for every class (tests, benchmarks); None dispatches.
+        ``path`` forces an op path for every class (tests, benchmarks); None dispatches
+        (``native=False``: never to the C kernel).
         """
         slots = torch.as_tensor(token_slots, dtype=torch.int64).flatten().cpu()
         if slots.numel() and int(slots.max()) >= bank.num_slots:
@@ -53,7 +55,7 @@ class LoRABatch:
                 plan = SegmentPlan.build(local.to(bank.device))
                 active = {p: bank.layers_with_module(c, p, plan.seg_slots) for p in bank.projections}
                 chosen = path  # None: lora_apply dispatches per call (Triton on CUDA, else choose_path)
-                passes.append(_ClassPass(c, plan, chosen, active))
+                passes.append(_ClassPass(c, plan, chosen, native, active))
         return cls(bank, slots, passes)
 
     @classmethod
@@ -81,4 +83,4 @@ class LoRABatch:
             if not p.active[proj][layer]:
                 continue
             a, b, scale = self.bank.stacks(p.class_index, layer, proj)
-            lora_apply(out, x, a, b, scale, p.plan, path=p.path)
+            lora_apply(out, x, a, b, scale, p.plan, path=p.path, native=p.native)

@@ -286,12 +286,12 @@ def _triton_available() -> bool:
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               scale: torch.Tensor, plan: SegmentPlan, path: str | None = None) -> None:
+               scale: torch.Tensor, plan: SegmentPlan, path: str | None = None, native: bool = True) -> None:
     """``y[i] += (x[i] @ A[s].T) @ B[s].T * scale[s]`` for ``s = slot[i] >= 0``, in place.
 
     ``path`` forces ``"gather"``, ``"segmented"``, ``"padded"``, ``"native"``, ``"triton"`` or
     ``"reference"``; None dispatches: CUDA tensors with Triton -> Triton; otherwise
-    :func:`choose_path`.
+    :func:`choose_path` (``native=False`` keeps it off the C kernel).
     """
     if plan.num_lora_tokens == 0:
         return
@@ -299,7 +299,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         if y.is_cuda and _triton_available():
             path = "triton"
         else:
-            path = choose_path(plan, a.shape[0], native=native_usable(y))
+            path = choose_path(plan, a.shape[0], native=native and native_usable(y))
     if path == "native":
         lora_native(y, x, a, b, scale, plan)
     elif path == "padded":

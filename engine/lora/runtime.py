@@ -27,8 +27,10 @@ from engine.lora.manager import AdapterLoadError, AdapterManager
 
 
 class LoRARuntime:
-    def __init__(self, manager: AdapterManager) -> None:
+    def __init__(self, manager: AdapterManager, native: bool = True) -> None:
+        """``native``: CPU float32 LoRA steps may use the C kernel (``engine.native``)."""
         self.manager = manager
+        self.native = native
         self._held: dict[int, tuple[Any, int]] = {}  # seq_id -> (AdapterRef, slot)
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -84,7 +86,7 @@ class LoRARuntime:
         seq_slots = torch.tensor([self.slot_for(s) for s in ctx.seqs], dtype=torch.int64)
         ctx.seq_slots = seq_slots
         token_slots = seq_slots[ctx.token_seq.cpu()] if seq_slots.numel() else seq_slots
-        batch = LoRABatch.build(self.manager.bank, token_slots)
+        batch = LoRABatch.build(self.manager.bank, token_slots, native=self.native)
         ctx.lora = None if batch.empty else batch
 
     def release(self, seq: Any) -> None:
