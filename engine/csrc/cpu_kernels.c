@@ -30,12 +30,15 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_RANK 1024
+/* Elementwise kernels fork threads only above this many elements: a decode batch's rows
+ * are a few microseconds of work, less than waking a sleeping OpenMP thread. */
+#define PARALLEL_MIN_ELEMS (1 << 16)
 
 /* exp(x) for x <= 0 (Cephes-style range reduction + degree-6 polynomial, ~2 ulp);
  * written branch-free so the compiler vectorizes the loop that calls it. */
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float n = __builtin_rintf(x * 1.44269504088896341f);  /* rintf vectorizes, floorf does not */
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float y = 1.9875691500e-4f;
     y = y * r + 1.3981999507e-3f;
@@ -44,9 +47,10 @@ static inline float exp_nonpos(float x) {
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * r * r + r + 1.0f;
-    union { int32_t i; float f; } p;
-    p.i = ((int32_t)n + 127) << 23;
-    return y * p.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float p;
+    memcpy(&p, &bits, sizeof p);
+    return y * p;
 }
 
 int loraplex_decode_attention_f32(
@@ -224,7 +228,7 @@ int loraplex_add_rms_norm_f32(
     int rows, int dim, int num_threads)
 {
     /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
         float *hr = h + (int64_t)t * h_stride;
         float *orow = out + (int64_t)t * out_stride;
@@ -254,7 +258,7 @@ int loraplex_silu_mul_f32(
 {
     /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]; silu(g) = g * sigmoid(g),
      * sigmoid from exp(-|g|) so no exponent overflows. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
         const float *g = gate_up + (int64_t)t * gu_stride;
         const float *u = g + inter;
@@ -262,9 +266,9 @@ int loraplex_silu_mul_f32(
 #pragma omp simd
         for (int i = 0; i < inter; i++) {
             const float x = g[i];
-            const float e = exp_nonpos(x >= 0.0f ? -x : x);
-            const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
-            o[i] = x * sig * u[i];
+            const float e = exp_nonpos(-__builtin_fabsf(x));
+            const float num = x >= 0.0f ? 1.0f : e;
+            o[i] = x * (num / (1.0f + e)) * u[i];
         }
     }
     return 0;
@@ -279,7 +283,7 @@ int loraplex_rope_f32(
      * (the halves swapped; rotate_half's sign is already folded into sin). */
     const int half = head_dim / 2;
     if (head_dim > MAX_HEAD_DIM || 2 * half != head_dim) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * heads * head_dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
         for (int hh = 0; hh < heads; hh++) {
             float *v = x + (int64_t)t * row_stride + (int64_t)hh * head_dim;
