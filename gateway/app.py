@@ -256,11 +256,12 @@ class Gateway:
             ct = ct if isinstance(ct, int) else 0
             self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
             if self.log_enabled and access_log.isEnabledFor(logging.INFO):
-                _log_access(orjson.dumps({
-                    "ts": round(time.time(), 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias,
+                now = time.time()
+                _access_records.emit(orjson.dumps({
+                    "ts": round(now, 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias,
                     "adapter": label, "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct,
                     "status": status, "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
-                }).decode())
+                }).decode(), now)
 
 
 _SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -271,15 +272,37 @@ def _request_id() -> str:
     return f"{random.getrandbits(128):032x}"
 
 
-def _log_access(line: str) -> None:
-    """One access-log record, made directly (no caller lookup: the line says everything)."""
-    access_log.handle(logging.LogRecord(access_log.name, logging.INFO, __file__, 0, line, None, None))
+class _AccessRecords:
+    """Access-log records as copies of one template with the line and the time set:
+    ``Logger.info`` looks up the caller's frame, thread and process for every record,
+    which costs more than the rest of the line (the template is made by the first request,
+    in the thread that serves requests)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._template: dict[str, Any] | None = None
+
+    def emit(self, line: str, now: float) -> None:
+        template = self._template
+        if template is None:
+            template = self._template = logging.LogRecord(
+                self.logger.name, logging.INFO, __file__, 0, "", None, None, "completions").__dict__
+        record = logging.LogRecord.__new__(logging.LogRecord)
+        record.__dict__.update(template)
+        record.msg = line
+        record.created = now
+        record.msecs = int((now - int(now)) * 1000) + 0.0
+        record.relativeCreated = template["relativeCreated"] + (now - template["created"]) * 1000.0
+        self.logger.handle(record)
+
+
+_access_records = _AccessRecords(access_log)
 
 
 def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
              extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
-    out = [(b"content-type", ctype)]
-    out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items())
+    out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items()]
+    out.append((b"content-type", ctype))
     if length is not None:
         out.append((b"content-length", str(length).encode()))
     if extra:

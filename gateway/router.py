@@ -59,6 +59,8 @@ class Router:
                    reported_load=0, report_ts=0.0) for u in static_urls
         ]
         self._workers: dict[str, Worker] = {w.id: w for w in self._static}
+        self._pools: dict[str, list[Worker]] = {}
+        """Workers per base model (rebuilt with the live set)."""
         self._rings: dict[str, HashRing | None] = {}
         self._ring_cache: dict[tuple[str, str], list[str]] = {}
         self._failed: dict[str, float] = {}
@@ -107,6 +109,7 @@ class Router:
             self._rings = {}
             self._ring_cache = {}
         self._workers = workers
+        self._pools = {}
 
     async def _maybe_refresh(self) -> None:
         if time.monotonic() - self._refreshed < self.refresh_s:
@@ -161,22 +164,38 @@ class Router:
         self._ring_cache[ck] = ids
         return ids
 
+    def _pool(self, base_model: str) -> list[Worker]:
+        pool = self._pools.get(base_model)
+        if pool is None:
+            pool = self._pools[base_model] = [w for w in self._workers.values() if w.base_model in (base_model, "")]
+        return pool
+
     async def route(self, base_model: str, adapter_id: str | None) -> list[Worker]:
         """Workers to try, best first: preferred candidates, then the least-loaded others."""
-        await self._maybe_refresh()
+        if time.monotonic() - self._refreshed >= self.refresh_s:
+            await self._maybe_refresh()
         now = time.time()
-        key = adapter_id or f"base:{base_model}"
-        pool = [w for w in self._workers.values()
-                if w.base_model in (base_model, "") and self._usable(w, now)]
+        pool = self._pool(base_model)
+        if self._failed:
+            pool = [w for w in pool if self._usable(w, now)]
         if not pool:
             return []
-        mean = sum(w.load for w in pool) / len(pool)
-        bound = self.load_factor * mean + 1
-        cands = [self._workers[i] for i in self._ring_candidates(base_model, key)
-                 if i in self._workers and self._usable(self._workers[i], now)]
-        ok = [w for w in cands if w.load <= bound]
-        if adapter_id is not None:
+        bound = self.load_factor * sum(w.load for w in pool) / len(pool) + 1
+        workers = self._workers
+        ok = []
+        for i in self._ring_candidates(base_model, adapter_id or f"base:{base_model}"):
+            w = workers.get(i)
+            if w is not None and w.load <= bound and (not self._failed or self._usable(w, now)):
+                ok.append(w)
+        if adapter_id is not None and len(ok) > 1:
             ok.sort(key=lambda w: 0 if adapter_id in w.device else 1 if adapter_id in w.host else 2)
+        if len(ok) == len(pool):
+            return ok
         chosen = {w.id for w in ok}
-        rest = sorted((w for w in pool if w.id not in chosen), key=lambda w: w.load)
+        rest = [w for w in pool if w.id not in chosen]
+        rest.sort(key=_load)
         return ok + rest
+
+
+def _load(w: Worker) -> int:
+    return w.load

@@ -122,6 +122,35 @@ def _prompt(body: dict[str, Any]) -> int:
     raise _bad("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
 
 
+_SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                       "top_k", "seed", "logprobs", "top_logprobs", "stop"})
+"""Optional sampling fields (most requests set none of them, so they are checked only when present)."""
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> None:
+    _number(body, "temperature", 0.0, 2.0)
+    _number(body, "top_p", 0.0, 1.0)
+    if body.get("top_p") == 0:
+        raise _bad("'top_p' must be greater than 0", "top_p")
+    _number(body, "presence_penalty", -2.0, 2.0)
+    _number(body, "frequency_penalty", -2.0, 2.0)
+    _number(body, "repetition_penalty", 0.01, 10.0)
+    _int(body, "top_k", -1, 1_000_000)
+    _int(body, "seed", -(2**63), 2**64 - 1)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool if chat else int):
+        raise _bad("'logprobs' has the wrong type", "logprobs")
+    _int(body, "top_logprobs", 0, 20)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            pass
+        elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+            pass
+        else:
+            raise _bad("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+
+
 def validate(body: Any, *, chat: bool, max_tokens_cap: int, default_max_tokens: int) -> ValidRequest:
     """Check an OpenAI chat/completions body; fill ``max_tokens`` so the reservation bounds usage."""
     if not isinstance(body, dict):
@@ -153,27 +182,8 @@ def validate(body: Any, *, chat: bool, max_tokens_cap: int, default_max_tokens: 
     if max_tokens is None:
         max_tokens = default_max_tokens
         body["max_tokens"] = max_tokens
-    _number(body, "temperature", 0.0, 2.0)
-    _number(body, "top_p", 0.0, 1.0)
-    if body.get("top_p") == 0:
-        raise _bad("'top_p' must be greater than 0", "top_p")
-    _number(body, "presence_penalty", -2.0, 2.0)
-    _number(body, "frequency_penalty", -2.0, 2.0)
-    _number(body, "repetition_penalty", 0.01, 10.0)
-    _int(body, "top_k", -1, 1_000_000)
-    _int(body, "seed", -(2**63), 2**64 - 1)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool if chat else int):
-        raise _bad("'logprobs' has the wrong type", "logprobs")
-    _int(body, "top_logprobs", 0, 20)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            pass
-        elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-            pass
-        else:
-            raise _bad("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    if not _SAMPLING.isdisjoint(body):
+        _sampling(body, chat)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
