@@ -190,24 +190,12 @@ int loraplex_lora_rows_f32(
         }
         /* expand */
         if (b_transposed) {
-            int o = 0;
-            for (; o + 64 <= out_dim; o += 64) {
-                float acc[64];
+            /* one sequential pass over each row of B^T; y's row stays in L1 */
+            for (int jj = 0; jj < rank; jj++) {
+                const float tj = t[jj];
+                const float *bj = bs + (int64_t)jj * out_dim;
 #pragma omp simd
-                for (int k = 0; k < 64; k++) acc[k] = yr[o + k];
-                for (int jj = 0; jj < rank; jj++) {
-                    const float tj = t[jj];
-                    const float *bj = bs + (int64_t)jj * out_dim + o;
-#pragma omp simd
-                    for (int k = 0; k < 64; k++) acc[k] += tj * bj[k];
-                }
-#pragma omp simd
-                for (int k = 0; k < 64; k++) yr[o + k] = acc[k];
-            }
-            for (; o < out_dim; o++) {
-                float acc = yr[o];
-                for (int jj = 0; jj < rank; jj++) acc += t[jj] * bs[(int64_t)jj * out_dim + o];
-                yr[o] = acc;
+                for (int o = 0; o < out_dim; o++) yr[o] += tj * bj[o];
             }
         } else {
             for (int o = 0; o < out_dim; o++) {
