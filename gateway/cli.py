@@ -68,9 +68,9 @@ def _gateway(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        import httptools  # noqa: F401
+        from gateway.server import GatewayHttpProtocol  # needs httptools
 
-        kwargs["http"] = "httptools"
+        kwargs["http"] = GatewayHttpProtocol
     except ImportError:
         pass
     # log_config=None: keep the logging set up above (uvicorn's own config would close its handlers).
