@@ -2,13 +2,22 @@
 
 Each label dimension admits at most ``max_values`` distinct values; later ones are
 folded into ``"other"``, so thousands of tenants or adapter versions cannot blow up
-the time-series count. Child metrics are cached so the request path does one dict
-lookup per metric.
+the time-series count.
+
+The per-request series (requests, latency, tokens, errors) are plain numbers per
+(tenant, adapter) that the request path bumps with one dict lookup and no locks (the
+event loop both updates and renders them); a collector turns them into metric families
+when scraped. The rarer series are ordinary ``prometheus_client`` metrics.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 OTHER = "other"
 
@@ -31,6 +40,52 @@ def status_class(status: int) -> str:
     return f"{status // 100}xx" if status not in (401, 403, 404, 413, 429, 499, 503) else str(status)
 
 
+LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Series:
+    """One (tenant, adapter) pair's request counters."""
+
+    __slots__ = ("by_status", "completion", "errors", "latency", "latency_sum", "prompt")
+
+    def __init__(self) -> None:
+        self.by_status: dict[str, int] = {}
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        """Observations per bucket (not cumulative); the last one is +Inf."""
+        self.latency_sum = 0.0
+        self.prompt = 0
+        self.completion = 0
+        self.errors = 0
+
+
+class _RequestCollector:
+    def __init__(self, series: dict[tuple[str, str], _Series]) -> None:
+        self.series = series
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("loraplex_gateway_requests", "Requests by tenant, adapter version and status",
+                                       labels=["tenant", "adapter", "status"])
+        tokens = CounterMetricFamily("loraplex_gateway_tokens", "Tokens by tenant, adapter version and kind",
+                                     labels=["tenant", "adapter", "kind"])
+        errors = CounterMetricFamily("loraplex_gateway_errors", "Failed requests (4xx/5xx) by tenant and adapter",
+                                     labels=["tenant", "adapter"])
+        latency = HistogramMetricFamily("loraplex_gateway_request_seconds", "Request latency by tenant and adapter",
+                                        labels=["tenant", "adapter"])
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+        for (t, a), s in list(self.series.items()):
+            for status, n in s.by_status.items():
+                requests.add_metric([t, a, status], n)
+            tokens.add_metric([t, a, "prompt"], s.prompt)
+            tokens.add_metric([t, a, "completion"], s.completion)
+            errors.add_metric([t, a], s.errors)
+            cumulative, total = [], 0
+            for le, n in zip(bounds, s.latency, strict=True):
+                total += n
+                cumulative.append((le, total))
+            latency.add_metric([t, a], cumulative, s.latency_sum)
+        yield from (requests, tokens, errors, latency)
+
+
 class GatewayMetrics:
     def __init__(self, max_tenants: int = 200, max_adapters: int = 500, max_workers: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -38,17 +93,10 @@ class GatewayMetrics:
         self.adapter_cap = LabelCap(max_adapters)
         self.worker_cap = LabelCap(max_workers)
         r = self.registry
-        self.requests = Counter("loraplex_gateway_requests", "Requests by tenant, adapter version and status",
-                                ["tenant", "adapter", "status"], registry=r)
-        self.tokens = Counter("loraplex_gateway_tokens", "Tokens by tenant, adapter version and kind",
-                              ["tenant", "adapter", "kind"], registry=r)
-        self.errors = Counter("loraplex_gateway_errors", "Failed requests (4xx/5xx) by tenant and adapter",
-                              ["tenant", "adapter"], registry=r)
+        self._series: dict[tuple[str, str], _Series] = {}
+        r.register(_RequestCollector(self._series))  # type: ignore[arg-type]
         self.rate_limited = Counter("loraplex_gateway_rate_limited", "429 answers by tenant and reason",
                                     ["tenant", "reason"], registry=r)
-        self.latency = Histogram("loraplex_gateway_request_seconds", "Request latency by tenant and adapter",
-                                 ["tenant", "adapter"], registry=r,
-                                 buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
         self.ttft = Histogram("loraplex_gateway_ttft_seconds",
                               "Streaming: time from request arrival to the first token sent to the client",
                               ["tenant", "adapter"], registry=r,
@@ -56,31 +104,31 @@ class GatewayMetrics:
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
-        self._children: dict[tuple, tuple] = {}
+        self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
 
-    def _labels(self, tenant: str, adapter: str, status: int) -> tuple:
+    def _labels(self, tenant: str, adapter: str, status: int) -> tuple[_Series, str]:
         key = (tenant, adapter, status)
         hit = self._children.get(key)
         if hit is None:
-            t, a = self.tenant_cap(tenant), self.adapter_cap(adapter)
-            hit = (self.requests.labels(t, a, status_class(status)), self.latency.labels(t, a),
-                   self.tokens.labels(t, a, "prompt"), self.tokens.labels(t, a, "completion"),
-                   self.errors.labels(t, a))
+            ta = (self.tenant_cap(tenant), self.adapter_cap(adapter))
+            series = self._series.get(ta)
+            if series is None:
+                series = self._series[ta] = _Series()
+            hit = (series, status_class(status))
             if len(self._children) < 100_000:
                 self._children[key] = hit
         return hit
 
     def observe(self, tenant: str, adapter: str, status: int, seconds: float, prompt_tokens: int,
                 completion_tokens: int) -> None:
-        req, lat, ptok, ctok, err = self._labels(tenant or "-", adapter or "-", status)
-        req.inc()
-        lat.observe(seconds)
-        if prompt_tokens:
-            ptok.inc(prompt_tokens)
-        if completion_tokens:
-            ctok.inc(completion_tokens)
+        s, klass = self._labels(tenant or "-", adapter or "-", status)
+        s.by_status[klass] = s.by_status.get(klass, 0) + 1
+        s.latency[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        s.latency_sum += seconds
+        s.prompt += prompt_tokens
+        s.completion += completion_tokens
         if status >= 400:
-            err.inc()
+            s.errors += 1
 
     def first_token(self, tenant: str, adapter: str, seconds: float) -> None:
         self.ttft.labels(self.tenant_cap(tenant or "-"), self.adapter_cap(adapter or "-")).observe(seconds)

@@ -93,3 +93,25 @@ def test_metric_labels_are_capped():
                 if line.startswith("loraplex_gateway_requests_total{")}
     assert adapters == {"a0@1", "a1@1", OTHER}
     assert 'loraplex_gateway_tokens_total{adapter="other",kind="prompt",tenant="other"} 35.0' in text
+
+
+def test_request_metrics_exposition():
+    m = GatewayMetrics()
+    m.observe("acme", "sup@1", 200, 0.005, 40, 5)  # on a bucket bound: counted in that bucket
+    m.observe("acme", "sup@1", 200, 0.3, 1, 1)
+    m.observe("acme", "sup@1", 503, 200.0, 0, 0)
+    text = m.render().decode()
+    labels = 'adapter="sup@1",tenant="acme"'
+    for line in ('loraplex_gateway_requests_total{adapter="sup@1",status="2xx",tenant="acme"} 2.0',
+                 'loraplex_gateway_requests_total{adapter="sup@1",status="503",tenant="acme"} 1.0',
+                 f'loraplex_gateway_errors_total{{{labels}}} 1.0',
+                 'loraplex_gateway_tokens_total{adapter="sup@1",kind="prompt",tenant="acme"} 41.0',
+                 'loraplex_gateway_tokens_total{adapter="sup@1",kind="completion",tenant="acme"} 6.0',
+                 'loraplex_gateway_request_seconds_bucket{adapter="sup@1",le="0.005",tenant="acme"} 1.0',
+                 'loraplex_gateway_request_seconds_bucket{adapter="sup@1",le="0.25",tenant="acme"} 1.0',
+                 'loraplex_gateway_request_seconds_bucket{adapter="sup@1",le="0.5",tenant="acme"} 2.0',
+                 'loraplex_gateway_request_seconds_bucket{adapter="sup@1",le="120.0",tenant="acme"} 2.0',
+                 'loraplex_gateway_request_seconds_bucket{adapter="sup@1",le="+Inf",tenant="acme"} 3.0',
+                 f'loraplex_gateway_request_seconds_count{{{labels}}} 3.0',
+                 f'loraplex_gateway_request_seconds_sum{{{labels}}} 200.305'):
+        assert line in text, line
