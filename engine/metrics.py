@@ -7,7 +7,9 @@ Adapter tiers (with LoRA on; every series carries ``worker``):
 * ``loraplex_worker_adapter_loads_total{tier}`` and ``loraplex_worker_adapter_load_seconds{tier}``
   histogram: ``source`` (download into the disk cache and read), ``disk`` (local read into
   host memory), ``host`` (host -> device slot copy);
-* ``loraplex_worker_adapter_evictions_total{tier}`` (``device``, ``host``);
+* ``loraplex_worker_adapter_evictions_total{tier}``: ``device`` (slot reused), ``host``
+  (dropped from host memory), ``disk`` (deleted from the disk cache to stay within
+  ``adapter_cache_max_bytes``);
 * ``loraplex_worker_adapter_hits_total{tier}`` (``device``, ``host``),
   ``loraplex_worker_adapter_misses_total``, ``loraplex_worker_adapter_load_failures_total``;
 * ``loraplex_worker_adapter_requests_total{cache}``: per request, ``warm`` (hit), ``cold``

@@ -154,6 +154,9 @@ class Settings:
     """Device slot rank classes; an adapter takes the smallest class >= its rank."""
     adapter_cache_dir: str = ""
     """Local disk tier for adapters fetched from URLs. Empty: ``{home}/adapter-cache``."""
+    adapter_cache_max_bytes: int = 10 * 1024**3
+    """Byte budget of the adapter disk tier: least recently used versions are deleted (and
+    fetched again when next needed). 0: unbounded."""
     preload_adapters: tuple[str, ...] = ()
     """Adapters a worker loads at start: ``ID=URI`` or ``ID=URI#sha256`` entries."""
     pin_adapters: tuple[str, ...] = ()

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
@@ -105,13 +106,15 @@ class LRUPolicy:
 @dataclass
 class LoRAStats:
     """Counters for metrics. Tiers: ``source`` (download), ``disk`` (disk cache or local path
-    read into host memory), ``host`` (host -> device slot copy)."""
+    read into host memory), ``host`` (host -> device slot copy). Evictions: ``device`` (slot
+    given to another adapter), ``host`` (dropped from host memory), ``disk`` (deleted from
+    the disk cache)."""
 
     loads: dict[str, int] = field(default_factory=lambda: {"source": 0, "disk": 0, "host": 0})
     load_seconds: dict[str, float] = field(default_factory=lambda: {"source": 0.0, "disk": 0.0, "host": 0.0})
     hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     misses: int = 0
-    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     failures: int = 0
 
 
@@ -148,6 +151,7 @@ class AdapterManager:
         max_loras: int = 8,
         max_cpu_loras: int = 64,
         cache_dir: str = "",
+        cache_max_bytes: int = 0,
         sources: SourceRegistry | None = None,
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         loader_threads: int = 2,
@@ -158,11 +162,12 @@ class AdapterManager:
         self.bank = bank
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
-        self.disk = DiskCache(cache_dir) if cache_dir else None
+        self.stats = LoRAStats()
+        self.disk = DiskCache(cache_dir, max_bytes=cache_max_bytes,
+                              on_evict=self._disk_evicted) if cache_dir else None
         self.sources = sources or SourceRegistry()
         self.failure_ttl_s = failure_ttl_s
         self.weights_dtype = weights_dtype
-        self.stats = LoRAStats()
         self._host_policy = policy()
         self._device_policy = policy()
         self._entries: dict[str, _Entry] = {}
@@ -177,13 +182,15 @@ class AdapterManager:
     def from_settings(cls, settings: Settings, model: ModelInfo, *, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu", **kw: Any) -> AdapterManager:
         """The worker's manager: a slot bank per ``lora_rank_classes`` with ``max_loras`` slots
-        per class, the host LRU of ``max_cpu_loras`` and the disk cache directory from settings."""
+        per class, the host LRU of ``max_cpu_loras`` and the disk cache directory and budget
+        from settings."""
         # Classes above max_lora_rank are dropped: such adapters are refused as in vLLM.
         classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
             settings.max_lora_rank,)
         bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device)
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
+                   cache_max_bytes=settings.adapter_cache_max_bytes,
                    sources=kw.pop("sources", None) or SourceRegistry([LocalSource(), HttpSource(
                        max_bytes=settings.max_adapter_bytes)]), **kw)
 
@@ -279,26 +286,33 @@ class AdapterManager:
     def _read(self, ref: AdapterRef) -> tuple[LoRAWeights, str, float]:
         t0 = time.perf_counter()
         source = self.sources.for_uri(ref.uri)
-        tier = "disk"
-        if source.remote:
-            if self.disk is None:
-                raise AdapterFetchError("remote adapters need a disk cache directory (adapter_cache_dir)")
-            directory = self.disk.get(ref)
-            if directory is None:
-                directory, tier = self.disk.fill(ref, source), "source"
-        else:
-            directory = source.fetch(ref, None)
-        try:
-            verify_sha256(ref, directory)
-        except AdapterFetchError:
-            if source.remote and self.disk is not None:
-                self.disk.remove(ref)  # a corrupted cache entry is refetched on retry
-            raise
+        if not source.remote:
+            return self._read_dir(ref, source.fetch(ref, None)), "disk", time.perf_counter() - t0
+        if self.disk is None:
+            raise AdapterFetchError("remote adapters need a disk cache directory (adapter_cache_dir)")
+        directory = self.disk.get(ref)
+        if directory is not None:
+            try:
+                return self._read_dir(ref, directory), "disk", time.perf_counter() - t0
+            except (AdapterFetchError, AdapterFormatError):
+                if directory.is_dir():
+                    self.disk.remove(ref)  # a corrupted cache entry is refetched on retry
+                    raise
+                log.info("adapter %s was evicted from the disk cache while read; fetching it again", ref.id)
+        weights = self._read_dir(ref, self.disk.fill(ref, source))
+        return weights, "source", time.perf_counter() - t0
+
+    def _read_dir(self, ref: AdapterRef, directory: Path) -> LoRAWeights:
+        verify_sha256(ref, directory)
         weights = load_adapter(directory, self.model, dtype=self.weights_dtype, projections=self.bank.projections)
         self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
         if self._pin_host:
             weights = weights.pin_memory()
-        return weights, tier, time.perf_counter() - t0
+        return weights
+
+    def _disk_evicted(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.stats.evictions["disk"] += 1
 
     def _evict_host(self, keep: str) -> None:
         held = [k for k, e in self._entries.items() if e.weights is not None]

@@ -4,7 +4,8 @@ A source turns an :class:`~loraplex.wire.AdapterRef` URI into a local directory 
 ``adapter_config.json`` + ``adapter_model.safetensors``. Local sources (a path or a
 ``file://`` URI) are read in place; remote sources (``http(s)://``) download into the disk
 cache, keyed by the adapter *version id* (never its name), so a rollback can never pick
-up another version's files. Object stores plug in as another :class:`AdapterSource`
+up another version's files; the cache has a byte budget and deletes least recently used
+versions, which are fetched again when next needed. Object stores plug in as another :class:`AdapterSource`
 registered for their scheme (``s3``, ``gs``, ...).
 
 ``AdapterRef.sha256`` (when set) is the sha256 of ``adapter_model.safetensors``, as the
@@ -14,12 +15,17 @@ registry computes it at admission; every load checks it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
 import tempfile
+import threading
+import time
 import urllib.parse
 import urllib.request
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +33,10 @@ from engine.lora.peft import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.wire import AdapterRef
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+STALE_PARTIAL_S = 3600.0
+"""A ``.partial-*`` directory of the disk cache idle this long is left over from a dead process."""
+
+log = logging.getLogger(__name__)
 
 
 class AdapterFetchError(RuntimeError):
@@ -152,10 +162,28 @@ def verify_sha256(ref: AdapterRef, directory: Path) -> None:
 
 
 class DiskCache:
-    """``{root}/{version id}/``: remote adapters, complete directories only (atomic rename)."""
+    """``{root}/{version id}/``: remote adapters, complete directories only (atomic rename).
 
-    def __init__(self, root: str | Path) -> None:
+    Bounded by ``max_bytes`` (0: unbounded): :meth:`get` marks an entry used (its directory's
+    mtime), and after each :meth:`fill` the least recently used entries are deleted until the
+    complete entries fit, never the one just filled. An evicted version is fetched again from
+    its source on its next load. Several workers may share ``root``: each fill lists ``root``
+    once (one stat per entry) and sizes only entries it has not sized yet, so entries other
+    processes added, replaced or removed are counted. ``.partial-*`` directories are work in progress
+    (downloads, entries being deleted); construction removes those idle for an hour.
+    """
+
+    def __init__(self, root: str | Path, *, max_bytes: int = 0,
+                 on_evict: Callable[[str, int], None] | None = None) -> None:
         self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict
+        """Called with ``(entry name, bytes freed)`` for each eviction."""
+        self._sizes: dict[str, tuple[tuple[int, int], int]] = {}  # name -> ((inode, ctime), bytes)
+        self._lock = threading.Lock()
+        self._remove_stale_partials()
+        if max_bytes:
+            self._scan()
 
     def path_for(self, ref: AdapterRef) -> Path:
         key = ref.id if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", ref.id) else (
@@ -164,33 +192,133 @@ class DiskCache:
 
     def get(self, ref: AdapterRef) -> Path | None:
         d = self.path_for(ref)
-        return d if all((d / n).is_file() for n in ADAPTER_FILES) else None
+        if not all((d / n).is_file() for n in ADAPTER_FILES):
+            return None
+        try:
+            os.utime(d)  # most recently used: evicted last
+        except FileNotFoundError:  # evicted meanwhile
+            return None
+        return d
 
     def fill(self, ref: AdapterRef, source: AdapterSource) -> Path:
-        """Fetch into a temporary directory, verify the checksum, then move into place."""
+        """Fetch into a temporary directory, verify the checksum, move into place, then evict
+        least recently used entries down to the budget."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.root))
         try:
             got = source.fetch(ref, tmp)
             verify_sha256(ref, got)
             final = self.path_for(ref)
-            if final.exists():
-                shutil.rmtree(final, ignore_errors=True)
+            self._discard(final)
             os.replace(got, final)
-            return final
+            os.utime(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if self.max_bytes:
+            try:
+                self._evict(keep=final.name)
+            except OSError as exc:  # the adapter is in place; a failed cleanup must not fail its load
+                log.warning("disk cache eviction failed: %s", exc)
+        return final
 
     def remove(self, ref: AdapterRef) -> None:
-        shutil.rmtree(self.path_for(ref), ignore_errors=True)
+        self._discard(self.path_for(ref))
 
     def ids(self) -> list[str]:
         """Directory names of complete entries (the version ids, hashed when not path-safe)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        return sorted(self._entries())
 
     def count(self) -> int:
-        if not self.root.is_dir():
-            return 0
-        return sum(1 for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        return len(self._entries())
+
+    def _evict(self, keep: str) -> None:
+        with self._lock:
+            entries = self._scan()
+            total = sum(size for _, size in entries.values())
+            kept = entries.get(keep, (0, 0))[1]
+            if kept > self.max_bytes:
+                log.warning("adapter %s alone (%d bytes) exceeds the disk cache budget of %d bytes; kept",
+                            keep, kept, self.max_bytes)
+            for name in sorted((n for n in entries if n != keep), key=lambda n: entries[n][0]):
+                if total <= self.max_bytes:
+                    break
+                size = entries[name][1]
+                total -= size
+                if not self._discard(self.root / name):
+                    continue  # another process removed it first
+                self._sizes.pop(name, None)
+                log.info("evicted adapter %s from the disk cache (%d bytes freed)", name, size)
+                if self.on_evict is not None:
+                    self.on_evict(name, size)
+
+    def _scan(self) -> dict[str, tuple[int, int]]:
+        """Complete entries: name -> (last use in ns, bytes). Refreshes the size index: entries
+        new to it or changed since (inode and ctime: replaced, or marked used) are sized;
+        vanished ones are dropped."""
+        entries: dict[str, tuple[int, int]] = {}
+        sizes: dict[str, tuple[tuple[int, int], int]] = {}
+        for de in self._entries().values():
+            try:
+                st = de.stat(follow_symlinks=False)
+                stamp = (st.st_ino, st.st_ctime_ns)
+                known = self._sizes.get(de.name)
+                size = known[1] if known is not None and known[0] == stamp else _tree_bytes(de.path)
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            sizes[de.name] = (stamp, size)
+            entries[de.name] = (st.st_mtime_ns, size)
+        self._sizes = sizes
+        return entries
+
+    def _entries(self) -> dict[str, os.DirEntry[str]]:
+        try:
+            with os.scandir(self.root) as it:
+                return {de.name: de for de in it
+                        if not de.name.startswith(".") and de.is_dir(follow_symlinks=False)}
+        except FileNotFoundError:
+            return {}
+
+    def _discard(self, path: Path) -> bool:
+        """Delete an entry: an atomic rename out of the way (readers see all of it or nothing,
+        and one process wins), then the removal. False when it did not exist."""
+        trash = self.root / f".partial-gone-{uuid.uuid4().hex}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    def _remove_stale_partials(self) -> None:
+        cutoff = time.time() - STALE_PARTIAL_S
+        try:
+            with os.scandir(self.root) as it:
+                stale = [de.path for de in it if de.name.startswith(".partial-")
+                         and de.is_dir(follow_symlinks=False) and _idle_since(de.path, cutoff)]
+        except FileNotFoundError:
+            return
+        for path in stale:
+            log.info("removing stale partial directory %s from the adapter disk cache", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    with os.scandir(path) as it:
+        for de in it:
+            if de.is_dir(follow_symlinks=False):
+                total += _tree_bytes(de.path)
+            else:
+                total += de.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _idle_since(path: str, cutoff: float) -> bool:
+    """True when neither the directory nor a file in it changed after ``cutoff`` (a download
+    writes its files); False when it vanished meanwhile."""
+    try:
+        with os.scandir(path) as it:
+            return all(de.stat(follow_symlinks=False).st_mtime < cutoff for de in it) and \
+                os.stat(path).st_mtime < cutoff
+    except FileNotFoundError:
+        return False
