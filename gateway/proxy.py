@@ -62,15 +62,17 @@ class Upstream:
             self._targets[base_url] = hit
         return hit
 
-    async def _send(self, worker: Worker, path: str, payload: bytes, request_id: str) -> Any:
+    def _send(self, worker: Worker, path: str, payload: bytes, request_id: str) -> Awaitable[Any]:
+        """The worker's response (headers read, body not yet): over the fast transport when the
+        client has one, else through httpx. Returns the awaitable itself (no frame of its own)."""
         if self.fast is not None and worker.url.startswith("http://"):
             host, port, prefix = self._target(worker.url)
             extra = b"content-type: application/json\r\n" + HDR_REQUEST_ID.encode() + b": " \
                 + request_id.encode("latin-1") + b"\r\n"
-            return await self.fast.post(host, port, prefix + path, extra, payload)
+            return self.fast.post(host, port, prefix + path, extra, payload)
         req = self.client.build_request("POST", worker.url + path, content=payload,
                                         headers={"content-type": "application/json", HDR_REQUEST_ID: request_id})
-        return await self.client.send(req, stream=True)
+        return self.client.send(req, stream=True)
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str) -> Opened:
         if not workers:

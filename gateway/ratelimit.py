@@ -256,7 +256,14 @@ class _Pipeliner:
     async def call(self, cmd: _Command, *, defer_s: float = 0.0) -> Any:
         """``submit`` and wait: the reply, or the error raised."""
         res = await self.submit(cmd, defer_s=defer_s)
-        if _is_noscript(res):  # Redis restarted or flushed its scripts
+        return await self.retry(cmd, res) if isinstance(res, Exception) else res
+
+    async def retry(self, cmd: _Command, error: Exception) -> Any:
+        """After an error reply: a ``NOSCRIPT`` (Redis restarted or flushed its scripts)
+        reloads the scripts and sends ``cmd`` again; any other error is raised. (The hot
+        callers await ``submit`` themselves and come here only on an error.)"""
+        res: Any = error
+        if _is_noscript(res):
             await self._load_scripts()
             res = await self.submit(cmd)
         if isinstance(res, Exception):
@@ -381,9 +388,12 @@ class RedisLimiter:
         lease_id = self._lease_ids.next()
         keys, const, frame = self._head(self._acquire, tenant, [limits.requests_per_min, limits.tokens_per_min,
                                                                 limits.max_concurrent, int(lease_ttl_s * 1000)], 2)
+        cmd = (self._acquire, keys, [*const, tokens, lease_id], frame + bulk(tokens) + bulk(lease_id))
         try:
-            reason, rq, tk, wait = await self._pipe.call(
-                (self._acquire, keys, [*const, tokens, lease_id], frame + bulk(tokens) + bulk(lease_id)))
+            res = await self._pipe.submit(cmd)
+            if isinstance(res, Exception):
+                res = await self._pipe.retry(cmd, res)
+            reason, rq, tk, wait = res
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             self._failed(exc)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
@@ -404,9 +414,11 @@ class RedisLimiter:
             return
         keys, const, frame = self._head(self._settle, lease.tenant, [lease.tokens_per_min], 2)
         refund = lease.reserved - used_tokens
+        cmd = (self._settle, keys, [*const, refund, lease.lease_id], frame + bulk(refund) + bulk(lease.lease_id))
         try:
-            await self._pipe.call((self._settle, keys, [*const, refund, lease.lease_id],
-                                   frame + bulk(refund) + bulk(lease.lease_id)), defer_s=self.settle_delay_s)
+            res = await self._pipe.submit(cmd, defer_s=self.settle_delay_s)
+            if isinstance(res, Exception):
+                await self._pipe.retry(cmd, res)
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)

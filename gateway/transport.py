@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 
@@ -101,11 +101,14 @@ class _Body(httpx.AsyncByteStream):
 class RawResponse:
     """The minimal response surface the gateway's proxy uses (``httpx.Response`` has the same)."""
 
-    __slots__ = ("_stream", "headers", "status_code")
+    __slots__ = ("_stream", "headers", "raw_headers", "status_code")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], stream: _Body) -> None:
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], headers: dict[str, str],
+                 stream: _Body) -> None:
         self.status_code = status
-        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        self.raw_headers = raw_headers
+        self.headers = headers
+        """Lower-case names (the last value of a repeated header)."""
         self._stream = stream
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
@@ -161,18 +164,19 @@ class H11Transport(httpx.AsyncBaseTransport):
         port = url.port or 80
         extra = b"".join(k + b": " + v + b"\r\n" for k, v in request.headers.raw
                          if k.lower() not in (b"host", b"content-length", b"transfer-encoding", b"connection"))
-        status, headers, stream = await self._roundtrip(
-            host, port, request.method, url.raw_path.decode("ascii"), extra, request.content)
-        return httpx.Response(status, headers=headers, stream=stream, extensions={"http_version": b"HTTP/1.1"})
+        raw = await self._roundtrip(host, port, request.method, url.raw_path.decode("ascii"), extra,
+                                    request.content)
+        return httpx.Response(raw.status_code, headers=raw.raw_headers, stream=raw._stream,
+                              extensions={"http_version": b"HTTP/1.1"})
 
-    async def post(self, host: str, port: int, target: str, extra_headers: bytes, body: bytes) -> RawResponse:
+    def post(self, host: str, port: int, target: str, extra_headers: bytes, body: bytes) -> Awaitable[RawResponse]:
         """The gateway's fast path: POST without building httpx models (``extra_headers``
-        are complete ``name: value\r\n`` lines)."""
-        status, headers, stream = await self._roundtrip(host, port, "POST", target, extra_headers, body)
-        return RawResponse(status, headers, stream)
+        are complete ``name: value\r\n`` lines). Not a coroutine of its own: awaiting it
+        awaits the exchange directly (one frame less to resume on every read)."""
+        return self._roundtrip(host, port, "POST", target, extra_headers, body)
 
     async def _roundtrip(self, host: str, port: int, method: str, target: str, extra: bytes,
-                         body: bytes) -> tuple[int, list[tuple[bytes, bytes]], _Body]:
+                         body: bytes) -> RawResponse:
         key = (host, port)
         head = (f"{method} {target} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-length: {len(body)}\r\n"
                 .encode() + extra + b"\r\n")
@@ -202,8 +206,7 @@ class H11Transport(httpx.AsyncBaseTransport):
             return self._response(key, conn, status_head)
         raise httpx.ReadError("worker closed the connection")  # pragma: no cover
 
-    def _response(self, key: tuple[str, int], conn: _Conn,
-                  raw: bytes) -> tuple[int, list[tuple[bytes, bytes]], _Body]:
+    def _response(self, key: tuple[str, int], conn: _Conn, raw: bytes) -> RawResponse:
         try:
             first, _, rest = raw.partition(b"\r\n")
             parts = first.split(b" ", 2)
@@ -211,6 +214,7 @@ class H11Transport(httpx.AsyncBaseTransport):
                 raise ValueError
             status = int(parts[1])
             headers: list[tuple[bytes, bytes]] = []
+            by_name: dict[str, str] = {}
             length: int | None = None
             chunked = False
             keep_alive = parts[0] == b"HTTP/1.1"
@@ -228,12 +232,13 @@ class H11Transport(httpx.AsyncBaseTransport):
                     v = value.lower()
                     keep_alive = b"close" not in v and (keep_alive or b"keep-alive" in v)
                 headers.append((lname, value))
+                by_name[lname.decode("latin-1")] = value.decode("latin-1")
         except ValueError:
             conn.close()
             raise httpx.RemoteProtocolError("malformed response from worker") from None
         if status in (204, 304) or 100 <= status < 200:
             length = 0
-        return status, headers, _Body(self, key, conn, length, chunked, keep_alive)
+        return RawResponse(status, headers, by_name, _Body(self, key, conn, length, chunked, keep_alive))
 
     async def aclose(self) -> None:
         for stack in self._idle.values():

@@ -279,3 +279,20 @@ async def test_gateway_survives_redis_outage_and_recovers(redis_url, redis_prefi
     finally:
         with contextlib.suppress(Exception):
             await proxy.stop()
+
+
+async def test_scripts_are_reloaded_after_a_flush(redis_client, redis_url, redis_prefix):
+    r = aioredis.from_url(redis_url)
+    lim = RedisLimiter(r, redis_prefix)
+    limits = Limits(tokens_per_min=1000, max_concurrent=1)
+    try:
+        d = await lim.acquire("acme", limits, 100, 30)
+        await redis_client.script_flush()  # as after a Redis restart
+        await lim.settle(d.lease, 10)
+        await redis_client.script_flush()
+        d2 = await lim.acquire("acme", limits, 100, 30)
+        assert d2.allowed and not lim.degraded  # the slot was freed and the refund applied
+        assert int(d2.headers["x-ratelimit-remaining-tokens"]) >= 1000 - 10 - 100 - 1
+    finally:
+        await lim.close()
+        await r.aclose()
