@@ -12,6 +12,7 @@ Starlette routes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -69,6 +70,7 @@ class Gateway:
                                  on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.log_enabled = True
+        self.sweeper = _Sweeper()
         self.traffic: AdapterTraffic | None = None
         """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
 
@@ -172,9 +174,9 @@ class Gateway:
             }
             payload = orjson.dumps(body)
             workers = await self.router.route(res.base_model, res.adapter.id if res.adapter else None)
-            guard = _Guard(scope, receive, st, s.request_timeout_s)
+            guard = _Guard(receive, st, s.request_timeout_s, self.sweeper)
             try:
-                opened = await self.upstream.open(workers, path, payload, request_id)
+                opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)
                 worker_id = opened.worker.id
                 base_headers[HDR_WORKER] = worker_id
                 try:
@@ -193,7 +195,7 @@ class Gateway:
                         st.finished = True
                         await send({"type": "http.response.body", "body": b"", "more_body": False})
                     else:
-                        content = await read_rest(opened)
+                        content = opened.first if opened.chunks is None else await read_rest(opened)
                         status = opened.response.status_code
                         if status == 200:
                             usage = usage_of(content)
@@ -332,36 +334,42 @@ class _State:
 
 WATCH_AFTER_S = 0.02
 """A request starts watching its deadline and its client's disconnect after running this long."""
+SWEEP_S = 0.01
+"""How often the requests that ran past ``WATCH_AFTER_S`` are looked for."""
 
 
 class _Guard:
     """Cancels the request task when its deadline passes (``expired``) or its client
     disconnects, so the upstream call is cancelled too; ``cancelled`` says it did.
 
-    Both need a timer, and watching the client needs a task, so for the common case of a
-    request answered within ``WATCH_AFTER_S`` there is one timer only: the deadline timer
-    and the watcher start when it fires (a disconnect before then is noticed that much
-    later)."""
+    Both need a timer, and watching the client needs a task: for the common case of a
+    request answered within ``WATCH_AFTER_S`` that is wasted, so a guard starts both only
+    when a ``_Sweeper`` finds it still running after that long (a disconnect before then is
+    noticed that much later). A deadline shorter than that is armed at once."""
 
-    __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired")
+    __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired", "loop",
+                 "started", "stopped")
 
-    def __init__(self, scope: Any, receive: Any, state: _State, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, receive: Any, state: _State, timeout_s: float, sweeper: _Sweeper) -> None:
+        self.loop = loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._receive = receive
         self._state = state
-        self._deadline = loop.time() + timeout_s
+        self.started = loop.time()
+        self._deadline = self.started + timeout_s
+        self._timer: asyncio.TimerHandle | None = None
         self._watch: asyncio.Task[None] | None = None
         self.cancelled = False
         self.expired = False
-        self._timer: asyncio.TimerHandle | None = (
-            loop.call_later(WATCH_AFTER_S, self._start) if timeout_s > WATCH_AFTER_S
-            else loop.call_at(self._deadline, self._expire))
+        self.stopped = False
+        if timeout_s > WATCH_AFTER_S:
+            sweeper.add(self)
+        else:
+            self._timer = loop.call_at(self._deadline, self._expire)
 
-    def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(self._deadline, self._expire)
-        self._watch = loop.create_task(self._run())
+    def arm(self) -> None:
+        self._timer = self.loop.call_at(self._deadline, self._expire)
+        self._watch = self.loop.create_task(self._run())
 
     def _cancel(self) -> None:
         if not self.cancelled and self._task is not None and not self._task.done():
@@ -384,11 +392,44 @@ class _Guard:
                 return
 
     def stop(self) -> None:
+        self.stopped = True
+        # The sweeper may hold this guard a while longer: let go of the request now.
+        self._task = self._receive = self._state = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._watch is not None and not self._watch.done():
             self._watch.cancel()
+
+
+class _Sweeper:
+    """Arms the guards of requests still running after ``WATCH_AFTER_S``: guards queue up in
+    start order, and one timer every ``SWEEP_S`` (only while any are queued) takes the old
+    ones off the front, instead of a timer per request."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[_Guard] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, guard: _Guard) -> None:
+        self._queue.append(guard)
+        if self._loop is not guard.loop:
+            self._loop = guard.loop
+            guard.loop.call_later(SWEEP_S, self._sweep, guard.loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            return
+        queue = self._queue
+        old = loop.time() - WATCH_AFTER_S
+        while queue and queue[0].started <= old:
+            guard = queue.popleft()
+            if not guard.stopped and guard.loop is loop:
+                guard.arm()
+        if queue:
+            loop.call_later(SWEEP_S, self._sweep, loop)
+        else:
+            self._loop = None
 
 
 _HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}

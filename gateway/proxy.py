@@ -39,8 +39,10 @@ class Opened:
     response: Any
     """``httpx.Response`` or the fast transport's ``RawResponse`` (same surface)."""
     first: bytes
-    """First body chunk (already read, so a failure before it could still be retried)."""
-    chunks: AsyncIterator[bytes]
+    """First body chunk (already read, so a failure before it could still be retried), or
+    the whole body when it was opened with ``whole``."""
+    chunks: AsyncIterator[bytes] | None
+    """The rest of the body (None: ``first`` is all of it)."""
 
 
 class Upstream:
@@ -74,7 +76,10 @@ class Upstream:
                                         headers={"content-type": "application/json", HDR_REQUEST_ID: request_id})
         return self.client.send(req, stream=True)
 
-    async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str) -> Opened:
+    async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
+                   whole: bool = False) -> Opened:
+        """The first worker that answers, with the first chunk of its body read (``whole``: all
+        of it, for answers that are not streamed)."""
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
@@ -86,7 +91,7 @@ class Upstream:
             try:
                 resp = await self._send(worker, path, payload, request_id)
                 if resp.status_code == 503:
-                    body = b"".join([part async for part in resp.aiter_bytes()])
+                    body = await resp.aread()
                     await resp.aclose()
                     resp = None
                     worker.inflight -= 1
@@ -95,6 +100,8 @@ class Upstream:
                         break  # the artifact itself failed: another worker would fail the same way
                     last = f"worker {worker.id} is overloaded"
                     continue
+                if whole:
+                    return Opened(worker, resp, await resp.aread(), None)
                 chunks = resp.aiter_bytes()
                 first = b""
                 async for chunk in chunks:
@@ -134,6 +141,8 @@ def _message(body: bytes) -> str:
 
 
 async def read_rest(opened: Opened) -> bytes:
+    if opened.chunks is None:
+        return opened.first
     parts = [opened.first]
     async for chunk in opened.chunks:
         parts.append(chunk)
@@ -220,8 +229,9 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
     try:
         if opened.first:
             await push(opened.first)
-        async for chunk in opened.chunks:
-            await push(chunk)
+        if opened.chunks is not None:
+            async for chunk in opened.chunks:
+                await push(chunk)
     except httpx.HTTPError as exc:
         result.error = f"the worker stream broke: {type(exc).__name__}"
     if result.error is None and not result.done:

@@ -88,6 +88,18 @@ class _Body(httpx.AsyncByteStream):
             raise httpx.RemoteProtocolError("malformed chunked encoding") from None
         self.complete = True
 
+    async def read_all(self) -> bytes:
+        """The whole body; a content-length body in one read, without iterating."""
+        conn = self.conn
+        if conn is None or self.chunked or self.length is None:
+            return b"".join([chunk async for chunk in self])
+        try:
+            data = await conn.reader.readexactly(self.length)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise httpx.ReadError(f"worker connection broke: {type(exc).__name__}") from None
+        self.complete = True
+        return data
+
     async def aclose(self) -> None:
         conn, self.conn = self.conn, None
         if conn is None:
@@ -113,6 +125,9 @@ class RawResponse:
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         return self._stream.__aiter__()
+
+    def aread(self) -> Awaitable[bytes]:
+        return self._stream.read_all()
 
     async def aclose(self) -> None:
         await self._stream.aclose()

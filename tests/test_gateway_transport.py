@@ -144,3 +144,31 @@ async def test_errors_are_httpx_exceptions():
     async with RawServer(garbage) as srv:
         with pytest.raises(httpx.RemoteProtocolError):
             await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+
+
+async def test_aread_reads_whole_bodies_and_keeps_the_connection():
+    async def handler(reader, writer):
+        for body, chunked in ((b'{"a":1}', False), (b"chunked body", True)):
+            await _read_request(reader)
+            if chunked:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\nchunked\r\n5\r\n body\r\n"
+                             b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")  # then the connection drops
+        await writer.drain()
+
+    async with RawServer(handler) as srv:
+        t = H11Transport()
+        for expected in (b'{"a":1}', b"chunked body"):
+            resp = await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+            assert await resp.aread() == expected
+            await resp.aclose()
+        resp = await t.post("127.0.0.1", srv.port, "/", b"", b"{}")
+        with pytest.raises(httpx.ReadError):
+            await resp.aread()
+        await resp.aclose()
+        assert srv.connections == 1  # both complete answers left the connection reusable
+        await t.aclose()
