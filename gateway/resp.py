@@ -4,9 +4,9 @@ redis-py's asyncio client spends more CPU per command (connection checkout,
 observability hooks, argument encoding) than the whole rest of a gateway request, and
 the limiter only ever sends ``EVALSHA``/``SCRIPT LOAD``. This connection writes RESP
 frames on one TCP connection, keeps a FIFO of waiting futures and lets ``hiredis``
-parse the replies in a reader task: many requests share one connection and one
-``write`` per event-loop tick, with no lock, no checkout and no task per call
-(``push`` writes and returns; the reader resolves the callers' own futures).
+parse the replies as they arrive (the connection is its transport's protocol): many
+requests share one connection and one ``write`` per event-loop tick, with no lock, no
+checkout and no task (``push`` writes and returns; replies resolve the callers' own futures).
 
 Any I/O error or timeout (a reply missing ``timeout`` seconds after its command went
 out) closes the connection and fails every waiting call (replies could otherwise be
@@ -47,18 +47,42 @@ def encode(args: tuple[Any, ...] | list[Any]) -> bytes:
     return head(len(args), *args)
 
 
-class _Link:
-    """One TCP connection: its writer, the futures waiting for replies in order, and the
-    reply-deadline check (one timer at a time)."""
+class _Link(asyncio.Protocol):
+    """One TCP connection, as its transport's protocol: replies are parsed in
+    ``data_received`` straight into the futures waiting for them in order; one reply-deadline
+    timer at a time."""
 
-    __slots__ = ("answered", "sent", "timer", "waiting", "writer")
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def __init__(self, owner: RespConnection) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.parser = hiredis.Reader(replyError=ReplyError)
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.sent = 0
         self.answered = 0
         self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        parser.feed(data)
+        waiting = self.waiting
+        try:
+            while (reply := parser.gets()) is not False:
+                self.answered += 1
+                fut = waiting.popleft()
+                if not fut.done():
+                    fut.set_result(reply)
+        except (IndexError, hiredis.ProtocolError) as exc:
+            self.owner._fail(self, RespError(f"Redis connection broke: {type(exc).__name__}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner._fail(self, RespError("Redis closed the connection" if exc is None
+                                         else f"Redis connection broke: {type(exc).__name__}"))
+
+    def closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
 
 
 class RespConnection:
@@ -72,7 +96,6 @@ class RespConnection:
         self.timeout = timeout
         self._link: _Link | None = None
         self._ready = False
-        self._reader_task: asyncio.Task[None] | None = None
         self._connecting: asyncio.Future[None] | None = None
 
     @classmethod
@@ -93,16 +116,16 @@ class RespConnection:
     @property
     def connected(self) -> bool:
         """Connected and set up: ``push`` may be used."""
-        return self._ready and self._link is not None and not self._link.writer.is_closing()
+        return self._ready and self._link is not None and not self._link.closing()
 
     async def _connect(self) -> None:
         try:
             async with asyncio.timeout(self.timeout):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                _, link = await asyncio.get_running_loop().create_connection(lambda: _Link(self), self.host,
+                                                                             self.port)
         except (OSError, TimeoutError) as exc:
             raise RespError(f"cannot connect to Redis at {self.host}:{self.port}: {exc}") from None
-        link = self._link = _Link(writer)
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, link))
+        self._link = link
         setup: list[bytes] = []
         if self.password:
             setup.append(encode(("AUTH", self.username, self.password) if self.username
@@ -138,22 +161,6 @@ class RespConnection:
         finally:
             self._connecting = None
 
-    async def _read(self, reader: asyncio.StreamReader, link: _Link) -> None:
-        parser = hiredis.Reader(replyError=ReplyError)
-        waiting = link.waiting
-        try:
-            while data := await reader.read(65536):
-                parser.feed(data)
-                while (reply := parser.gets()) is not False:
-                    link.answered += 1
-                    fut = waiting.popleft()
-                    if not fut.done():
-                        fut.set_result(reply)
-        except (OSError, IndexError, hiredis.ProtocolError) as exc:
-            self._fail(link, RespError(f"Redis connection broke: {type(exc).__name__}"))
-            return
-        self._fail(link, RespError("Redis closed the connection"))
-
     def _fail(self, link: _Link, exc: Exception) -> None:
         if link is self._link:
             self._link = None
@@ -166,7 +173,8 @@ class RespConnection:
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # callers that gave up must not warn "never retrieved"
-        link.writer.close()
+        if link.transport is not None:
+            link.transport.close()
 
     def _check(self, link: _Link, target: int) -> None:
         link.timer = None
@@ -183,7 +191,7 @@ class RespConnection:
             raise RespError("not connected")
         link.waiting.extend(futs)
         link.sent += len(futs)
-        link.writer.write(data)
+        link.transport.write(data)  # type: ignore[union-attr]
         if link.timer is None:
             link.timer = asyncio.get_running_loop().call_later(self.timeout, self._check, link, link.sent)
 
@@ -201,6 +209,3 @@ class RespConnection:
     async def close(self) -> None:
         if self._link is not None:
             self._fail(self._link, RespError("connection closed"))
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            self._reader_task = None
