@@ -1,6 +1,6 @@
 """Native CPU kernels (C, built on first use with the system compiler, loaded with ctypes).
 
-``engine/csrc/*.c`` is compiled once per machine into a cache directory
+``engine/csrc/*.c`` is compiled once per machine (with ``$CC``, else ``cc``/``gcc``) into a cache directory
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
 failed build or a non-Linux platform: ``decode_attention_kernel()``,
