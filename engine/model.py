@@ -8,13 +8,14 @@ LoRA hook contract
 ------------------
 Each decoder layer fuses q|k|v and gate|up into single matmuls but exposes every
 projection's output as its own tensor (a view into the fused output). Right after
-each projection, if ``ctx.lora`` is not ``None``, the layer calls::
+each (fused) projection, if ``ctx.lora`` is not ``None``, the layer calls::
 
-    ctx.lora.apply(layer_idx: int, module: str, x: Tensor, out: Tensor) -> None
+    ctx.lora.apply_many(layer_idx: int, x: Tensor, targets: tuple[tuple[str, Tensor], ...]) -> None
 
-with ``module`` one of ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``;
-``x`` the projection's input ``[T, in_features]`` and ``out`` its output
-``[T, out_features]`` (``T`` = ``ctx.num_tokens``, rows ordered as ``ctx.input_ids``).
+once per input: ``targets`` is ``((module, out), ...)`` with ``module`` one of
+``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`` (q/k/v together, gate/up
+together); ``x`` the projections' input ``[T, in_features]`` and each ``out`` its
+output ``[T, out_features]`` (``T`` = ``ctx.num_tokens``, rows ordered as ``ctx.input_ids``).
 The hook must ADD its delta into ``out`` in place (``out += scale * (x @ A.T) @ B.T``
 per row's adapter); ``ctx.token_seq[t]`` gives the sequence index of row ``t`` and
 ``ctx.seqs[i].adapter`` its ``AdapterRef`` (or ``None``). The q/k/v hooks run before
@@ -94,26 +95,23 @@ class DecoderModel:
             qkv = lin.qkv(x)
             q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
             if lora is not None:
-                lora.apply(i, "q_proj", x, q)
-                lora.apply(i, "k_proj", x, k)
-                lora.apply(i, "v_proj", x, v)
+                lora.apply_many(i, x, (("q_proj", q), ("k_proj", k), ("v_proj", v)))
             qk = ops.rope(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
             a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel)
             o = lin.o(a)
             if lora is not None:
-                lora.apply(i, "o_proj", a, o)
+                lora.apply_many(i, a, (("o_proj", o),))
             x = ops.add_rms_norm(h, o, lw.post_norm, eps)
             gu = lin.gate_up(x)
             gate, up = gu[:, :inter], gu[:, inter:]
             if lora is not None:
-                lora.apply(i, "gate_proj", x, gate)
-                lora.apply(i, "up_proj", x, up)
+                lora.apply_many(i, x, (("gate_proj", gate), ("up_proj", up)))
             m = ops.silu_mul(gu, inter)
             delta = lin.down(m)
             if lora is not None:
-                lora.apply(i, "down_proj", m, delta)
+                lora.apply_many(i, m, (("down_proj", delta),))
         h.add_(delta)
         rows = ctx.sample_rows
         if rows.numel() == 0:

@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,8 +36,8 @@ _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 _SIGNATURES = {
     "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                                       _int, _int, _int, _int, _int, _int, _int],
-    "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _int, _int, _int,
-                               _int],
+    "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
+                               _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
     "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
     "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
@@ -132,32 +133,74 @@ def decode_attention_kernel() -> DecodeAttention | None:
     return DecodeAttention(lib) if lib is not None else None
 
 
+class LoRATable:
+    """Kernel arguments for the LoRA stacks of projections that read the same input
+    (validated once; build with :meth:`LoRARows.table`, keep while the stacks live)."""
+
+    __slots__ = ("_keep", "a_ptrs", "b_ptrs", "in_dim", "n", "out_dims", "rank", "scale_ptrs", "transposed")
+
+    def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        if not stacks:
+            raise ValueError("no LoRA stacks")
+        a0 = stacks[0][0]
+        _, self.rank, self.in_dim = a0.shape
+        self.transposed = stacks[0][1].transpose(1, 2).is_contiguous()
+        for a, b, scale in stacks:
+            s, r, n_in = a.shape
+            assert (r, n_in) == (self.rank, self.in_dim), "stacks of one call share rank and input size"
+            assert a.dtype == b.dtype == scale.dtype == torch.float32 and a.device.type == "cpu"
+            assert a.is_contiguous() and scale.is_contiguous() and b.shape == (s, b.shape[1], r)
+            assert scale.shape == (s,)
+            assert b.transpose(1, 2).is_contiguous() if self.transposed else b.is_contiguous()
+        self.n = len(stacks)
+        arr = ctypes.c_int64 * self.n
+        self.out_dims = arr(*(b.shape[1] for _, b, _ in stacks))
+        self.a_ptrs = arr(*(a.data_ptr() for a, _, _ in stacks))
+        self.b_ptrs = arr(*(b.data_ptr() for _, b, _ in stacks))
+        self.scale_ptrs = arr(*(sc.data_ptr() for _, _, sc in stacks))
+        self._keep = tuple(stacks)
+
+
 class LoRARows:
-    """``y[rows[n]] += scale[s] * B[s] @ (A[s] @ x[rows[n]])`` with ``s = row_slots[n]``
-    (see ``engine/csrc/cpu_kernels.c``)."""
+    """``out_p[rows[n]] += scale_p[s] * B_p[s] @ (A_p[s] @ x[rows[n]])`` with ``s = row_slots[n]``,
+    for one or several projections ``p`` of the same input (see ``engine/csrc/cpu_kernels.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.loraplex_lora_rows_f32
 
+    @staticmethod
+    def table(stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> LoRATable:
+        """``stacks``: per projection ``(A [S, r, in] contiguous, B [S, out, r] contiguous or the
+        transposed view of a contiguous [S, r, out] (as ``SlotBank`` stores it: the faster
+        expand), scale [S])``, float32 on CPU, one rank and input size."""
+        return LoRATable(stacks)
+
+    def run(self, table: LoRATable, x: torch.Tensor, outs: Sequence[torch.Tensor], rows: torch.Tensor,
+            row_slots: torch.Tensor) -> None:
+        """``x``: ``[T, in]``; ``outs``: one ``[T, out_p]`` per stack of the table, column slices of
+        one float32 tensor (e.g. q/k/v of a fused projection's output; rows may be strided,
+        columns contiguous); ``rows``/``row_slots``: ``[n]`` int64 contiguous, best sorted by slot."""
+        y = outs[0]
+        stride = y.stride(0)
+        assert len(outs) == table.n and x.dtype == y.dtype == torch.float32
+        assert x.stride(1) == 1 and x.shape[1] == table.in_dim
+        base = y.data_ptr()
+        cols = (ctypes.c_int64 * table.n)()
+        for p, o in enumerate(outs):
+            assert o.stride(1) == 1 and o.stride(0) == stride and o.shape == (y.shape[0], table.out_dims[p])
+            assert o.dtype == torch.float32
+            cols[p] = (o.data_ptr() - base) // 4
+        assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
+        rc = self._fn(x.data_ptr(), x.stride(0), base, stride, table.n, cols, table.out_dims, table.a_ptrs,
+                      table.b_ptrs, table.scale_ptrs, int(table.transposed), rows.data_ptr(), row_slots.data_ptr(),
+                      int(rows.numel()), table.in_dim, table.rank, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {table.rank}")
+
     def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                  rows: torch.Tensor, row_slots: torch.Tensor) -> None:
-        """``x``: ``[T, in]``, ``y``: ``[T, out]`` (rows may be strided, columns contiguous);
-        ``a``: ``[S, r, in]`` contiguous; ``b``: ``[S, out, r]``, contiguous or the transposed
-        view of a contiguous ``[S, r, out]`` (as ``SlotBank`` stores it: the faster expand);
-        ``scale``: ``[S]``; all float32; ``rows``/``row_slots``: ``[n]`` int64, best sorted by slot."""
-        s, r, n_in = a.shape
-        n_out = b.shape[1]
-        assert x.dtype == y.dtype == a.dtype == b.dtype == scale.dtype == torch.float32
-        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == n_in and y.shape[1] == n_out
-        assert a.is_contiguous() and scale.is_contiguous() and b.shape == (s, n_out, r)
-        transposed = b.transpose(1, 2).is_contiguous()
-        assert transposed or b.is_contiguous()
-        assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
-        rc = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a.data_ptr(), b.data_ptr(),
-                      int(transposed), scale.data_ptr(), rows.data_ptr(), row_slots.data_ptr(), int(rows.numel()),
-                      n_in, n_out, r, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {r}")
+        """One projection: ``y [T, out]``, ``x [T, in]``, stacks as in :meth:`table`."""
+        self.run(self.table([(a, b, scale)]), x, [y], rows, row_slots)
 
 
 @lru_cache(maxsize=1)

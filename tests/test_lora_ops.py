@@ -281,3 +281,77 @@ def test_native_flag_keeps_decode_batches_on_torch(monkeypatch):
     if native_usable(y):
         lora_apply(y, x, a, b, sc, plan)
         assert calls == [1]
+
+
+@pytest.mark.parametrize("path", ["gather", "padded", None])
+@pytest.mark.parametrize("native", [True, False])
+def test_apply_many_equals_one_projection_at_a_time(path, native):
+    """q/k/v of one input in one call (one native kernel call on CPU) == each on its own;
+    a projection no adapter of the batch touches is left alone; rank classes mixed."""
+    shapes = {"q_proj": (24, 20), "k_proj": (24, 8), "v_proj": (24, 8)}
+    bank = SlotBank(2, shapes, rank_classes=(8, 16), slots_per_class=4)
+    g = torch.Generator().manual_seed(11)
+    for s, (rank, projs) in {0: (8, ("q_proj", "k_proj")), 1: (5, ("q_proj",)), 4: (16, ("q_proj", "k_proj")),
+                             6: (12, ("k_proj",))}.items():
+        bank.write(s, _random_weights(g, 2, shapes, rank, projs, 0.25 + s))
+    slots = [0, 4, -1, 1, 6, 0, 4, 4, -1, 1]
+    x = torch.randn(len(slots), 24, generator=g)
+    fused0 = torch.randn(len(slots), 36, generator=g)
+    cols = {"q_proj": (0, 20), "k_proj": (20, 28), "v_proj": (28, 36)}
+    for layer in range(2):
+        together, alone = fused0.clone(), fused0.clone()
+        batch = LoRABatch.build(bank, slots, path=path, native=native)
+        batch.apply_many(layer, x, tuple((p, together[:, lo:hi]) for p, (lo, hi) in cols.items()))
+        for p, (lo, hi) in cols.items():
+            LoRABatch.build(bank, slots, path="reference").apply(layer, p, x, alone[:, lo:hi])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+        assert torch.equal(together[:, 28:], fused0[:, 28:]), "v_proj: no adapter of the batch adapts it"
+        assert torch.equal(together[[2, 8]], fused0[[2, 8]]), "base rows untouched"
+        assert not torch.equal(together[:, :28], fused0[:, :28])
+
+
+@pytest.mark.skipif(not native_usable(torch.empty(0)), reason="native kernels did not build here")
+def test_native_tables_follow_slot_storage_growth(monkeypatch):
+    """The kernel's argument tables are memoized per storage: a class that grows (new
+    tensors) gets new tables, so a later step never reads freed memory."""
+    shapes = {"q_proj": (16, 12)}
+    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=8)
+    g = torch.Generator().manual_seed(3)
+    bank.write(0, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0))
+    runs: list[str] = []
+    from engine.native import LoRARows
+
+    real_run = LoRARows.run
+    monkeypatch.setattr(LoRARows, "run", lambda self, *a: (runs.append("run"), real_run(self, *a))[1])
+    x = torch.randn(3, 16, generator=g)
+
+    def step(slots):
+        out = torch.zeros(3, 12)
+        LoRABatch.build(bank, slots).apply(0, "q_proj", x, out)
+        ref = torch.zeros(3, 12)
+        LoRABatch.build(bank, slots, path="reference").apply(0, "q_proj", x, ref)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    step([0, -1, 0])
+    first = bank.derived(0, ("native", 0, ("q_proj",)), lambda: None)
+    for s in range(1, 5):  # capacity 1 -> 2 -> 4 -> 8: reallocated storage
+        bank.write(s, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0 + s))
+    step([4, 0, 3])
+    assert bank.derived(0, ("native", 0, ("q_proj",)), lambda: None) is not first
+    assert runs == ["run", "run"]
+
+
+def test_native_flag_keeps_lora_batches_on_torch(monkeypatch):
+    from engine.native import LoRARows
+
+    calls: list[int] = []
+    monkeypatch.setattr(LoRARows, "run", lambda self, *a: calls.append(1))
+    shapes = {"q_proj": (8, 8)}
+    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=2)
+    bank.write(1, _random_weights(torch.Generator().manual_seed(0), 1, shapes, 8, ("q_proj",), 1.0))
+    out = torch.zeros(2, 8)
+    LoRABatch.build(bank, [1, -1], native=False).apply(0, "q_proj", torch.randn(2, 8), out)
+    assert not calls and bool(out.abs().sum() > 0)
+    if native_usable(out):
+        LoRABatch.build(bank, [1, -1]).apply(0, "q_proj", torch.randn(2, 8), out)
+        assert calls == [1]

@@ -14,7 +14,8 @@
  * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
  *    adapter slot (decode-like batches: few rows per adapter). Per row,
  *    ``y += scale * B[s] (A[s] x)``; the adapter weights are streamed once per row with no
- *    gather, padding or scatter copies.
+ *    gather, padding or scatter copies. Several projections of the same input (q/k/v,
+ *    gate/up) go in one call: one parallel region instead of one per projection.
  *
  * 3. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
@@ -53,6 +54,93 @@ static inline float exp_nonpos(float x) {
     return y * p;
 }
 
+/* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
+ * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128), so the
+ * per-key loops compile to straight vector code; heads are the outer loop, so one head's
+ * query (or output accumulator) stays in registers while the sequence's keys (values)
+ * stream past, reread from L1/L2 for the next head. */
+static inline __attribute__((always_inline)) void attend_task(
+    const float *qb, int64_t q_stride_head, const float *kbase, const float *vbase,
+    const int64_t *table, int len, int block_size, int g, const int head_dim,
+    float *scores, float *ob)
+{
+    for (int j = 0; j < g; j++) {
+        const float *qj = qb + (int64_t)j * q_stride_head;
+        float *sj = scores + (int64_t)j * len;
+        /* scores: s_p = q_j . k_p */
+        float m = -3.0e38f;
+        for (int p0 = 0; p0 < len; p0 += block_size) {
+            const int n = len - p0 < block_size ? len - p0 : block_size;
+            const float *kb = kbase + table[p0 / block_size] * block_size * head_dim;
+            if (j == 0) {
+                /* first pass over the keys: ask for the next key block and this value block
+                 * now, so scattered blocks arrive while this one is computed */
+                const int64_t bytes = (int64_t)block_size * head_dim * (int64_t)sizeof(float);
+                const char *vb = (const char *)(vbase + table[p0 / block_size] * block_size * head_dim);
+                const char *kn = p0 + block_size < len
+                    ? (const char *)(kbase + table[p0 / block_size + 1] * block_size * head_dim) : NULL;
+                for (int64_t c = 0; c < bytes; c += 64) {
+                    __builtin_prefetch(vb + c, 0, 3);
+                    if (kn != NULL) __builtin_prefetch(kn + c, 0, 3);
+                }
+            }
+            int t = 0;
+            for (; t + 4 <= n; t += 4) {  /* four keys at a time: independent accumulators */
+                const float *k0 = kb + (int64_t)t * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim,
+                            *k3 = k2 + head_dim;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+                for (int i = 0; i < head_dim; i++) {
+                    const float qi = qj[i];
+                    s0 += qi * k0[i];
+                    s1 += qi * k1[i];
+                    s2 += qi * k2[i];
+                    s3 += qi * k3[i];
+                }
+                sj[p0 + t] = s0;
+                sj[p0 + t + 1] = s1;
+                sj[p0 + t + 2] = s2;
+                sj[p0 + t + 3] = s3;
+                const float m01 = s0 > s1 ? s0 : s1, m23 = s2 > s3 ? s2 : s3, m4 = m01 > m23 ? m01 : m23;
+                m = m4 > m ? m4 : m;
+            }
+            for (; t < n; t++) {
+                const float *kp = kb + (int64_t)t * head_dim;
+                float s = 0.0f;
+#pragma omp simd reduction(+:s)
+                for (int i = 0; i < head_dim; i++) s += qj[i] * kp[i];
+                sj[p0 + t] = s;
+                m = s > m ? s : m;
+            }
+        }
+        /* softmax numerators in place */
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int p = 0; p < len; p++) {
+            float e = exp_nonpos(sj[p] - m);
+            sj[p] = e;
+            sum += e;
+        }
+        /* out_j = sum_p w_p v_p / sum */
+        float acc[MAX_HEAD_DIM];
+        for (int i = 0; i < head_dim; i++) acc[i] = 0.0f;
+        for (int p0 = 0; p0 < len; p0 += block_size) {
+            const int n = len - p0 < block_size ? len - p0 : block_size;
+            const float *vb = vbase + table[p0 / block_size] * block_size * head_dim;
+            for (int t = 0; t < n; t++) {
+                const float w = sj[p0 + t];
+                const float *vp = vb + (int64_t)t * head_dim;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) acc[i] += w * vp[i];
+            }
+        }
+        const float inv = 1.0f / sum;
+        float *oj = ob + (int64_t)j * head_dim;
+#pragma omp simd
+        for (int i = 0; i < head_dim; i++) oj[i] = acc[i] * inv;
+    }
+}
+
 int loraplex_decode_attention_f32(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
     const float *k_pool, const float *v_pool, int64_t pool_slots,
@@ -84,127 +172,100 @@ int loraplex_decode_attention_f32(
             const float *vbase = v_pool + (int64_t)kh * pool_slots * head_dim;
             const int64_t row = rows != NULL ? rows[b] : b;
             const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
-
-            /* scores[j * len + p] = q_j . k_p */
-            for (int p0 = 0; p0 < len; p0 += block_size) {
-                const int n = len - p0 < block_size ? len - p0 : block_size;
-                const float *kb = kbase + table[p0 / block_size] * block_size * head_dim;
-                for (int t = 0; t < n; t++) {
-                    const float *kp = kb + (int64_t)t * head_dim;
-                    for (int j = 0; j < g; j++) {
-                        const float *qj = qb + (int64_t)j * q_stride_head;
-                        float s = 0.0f;
-#pragma omp simd reduction(+:s)
-                        for (int i = 0; i < head_dim; i++) s += qj[i] * kp[i];
-                        scores[j * len + p0 + t] = s;
-                    }
-                }
-            }
-            /* softmax numerators in place, per query head */
-            float inv_sum[MAX_GROUP];
-            for (int j = 0; j < g; j++) {
-                float *sj = scores + j * len;
-                float m = sj[0];
-                for (int p = 1; p < len; p++) m = sj[p] > m ? sj[p] : m;
-                float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-                for (int p = 0; p < len; p++) {
-                    float e = exp_nonpos(sj[p] - m);
-                    sj[p] = e;
-                    sum += e;
-                }
-                inv_sum[j] = 1.0f / sum;
-            }
-            /* out_j = sum_p w_jp v_p / sum_j */
-            float acc[MAX_GROUP * MAX_HEAD_DIM];
-            memset(acc, 0, sizeof(float) * (size_t)g * (size_t)head_dim);
-            for (int p0 = 0; p0 < len; p0 += block_size) {
-                const int n = len - p0 < block_size ? len - p0 : block_size;
-                const float *vb = vbase + table[p0 / block_size] * block_size * head_dim;
-                for (int t = 0; t < n; t++) {
-                    const float *vp = vb + (int64_t)t * head_dim;
-                    for (int j = 0; j < g; j++) {
-                        const float w = scores[j * len + p0 + t];
-                        float *aj = acc + j * head_dim;
-#pragma omp simd
-                        for (int i = 0; i < head_dim; i++) aj[i] += w * vp[i];
-                    }
-                }
-            }
             float *ob = out + row * out_stride_row + (int64_t)kh * g * head_dim;
-            for (int j = 0; j < g; j++) {
-                const float inv = inv_sum[j];
-#pragma omp simd
-                for (int i = 0; i < head_dim; i++) ob[j * head_dim + i] = acc[j * head_dim + i] * inv;
-            }
+            if (head_dim == 64)
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, scores, ob);
+            else if (head_dim == 128)
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, scores, ob);
+            else
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, scores, ob);
         }
         free(scores);
     }
     return failed ? -2 : 0;
 }
 
+/* One row's LoRA for one projection: yr[0:out_dim] += B (scale * A xr). */
+static inline void lora_row(const float *xr, float *yr, const float *as, const float *bs, float sc,
+                            int b_transposed, int in_dim, int out_dim, int rank)
+{
+    float t[MAX_RANK];
+    /* shrink, four rows of A at a time (independent accumulators) */
+    int j = 0;
+    for (; j + 4 <= rank; j += 4) {
+        const float *a0 = as + (int64_t)j * in_dim, *a1 = a0 + in_dim, *a2 = a1 + in_dim, *a3 = a2 + in_dim;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+        for (int i = 0; i < in_dim; i++) {
+            const float xi = xr[i];
+            s0 += a0[i] * xi;
+            s1 += a1[i] * xi;
+            s2 += a2[i] * xi;
+            s3 += a3[i] * xi;
+        }
+        t[j] = s0 * sc;
+        t[j + 1] = s1 * sc;
+        t[j + 2] = s2 * sc;
+        t[j + 3] = s3 * sc;
+    }
+    for (; j < rank; j++) {
+        const float *aj = as + (int64_t)j * in_dim;
+        float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+        for (int i = 0; i < in_dim; i++) acc += aj[i] * xr[i];
+        t[j] = acc * sc;
+    }
+    /* expand */
+    if (b_transposed) {
+        /* sequential passes over rows of B^T, two at a time; y's row stays in L1 */
+        int jj = 0;
+        for (; jj + 2 <= rank; jj += 2) {
+            const float t0 = t[jj], t1 = t[jj + 1];
+            const float *b0 = bs + (int64_t)jj * out_dim, *b1 = b0 + out_dim;
+#pragma omp simd
+            for (int o = 0; o < out_dim; o++) yr[o] += t0 * b0[o] + t1 * b1[o];
+        }
+        for (; jj < rank; jj++) {
+            const float tj = t[jj];
+            const float *bj = bs + (int64_t)jj * out_dim;
+#pragma omp simd
+            for (int o = 0; o < out_dim; o++) yr[o] += tj * bj[o];
+        }
+    } else {
+        for (int o = 0; o < out_dim; o++) {
+            const float *bo = bs + (int64_t)o * rank;
+            float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+            for (int jj = 0; jj < rank; jj++) acc += bo[jj] * t[jj];
+            yr[o] += acc;
+        }
+    }
+}
+
 int loraplex_lora_rows_f32(
     const float *x, int64_t x_stride, float *y, int64_t y_stride,
-    const float *a, const float *b, int b_transposed, const float *scale,
-    const int64_t *rows, const int64_t *row_slots, int num_rows,
-    int in_dim, int out_dim, int rank, int num_threads)
+    int num_targets, const int64_t *y_cols, const int64_t *out_dims,
+    const int64_t *a_ptrs, const int64_t *b_ptrs, const int64_t *scale_ptrs, int b_transposed,
+    const int64_t *rows, const int64_t *row_slots, int num_rows, int in_dim, int rank, int num_threads)
 {
-    /* a: [slots, rank, in_dim] contiguous; b: [slots, out_dim, rank] contiguous, or with
-     * b_transposed its transpose [slots, rank, out_dim] contiguous (the expand is then
-     * plain vector FMAs along out_dim, no horizontal sums). Rows sorted by slot, so a
-     * thread's consecutive rows of one adapter reuse its weights from cache. */
-    if (rank > MAX_RANK) return -1;
+    /* Target p (projections that read the same x, e.g. q/k/v): a_ptrs[p] -> A [slots, rank,
+     * in_dim] contiguous; b_ptrs[p] -> B [slots, out_dim, rank] contiguous, or with
+     * b_transposed its transpose [slots, rank, out_dim] contiguous (the expand is then plain
+     * vector FMAs along out_dim, no horizontal sums); scale_ptrs[p] -> [slots]; its output
+     * is columns [y_cols[p], y_cols[p] + out_dims[p]) of y. One parallel region for all
+     * targets; rows sorted by slot, so a thread's consecutive rows of one adapter reuse its
+     * weights from cache. */
+    if (rank > MAX_RANK || num_targets <= 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < num_rows; n++) {
         const int64_t s = row_slots[n];
         const float *xr = x + rows[n] * x_stride;
-        float *yr = y + rows[n] * y_stride;
-        const float *as = a + s * (int64_t)rank * in_dim;
-        const float *bs = b + s * (int64_t)out_dim * rank;
-        const float sc = scale[s];
-        float t[MAX_RANK];
-        /* shrink, four rows of A at a time (independent accumulators) */
-        int j = 0;
-        for (; j + 4 <= rank; j += 4) {
-            const float *a0 = as + (int64_t)j * in_dim, *a1 = a0 + in_dim, *a2 = a1 + in_dim, *a3 = a2 + in_dim;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+:s0, s1, s2, s3)
-            for (int i = 0; i < in_dim; i++) {
-                const float xi = xr[i];
-                s0 += a0[i] * xi;
-                s1 += a1[i] * xi;
-                s2 += a2[i] * xi;
-                s3 += a3[i] * xi;
-            }
-            t[j] = s0 * sc;
-            t[j + 1] = s1 * sc;
-            t[j + 2] = s2 * sc;
-            t[j + 3] = s3 * sc;
-        }
-        for (; j < rank; j++) {
-            const float *aj = as + (int64_t)j * in_dim;
-            float acc = 0.0f;
-#pragma omp simd reduction(+:acc)
-            for (int i = 0; i < in_dim; i++) acc += aj[i] * xr[i];
-            t[j] = acc * sc;
-        }
-        /* expand */
-        if (b_transposed) {
-            /* one sequential pass over each row of B^T; y's row stays in L1 */
-            for (int jj = 0; jj < rank; jj++) {
-                const float tj = t[jj];
-                const float *bj = bs + (int64_t)jj * out_dim;
-#pragma omp simd
-                for (int o = 0; o < out_dim; o++) yr[o] += tj * bj[o];
-            }
-        } else {
-            for (int o = 0; o < out_dim; o++) {
-                const float *bo = bs + (int64_t)o * rank;
-                float acc = 0.0f;
-#pragma omp simd reduction(+:acc)
-                for (int jj = 0; jj < rank; jj++) acc += bo[jj] * t[jj];
-                yr[o] += acc;
-            }
+        for (int p = 0; p < num_targets; p++) {
+            const int out_dim = (int)out_dims[p];
+            const float *as = (const float *)(intptr_t)a_ptrs[p] + s * (int64_t)rank * in_dim;
+            const float *bs = (const float *)(intptr_t)b_ptrs[p] + s * (int64_t)out_dim * rank;
+            const float sc = ((const float *)(intptr_t)scale_ptrs[p])[s];
+            lora_row(xr, y + rows[n] * y_stride + y_cols[p], as, bs, sc, b_transposed, in_dim, out_dim, rank);
         }
     }
     return 0;

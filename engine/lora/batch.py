@@ -1,21 +1,26 @@
-"""The per-step LoRA context the model forward calls: ``batch.apply(layer, proj, x, out)``.
+"""The per-step LoRA context the model forward calls: ``batch.apply_many(layer, x, targets)``.
 
 Built once per engine step from the per-token slot ids (``-1`` = base row). It splits
 the tokens by rank class, builds one :class:`~engine.lora.ops.SegmentPlan` per class
-present, picks the op path per class, and notes which (layer, projection) pairs no
-adapter in the batch touches so those calls cost nothing. A batch without LoRA rows
-(``batch.empty``) makes every ``apply`` a no-op.
+present, picks the op path per class (on CPU once per step, not per call), and notes
+which (layer, projection) pairs no adapter in the batch touches so those calls cost
+nothing. Projections that read the same input (q/k/v, gate/up) are applied together:
+on the native CPU path that is one kernel call over their stacks, whose argument tables
+are built once per storage (``SlotBank.derived``). A batch without LoRA rows
+(``batch.empty``) makes every call a no-op.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from engine.lora.ops import SegmentPlan, lora_apply
+from engine.lora.ops import SegmentPlan, choose_path, lora_apply
 from engine.lora.slots import SlotBank
+from engine.native import lora_rows_kernel
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,10 @@ class LoRABatch:
                 local = torch.where(cls_of == c, slots - c * s, -1)
                 plan = SegmentPlan.build(local.to(bank.device))
                 active = {p: bank.layers_with_module(c, p, plan.seg_slots) for p in bank.projections}
-                chosen = path  # None: lora_apply dispatches per call (Triton on CUDA, else choose_path)
+                chosen = path  # None on CUDA: lora_apply dispatches per call (Triton where it runs)
+                if chosen is None and bank.device.type == "cpu":
+                    use_native = native and bank.dtype == torch.float32 and lora_rows_kernel() is not None
+                    chosen = choose_path(plan, bank.capacity(c), native=use_native)
                 passes.append(_ClassPass(c, plan, chosen, native, active))
         return cls(bank, slots, passes)
 
@@ -79,8 +87,26 @@ class LoRABatch:
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] += LoRA_slot[i](x[i])`` for the (layer, projection); ``x [T, in]``, ``out [T, out]``."""
+        self.apply_many(layer, x, ((proj, out),))
+
+    def apply_many(self, layer: int, x: torch.Tensor, targets: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`apply` for several projections of the same input ``x``: ``targets`` is
+        ``((proj, out), ...)``; on the native path the outputs must be column slices of one
+        tensor (as q/k/v of the fused projection are)."""
         for p in self._passes:
-            if not p.active[proj][layer]:
+            todo = tuple((proj, out) for proj, out in targets if p.active[proj][layer])
+            if not todo:
                 continue
-            a, b, scale = self.bank.stacks(p.class_index, layer, proj)
-            lora_apply(out, x, a, b, scale, p.plan, path=p.path, native=p.native)
+            if p.path == "native":
+                kernel = lora_rows_kernel()
+                table = self._native_table(kernel, p.class_index, layer, tuple(proj for proj, _ in todo))
+                kernel.run(table, x, [out for _, out in todo], p.plan.rows, p.plan.row_slots)
+                continue
+            for proj, out in todo:
+                a, b, scale = self.bank.stacks(p.class_index, layer, proj)
+                lora_apply(out, x, a, b, scale, p.plan, path=p.path, native=p.native)
+
+    def _native_table(self, kernel: Any, c: int, layer: int, projs: tuple[str, ...]) -> Any:
+        bank = self.bank
+        return bank.derived(c, ("native", layer, projs),
+                            lambda: kernel.table([bank.stacks(c, layer, proj) for proj in projs]))

@@ -23,8 +23,9 @@ their ranks). Device memory per class is at most ``S * L * r_c * sum(in + out)``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +69,7 @@ class SlotBank:
         self.dtype = dtype
         self.device = torch.device(device)
         self._stacks: dict[int, _ClassStacks] = {}
+        self._derived: dict[tuple[int, Hashable], Any] = {}
 
     @classmethod
     def for_model(cls, model: ModelInfo, rank_classes: Iterable[int], slots_per_class: int, *,
@@ -136,7 +138,18 @@ class SlotBank:
                 new.scale[p][:, :have].copy_(st.scale[p])
                 new.present[p][:, :have].copy_(st.present[p])
         self._stacks[c] = new
+        for key in [k for k in self._derived if k[0] == c]:
+            del self._derived[key]
         return new
+
+    def derived(self, class_index: int, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, memoized per class until its storage is reallocated: for things built
+        from the stacks' addresses (the native kernel's argument tables)."""
+        k = (class_index, key)
+        value = self._derived.get(k)
+        if value is None:
+            value = self._derived[k] = make()
+        return value
 
     def write(self, slot: int, weights: LoRAWeights) -> None:
         """Copy an adapter into ``slot`` (zero-padded to the class rank; other modules zeroed)."""
