@@ -365,17 +365,20 @@ class MutableSnapshots:
 
 
 class ThreadServer:
-    """A real uvicorn server for ``app`` on a loopback port, in a background thread."""
+    """A real uvicorn server for ``app`` on a loopback port, in a background thread, with
+    the gateway's HTTP protocol (as ``loraplex gateway`` runs it)."""
 
     def __init__(self, app: Any, port: int | None = None) -> None:
         import threading
 
         import uvicorn
 
+        from gateway.server import GatewayHttpProtocol
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", access_log=False,
-                                lifespan="on", loop="asyncio", http="httptools", timeout_graceful_shutdown=1)
+                                lifespan="on", loop="asyncio", http=GatewayHttpProtocol, timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
