@@ -7,7 +7,7 @@ the base model alone and for 1, 8 and 32 distinct adapters in the batch it measu
 * this engine's decode tokens/s (tokens produced after every row has its first token, over
   the time that took) and mean time to first token;
 * PEFT: a ``PeftModel`` holding the adapters, ``generate(..., adapter_names=[...])`` on the
-  same mixed batch (``--peft-new`` new tokens, 16 by default; decode tokens/s timed from the
+  same mixed batch (``--peft-new`` new tokens, by default as many as ours; decode tokens/s timed from the
   first generated token to the last inside one ``generate``);
 * the floor ``batch / max(bytes / bandwidth, flops / matmul_rate)`` where ``bytes`` is the
   base weights plus the distinct adapters' bytes and ``flops`` include every row's adapter
@@ -390,7 +390,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--peft-new", type=int, default=16, help="new tokens for PEFT's adapter cases")
+    ap.add_argument("--peft-new", type=int, default=None,
+                    help="new tokens for PEFT's adapter cases (default: --new, the same decode lengths as ours)")
     ap.add_argument("--cases", default="1,8,32", help="distinct adapters per batch (besides base only)")
     ap.add_argument("--zipf-requests", type=int, default=600)
     ap.add_argument("--zipf-prompt", type=int, default=16)
@@ -400,9 +401,11 @@ def main() -> int:
     ap.add_argument("--skip-zipf", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.batch, args.prompt, args.new, args.peft_new = 8, 32, 16, 8
+        args.batch, args.prompt, args.new = 8, 32, 16
         args.cases, args.zipf_requests = "1,4,8", 160
     args.cases = [int(c) for c in str(args.cases).split(",")]
+    if args.peft_new is None:
+        args.peft_new = args.new
     if max(args.cases) > args.batch:
         ap.error("a case has more distinct adapters than rows")
     torch.set_num_threads(args.threads)
