@@ -2,12 +2,15 @@
 
 MKL's sgemm repacks the weight matrix on every call, which dominates when the batch
 (``M``) is small, as in decode: at ``M = 8..32`` a weight packed once into oneDNN's
-blocked layout runs about 1.5-2.5x faster. A single row keeps the plain matrix-vector
-path. Packing is CPU float32 only; elsewhere this is ``F.linear``.
+blocked layout runs about 1.5-2.5x faster. A single row (one sequence decoding) is a
+matrix-vector product: the native ``gemv`` kernel when given (it streams the weights at
+close to memory bandwidth; ``F.linear`` reached about a third of it), else ``F.linear``.
+Packing is CPU float32 only; elsewhere this is ``F.linear``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -31,15 +34,20 @@ def onednn_packing_available() -> bool:
 class Linear:
     """``y = x @ weight.T + bias``; ``weight`` stays available (shapes, LoRA, benchmarks)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0,
+                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> None:
+        """``gemv(x, weight, bias)``: single-row products (``engine.native.Gemv``, CPU float32)."""
         self.weight = weight
         self.bias = bias
+        self.gemv = gemv if gemv is not None and weight.is_contiguous() else None
         self.packed: torch.Tensor | None = None
         if (pack_batch > 0 and weight.device.type == "cpu" and weight.dtype == torch.float32
                 and onednn_packing_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.gemv is not None:
+            return self.gemv(x, self.weight, self.bias)
         if self.packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

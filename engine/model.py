@@ -39,33 +39,34 @@ from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import Linear
 from engine.loader import LayerWeights, ModelWeights
-from engine.native import decode_attention_kernel, fused_ops
+from engine.native import Gemv, decode_attention_kernel, fused_ops, gemv_kernel
 from engine.rotary import RotaryEmbedding
 
 
 class _LayerLinears:
-    def __init__(self, lw: LayerWeights, pack_batch: int) -> None:
-        self.qkv = Linear(lw.qkv, lw.qkv_bias, pack_batch)
-        self.o = Linear(lw.o, None, pack_batch)
-        self.gate_up = Linear(lw.gate_up, None, pack_batch)
-        self.down = Linear(lw.down, None, pack_batch)
+    def __init__(self, lw: LayerWeights, pack_batch: int, gemv: Gemv | None) -> None:
+        self.qkv = Linear(lw.qkv, lw.qkv_bias, pack_batch, gemv)
+        self.o = Linear(lw.o, None, pack_batch, gemv)
+        self.gate_up = Linear(lw.gate_up, None, pack_batch, gemv)
+        self.down = Linear(lw.down, None, pack_batch, gemv)
 
 
 class DecoderModel:
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
                  max_positions: int, pack_batch: int = 32, native_kernels: bool = True) -> None:
         """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size.
-        ``native_kernels``: on CPU float32, decode attention and the fused elementwise steps
-        through ``engine.native`` (when it builds)."""
+        ``native_kernels``: on CPU float32, decode attention, single-row matmuls and the fused
+        elementwise steps through ``engine.native`` (when it builds)."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
         self.w = weights.to(device, dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
-        self.layers = [_LayerLinears(lw, pack_batch) for lw in self.w.layers]
-        self.lm_head = Linear(self.w.lm_head, None, pack_batch)
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
+        gemv = gemv_kernel() if native_kernels and cpu_f32 else None
+        self.layers = [_LayerLinears(lw, pack_batch, gemv) for lw in self.w.layers]
+        self.lm_head = Linear(self.w.lm_head, None, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),

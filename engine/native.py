@@ -4,7 +4,7 @@
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
 failed build or a non-Linux platform: ``decode_attention_kernel()``,
-``lora_rows_kernel()`` and ``fused_ops()`` return ``None`` and the engine keeps its
+``lora_rows_kernel()``, ``gemv_kernel()`` and ``fused_ops()`` return ``None`` and the engine keeps its
 pure-torch paths, with one warning in the log.
 
 The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
@@ -40,6 +40,7 @@ _SIGNATURES = {
                                       _int, _int, _int, _int, _int, _int, _int],
     "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
                                _int, _int, _int],
+    "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
     "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
     "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
@@ -209,6 +210,29 @@ class LoRARows:
 def lora_rows_kernel() -> LoRARows | None:
     lib = _library()
     return LoRARows(lib) if lib is not None else None
+
+
+class Gemv:
+    """``x @ weight.T + bias`` for a single row ``x [1, in]`` (see ``engine/csrc/cpu_kernels.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_gemv_f32
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n_out, n_in = weight.shape
+        assert x.shape == (1, n_in) and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+        assert bias is None or (bias.is_contiguous() and bias.shape == (n_out,) and bias.dtype == torch.float32)
+        x = x.contiguous()
+        y = x.new_empty((1, n_out))
+        self._fn(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                 n_out, n_in, torch.get_num_threads())
+        return y
+
+
+@lru_cache(maxsize=1)
+def gemv_kernel() -> Gemv | None:
+    lib = _library()
+    return Gemv(lib) if lib is not None else None
 
 
 class FusedOps:

@@ -120,3 +120,29 @@ def test_fused_ops_match_torch_definitions():
         got = nat.rope(x, cos, sin)
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
         assert got.data_ptr() == x.data_ptr() and torch.equal(qkv[:, 4 * 32:], before_tail)
+
+
+@pytest.mark.parametrize(("n_out", "n_in", "bias"), [(576, 576, False), (963, 577, True), (3, 40, True), (1, 1, False)])
+def test_gemv_matches_linear(n_out, n_in, bias):
+    """Single-row matmul vs float64; output sizes off the kernel's four-row blocks."""
+    gen = torch.Generator().manual_seed(n_out + n_in)
+    w = torch.randn(n_out, n_in, generator=gen)
+    b = torch.randn(n_out, generator=gen) if bias else None
+    x = torch.randn(1, n_in, generator=gen)
+    y = native.gemv_kernel()(x, w, b)
+    expect = x.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_sends_single_rows_to_gemv():
+    from engine.linear import Linear
+
+    w = torch.randn(16, 8)
+    calls: list[int] = []
+    gemv = native.gemv_kernel()
+    lin = Linear(w, None, pack_batch=4, gemv=lambda *a: (calls.append(1), gemv(*a))[1])
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(lin(x[:1]), x[:1] @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert calls == [1], "only the one-row call goes to gemv"
+    assert Linear(w.T.contiguous().T, None, gemv=gemv).gemv is None, "non-contiguous weights stay on F.linear"

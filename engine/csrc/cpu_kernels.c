@@ -17,7 +17,9 @@
  *    gather, padding or scatter copies. Several projections of the same input (q/k/v,
  *    gate/up) go in one call: one parallel region instead of one per projection.
  *
- * 3. Fused elementwise steps of a decoder layer, each one pass over its rows:
+ * 3. loraplex_gemv_f32: y = W x for a single row (one-sequence decode), streaming W once.
+ *
+ * 4. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
  *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place).
  *
@@ -266,6 +268,44 @@ int loraplex_lora_rows_f32(
             const float *bs = (const float *)(intptr_t)b_ptrs[p] + s * (int64_t)out_dim * rank;
             const float sc = ((const float *)(intptr_t)scale_ptrs[p])[s];
             lora_row(xr, y + rows[n] * y_stride + y_cols[p], as, bs, sc, b_transposed, in_dim, out_dim, rank);
+        }
+    }
+    return 0;
+}
+
+int loraplex_gemv_f32(
+    const float *x, const float *w, const float *bias, float *y, int out_dim, int in_dim, int num_threads)
+{
+    /* y = W x (+ bias) for one row x: W [out_dim, in_dim] contiguous. A single-sequence
+     * decode step is this, once per projection: pure weight streaming, four output rows
+     * per pass (independent accumulators, x reread from L1), rows split over threads. */
+    const int blocks = (out_dim + 3) / 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int blk = 0; blk < blocks; blk++) {
+        const int o = blk * 4;
+        if (o + 4 <= out_dim) {
+            const float *w0 = w + (int64_t)o * in_dim, *w1 = w0 + in_dim, *w2 = w1 + in_dim, *w3 = w2 + in_dim;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int i = 0; i < in_dim; i++) {
+                const float xi = x[i];
+                s0 += w0[i] * xi;
+                s1 += w1[i] * xi;
+                s2 += w2[i] * xi;
+                s3 += w3[i] * xi;
+            }
+            y[o] = s0 + (bias ? bias[o] : 0.0f);
+            y[o + 1] = s1 + (bias ? bias[o + 1] : 0.0f);
+            y[o + 2] = s2 + (bias ? bias[o + 2] : 0.0f);
+            y[o + 3] = s3 + (bias ? bias[o + 3] : 0.0f);
+        } else {
+            for (int r = o; r < out_dim; r++) {
+                const float *wr = w + (int64_t)r * in_dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+                for (int i = 0; i < in_dim; i++) acc += wr[i] * x[i];
+                y[r] = acc + (bias ? bias[r] : 0.0f);
+            }
         }
     }
     return 0;
