@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gateway.resp import ReplyError, RespConnection, bulk, encode, head
+from gateway.resp import ReplyError, RespConnection, encode
 
 log = logging.getLogger("loraplex.gateway.ratelimit")
 
@@ -135,8 +135,6 @@ local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local maxc = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
-local need = tonumber(ARGV[5])
-local lease = ARGV[6]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h = redis.call('HMGET', kh, 'rq', 'rt', 'tk', 'tt')
@@ -156,57 +154,91 @@ if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
   inflight = redis.call('ZCARD', kc)
 end
-local reason = ''
-local wait = 0
-if rpm > 0 and rq < 1 then
-  reason = 'requests'
-  wait = (1 - rq) * 60000 / rpm
-end
-if tpm > 0 and need > tpm then
-  reason = 'too_large'
-  wait = 60000
-elseif tpm > 0 and tk < need then
-  local w = (need - tk) * 60000 / tpm
-  if w > wait then wait = w end
-  if reason == '' then reason = 'tokens' end
-end
-if maxc > 0 and inflight >= maxc then
-  if reason == '' then reason = 'concurrency' end
-  if wait < 1000 then wait = 1000 end
-end
-if reason == '' then
-  if rpm > 0 then rq = rq - 1 end
-  if tpm > 0 then tk = tk - need end
-  if maxc > 0 then
-    redis.call('ZADD', kc, now + ttl, lease)
-    redis.call('PEXPIRE', kc, ttl + 1000)
+local out = {}
+local slots = {}
+for i = 5, #ARGV, 2 do
+  local need = tonumber(ARGV[i])
+  local reason = ''
+  local wait = 0
+  if rpm > 0 and rq < 1 then
+    reason = 'requests'
+    wait = (1 - rq) * 60000 / rpm
   end
+  if tpm > 0 and need > tpm then
+    reason = 'too_large'
+    wait = 60000
+  elseif tpm > 0 and tk < need then
+    local w = (need - tk) * 60000 / tpm
+    if w > wait then wait = w end
+    if reason == '' then reason = 'tokens' end
+  end
+  if maxc > 0 and inflight >= maxc then
+    if reason == '' then reason = 'concurrency' end
+    if wait < 1000 then wait = 1000 end
+  end
+  if reason == '' then
+    if rpm > 0 then rq = rq - 1 end
+    if tpm > 0 then tk = tk - need end
+    if maxc > 0 then
+      inflight = inflight + 1
+      slots[#slots + 1] = now + ttl
+      slots[#slots + 1] = ARGV[i + 1]
+    end
+  end
+  out[#out + 1] = reason
+  out[#out + 1] = tostring(rq)
+  out[#out + 1] = tostring(tk)
+  out[#out + 1] = tostring(wait)
+end
+if #slots > 0 then
+  redis.call('ZADD', kc, unpack(slots))
+  redis.call('PEXPIRE', kc, ttl + 1000)
 end
 redis.call('HSET', kh, 'rq', tostring(rq), 'rt', now, 'tk', tostring(tk), 'tt', now)
 redis.call('PEXPIRE', kh, 120000)
-return {reason, tostring(rq), tostring(tk), tostring(wait)}
+return out
 """
+"""Acquires ``(need, lease)`` pairs (from ``ARGV[5]`` on) in turn, as many calls one after
+the other would: four strings per pair (reason or '', requests left, tokens left, wait ms)."""
 
 _SETTLE = """
 local kh = KEYS[1]
 local kc = KEYS[2]
 local tpm = tonumber(ARGV[1])
-local refund = tonumber(ARGV[2])
-redis.call('ZREM', kc, ARGV[3])
-if tpm > 0 and refund ~= 0 then
+local leases = {}
+local refunds = {}
+for i = 2, #ARGV, 2 do
+  refunds[#refunds + 1] = tonumber(ARGV[i])
+  leases[#leases + 1] = ARGV[i + 1]
+end
+redis.call('ZREM', kc, unpack(leases))
+local any = false
+for _, refund in ipairs(refunds) do
+  if refund ~= 0 then any = true end
+end
+if tpm > 0 and any then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local h = redis.call('HMGET', kh, 'tk', 'tt')
   local l = tonumber(h[1])
   local s = tonumber(h[2])
   if l == nil or s == nil then l = tpm else l = l + (now - s) * tpm / 60000 end
-  l = l + refund
-  if l > tpm then l = tpm end
+  for _, refund in ipairs(refunds) do
+    if refund ~= 0 then
+      l = l + refund
+      if l > tpm then l = tpm end
+    end
+  end
   redis.call('HSET', kh, 'tk', tostring(l), 'tt', now)
   redis.call('PEXPIRE', kh, 120000)
 end
 return 1
 """
+"""Settles ``(refund, lease)`` pairs (from ``ARGV[2]`` on) in turn: frees each lease's
+slot and returns its unused tokens (a negative refund charges an overshoot)."""
+
+MAX_BATCH = 512
+"""Calls joined into one script call at most (the scripts ``unpack`` their arguments)."""
 
 
 _Command = tuple[Any, list[str], list[Any], bytes]
@@ -214,12 +246,35 @@ _Command = tuple[Any, list[str], list[Any], bytes]
 
 
 def script_call(script: Any, keys: list[str], args: list[Any]) -> _Command:
-    """A ``_Command`` encoded in full (the limiter caches the constant start of its frames)."""
+    """A ``_Command`` encoded in full."""
     return script, keys, args, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
 
 
+class _Batch:
+    """Calls of one script with the same keys and leading arguments made before one flush,
+    sent as a single call that carries the rest of each call's arguments in turn (the
+    scripts loop over them). Redis spends most of a script call on running the script at
+    all; under load dozens of settlements and several acquires share one."""
+
+    __slots__ = ("args", "const", "fut", "keys", "retrying", "script", "size")
+
+    def __init__(self, script: Any, keys: list[str], const: list[Any]) -> None:
+        self.script = script
+        self.keys = keys
+        self.const = const
+        self.args: list[Any] = []
+        self.size = 0
+        self.fut: asyncio.Future[Any] | None = None
+        """The reply (an error reply as an exception *value*)."""
+        self.retrying: asyncio.Future[Any] | None = None
+
+    def command(self) -> _Command:
+        return script_call(self.script, self.keys, [*self.const, *self.args])
+
+
 class _Pipeliner:
-    """Coalesces the script calls issued in one event-loop tick into one Redis round trip.
+    """Coalesces the script calls issued in one event-loop tick into one Redis round trip,
+    and calls of one script with the same keys into one call (``join``).
 
     Under concurrency many requests acquire and settle at the same moment; sending them
     together saves a round trip and the per-command client overhead for each. Over plain
@@ -231,15 +286,33 @@ class _Pipeliner:
         self.redis = redis
         self.scripts = scripts
         self.conn = RespConnection.from_redis(redis)
-        self._pending: list[tuple[_Command, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[_Command | _Batch, asyncio.Future[Any]]] = []
+        self._open: dict[tuple[Any, ...], _Batch] = {}
+        """Batches still taking calls (until the next flush)."""
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def submit(self, cmd: _Command, *, defer_s: float = 0.0) -> asyncio.Future[Any]:
-        """Queue one script call; the future gets its reply (an error reply as an exception
-        *value*). ``defer_s``: it may wait that long for company (settlements ride along with
-        the next acquire instead of costing a round trip of their own)."""
+    def join(self, script: Any, keys: list[str], const: list[Any], args: tuple[Any, ...], *,
+             defer_s: float = 0.0) -> tuple[_Batch, int]:
+        """Add a call of ``script`` to the open batch of its keys and ``const`` leading
+        arguments (opening one if needed): the batch, whose ``fut`` gets the reply to all of
+        them, and this call's index among them. ``defer_s`` as for ``submit``."""
+        key = (script.sha, *keys, *const)
+        batch = self._open.get(key)
+        if batch is None or batch.size >= MAX_BATCH:
+            batch = self._open[key] = _Batch(script, keys, const)
+            batch.fut = self.submit(batch, defer_s=defer_s)
+        elif not defer_s and not self._scheduled:
+            self._schedule()  # a deferred batch goes now that a call cannot wait
+        batch.args += args
+        batch.size += 1
+        return batch, batch.size - 1
+
+    def submit(self, cmd: _Command | _Batch, *, defer_s: float = 0.0) -> asyncio.Future[Any]:
+        """Queue one script call (or batch); the future gets its reply (an error reply as an
+        exception *value*). ``defer_s``: it may wait that long for company (settlements ride
+        along with the next acquire instead of costing a round trip of their own)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((cmd, fut))
@@ -249,19 +322,28 @@ class _Pipeliner:
             if self._timer is None:
                 self._timer = loop.call_later(defer_s, self._flush)
             return fut
-        self._scheduled = True
-        loop.call_soon(self._flush)
+        self._schedule()
         return fut
+
+    def _schedule(self) -> None:
+        self._scheduled = True
+        asyncio.get_running_loop().call_soon(self._flush)
 
     async def call(self, cmd: _Command, *, defer_s: float = 0.0) -> Any:
         """``submit`` and wait: the reply, or the error raised."""
         res = await self.submit(cmd, defer_s=defer_s)
         return await self.retry(cmd, res) if isinstance(res, Exception) else res
 
-    async def retry(self, cmd: _Command, error: Exception) -> Any:
+    async def retry(self, cmd: _Command | _Batch, error: Exception) -> Any:
         """After an error reply: a ``NOSCRIPT`` (Redis restarted or flushed its scripts)
         reloads the scripts and sends ``cmd`` again; any other error is raised. (The hot
-        callers await ``submit`` themselves and come here only on an error.)"""
+        callers await ``submit`` themselves and come here only on an error.) A batch is sent
+        again once, however many of its callers ask."""
+        if isinstance(cmd, _Batch):
+            if cmd.retrying is None:
+                cmd.retrying = asyncio.ensure_future(self.retry(cmd.command(), error))
+                cmd.retrying.add_done_callback(_consume)
+            return await asyncio.shield(cmd.retrying)
         res: Any = error
         if _is_noscript(res):
             await self._load_scripts()
@@ -275,9 +357,11 @@ class _Pipeliner:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch, self._pending = self._pending, []
-        if not batch:
+        pending, self._pending = self._pending, []
+        self._open.clear()
+        if not pending:
             return
+        batch = [(cmd.command() if isinstance(cmd, _Batch) else cmd, fut) for cmd, fut in pending]
         conn = self.conn
         if conn is not None and conn.connected:
             conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
@@ -318,9 +402,10 @@ class _Pipeliner:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch, self._pending = self._pending, []
-        if batch:  # settlements still waiting for company
-            await self._run(batch)
+        pending, self._pending = self._pending, []
+        self._open.clear()
+        if pending:  # settlements still waiting for company
+            await self._run([(cmd.command() if isinstance(cmd, _Batch) else cmd, fut) for cmd, fut in pending])
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.conn is not None:
@@ -328,6 +413,12 @@ class _Pipeliner:
                 with contextlib.suppress(Exception):
                     await self.conn.execute([("PING",)])
             await self.conn.close()
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Mark a shared future's exception retrieved (its callers may all have given up)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _is_noscript(res: Any) -> bool:
@@ -348,26 +439,22 @@ class RedisLimiter:
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self._pipe = _Pipeliner(redis, [self._acquire, self._settle])
-        self._heads: dict[tuple[Any, ...], tuple[list[str], list[Any], bytes]] = {}
+        self._keys: dict[str, list[str]] = {}
         self._lease_ids = LeaseIds()
         self._down_until = 0.0
         self.degraded = False
         self.settle_delay_s = 0.005
         """Settlements wait up to this long to share a round trip with the next acquire."""
 
-    def _head(self, script: Any, tenant: str, const: list[Any], n_var: int) -> tuple[list[str], list[Any], bytes]:
-        """Keys, constant arguments and the encoded frame start of a call, cached per tenant and limits."""
-        key = (script.sha, tenant, *const)
-        hit = self._heads.get(key)
-        if hit is None:
+    def _tenant_keys(self, tenant: str) -> list[str]:
+        """The tenant's bucket hash and concurrency set (built once per tenant)."""
+        keys = self._keys.get(tenant)
+        if keys is None:
+            if len(self._keys) >= 50_000:
+                self._keys.clear()
             base = self.prefix + tenant
-            keys = [base, base + ":c"]
-            hit = (keys, const, head(3 + len(keys) + len(const) + n_var, "EVALSHA", script.sha, len(keys), *keys,
-                                     *const))
-            if len(self._heads) >= 50_000:
-                self._heads.clear()
-            self._heads[key] = hit
-        return hit
+            keys = self._keys[tenant] = [base, base + ":c"]
+        return keys
 
     def _failed(self, exc: BaseException) -> None:
         if not self.degraded:
@@ -386,14 +473,14 @@ class RedisLimiter:
         if self._down_until and time.monotonic() < self._down_until:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         lease_id = self._lease_ids.next()
-        keys, const, frame = self._head(self._acquire, tenant, [limits.requests_per_min, limits.tokens_per_min,
-                                                                limits.max_concurrent, int(lease_ttl_s * 1000)], 2)
-        cmd = (self._acquire, keys, [*const, tokens, lease_id], frame + bulk(tokens) + bulk(lease_id))
+        batch, i = self._pipe.join(self._acquire, self._tenant_keys(tenant),
+                                   [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
+                                    int(lease_ttl_s * 1000)], (tokens, lease_id))
         try:
-            res = await self._pipe.submit(cmd)
+            res = await batch.fut  # type: ignore[misc]
             if isinstance(res, Exception):
-                res = await self._pipe.retry(cmd, res)
-            reason, rq, tk, wait = res
+                res = await self._pipe.retry(batch, res)
+            reason, rq, tk, wait = res[4 * i: 4 * i + 4]
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             self._failed(exc)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
@@ -412,13 +499,12 @@ class RedisLimiter:
         if lease.backend is not self:
             await lease.backend.settle(lease, used_tokens)
             return
-        keys, const, frame = self._head(self._settle, lease.tenant, [lease.tokens_per_min], 2)
-        refund = lease.reserved - used_tokens
-        cmd = (self._settle, keys, [*const, refund, lease.lease_id], frame + bulk(refund) + bulk(lease.lease_id))
+        batch, _ = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
+                                   (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s)
         try:
-            res = await self._pipe.submit(cmd, defer_s=self.settle_delay_s)
+            res = await batch.fut  # type: ignore[misc]
             if isinstance(res, Exception):
-                await self._pipe.retry(cmd, res)
+                await self._pipe.retry(batch, res)
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
             self._failed(exc)

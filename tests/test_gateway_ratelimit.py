@@ -90,6 +90,19 @@ async def test_concurrency_slots_and_expiry_of_dead_holders(limiter):
     assert (await limiter.acquire("acme", limits, 1, 30)).allowed
 
 
+async def test_concurrent_acquires_and_settles_count_like_sequential_ones(limiter):
+    # Calls made together share one script call in Redis: each still sees the ones before it.
+    limits = Limits(requests_per_min=10, tokens_per_min=1000, max_concurrent=4)
+    got = await asyncio.gather(*[limiter.acquire("acme", limits, 100, 30) for _ in range(6)])
+    assert [d.allowed for d in got] == [True] * 4 + [False] * 2
+    assert [d.reason for d in got[4:]] == ["concurrency"] * 2
+    assert [int(d.headers["x-ratelimit-remaining-tokens"]) for d in got[:4]] == [900, 800, 700, 600]
+    await asyncio.gather(*[limiter.settle(d.lease, 10) for d in got[:4]])  # slots freed, 4 x 90 tokens back
+    again = await asyncio.gather(*[limiter.acquire("acme", limits, 100, 30) for _ in range(4)])
+    assert all(d.allowed for d in again)
+    assert 860 <= int(again[0].headers["x-ratelimit-remaining-tokens"]) < 870
+
+
 async def test_unlimited_when_zero(limiter):
     for _ in range(50):
         assert (await limiter.acquire("acme", Limits(), 10**6, 30)).allowed

@@ -9,9 +9,16 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.ratelimit import _Pipeliner, script_call
+from gateway.ratelimit import MAX_BATCH, _Pipeliner, script_call
 from gateway.resp import ReplyError, RespConnection, RespError, encode
 from tests.stub_worker import free_port
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    r = aioredis.from_url(redis_url)
+    yield r
+    await r.aclose()
 
 
 def test_encode():
@@ -44,6 +51,39 @@ async def test_noscript_is_reloaded(redis_url):
         assert await p.call(script_call(script, [], [41])) == 42
         assert await asyncio.gather(*[p.call(script_call(script, [], [i])) for i in range(10)]) == list(range(1, 11))
     finally:
+        await p.close()
+        await r.aclose()
+
+
+async def test_calls_of_one_script_and_keys_join_one_call(redis_url, redis_client):
+    r = aioredis.from_url(redis_url)
+    # Answers with its arguments and how many times it ran (a counter in Redis).
+    script = r.register_script(f"-- {uuid.uuid4().hex}\nlocal n = redis.call('INCR', KEYS[1])\n"
+                               "return {n, unpack(ARGV)}")
+    key = f"batch-{uuid.uuid4().hex}"
+    p = _Pipeliner(r, [script])
+
+    async def call(const, args):
+        batch, i = p.join(script, [key], const, args)
+        res = await batch.fut
+        if isinstance(res, Exception):
+            res = await p.retry(batch, res)
+        return res, i
+
+    try:
+        await redis_client.script_flush()  # the first call of the batch gets NOSCRIPT: reloaded and sent once
+        out = await asyncio.gather(*[call(["c"], (f"a{i}", f"b{i}")) for i in range(5)], call(["d"], ("x", "y")))
+        batched = [res for res, _ in out[:5]]
+        assert all(res == batched[0] for res in batched)
+        assert batched[0][1:] == [b"c"] + [f"{k}{i}".encode() for i in range(5) for k in "ab"]
+        assert [i for _, i in out] == [0, 1, 2, 3, 4, 0]
+        assert out[5][0][1:] == [b"d", b"x", b"y"]  # other leading arguments: a call of its own
+        assert int(await redis_client.get(key)) == 2
+        full = await asyncio.gather(*[call(["c"], (i,)) for i in range(MAX_BATCH + 1)])
+        assert full[-1][1] == 0 and full[-2][1] == MAX_BATCH - 1  # a full batch makes room for another
+        assert int(await redis_client.get(key)) == 4
+    finally:
+        await redis_client.delete(key)
         await p.close()
         await r.aclose()
 
