@@ -143,7 +143,7 @@ class Settings:
     max_model_len: int = 0
     """0: the model's own context length."""
     native_kernels: bool = True
-    """CPU float32: decode attention, multi-LoRA and fused layer steps in C (``engine/csrc``,
+    """CPU float32: decode attention, multi-LoRA, single-row matmuls and fused layer steps in C (``engine/csrc``,
     built on first use with the system compiler into ``~/.cache/loraplex/kernels``); false, or
     no compiler: pure torch."""
     max_loras: int = 8
