@@ -285,6 +285,16 @@ class _AccessRecords:
         self._template: dict[str, Any] | None = None
 
     def emit(self, line: str, now: float) -> None:
+        logger = self.logger
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.propagate and not logger.filters:
+            # The logger's only handler takes plain lines (``loraplex gateway``'s buffered
+            # access log): hand it the line, no record needed.
+            handler = handlers[0]
+            add = getattr(handler, "add_line", None)
+            if add is not None and not handler.filters and handler.level <= logging.INFO:
+                add(line)
+                return
         template = self._template
         if template is None:
             template = self._template = logging.LogRecord(

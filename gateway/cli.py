@@ -21,7 +21,11 @@ class BufferedLines(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        self.add_line(record.getMessage())
+
+    def add_line(self, line: str) -> None:
+        """Take one line as it is (the gateway's access log calls this directly, without a record)."""
+        self.lines.append(line)
         if len(self.lines) >= self.capacity:
             self.flush()
 

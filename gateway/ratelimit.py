@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gateway.resp import ReplyError, RespConnection, encode
+from gateway.resp import ReplyError, RespConnection, bulk, encode
 
 log = logging.getLogger("loraplex.gateway.ratelimit")
 
@@ -256,20 +256,26 @@ class _Batch:
     scripts loop over them). Redis spends most of a script call on running the script at
     all; under load dozens of settlements and several acquires share one."""
 
-    __slots__ = ("args", "const", "fut", "keys", "retrying", "script", "size")
+    __slots__ = ("args", "const", "encoded", "fut", "keys", "prefix", "retrying", "script", "size")
 
-    def __init__(self, script: Any, keys: list[str], const: list[Any]) -> None:
+    def __init__(self, script: Any, keys: list[str], const: list[Any], prefix: bytes) -> None:
         self.script = script
         self.keys = keys
         self.const = const
+        self.prefix = prefix
+        """The encoded ``EVALSHA sha numkeys keys const`` (without the frame's header)."""
         self.args: list[Any] = []
+        self.encoded: list[bytes] = []
+        """The calls' own arguments, encoded as they come."""
         self.size = 0
         self.fut: asyncio.Future[Any] | None = None
         """The reply (an error reply as an exception *value*)."""
         self.retrying: asyncio.Future[Any] | None = None
 
     def command(self) -> _Command:
-        return script_call(self.script, self.keys, [*self.const, *self.args])
+        args = [*self.const, *self.args]
+        frame = b"*%d\r\n" % (3 + len(self.keys) + len(args)) + self.prefix + b"".join(self.encoded)
+        return self.script, self.keys, args, frame
 
 
 class _Pipeliner:
@@ -289,6 +295,7 @@ class _Pipeliner:
         self._pending: list[tuple[_Command | _Batch, asyncio.Future[Any]]] = []
         self._open: dict[tuple[Any, ...], _Batch] = {}
         """Batches still taking calls (until the next flush)."""
+        self._prefixes: dict[tuple[Any, ...], bytes] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -301,11 +308,18 @@ class _Pipeliner:
         key = (script.sha, *keys, *const)
         batch = self._open.get(key)
         if batch is None or batch.size >= MAX_BATCH:
-            batch = self._open[key] = _Batch(script, keys, const)
+            prefix = self._prefixes.get(key)
+            if prefix is None:
+                if len(self._prefixes) >= 10_000:
+                    self._prefixes.clear()
+                prefix = self._prefixes[key] = b"".join([bulk(a) for a in ("EVALSHA", script.sha, len(keys), *keys,
+                                                                           *const)])
+            batch = self._open[key] = _Batch(script, keys, const, prefix)
             batch.fut = self.submit(batch, defer_s=defer_s)
         elif not defer_s and not self._scheduled:
             self._schedule()  # a deferred batch goes now that a call cannot wait
         batch.args += args
+        batch.encoded += map(bulk, args)
         batch.size += 1
         return batch, batch.size - 1
 

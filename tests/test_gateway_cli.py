@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
+from gateway.app import _AccessRecords
+from gateway.cli import BufferedLines
 from gateway.metrics import OTHER, GatewayMetrics
 from loraplex.cli import main
 from loraplex.settings import Settings
@@ -115,3 +121,22 @@ def test_request_metrics_exposition():
                  f'loraplex_gateway_request_seconds_count{{{labels}}} 3.0',
                  f'loraplex_gateway_request_seconds_sum{{{labels}}} 200.305'):
         assert line in text, line
+
+
+def test_access_lines_go_straight_to_a_line_handler_else_through_logging():
+    logger = logging.getLogger(f"test.access.{uuid.uuid4().hex}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    sink = io.StringIO()
+    handler = BufferedLines(sink)
+    logger.addHandler(handler)
+    records = _AccessRecords(logger)
+    with mock.patch.object(BufferedLines, "emit", side_effect=AssertionError("no record expected")):
+        records.emit('{"a":1}', time.time())
+    handler.flush()
+    assert sink.getvalue() == '{"a":1}\n'
+    seen: list[str] = []
+    handler.addFilter(lambda r: seen.append(r.getMessage()) or True)  # a filter needs records
+    records.emit('{"b":2}', time.time())
+    handler.flush()
+    assert seen == ['{"b":2}'] and sink.getvalue() == '{"a":1}\n{"b":2}\n'

@@ -88,6 +88,20 @@ async def test_calls_of_one_script_and_keys_join_one_call(redis_url, redis_clien
         await r.aclose()
 
 
+async def test_a_batch_is_encoded_as_the_call_it_stands_for(redis_url):
+    r = aioredis.from_url(redis_url)
+    script = r.register_script("return 1")
+    p = _Pipeliner(r, [script])
+    try:
+        batch, _ = p.join(script, ["k1", "k2"], [5, "c"], (7, "lease"))
+        assert p.join(script, ["k1", "k2"], [5, "c"], (b"\x00", -9))[0] is batch
+        expected = script_call(script, ["k1", "k2"], [5, "c", 7, "lease", b"\x00", -9])
+        assert batch.command()[2:] == expected[2:]
+    finally:
+        await p.close()
+        await r.aclose()
+
+
 async def test_dead_server_and_silent_server_fail_fast():
     conn = RespConnection("127.0.0.1", free_port(), timeout=0.3)
     with pytest.raises(RespError):
