@@ -203,7 +203,9 @@ class Gateway:
                             status = 502
                             content = orjson.dumps(error_body("the worker failed to answer", "upstream_error",
                                                               "upstream_error"))
-                        ctype = opened.response.headers.get("content-type", "application/json")
+                        resp = opened.response
+                        ctype = getattr(resp, "content_type", None) or resp.headers.get("content-type",
+                                                                                         "application/json")
                         st.finished = True
                         await send({"type": "http.response.start", "status": status,
                                     "headers": _headers(base_headers, ctype.encode("latin-1"),

@@ -111,17 +111,37 @@ class _Body(httpx.AsyncByteStream):
 
 
 class RawResponse:
-    """The minimal response surface the gateway's proxy uses (``httpx.Response`` has the same)."""
+    """The minimal response surface the gateway's proxy uses (``httpx.Response`` has the same).
 
-    __slots__ = ("_stream", "headers", "raw_headers", "status_code")
+    Only what framing needs and the content type are taken from the head when it arrives
+    (a few searches of the lower-cased head, no per-line parsing); ``headers`` and
+    ``raw_headers`` are parsed on first use."""
 
-    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], headers: dict[str, str],
-                 stream: _Body) -> None:
+    __slots__ = ("_head", "_headers", "_stream", "content_type", "status_code")
+
+    def __init__(self, status: int, head: bytes, content_type: str | None, stream: _Body) -> None:
         self.status_code = status
-        self.raw_headers = raw_headers
-        self.headers = headers
-        """Lower-case names (the last value of a repeated header)."""
+        self._head = head
+        self.content_type = content_type
         self._stream = stream
+        self._headers: list[tuple[bytes, bytes]] | None = None
+
+    @property
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """(lower-case name, value) in order."""
+        if self._headers is None:
+            out = []
+            for line in self._head.split(b"\r\n")[1:]:
+                if line:
+                    name, _, value = line.partition(b":")
+                    out.append((name.strip().lower(), value.strip()))
+            self._headers = out
+        return self._headers
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Lower-case names (the last value of a repeated header)."""
+        return {name.decode("latin-1"): value.decode("latin-1") for name, value in self.raw_headers}
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         return self._stream.__aiter__()
@@ -131,6 +151,16 @@ class RawResponse:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+def _field(head: bytes, low: bytes, name: bytes) -> bytes | None:
+    """The value of the last ``name`` header (``name``: ``b"\\r\\nlower-case-name:"``) in
+    ``head``, whose lower-cased copy is ``low``."""
+    i = low.rfind(name)
+    if i < 0:
+        return None
+    i += len(name)
+    return head[i: head.index(b"\r\n", i)].strip()
 
 
 class H11Transport(httpx.AsyncBaseTransport):
@@ -223,37 +253,27 @@ class H11Transport(httpx.AsyncBaseTransport):
 
     def _response(self, key: tuple[str, int], conn: _Conn, raw: bytes) -> RawResponse:
         try:
-            first, _, rest = raw.partition(b"\r\n")
-            parts = first.split(b" ", 2)
+            parts = raw[: raw.index(b"\r\n")].split(b" ", 2)
             if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
                 raise ValueError
             status = int(parts[1])
-            headers: list[tuple[bytes, bytes]] = []
-            by_name: dict[str, str] = {}
-            length: int | None = None
-            chunked = False
+            low = raw.lower()
+            value = _field(raw, low, b"\r\ncontent-length:")
+            length = int(value) if value is not None else None
+            value = _field(low, low, b"\r\ntransfer-encoding:")
+            chunked = value is not None and b"chunked" in value
             keep_alive = parts[0] == b"HTTP/1.1"
-            for line in rest.split(b"\r\n"):
-                if not line:
-                    continue
-                name, _, value = line.partition(b":")
-                value = value.strip()
-                lname = name.strip().lower()
-                if lname == b"content-length":
-                    length = int(value)
-                elif lname == b"transfer-encoding":
-                    chunked = b"chunked" in value.lower()
-                elif lname == b"connection":
-                    v = value.lower()
-                    keep_alive = b"close" not in v and (keep_alive or b"keep-alive" in v)
-                headers.append((lname, value))
-                by_name[lname.decode("latin-1")] = value.decode("latin-1")
+            value = _field(low, low, b"\r\nconnection:")
+            if value is not None:
+                keep_alive = b"close" not in value and (keep_alive or b"keep-alive" in value)
+            value = _field(raw, low, b"\r\ncontent-type:")
+            ctype = value.decode("latin-1") if value is not None else None
         except ValueError:
             conn.close()
             raise httpx.RemoteProtocolError("malformed response from worker") from None
         if status in (204, 304) or 100 <= status < 200:
             length = 0
-        return RawResponse(status, headers, by_name, _Body(self, key, conn, length, chunked, keep_alive))
+        return RawResponse(status, raw, ctype, _Body(self, key, conn, length, chunked, keep_alive))
 
     async def aclose(self) -> None:
         for stack in self._idle.values():
