@@ -172,3 +172,30 @@ async def test_aread_reads_whole_bodies_and_keeps_the_connection():
         await resp.aclose()
         assert srv.connections == 1  # both complete answers left the connection reusable
         await t.aclose()
+
+
+def test_response_heads_are_searched_for_framing_and_parsed_on_demand():
+    class Conn:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    t = H11Transport()
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-A: 1\r\nTransfer-Encoding: chunked\r\n"
+            b"x-a: 2\r\nConnection: keep-alive, close\r\n\r\n")
+    r = t._response(("h", 1), Conn(), head)  # type: ignore[arg-type]
+    body = r._stream
+    assert r.status_code == 200 and r.content_type == "text/event-stream"
+    assert body.chunked and body.length is None and not body.keep_alive
+    assert r.headers == {"content-type": "text/event-stream", "x-a": "2", "transfer-encoding": "chunked",
+                         "connection": "keep-alive, close"}
+    assert r.raw_headers[1:2] == [(b"x-a", b"1")]
+    r = t._response(("h", 1), Conn(), b"HTTP/1.0 404 Not Found\r\ncontent-length: 3\r\nContent-Length: 5\r\n\r\n")
+    assert (r.status_code, r.content_type, r._stream.length, r._stream.keep_alive) == (404, None, 5, False)
+    r = t._response(("h", 1), Conn(), b"HTTP/1.0 204 No Content\r\nconnection: Keep-Alive\r\n\r\n")
+    assert r._stream.length == 0 and r._stream.keep_alive
+    conn = Conn()
+    with pytest.raises(httpx.RemoteProtocolError):
+        t._response(("h", 1), conn, b"SPDY/3 200 OK\r\n\r\n")  # type: ignore[arg-type]
+    assert conn.closed
