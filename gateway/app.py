@@ -250,7 +250,7 @@ class Gateway:
         finally:
             if lease is not None:
                 try:
-                    await self.limiter.settle(lease, used if used is not None else lease.reserved)
+                    self.limiter.settle_nowait(lease, used if used is not None else lease.reserved)
                 except Exception:
                     log.exception("settling the reservation of %s failed", request_id)
             elapsed = time.perf_counter() - t0

@@ -6,7 +6,9 @@ Both limiters implement one interface (``Limiter``):
   concurrency slot and ``tokens`` (prompt estimate + ``max_tokens``) *before* the request
   is admitted, so a concurrent burst can never spend more than the budget;
 * ``settle(lease, used_tokens)`` returns the unused part of the reservation (or charges
-  the overshoot) and frees the concurrency slot.
+  the overshoot) and frees the concurrency slot; ``settle_nowait`` does the same without
+  waiting (the gateway's requests end with it: the Redis limiter sends it before any later
+  acquire of the same replica, or within ``settle_delay_s``).
 
 Requests and tokens are token buckets that refill continuously (capacity = the
 per-minute limit). Concurrency slots are lease ids in a sorted set scored by expiry,
@@ -79,6 +81,9 @@ class Limiter(Protocol):
     async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision: ...
 
     async def settle(self, lease: Lease, used_tokens: int) -> None: ...
+
+    def settle_nowait(self, lease: Lease, used_tokens: int) -> None:
+        """``settle`` without waiting for it to be done (failures are handled by the limiter)."""
 
     async def close(self) -> None: ...
 
@@ -256,7 +261,8 @@ class _Batch:
     scripts loop over them). Redis spends most of a script call on running the script at
     all; under load dozens of settlements and several acquires share one."""
 
-    __slots__ = ("args", "const", "encoded", "fut", "keys", "prefix", "retrying", "script", "size")
+    __slots__ = ("args", "const", "encoded", "fut", "keys", "prefix", "retrying", "script", "size", "waiters",
+                 "watched")
 
     def __init__(self, script: Any, keys: list[str], const: list[Any], prefix: bytes) -> None:
         self.script = script
@@ -268,9 +274,25 @@ class _Batch:
         self.encoded: list[bytes] = []
         """The calls' own arguments, encoded as they come."""
         self.size = 0
-        self.fut: asyncio.Future[Any] | None = None
+        self.fut: asyncio.Future[Any] = None  # type: ignore[assignment]
         """The reply (an error reply as an exception *value*)."""
+        self.waiters: list[asyncio.Future[Any]] = []
+        """The futures of the calls that wait, one each: a caller that gives up cancels its
+        own, never the batch's."""
         self.retrying: asyncio.Future[Any] | None = None
+        self.watched = False
+        """Whether something deals with the batch's failure for callers that do not wait."""
+
+    def resolve(self, fut: asyncio.Future[Any]) -> None:
+        """``fut``'s done-callback: pass the reply (or failure) on to the waiting calls."""
+        exc = fut.exception()
+        res = None if exc is not None else fut.result()
+        for waiter in self.waiters:
+            if not waiter.done():
+                if exc is not None:
+                    waiter.set_exception(exc)
+                else:
+                    waiter.set_result(res)
 
     def command(self) -> _Command:
         args = [*self.const, *self.args]
@@ -301,10 +323,10 @@ class _Pipeliner:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def join(self, script: Any, keys: list[str], const: list[Any], args: tuple[Any, ...], *,
-             defer_s: float = 0.0) -> tuple[_Batch, int]:
+             defer_s: float = 0.0, wait: bool = True) -> tuple[_Batch, int, asyncio.Future[Any] | None]:
         """Add a call of ``script`` to the open batch of its keys and ``const`` leading
-        arguments (opening one if needed): the batch, whose ``fut`` gets the reply to all of
-        them, and this call's index among them. ``defer_s`` as for ``submit``."""
+        arguments (opening one if needed): the batch, this call's index among its calls,
+        and (``wait``) a future of its own for the batch's reply. ``defer_s`` as for ``submit``."""
         key = (script.sha, *keys, *const)
         batch = self._open.get(key)
         if batch is None or batch.size >= MAX_BATCH:
@@ -316,12 +338,17 @@ class _Pipeliner:
                                                                            *const)])
             batch = self._open[key] = _Batch(script, keys, const, prefix)
             batch.fut = self.submit(batch, defer_s=defer_s)
+            batch.fut.add_done_callback(batch.resolve)
         elif not defer_s and not self._scheduled:
             self._schedule()  # a deferred batch goes now that a call cannot wait
         batch.args += args
         batch.encoded += map(bulk, args)
         batch.size += 1
-        return batch, batch.size - 1
+        fut = None
+        if wait:
+            fut = batch.fut.get_loop().create_future()
+            batch.waiters.append(fut)
+        return batch, batch.size - 1, fut
 
     def submit(self, cmd: _Command | _Batch, *, defer_s: float = 0.0) -> asyncio.Future[Any]:
         """Queue one script call (or batch); the future gets its reply (an error reply as an
@@ -342,6 +369,12 @@ class _Pipeliner:
     def _schedule(self) -> None:
         self._scheduled = True
         asyncio.get_running_loop().call_soon(self._flush)
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` as a task that ``close`` waits for."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def call(self, cmd: _Command, *, defer_s: float = 0.0) -> Any:
         """``submit`` and wait: the reply, or the error raised."""
@@ -380,9 +413,7 @@ class _Pipeliner:
         if conn is not None and conn.connected:
             conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
             return
-        task = asyncio.get_running_loop().create_task(self._run(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(self._run(batch))
 
     async def _run(self, batch: list[tuple[_Command, asyncio.Future[Any]]]) -> None:
         """The slow path: connect first, or go through redis-py (TLS, unix sockets)."""
@@ -487,11 +518,11 @@ class RedisLimiter:
         if self._down_until and time.monotonic() < self._down_until:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         lease_id = self._lease_ids.next()
-        batch, i = self._pipe.join(self._acquire, self._tenant_keys(tenant),
-                                   [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
-                                    int(lease_ttl_s * 1000)], (tokens, lease_id))
+        batch, i, fut = self._pipe.join(self._acquire, self._tenant_keys(tenant),
+                                        [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
+                                         int(lease_ttl_s * 1000)], (tokens, lease_id))
         try:
-            res = await batch.fut  # type: ignore[misc]
+            res = await fut  # type: ignore[misc]
             if isinstance(res, Exception):
                 res = await self._pipe.retry(batch, res)
             reason, rq, tk, wait = res[4 * i: 4 * i + 4]
@@ -513,14 +544,47 @@ class RedisLimiter:
         if lease.backend is not self:
             await lease.backend.settle(lease, used_tokens)
             return
-        batch, _ = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
-                                   (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s)
+        batch, _, fut = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
+                                        (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s)
         try:
-            res = await batch.fut  # type: ignore[misc]
+            res = await fut  # type: ignore[misc]
             if isinstance(res, Exception):
                 await self._pipe.retry(batch, res)
         except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
             # The concurrency slot expires by itself; the token refund is lost (conservative).
+            self._failed(exc)
+
+    def settle_nowait(self, lease: Lease, used_tokens: int) -> None:
+        """``settle`` without waiting for Redis: the request is answered, nothing depends on
+        the reply, and a request task that ends at once holds its objects that much less.
+        A failed batch of settlements is dealt with once, as ``settle`` would (a NOSCRIPT
+        resends it, anything else turns the limiter to its fallback for a while)."""
+        if lease.settled:
+            return
+        if lease.backend is not self:
+            lease.backend.settle_nowait(lease, used_tokens)
+            return
+        lease.settled = True
+        batch, _, _ = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
+                                      (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s,
+                                      wait=False)
+        if not batch.watched:
+            batch.watched = True
+            batch.fut.add_done_callback(lambda fut: self._settled(batch, fut))
+
+    def _settled(self, batch: _Batch, fut: asyncio.Future[Any]) -> None:
+        res = fut.exception() or fut.result()
+        if not isinstance(res, Exception):
+            return
+        if _is_noscript(res):
+            self._pipe.spawn(self._settle_again(batch, res))
+        else:
+            self._failed(res)
+
+    async def _settle_again(self, batch: _Batch, error: Exception) -> None:
+        try:
+            await self._pipe.retry(batch, error)
+        except Exception as exc:
             self._failed(exc)
 
     async def close(self) -> None:
@@ -603,6 +667,9 @@ class LocalLimiter:
         return _decision(not reason, lease, limits, reason, rq, tk, wait)
 
     async def settle(self, lease: Lease, used_tokens: int) -> None:
+        self.settle_nowait(lease, used_tokens)
+
+    def settle_nowait(self, lease: Lease, used_tokens: int) -> None:
         lease.settled = True
         b = self._buckets.get(lease.tenant)
         if b is None:

@@ -219,9 +219,14 @@ async def test_burst_through_gateway_admits_within_token_budget(redis_url, redis
         for k in ("retry-after", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
                   "x-ratelimit-reset-tokens"):
             assert k in r.headers
-        # Settled to actual usage (10 tokens each in the mock): the budget is mostly back.
+        # Settled to actual usage (10 tokens each in the mock): the budget is mostly back. The
+        # settlements are not waited for, but go to Redis before the next request's reservation.
+        r = await c.post("/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 200
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 3000 - 10 * len(ok) - reserve - 1
+        await asyncio.sleep(0.05)  # and within a few milliseconds anyway
         left = float(await redis_client.hget(f"{redis_prefix}:rl:acme", "tk"))
-        assert left >= 3000 - 10 * len(ok) - 1
+        assert left >= 3000 - 10 * (len(ok) + 1) - 1
 
 
 async def test_streaming_reservation_settles_to_actual_usage(redis_url, redis_prefix, redis_client):
@@ -235,10 +240,13 @@ async def test_streaming_reservation_settles_to_actual_usage(redis_url, redis_pr
         r = await c.post("/v1/chat/completions", json=body, headers=h)
         assert r.status_code == 200 and "[DONE]" in r.text
         assert '"usage"' not in r.text  # the client did not ask for it
-        left = float(await redis_client.hget(f"{redis_prefix}:rl:acme", "tk"))
-        assert left >= 100_000 - 10 - 1  # 10 = usage reported by the worker, not the 5000+ reserved
         r = await c.post("/v1/chat/completions", json=body | {"stream_options": {"include_usage": True}}, headers=h)
         assert '"usage"' in r.text
+        # 10 = usage reported by the worker, not the 5000+ reserved (settled before this reservation)
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 100_000 - 10 - 5074 - 1
+        await asyncio.sleep(0.05)
+        left = float(await redis_client.hget(f"{redis_prefix}:rl:acme", "tk"))
+        assert left >= 100_000 - 2 * 10 - 1
 
 
 async def test_new_limits_from_snapshot_apply_immediately(redis_url, redis_prefix):
@@ -309,3 +317,44 @@ async def test_scripts_are_reloaded_after_a_flush(redis_client, redis_url, redis
     finally:
         await lim.close()
         await r.aclose()
+
+
+async def test_settlements_not_waited_for_are_applied_and_survive_a_script_flush(redis_client, redis_url,
+                                                                                 redis_prefix):
+    r = aioredis.from_url(redis_url)
+    lim = RedisLimiter(r, redis_prefix)
+    limits = Limits(tokens_per_min=1000, max_concurrent=2)
+    try:
+        a, b = await asyncio.gather(lim.acquire("acme", limits, 100, 30), lim.acquire("acme", limits, 100, 30))
+        await redis_client.script_flush()  # as after a Redis restart: the batch is sent again
+        lim.settle_nowait(a.lease, 10)
+        lim.settle_nowait(b.lease, 10)
+        lim.settle_nowait(b.lease, 10)  # settled once only
+        d = await lim.acquire("acme", limits, 100, 30)  # after the settlements, in order
+        assert d.allowed and not lim.degraded
+        assert 1000 - 2 * 10 - 100 <= int(d.headers["x-ratelimit-remaining-tokens"]) < 1000 - 2 * 10 - 100 + 5
+        assert await redis_client.zcard(f"{redis_prefix}:rl:acme:c") == 1
+    finally:
+        await lim.close()
+        await r.aclose()
+
+
+async def test_settlements_not_waited_for_turn_to_the_fallback_when_redis_fails(redis_url, redis_prefix):
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    r = aioredis.from_url(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.3, socket_connect_timeout=0.3)
+    lim = RedisLimiter(r, redis_prefix)
+    try:
+        d = await lim.acquire("acme", Limits(tokens_per_min=1000), 100, 30)
+        await proxy.stop()
+        lim.settle_nowait(d.lease, 10)
+        for _ in range(100):
+            if lim.degraded:
+                break
+            await asyncio.sleep(0.02)
+        assert lim.degraded
+    finally:
+        await lim.close()
+        await r.aclose()
+        with contextlib.suppress(Exception):
+            await proxy.stop()

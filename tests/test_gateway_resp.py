@@ -64,8 +64,8 @@ async def test_calls_of_one_script_and_keys_join_one_call(redis_url, redis_clien
     p = _Pipeliner(r, [script])
 
     async def call(const, args):
-        batch, i = p.join(script, [key], const, args)
-        res = await batch.fut
+        batch, i, fut = p.join(script, [key], const, args)
+        res = await fut
         if isinstance(res, Exception):
             res = await p.retry(batch, res)
         return res, i
@@ -82,6 +82,13 @@ async def test_calls_of_one_script_and_keys_join_one_call(redis_url, redis_clien
         full = await asyncio.gather(*[call(["c"], (i,)) for i in range(MAX_BATCH + 1)])
         assert full[-1][1] == 0 and full[-2][1] == MAX_BATCH - 1  # a full batch makes room for another
         assert int(await redis_client.get(key)) == 4
+        # A caller that gives up (a request cancelled while it waits) leaves the others be.
+        first = asyncio.ensure_future(call(["c"], ("gone",)))
+        second = asyncio.ensure_future(call(["c"], ("stays",)))
+        await asyncio.sleep(0)
+        first.cancel()
+        res, i = await second
+        assert i == 1 and res[1:] == [b"c", b"gone", b"stays"] and first.cancelled()
     finally:
         await redis_client.delete(key)
         await p.close()
@@ -93,7 +100,7 @@ async def test_a_batch_is_encoded_as_the_call_it_stands_for(redis_url):
     script = r.register_script("return 1")
     p = _Pipeliner(r, [script])
     try:
-        batch, _ = p.join(script, ["k1", "k2"], [5, "c"], (7, "lease"))
+        batch, _, _ = p.join(script, ["k1", "k2"], [5, "c"], (7, "lease"))
         assert p.join(script, ["k1", "k2"], [5, "c"], (b"\x00", -9))[0] is batch
         expected = script_call(script, ["k1", "k2"], [5, "c", 7, "lease", b"\x00", -9])
         assert batch.command()[2:] == expected[2:]
