@@ -31,6 +31,8 @@ from loraplex.wire import HDR_REQUEST_ID, error_body
 log = logging.getLogger("loraplex.gateway.proxy")
 
 _JSON = {"content-type": "application/json"}
+_JSON_AND_ID = b"content-type: application/json\r\n" + HDR_REQUEST_ID.encode() + b": "
+"""The start of the headers the gateway sends with a request (the request id follows)."""
 
 
 @dataclass(slots=True)
@@ -69,8 +71,7 @@ class Upstream:
         client has one, else through httpx. Returns the awaitable itself (no frame of its own)."""
         if self.fast is not None and worker.url.startswith("http://"):
             host, port, prefix = self._target(worker.url)
-            extra = b"content-type: application/json\r\n" + HDR_REQUEST_ID.encode() + b": " \
-                + request_id.encode("latin-1") + b"\r\n"
+            extra = _JSON_AND_ID + request_id.encode("latin-1") + b"\r\n"
             return self.fast.post(host, port, prefix + path, extra, payload)
         req = self.client.build_request("POST", worker.url + path, content=payload,
                                         headers={"content-type": "application/json", HDR_REQUEST_ID: request_id})
