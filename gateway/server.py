@@ -209,8 +209,9 @@ class _Exchange:
         values = []
         length = None
         chunked = close = False
+        names = _NAMES
         for raw_name, value in headers:
-            name, kind = _name(raw_name)
+            name, kind = names.get(raw_name) or _name(raw_name)
             values.append(value)
             if kind:
                 if kind == _LENGTH and length is None and not chunked:
@@ -274,7 +275,8 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
         self._out_size = 0
-        self._flush_scheduled = False
+        self._flush: asyncio.Handle | None = None
+        """The end-of-step flush, while one is due."""
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_size = 0
@@ -384,12 +386,13 @@ class GatewayHttpProtocol(asyncio.Protocol):
             self._out_size += len(data)
         if now or self._out_size >= FLUSH_AT_BYTES:
             self.flush()
-        elif self._out and not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self.flush)
+        elif self._out and self._flush is None:
+            self._flush = self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        self._flush_scheduled = False
+        if self._flush is not None:
+            self._flush.cancel()  # (a no-op when it is the one running)
+            self._flush = None
         out = self._out
         if not out:
             return
