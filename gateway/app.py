@@ -69,6 +69,8 @@ class Gateway:
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
                                  on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
+        self._limits: dict[tuple[int, int, int], Limits] = {}
+        """One ``Limits`` per distinct set of tenant limits (built once, not per request)."""
         self.log_enabled = True
         self.sweeper = _Sweeper()
         self.traffic: AdapterTraffic | None = None
@@ -149,9 +151,13 @@ class Gateway:
             base_headers[HDR_ADAPTER] = res.label
             if res.fallback:
                 base_headers[HDR_FALLBACK] = "binding-disabled"
-            decision = await self.limiter.acquire(
-                tenant.slug, Limits(tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent),
-                req.reserve_tokens, self.lease_ttl_s)
+            key = (tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent)
+            limits = self._limits.get(key)
+            if limits is None:
+                if len(self._limits) >= 10_000:
+                    self._limits.clear()
+                limits = self._limits[key] = Limits(*key)
+            decision = await self.limiter.acquire(tenant.slug, limits, req.reserve_tokens, self.lease_ttl_s)
             base_headers.update(decision.headers)
             if not decision.allowed:
                 self.metrics.limited(tenant.slug, decision.reason)
@@ -173,7 +179,10 @@ class Gateway:
                 "request_id": request_id,
             }
             payload = orjson.dumps(body)
-            workers = await self.router.route(res.base_model, res.adapter.id if res.adapter else None)
+            router = self.router
+            adapter_id = res.adapter.id if res.adapter else None
+            workers = await router.route(res.base_model, adapter_id) if router.due() else \
+                router.choose(res.base_model, adapter_id)
             guard = _Guard(receive, st, s.request_timeout_s, self.sweeper)
             try:
                 opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)

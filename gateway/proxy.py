@@ -25,7 +25,7 @@ import orjson
 
 from gateway.errors import GatewayError
 from gateway.router import Router, Worker
-from gateway.transport import H11Transport
+from gateway.transport import H11Transport, RawResponse
 from loraplex.wire import HDR_REQUEST_ID, error_body
 
 log = logging.getLogger("loraplex.gateway.proxy")
@@ -131,7 +131,11 @@ class Upstream:
 
     async def done(self, opened: Opened) -> None:
         opened.worker.inflight -= 1
-        await opened.response.aclose()
+        resp = opened.response
+        if isinstance(resp, RawResponse):
+            resp.close()
+        else:
+            await resp.aclose()
 
 
 def _message(body: bytes) -> str:

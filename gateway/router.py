@@ -172,9 +172,18 @@ class Router:
 
     async def route(self, base_model: str, adapter_id: str | None) -> list[Worker]:
         """Workers to try, best first: preferred candidates, then the least-loaded others."""
-        if time.monotonic() - self._refreshed >= self.refresh_s:
+        if self.due():
             await self._maybe_refresh()
-        now = time.time()
+        return self.choose(base_model, adapter_id)
+
+    def due(self) -> bool:
+        """Whether the live set is due for a refresh (``route`` starts one)."""
+        return time.monotonic() - self._refreshed >= self.refresh_s
+
+    def choose(self, base_model: str, adapter_id: str | None) -> list[Worker]:
+        """``route`` from the live set as it is (the request path calls it directly, without a
+        coroutine, while no refresh is due)."""
+        now = time.time() if self._failed else 0.0
         pool = self._pool(base_model)
         if self._failed:
             pool = [w for w in pool if self._usable(w, now)]

@@ -100,7 +100,8 @@ class _Body(httpx.AsyncByteStream):
         self.complete = True
         return data
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Give the connection back (a body read to its end) or close it."""
         conn, self.conn = self.conn, None
         if conn is None:
             return
@@ -108,6 +109,9 @@ class _Body(httpx.AsyncByteStream):
             self.pool._release(self.key, conn)
         else:
             conn.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class RawResponse:
@@ -149,8 +153,12 @@ class RawResponse:
     def aread(self) -> Awaitable[bytes]:
         return self._stream.read_all()
 
+    def close(self) -> None:
+        """``aclose`` without a coroutine (nothing in it waits)."""
+        self._stream.close()
+
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        self._stream.close()
 
 
 def _field(head: bytes, low: bytes, name: bytes) -> bytes | None:
