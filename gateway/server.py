@@ -56,7 +56,6 @@ FLUSH_AT_BYTES = 65536
 """Buffered response bytes that are sent at once instead of at the end of the loop step."""
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-_DISCONNECT = {"type": "http.disconnect"}
 _STATUS_LINES = {code: f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\n".encode()
                  for code in (s.value for s in http.HTTPStatus)}
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
@@ -159,7 +158,7 @@ class _Exchange:
                 await self.waiter
             finally:
                 self.waiter = None
-        return _DISCONNECT
+        return {"type": "http.disconnect"}
 
     async def send(self, message: dict[str, Any]) -> None:
         conn = self.conn
