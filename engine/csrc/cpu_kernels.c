@@ -187,6 +187,26 @@ int loraplex_decode_attention_f32(
     return failed ? -2 : 0;
 }
 
+/* s[k] = m[k] . x for the four rows m[0..3] (row stride ld) of a matrix: four independent
+ * accumulators, x read once per element for all four. */
+static inline void dot4(const float *m, int64_t ld, const float *x, int n, float s[4])
+{
+    const float *m0 = m, *m1 = m0 + ld, *m2 = m1 + ld, *m3 = m2 + ld;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+    for (int i = 0; i < n; i++) {
+        const float xi = x[i];
+        s0 += m0[i] * xi;
+        s1 += m1[i] * xi;
+        s2 += m2[i] * xi;
+        s3 += m3[i] * xi;
+    }
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+}
+
 /* One row's LoRA for one projection: yr[0:out_dim] += B (scale * A xr). */
 static inline void lora_row(const float *xr, float *yr, const float *as, const float *bs, float sc,
                             int b_transposed, int in_dim, int out_dim, int rank)
@@ -195,20 +215,9 @@ static inline void lora_row(const float *xr, float *yr, const float *as, const f
     /* shrink, four rows of A at a time (independent accumulators) */
     int j = 0;
     for (; j + 4 <= rank; j += 4) {
-        const float *a0 = as + (int64_t)j * in_dim, *a1 = a0 + in_dim, *a2 = a1 + in_dim, *a3 = a2 + in_dim;
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+:s0, s1, s2, s3)
-        for (int i = 0; i < in_dim; i++) {
-            const float xi = xr[i];
-            s0 += a0[i] * xi;
-            s1 += a1[i] * xi;
-            s2 += a2[i] * xi;
-            s3 += a3[i] * xi;
-        }
-        t[j] = s0 * sc;
-        t[j + 1] = s1 * sc;
-        t[j + 2] = s2 * sc;
-        t[j + 3] = s3 * sc;
+        float s4[4];
+        dot4(as + (int64_t)j * in_dim, in_dim, xr, in_dim, s4);
+        for (int k = 0; k < 4; k++) t[j + k] = s4[k] * sc;
     }
     for (; j < rank; j++) {
         const float *aj = as + (int64_t)j * in_dim;
@@ -284,20 +293,9 @@ int loraplex_gemv_f32(
     for (int blk = 0; blk < blocks; blk++) {
         const int o = blk * 4;
         if (o + 4 <= out_dim) {
-            const float *w0 = w + (int64_t)o * in_dim, *w1 = w0 + in_dim, *w2 = w1 + in_dim, *w3 = w2 + in_dim;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+:s0, s1, s2, s3)
-            for (int i = 0; i < in_dim; i++) {
-                const float xi = x[i];
-                s0 += w0[i] * xi;
-                s1 += w1[i] * xi;
-                s2 += w2[i] * xi;
-                s3 += w3[i] * xi;
-            }
-            y[o] = s0 + (bias ? bias[o] : 0.0f);
-            y[o + 1] = s1 + (bias ? bias[o + 1] : 0.0f);
-            y[o + 2] = s2 + (bias ? bias[o + 2] : 0.0f);
-            y[o + 3] = s3 + (bias ? bias[o + 3] : 0.0f);
+            float s4[4];
+            dot4(w + (int64_t)o * in_dim, in_dim, x, in_dim, s4);
+            for (int k = 0; k < 4; k++) y[o + k] = s4[k] + (bias ? bias[o + k] : 0.0f);
         } else {
             for (int r = o; r < out_dim; r++) {
                 const float *wr = w + (int64_t)r * in_dim;
