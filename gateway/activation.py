@@ -7,12 +7,18 @@ with the base model and with the adapter (``POST /internal/adapters/probe``):
 
 * the adapter's outputs must differ from the base model's on at least one probe —
   an adapter that changes nothing did not load, or is the wrong file;
+* its outputs must be answers: an empty (or whitespace-only) answer to any prompt, or one
+  and the same answer to every prompt while the base model's differ, fails it;
+* a worker's engine failing during the probe fails it, and the gate stops there (only a
+  worker that cannot be reached hands the probe to the next one);
 * where the operator attached an evaluation set (``{"cases": [{"prompt", "expect"}],
   "threshold": 0.8}``, ``expect`` a regular expression searched in the adapter's
   answer), the share of matching answers must reach the threshold.
 
-The outcome (worker, probe outputs, eval score, reason) is recorded on the version
-(``verification``) and in the audit log; a refusal marks the version ``failed``.
+The outcome (worker, probe prompts with base and adapter outputs, eval score and the failed
+cases with the adapter's answers, reason) is recorded on the version (``verification``) and
+in the audit log; a refusal marks the version ``failed``, and activating it again re-runs
+the gate.
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ def _eval_set(raw: Any) -> tuple[list[tuple[str, re.Pattern[str]]], float] | Non
     return cases, float(threshold)
 
 
+_BEFORE_ANSWER = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Transport failures that mean the worker never took the probe: the next worker may try."""
+
+
 class ActivationGate:
     def __init__(self, settings: Settings, router: Router, client: httpx.AsyncClient, *,
                  probes: tuple[str, ...] = DEFAULT_PROBES, max_tokens: int = 32, timeout_s: float = 300.0) -> None:
@@ -92,7 +102,12 @@ class ActivationGate:
         self.timeout_s = timeout_s
 
     async def __call__(self, adapter: dict[str, Any], request: dict[str, Any]) -> GateResult:
-        """Probe ``adapter`` (a registry adapter record) on a worker; ``request`` is the activate body."""
+        """Probe ``adapter`` (a registry adapter record) on a worker; ``request`` is the activate body.
+
+        Only a worker that cannot be reached hands the probe to the next one; once a worker
+        has taken it, its answer (a verdict, or an engine failure) is final: an adapter that
+        breaks one worker's engine is not tried on another.
+        """
         evaluation = _eval_set(request.get("eval"))
         ref = AdapterRef(id=adapter["id"], name=f"{adapter['name']}@{adapter['version']}", uri=adapter["uri"],
                          sha256=adapter.get("sha256"), rank=int(adapter.get("rank") or 0))
@@ -109,45 +124,102 @@ class ActivationGate:
                 r = await self.client.post(worker.url + "/internal/adapters/probe", json=body,
                                            headers={HDR_WORKER_SECRET: self.settings.worker_secret},
                                            timeout=self.timeout_s)
-            except httpx.HTTPError as exc:
+            except _BEFORE_ANSWER as exc:
                 self.router.mark_failed(worker)
                 last_error = f"worker {worker.id}: {type(exc).__name__}"
                 continue
-            if r.status_code == 422:  # the worker could not load the adapter: a verdict, not an outage
-                reason = _message(r) or "the worker could not load the adapter"
-                return GateResult(False, f"load failed: {reason}",
-                                  {"worker": worker.id, "passed": False, "reason": f"load failed: {reason}"})
-            if r.status_code != 200:
-                last_error = f"worker {worker.id}: HTTP {r.status_code}: {_message(r)}"
-                continue
-            return self._judge(worker.id, r.json(), evaluation, time.monotonic() - t0)
+            except httpx.HTTPError as exc:  # it took the probe and broke off (crashed, hung)
+                self.router.mark_failed(worker)
+                return _failed(worker.id, f"worker {worker.id} broke off during the probe ({type(exc).__name__})",
+                               error={"message": str(exc) or type(exc).__name__})
+            return self._verdict(worker.id, r, prompts, evaluation, time.monotonic() - t0)
         raise NoVerifier(f"could not verify the adapter: {last_error}")
 
-    def _judge(self, worker_id: str, data: dict[str, Any],
+    def _verdict(self, worker_id: str, r: httpx.Response, prompts: list[str],
+                 evaluation: tuple[list[tuple[str, re.Pattern[str]]], float] | None, seconds: float) -> GateResult:
+        """What one worker's answer to the probe says about the adapter."""
+        error = {"status": r.status_code, "code": _code(r), "message": _message(r)}
+        if r.status_code == 422:  # the worker could not load the adapter
+            return _failed(worker_id, f"load failed: {error['message'] or 'the worker could not load the adapter'}",
+                           error=error)
+        if r.status_code == 503 and error["code"] == "queue_full":
+            raise NoVerifier(f"worker {worker_id} is too busy to run the probe; retry: {error['message']}",
+                             code="worker_busy")
+        if r.status_code == 400:  # an eval prompt the worker cannot take (too long, template)
+            raise GateError(f"the worker refused the probe prompts: {error['message']}", param="eval")
+        if 400 < r.status_code < 500:  # secret, routes: the worker's set-up, not the adapter
+            raise NoVerifier(f"worker {worker_id} refused the probe (HTTP {r.status_code}: {error['message']}); "
+                             f"check its worker secret and LoRA settings", code="verifier_refused")
+        if r.status_code != 200:
+            code = f" {error['code']}" if error["code"] else ""
+            return _failed(worker_id, f"the engine failed during the probe (HTTP {r.status_code}{code}: "
+                                      f"{error['message']})", error=error)
+        try:
+            data = r.json()
+            results = data["results"]
+            texts = [(str(x.get("base") or ""), str(x.get("adapter") or "")) for x in results]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return _failed(worker_id, "the worker's probe answer is malformed", error=error | {"status": 200})
+        if len(texts) != len(prompts):
+            return _failed(worker_id, f"the worker answered {len(texts)} of {len(prompts)} probe prompts")
+        return self._judge(worker_id, prompts, texts, data.get("adapter_load_ms"), evaluation, seconds)
+
+    def _judge(self, worker_id: str, prompts: list[str], texts: list[tuple[str, str]], load_ms: Any,
                evaluation: tuple[list[tuple[str, re.Pattern[str]]], float] | None, seconds: float) -> GateResult:
-        results = data.get("results") or []
-        probes = results[:len(self.probes)]
-        differ = sum(1 for p in probes if p.get("adapter") != p.get("base"))
+        n = len(self.probes)
+        probes = [{"prompt": p, "base": b, "adapter": a} for p, (b, a) in zip(prompts[:n], texts[:n], strict=True)]
+        differ = sum(1 for p in probes if p["adapter"] != p["base"])
         verification: dict[str, Any] = {
             "worker": worker_id, "probes": probes, "probes_differing": differ,
-            "adapter_load_ms": data.get("adapter_load_ms"), "seconds": round(seconds, 3),
+            "adapter_load_ms": load_ms, "seconds": round(seconds, 3),
         }
-        reason = None
-        if differ == 0:
+        reason = _degenerate(prompts, texts)
+        if reason is None and differ == 0:
             reason = "the adapter's outputs equal the base model's on every probe (not loaded, or the wrong file)"
         if evaluation is not None:
             cases, threshold = evaluation
-            answers = results[len(self.probes):]
-            hits = [bool(rx.search(a.get("adapter", ""))) for (_, rx), a in zip(cases, answers, strict=False)]
-            score = sum(hits) / len(cases)
+            failed_cases = []
+            for (prompt, rx), (_, answer) in zip(cases, texts[n:], strict=True):
+                if not rx.search(answer):
+                    failed_cases.append({"prompt": prompt, "expect": rx.pattern, "adapter": answer})
+            matched = len(cases) - len(failed_cases)
+            score = matched / len(cases)
             verification["eval"] = {"score": round(score, 4), "threshold": threshold, "cases": len(cases),
-                                    "matched": sum(hits)}
+                                    "matched": matched, "failed_cases": failed_cases}
             if reason is None and score < threshold:
                 reason = f"eval score {score:.2f} is below the threshold {threshold:.2f}"
         verification["passed"] = reason is None
         if reason:
             verification["reason"] = reason
         return GateResult(reason is None, reason, verification)
+
+
+def _degenerate(prompts: list[str], texts: list[tuple[str, str]]) -> str | None:
+    """Why the adapter's answers are no answers at all (empty, or one text for every prompt)."""
+    empty = [p for p, (_, a) in zip(prompts, texts, strict=True) if not a.strip()]
+    if empty:
+        return (f"degenerate output: the adapter answered nothing (empty or whitespace) to {len(empty)} of "
+                f"{len(prompts)} prompts, e.g. {empty[0]!r}")
+    answers = {a.strip() for _, a in texts}
+    if len(set(prompts)) > 1 and len(answers) == 1 and len({b.strip() for b, _ in texts}) > 1:
+        return (f"degenerate output: the adapter gives the same answer to every prompt "
+                f"({next(iter(answers))[:80]!r}) while the base model's answers differ")
+    return None
+
+
+def _failed(worker_id: str, reason: str, *, error: dict[str, Any] | None = None) -> GateResult:
+    verification: dict[str, Any] = {"worker": worker_id, "passed": False, "reason": reason}
+    if error is not None:
+        verification["error"] = error
+    return GateResult(False, reason, verification)
+
+
+def _code(r: httpx.Response) -> str | None:
+    try:
+        code = r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return str(code) if code is not None else None
 
 
 def _message(r: httpx.Response) -> str:

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
-from registry.errors import Conflict, Invalid, RegistryError
+from registry.errors import Invalid, RegistryError
 from registry.service import DIMENSIONS, RegistryService
 
 log = logging.getLogger("loraplex.registry.admin")
@@ -112,12 +112,16 @@ ACTIVATE = _obj({
     "verification": {**OBJ, "description": "results to record (only without an activation gate)"},
     "eval": {**OBJ, "description": "evaluation set for the gate: {cases: [{prompt, expect (regex)}], threshold}"},
 })
-DISABLE_ADAPTER = _obj({"reason": STR})
+DISABLE_ADAPTER = _obj({"reason": STR, "force": {**BOOL, "description": "also disable the bindings active on "
+                                                                   "it and abort canaries on it (default: "
+                                                                   "refuse while bindings use it)"}})
 FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
 BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
 CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT}, ("adapter", "percent"))
 CANARY_SET = _obj({"percent": PERCENT}, ("percent",))
-BINDING_TOGGLE = _obj({"on_disabled": ON_DISABLED})
+BINDING_TOGGLE = _obj({"on_disabled": {**ON_DISABLED, "description": "while disabled: answer with the base "
+                                                                    "model ('base') or refuse ('refuse'); "
+                                                                    "a disable without it refuses"}})
 
 RESPONSES: dict[str, dict[str, Any]] = {
     "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "created_at": STR, "updated_at": STR}),
@@ -128,7 +132,9 @@ RESPONSES: dict[str, dict[str, Any]] = {
                      "target_modules": {"type": "array", "items": STR}, "owner_tenant": {"type": ["string", "null"]},
                      "status": {"type": "string", "enum": ["pending", "active", "disabled", "failed"]},
                      "status_reason": {"type": ["string", "null"]}, "verification": {"type": ["object", "null"]},
-                     "created_at": STR}),
+                     "created_at": STR,
+                     "detached": {"type": "array", "description": "bindings a forced disable changed",
+                                  "items": _obj({"tenant": STR, "alias": STR, "role": STR})}}),
     "Binding": _obj({"tenant": STR, "alias": STR, "base_model": STR, "active": {"$ref": "#/components/schemas/AdapterRef"},
                      "previous": {"$ref": "#/components/schemas/AdapterRef"},
                      "canary": {"$ref": "#/components/schemas/AdapterRef"}, "canary_percent": NUM, "enabled": BOOL,
@@ -211,21 +217,23 @@ async def _adapter_activate(c: Call) -> Any:
     adapter = await c.service.get_adapter(c.path["ref"])
     if adapter["status"] == "active":
         return adapter
-    if adapter["status"] == "disabled":  # it passed the gate before it was disabled
-        return await c.service.activate_adapter(adapter["id"], actor=c.actor)
-    if adapter["status"] != "pending":
-        raise Conflict(f"adapter {adapter['name']}@{adapter['version']} is {adapter['status']}; only a pending "
-                       f"version is verified and activated", code="not_pending")
+    # pending, failed (a retry) or disabled: the gate runs again on the version as it is now
     result = await c.gate(adapter, c.body)
     if not result.passed:
-        await c.service.fail_adapter(adapter["id"], reason=result.reason, verification=result.verification,
-                                     actor=c.actor)
-        raise Invalid(f"activation refused: {result.reason}", code="adapter_verification_failed")
+        failed = await c.service.fail_adapter(adapter["id"], reason=result.reason,
+                                              verification=result.verification, actor=c.actor)
+        raise Invalid(f"activation refused: {result.reason}", code="adapter_verification_failed",
+                      extra={"adapter": failed})
     return await c.service.activate_adapter(adapter["id"], verification=result.verification, actor=c.actor)
 
 
 async def _adapter_disable(c: Call) -> Any:
-    return await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"), actor=c.actor)
+    return await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"),
+                                           force=c.body.get("force", False), actor=c.actor)
+
+
+async def _adapter_enable(c: Call) -> Any:
+    return await c.service.enable_adapter(c.path["ref"], actor=c.actor)
 
 
 async def _adapter_fail(c: Call) -> Any:
@@ -315,11 +323,16 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/adapters/{ref}", "getAdapter", "Get an adapter version (id or name@version)", _adapter_get,
               response="Adapter", tag="adapters"),
     Operation("POST", "/adapters/{ref}/activate", "activateAdapter",
-              "Activate an adapter version, optionally recording verification results", _adapter_activate,
-              ACTIVATE, response="Adapter", tag="adapters"),
+              "Activate an adapter version (pending, failed or disabled: the activation gate runs again; a "
+              "refusal answers 422 with the failed version and its evidence under 'adapter')",
+              _adapter_activate, ACTIVATE, response="Adapter", tag="adapters"),
     Operation("POST", "/adapters/{ref}/disable", "disableAdapter",
-              "Disable an adapter version (aborts canaries on it, disables bindings active on it)",
+              "Disable an adapter version (409 adapter_in_use naming the bindings that route to it, unless "
+              "force: then it aborts canaries on it and disables bindings active on it)",
               _adapter_disable, DISABLE_ADAPTER, response="Adapter", tag="adapters"),
+    Operation("POST", "/adapters/{ref}/enable", "enableAdapter",
+              "Re-enable a disabled adapter version that had been active (bindings stay as they are)",
+              _adapter_enable, response="Adapter", tag="adapters"),
     Operation("POST", "/adapters/{ref}/fail", "failAdapter",
               "Mark a pending adapter version failed (activation gate refused it)", _adapter_fail, FAIL_ADAPTER,
               response="Adapter", tag="adapters"),

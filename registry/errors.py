@@ -12,14 +12,17 @@ class RegistryError(Exception):
     type = "invalid_request_error"
     default_code = "invalid_request"
 
-    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, param: str | None = None, *,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
         self.param = param
+        self.extra = extra or {}
+        """Evidence for the operator, next to ``error`` in the body (e.g. the bindings in the way)."""
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+        return error_body(self.message, type=self.type, code=self.code, param=self.param) | self.extra
 
 
 class NotFound(RegistryError):

@@ -10,9 +10,10 @@ Rules enforced here (besides the schema's):
 
 * an adapter owned by tenant X binds only to X's aliases (adapters without owner are shared);
 * bind / canary need an ``active`` adapter version of the binding's base model;
-* disabling an adapter version aborts canaries on it and disables bindings whose active
-  version it is (``on_disabled`` then decides: answer with the base model, or refuse), so a
-  reader's snapshot never routes to a disabled version.
+* disabling an adapter version that bindings route to (active or canary) is refused, naming
+  them, unless forced: then it aborts canaries on it and disables bindings whose active version
+  it is (``on_disabled`` then decides: answer with the base model, or refuse), so a reader's
+  snapshot never routes to a disabled version; re-enabling it leaves those bindings disabled.
 
 Results are JSON-able dicts (what the admin API returns).
 """
@@ -518,11 +519,15 @@ class RegistryService:
 
     async def _set_adapter_status(self, ref: str, status: str, action: str, actor: str, *,
                                   reason: str | None, verification: dict[str, Any] | None,
-                                  allowed_from: tuple[str, ...]) -> dict:
+                                  allowed_from: tuple[str, ...], force: bool = True) -> dict:
+        """Move a version to ``status``. Leaving ``active`` touches the bindings that use it:
+        without ``force`` that is refused (409 ``adapter_in_use``, naming them)."""
         if verification is not None and not isinstance(verification, dict):
             raise Invalid("verification must be a JSON object", param="verification")
         if reason is not None and not isinstance(reason, str):
             raise Invalid("reason must be a string", param="reason")
+        if not isinstance(force, bool):
+            raise Invalid("force must be a boolean", param="force")
 
         async def op(tx: _Tx) -> dict:
             row = await self._adapter(tx.session, ref, lock=True)
@@ -532,6 +537,12 @@ class RegistryService:
             if row.status not in allowed_from and row.status != status:
                 raise Conflict(f"adapter {row.label} is {row.status}; cannot {action.split('.')[-1]} it",
                                code="invalid_transition")
+            users = await self._users(tx.session, row) if status != "active" else []
+            if users and not force:
+                named = ", ".join(f"{u['tenant']}/{u['alias']} ({u['role']})" for u in users)
+                raise Conflict(f"adapter {row.label} is in use by {named}; re-point or disable those bindings "
+                               f"first, or force it (disables them and aborts the canaries)",
+                               code="adapter_in_use", extra={"bindings": users})
             row.status = status
             row.status_reason = reason
             if verification is not None:
@@ -539,11 +550,21 @@ class RegistryService:
             await tx.session.flush()
             out = adapter_dict(row)
             tx.audit(action, f"adapter:{row.id}", _audit_view(before), _audit_view(out))
-            if status != "active":
+            if users:
                 await self._detach_adapter(tx, row)
+                out["detached"] = users
             return out
 
         return await self._write(actor, op)
+
+    @staticmethod
+    async def _users(session: AsyncSession, adapter: AdapterVersion) -> list[dict[str, str]]:
+        """Bindings that route to ``adapter``: enabled ones active on it, and canaries on it."""
+        rows = (await session.execute(
+            select(Binding).where(or_(Binding.canary_id == adapter.id, Binding.active_id == adapter.id))
+            .order_by(Binding.tenant, Binding.alias).with_for_update())).scalars().all()
+        return [{"tenant": b.tenant, "alias": b.alias, "role": "canary" if b.canary_id == adapter.id else "active"}
+                for b in rows if b.canary_id == adapter.id or b.enabled]
 
     async def _detach_adapter(self, tx: _Tx, adapter: AdapterVersion) -> None:
         """Keep every binding routable: abort canaries on it, disable bindings active on it."""
@@ -567,19 +588,62 @@ class RegistryService:
 
     async def activate_adapter(self, ref: str, *, verification: dict[str, Any] | None = None,
                                actor: str = "admin") -> dict:
+        """Make a version active (pending, disabled, or failed: a failed activation may be retried)."""
         return await self._set_adapter_status(ref, "active", "adapter.activate", actor, reason=None,
                                               verification=verification,
-                                              allowed_from=("pending", "disabled"))
+                                              allowed_from=("pending", "disabled", "failed"))
 
-    async def disable_adapter(self, ref: str, *, reason: str | None = None, actor: str = "admin") -> dict:
+    async def disable_adapter(self, ref: str, *, reason: str | None = None, force: bool = False,
+                              actor: str = "admin") -> dict:
+        """Disable a version. Bindings that route to it (active, canary) refuse this with 409
+        ``adapter_in_use`` unless ``force``: then it aborts those canaries and disables those
+        bindings (each audited) and lists them under ``detached``."""
         return await self._set_adapter_status(ref, "disabled", "adapter.disable", actor, reason=reason,
-                                              verification=None, allowed_from=("pending", "active", "failed"))
+                                              verification=None, allowed_from=("pending", "active", "failed"),
+                                              force=force)
+
+    async def enable_adapter(self, ref: str, *, actor: str = "admin") -> dict:
+        """Re-enable a disabled version that had passed activation (``adapter.enable``). The
+        bindings its disabling switched off stay off until enabled one by one."""
+        async def op(tx: _Tx) -> dict:
+            row = await self._adapter(tx.session, ref, lock=True)
+            before = adapter_dict(row)
+            if row.status == "active":
+                return before
+            if row.status != "disabled":
+                raise Conflict(f"adapter {row.label} is {row.status}, not disabled; activate it instead",
+                               code="not_disabled")
+            prior = await self._status_before_disable(tx.session, row.id)
+            if prior != "active":
+                raise Conflict(f"adapter {row.label} was disabled while {prior or 'not active'}, before it passed "
+                               f"activation; activate it instead", code="never_activated")
+            row.status, row.status_reason = "active", None
+            await tx.session.flush()
+            out = adapter_dict(row)
+            tx.audit("adapter.enable", f"adapter:{row.id}", _audit_view(before), _audit_view(out))
+            return out
+
+        return await self._write(actor, op)
+
+    @staticmethod
+    async def _status_before_disable(session: AsyncSession, adapter_id: str) -> str | None:
+        """The status a disabled version had when it was disabled (from its audit rows)."""
+        rows = (await session.execute(
+            select(AuditEntry.before).where(AuditEntry.target == f"adapter:{adapter_id}",
+                                            AuditEntry.action == "adapter.disable")
+            .order_by(AuditEntry.id.desc()))).scalars()
+        for before in rows:
+            status = (before or {}).get("status")
+            if status != "disabled":
+                return status
+        return None
 
     async def fail_adapter(self, ref: str, *, reason: str, verification: dict[str, Any] | None = None,
                            actor: str = "admin") -> dict:
-        """Mark a pending version failed (the activation gate's probe or eval refused it)."""
+        """Mark a version failed: the activation gate refused it (pending, failed again on a retry, or
+        disabled and re-verified)."""
         return await self._set_adapter_status(ref, "failed", "adapter.fail", actor, reason=reason,
-                                              verification=verification, allowed_from=("pending",))
+                                              verification=verification, allowed_from=("pending", "disabled"))
 
     async def get_adapter(self, ref: str) -> dict:
         return adapter_dict(await self._read(lambda s: self._adapter(s, ref)))
@@ -737,6 +801,8 @@ class RegistryService:
             raise Invalid("enabled must be a boolean", param="enabled")
         if on_disabled is not None:
             _on_disabled(on_disabled)
+        elif not enabled:
+            on_disabled = "refuse"  # per operation: a plain disable refuses, whatever was chosen before
 
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if enabled:

@@ -2,8 +2,10 @@
 
 Real registry (SQLite) and admin API; the worker is an ``httpx.MockTransport`` seam that
 answers ``/internal/adapters/probe`` the way a worker does, so every verdict path is
-exercised: differs -> active, identical -> failed, eval below threshold -> failed, load
-failure -> failed, no worker -> 503 with nothing recorded.
+exercised: differs -> active, identical -> failed, empty or one-for-all answers -> failed,
+eval below threshold -> failed, load failure -> failed, an engine failure -> failed without
+trying the next worker, an unreachable worker -> the next one, no worker -> 503 with nothing
+recorded; a failed version can be activated again.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from tests.registry_support import TINY, fresh_registry, make_settings, write_ad
 
 
 class FakeWorker:
-    """Answers probes: ``mode`` says what the adapter does to the outputs."""
+    """Answers probes: ``mode`` says what the adapter does to the outputs (``modes`` per worker host)."""
 
     def __init__(self) -> None:
         self.mode = "differs"
+        self.modes: dict[str, str] = {}
         self.calls: list[dict] = []
+        self.hosts: list[str] = []
         self.secrets: list[str | None] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -38,12 +42,25 @@ class FakeWorker:
         self.secrets.append(request.headers.get(HDR_WORKER_SECRET))
         body = json.loads(request.content)
         self.calls.append(body)
-        if self.mode == "load-fails":
+        self.hosts.append(request.url.host)
+        mode = self.modes.get(request.url.host, self.mode)
+        if mode == "unreachable":
+            raise httpx.ConnectError("connection refused", request=request)
+        if mode == "breaks-off":
+            raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+        if mode == "load-fails":
             return httpx.Response(422, json={"error": {"message": "sha256 mismatch", "type": "x", "code": "x"}})
+        if mode == "engine-fails":
+            return httpx.Response(503, json={"error": {"message": "non-finite logits in the step", "type": "x",
+                                                       "code": "engine_error"}})
+        if mode == "busy":
+            return httpx.Response(503, json={"error": {"message": "queue full", "type": "x", "code": "queue_full"}})
         results = []
         for prompt in body["prompts"]:
             base = f"base answer to {prompt}"
-            adapter = {"differs": f"Réponse: {prompt}", "same": base, "json": '{"answer": "x"}'}[self.mode]
+            adapter = {"differs": f"Réponse: {prompt}", "same": base, "json": f'{{"answer": "{prompt}"}}',
+                       "empty": "", "blank": " \n ", "constant": "ok ok ok ok",
+                       "one-empty": "" if prompt == body["prompts"][-1] else f"Réponse: {prompt}"}[mode]
             results.append({"prompt": prompt, "base": base, "adapter": adapter})
         return httpx.Response(200, json={"results": results, "adapter_load_ms": 12.5})
 
@@ -112,9 +129,101 @@ async def test_adapter_that_changes_nothing_is_failed_and_recorded(env):
     row = await service.get_adapter(ad["id"])
     assert row["status"] == "failed" and row["verification"]["passed"] is False
     assert (await _audit(service, ad["id"]))[0]["action"] == "adapter.fail"
-    # A failed version stays failed: the gate is not re-run on it.
+    # The refusal carries the evidence: the failed version with every probe's base and adapter output.
+    evidence = r.json()["adapter"]
+    assert evidence["status"] == "failed" and evidence["verification"]["probes"][0]["base"].startswith("base")
+    assert evidence["verification"]["probes"][0]["adapter"] == evidence["verification"]["probes"][0]["base"]
+
+
+async def test_failed_activation_can_be_retried(env):
+    _, service, worker, _, api, register = env
+    worker.mode = "same"
+    ad = await register()
+    assert (await api.post(f"/adapters/{ad['id']}/activate", json={})).status_code == 422
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})  # still the same: failed again, recorded
+    assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_verification_failed"
+    worker.mode = "differs"  # e.g. the worker's LoRA settings fixed
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
-    assert r.status_code == 409
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "active" and r.json()["verification"]["passed"] is True
+    assert len(worker.calls) == 3
+    actions = [e["action"] for e in await _audit(service, ad["id"])]
+    assert actions == ["adapter.activate", "adapter.fail", "adapter.fail", "adapter.register"]
+
+
+@pytest.mark.parametrize(("mode", "words"), [("empty", "answered nothing"), ("blank", "answered nothing"),
+                                             ("one-empty", "answered nothing"),
+                                             ("constant", "same answer to every prompt")])
+async def test_empty_or_degenerate_output_is_a_failed_activation(env, mode, words):
+    """An adapter that answers "" (or one text for everything) differs from the base, yet fails."""
+    _, service, worker, _, api, register = env
+    worker.mode = mode
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 422, r.text
+    assert "degenerate output" in r.json()["error"]["message"] and words in r.json()["error"]["message"]
+    row = await service.get_adapter(ad["id"])
+    assert row["status"] == "failed" and words in row["status_reason"]
+    assert row["verification"]["passed"] is False and len(row["verification"]["probes"]) == 3
+
+
+async def _two_workers(residency) -> None:
+    for wid in ("w1", "w2"):
+        await residency.publish(WorkerReport(worker_id=wid, url=f"http://{wid}", base_model=TINY.name,
+                                             base_revision=TINY.revision), ttl_s=60)
+
+
+async def test_engine_failure_fails_the_version_without_trying_another_worker(env):
+    _, service, worker, residency, api, register = env
+    await _two_workers(residency)
+    worker.modes = {"w1": "engine-fails", "w2": "engine-fails"}
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 422, r.text
+    assert "engine failed during the probe" in r.json()["error"]["message"]
+    assert "non-finite logits" in r.json()["error"]["message"]
+    assert len(worker.hosts) == 1  # the second worker was spared
+    row = await service.get_adapter(ad["id"])
+    assert row["status"] == "failed" and row["verification"]["error"]["code"] == "engine_error"
+
+
+async def test_worker_breaking_off_mid_probe_fails_without_trying_another(env):
+    _, service, worker, residency, api, register = env
+    await _two_workers(residency)
+    worker.modes = {"w1": "breaks-off", "w2": "breaks-off"}
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 422, r.text
+    assert "broke off during the probe" in r.json()["error"]["message"]
+    assert len(worker.hosts) == 1
+    assert (await service.get_adapter(ad["id"]))["status"] == "failed"
+
+
+async def test_unreachable_worker_hands_the_probe_to_the_next(env):
+    _, service, worker, residency, api, register = env
+    await _two_workers(residency)
+    worker.modes = {"w1": "unreachable", "w2": "unreachable"}
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+    assert sorted(worker.hosts) == ["w1", "w2"]  # each tried in turn: none took the probe
+    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    # w2 comes back (a fresh report); w1 is still down
+    worker.modes = {"w1": "unreachable"}
+    await residency.publish(WorkerReport(worker_id="w2", url="http://w2", base_model=TINY.name,
+                                         base_revision=TINY.revision), ttl_s=60)
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 200, r.text
+    assert r.json()["verification"]["worker"] == "w2"
+
+
+async def test_busy_worker_records_nothing(env):
+    _, service, worker, _, api, register = env
+    worker.mode = "busy"
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_busy"
+    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
 
 
 async def test_eval_set_threshold(env):
@@ -125,7 +234,8 @@ async def test_eval_set_threshold(env):
     ad = await register()
     r = await api.post(f"/adapters/{ad['id']}/activate", json={"eval": passing})
     assert r.status_code == 200, r.text
-    assert r.json()["verification"]["eval"] == {"score": 1.0, "threshold": 1.0, "cases": 2, "matched": 2}
+    assert r.json()["verification"]["eval"] == {"score": 1.0, "threshold": 1.0, "cases": 2, "matched": 2,
+                                                "failed_cases": []}
     assert worker.calls[-1]["prompts"][-2:] == ["Say hi", "Name a color"]
 
     failing = {"cases": [{"prompt": "Say hi", "expect": "bonjour"}, {"prompt": "x", "expect": "answer"}],
@@ -135,6 +245,9 @@ async def test_eval_set_threshold(env):
     assert r.status_code == 422
     assert "eval score 0.50 is below the threshold 0.75" in r.json()["error"]["message"]
     assert (await service.get_adapter(ad2["id"]))["status"] == "failed"
+    # which cases failed, and what the adapter answered
+    assert r.json()["adapter"]["verification"]["eval"]["failed_cases"] == [
+        {"prompt": "Say hi", "expect": "bonjour", "adapter": '{"answer": "Say hi"}'}]
 
 
 async def test_bad_eval_set_and_caller_verification_are_refused_without_recording(env):

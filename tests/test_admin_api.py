@@ -78,11 +78,47 @@ async def test_openapi_document(api):
     ids = [m["operationId"] for methods in doc["paths"].values() for m in methods.values()]
     assert len(ids) == len(set(ids))
     for needed in ("createTenant", "disableTenant", "enableTenant", "setTenantLimits", "registerBaseModel",
-                   "registerAdapter", "activateAdapter", "disableAdapter", "bind", "rollback", "startCanary",
+                   "registerAdapter", "activateAdapter", "disableAdapter", "enableAdapter", "bind", "rollback", "startCanary",
                    "setCanary", "promoteCanary", "abortCanary", "enableBinding", "disableBinding", "listAudit",
                    "listTenants", "listAdapters", "listBindings", "listBaseModels"):
         assert needed in ids
     assert doc["paths"]["/tenants/{slug}/bindings/{alias}/canary"]["post"]["requestBody"]["required"] is True
+
+
+async def test_adapter_disable_in_use_enable_and_plain_binding_disable(api):
+    await api.post("/tenants", json={"slug": "acme"})
+    assert (await api.post("/base-models", json=TINY.to_dict())).status_code == 201
+    root = Path(api.settings.resolved_adapter_root())
+    write_adapter(root / "v1", TINY, seed=1)
+    ad = (await api.post("/adapters", json={"name": "support", "uri": "v1", "base_model": "tiny"})).json()
+    await api.post(f"/adapters/{ad['id']}/activate", json={"verification": {"probe": "ok"}})
+    await api.put("/tenants/acme/bindings/support", json={"adapter": "support@1", "on_disabled": "base"})
+    # a plain disable refuses, whatever bind chose; the choice is per operation
+    r = await api.post("/tenants/acme/bindings/support/disable", json={})
+    assert (r.json()["enabled"], r.json()["on_disabled"]) == (False, "refuse")
+    r = await api.post("/tenants/acme/bindings/support/enable")
+    r = await api.post("/tenants/acme/bindings/support/disable", json={"on_disabled": "base"})
+    assert r.json()["on_disabled"] == "base"
+    await api.post("/tenants/acme/bindings/support/enable")
+    # disabling the version the binding uses: 409 naming it, nothing changed
+    r = await api.post("/adapters/support@1/disable", json={"reason": "regression"})
+    assert r.status_code == 409, r.text
+    body = r.json()
+    assert body["error"]["code"] == "adapter_in_use" and body["error"]["type"] == "conflict_error"
+    assert "acme/support (active)" in body["error"]["message"]
+    assert body["bindings"] == [{"tenant": "acme", "alias": "support", "role": "active"}]
+    assert (await api.get("/adapters/support@1")).json()["status"] == "active"
+    r = await api.post("/adapters/support@1/disable", json={"reason": "regression", "force": True})
+    assert r.status_code == 200 and r.json()["detached"] == body["bindings"]
+    assert (await api.get("/tenants/acme/bindings/support")).json()["enabled"] is False
+    _err(await api.post("/adapters/support@1/disable", json={"force": "yes"}), 422, "invalid_type")
+    # enable: audited, the binding stays disabled
+    r = await api.post("/adapters/support@1/enable")
+    assert r.status_code == 200 and r.json()["status"] == "active"
+    assert (await api.get("/tenants/acme/bindings/support")).json()["enabled"] is False
+    audit = (await api.get("/audit", params={"target": f"adapter:{ad['id']}", "limit": 1})).json()["data"]
+    assert audit[0]["action"] == "adapter.enable" and audit[0]["actor"] == "ops-alice"
+    _err(await api.post("/adapters/support@9/enable"), 404, "adapter_not_found")
 
 
 async def test_operations_and_errors(api):

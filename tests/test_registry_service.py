@@ -108,11 +108,11 @@ async def test_base_model_and_adapter_registration(svc):
     assert (await svc.activate_adapter(a2["id"]))["status"] == "active"
     failed = await svc.fail_adapter(a1["id"], reason="probe failed", verification={"probe": "error"})
     assert failed["status"] == "failed"
-    with pytest.raises(Conflict):
-        await svc.activate_adapter(a1["id"])
     assert {a["status"] for a in await svc.list_adapters(name="support")} == {"failed", "active"}
     actions = [e["action"] for e in await svc.audit()]
     assert actions[:4] == ["adapter.fail", "adapter.activate", "adapter.disable", "adapter.activate"]
+    # a failed activation may be retried (the gateway's gate runs again before this call)
+    assert (await svc.activate_adapter(a1["id"], verification={"probe": "ok"}))["status"] == "active"
 
 
 async def test_bind_rollback_canary_flow(svc):
@@ -209,12 +209,85 @@ async def test_binding_rules(svc):
     # disabling an adapter aborts canaries on it and disables bindings active on it
     await svc.canary_start("acme", "bot", (await _adapter(svc, "acme-bot", owner="acme", seed=7))["id"], 20)
     canary_id = (await svc.get_binding("acme", "bot"))["canary"]["id"]
-    await svc.disable_adapter(canary_id, reason="regression")
+    await svc.disable_adapter(canary_id, reason="regression", force=True)
     assert (await svc.get_binding("acme", "bot"))["canary"] is None
-    await svc.disable_adapter(shared["id"])
+    await svc.disable_adapter(shared["id"], force=True)
     assert [b["enabled"] for b in await svc.list_bindings() if b["alias"] == "shared"] == [False, False]
     with pytest.raises(Invalid):
         await svc.set_binding_enabled("acme", "shared", True)
+
+
+async def test_disabling_a_version_in_use_is_refused_unless_forced(svc):
+    await svc.register_base_model(TINY)
+    for slug in ("acme", "globex"):
+        await svc.create_tenant(slug)
+    shared = await _adapter(svc, "shared", seed=1)
+    other = await _adapter(svc, "shared", seed=2)
+    await svc.bind("acme", "bot", shared["id"], on_disabled="base")
+    await svc.bind("globex", "bot", other["id"])
+    await svc.canary_start("globex", "bot", shared["id"], 10)
+    before = await _counts(svc)
+    with pytest.raises(Conflict) as exc:
+        await svc.disable_adapter(shared["id"], reason="regression")
+    assert exc.value.code == "adapter_in_use" and exc.value.status == 409
+    assert "acme/bot (active)" in exc.value.message and "globex/bot (canary)" in exc.value.message
+    assert exc.value.body()["bindings"] == [{"tenant": "acme", "alias": "bot", "role": "active"},
+                                            {"tenant": "globex", "alias": "bot", "role": "canary"}]
+    assert await _counts(svc) == before and (await svc.get_adapter(shared["id"]))["status"] == "active"
+    # forced: the bindings change with it, in the answer and in the audit log
+    out = await svc.disable_adapter(shared["id"], reason="regression", force=True)
+    assert out["status"] == "disabled" and [d["tenant"] for d in out["detached"]] == ["acme", "globex"]
+    acme, globex = await svc.get_binding("acme", "bot"), await svc.get_binding("globex", "bot")
+    assert (acme["enabled"], acme["on_disabled"]) == (False, "base") and globex["canary"] is None
+    entries = await svc.audit(limit=3)
+    assert {(e["action"], e["target"]) for e in entries} == {
+        ("adapter.disable", f"adapter:{shared['id']}"), ("binding.disable", "binding:acme/bot"),
+        ("binding.canary_abort", "binding:globex/bot")}
+    assert all(e["after"]["cause"] == "adapter shared@1 is disabled" for e in entries
+               if e["action"].startswith("binding."))
+    # once no enabled binding routes to a version, it is disabled without force
+    await svc.set_binding_enabled("globex", "bot", False)
+    assert "detached" not in (out := await svc.disable_adapter(other["id"])) and out["status"] == "disabled"
+
+
+async def test_enable_restores_a_disabled_version_but_not_its_bindings(svc):
+    await svc.register_base_model(TINY)
+    await svc.create_tenant("acme")
+    v1 = await _adapter(svc, "support", owner="acme", seed=1)
+    await svc.bind("acme", "support", v1["id"])
+    await svc.disable_adapter(v1["id"], reason="regression", force=True)
+    await svc.disable_adapter(v1["id"], reason="still bad")  # disabled again: enable still knows it was active
+    out = await svc.enable_adapter("support@1", actor="bob")
+    assert (out["status"], out["status_reason"]) == ("active", None)
+    entry = (await svc.audit(limit=1))[0]
+    assert (entry["action"], entry["actor"], entry["before"]["status"]) == ("adapter.enable", "bob", "disabled")
+    assert (await svc.get_binding("acme", "support"))["enabled"] is False  # bindings: one by one
+    assert (await svc.set_binding_enabled("acme", "support", True))["enabled"] is True
+    assert (await svc.enable_adapter(v1["id"]))["status"] == "active"  # already active: no change
+    # never passed activation: enable refuses (activate runs the gate instead)
+    pending = await _adapter(svc, "support", owner="acme", seed=2, activate=False)
+    await svc.disable_adapter(pending["id"])
+    with pytest.raises(Conflict) as exc:
+        await svc.enable_adapter(pending["id"])
+    assert exc.value.code == "never_activated"
+    failed = await _adapter(svc, "support", owner="acme", seed=3, activate=False)
+    await svc.fail_adapter(failed["id"], reason="probe failed")
+    with pytest.raises(Conflict) as exc:
+        await svc.enable_adapter(failed["id"])
+    assert exc.value.code == "not_disabled"
+
+
+async def test_plain_binding_disable_refuses_whatever_was_chosen_before(svc):
+    await svc.register_base_model(TINY)
+    await svc.create_tenant("acme")
+    v1 = await _adapter(svc, "support", owner="acme", seed=1)
+    await svc.bind("acme", "support", v1["id"])
+    b = await svc.set_binding_enabled("acme", "support", False, on_disabled="base")
+    assert (b["enabled"], b["on_disabled"]) == (False, "base")
+    await svc.set_binding_enabled("acme", "support", True)
+    b = await svc.set_binding_enabled("acme", "support", False)
+    assert (b["enabled"], b["on_disabled"]) == (False, "refuse")
+    assert (await svc.audit(limit=1))[0]["after"]["on_disabled"] == "refuse"
 
 
 async def test_failure_mid_operation_changes_nothing(svc, monkeypatch):
@@ -231,7 +304,8 @@ async def test_failure_mid_operation_changes_nothing(svc, monkeypatch):
 
     monkeypatch.setattr(svc, "_write_audit", broken_audit)
     for call in (lambda: svc.bind("acme", "support", v2["id"]), lambda: svc.create_tenant("initech"),
-                 lambda: svc.disable_adapter(v1["id"]), lambda: svc.set_tenant_limits("acme", max_concurrent=1),
+                 lambda: svc.disable_adapter(v1["id"], force=True),
+                 lambda: svc.set_tenant_limits("acme", max_concurrent=1),
                  lambda: svc.canary_start("acme", "support", v2["id"], 30)):
         with pytest.raises(RuntimeError):
             await call()
