@@ -181,8 +181,9 @@ class Gateway:
             payload = orjson.dumps(body)
             router = self.router
             adapter_id = res.adapter.id if res.adapter else None
-            workers = await router.route(res.base_model, adapter_id) if router.due() else \
-                router.choose(res.base_model, adapter_id)
+            workers = None if router.due() else router.choose(res.base_model, adapter_id)
+            if not workers:  # due, or none known: route refreshes (at once when none is usable)
+                workers = await router.route(res.base_model, adapter_id)
             guard = _Guard(receive, st, s.request_timeout_s, self.sweeper)
             try:
                 opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)
@@ -563,19 +564,23 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        problems = []
+        """Ready = this replica can serve its API (a registry snapshot is loaded). Workers are
+        reported, not required: during a worker outage the admin API stays in the Service."""
+        snap = None
         try:
             snap = gw.snapshots.current
-            if snap is None:
-                problems.append("no registry snapshot yet")
+            problem = None if snap is not None else "no registry snapshot yet"
         except Exception as exc:
-            problems.append(f"registry snapshot unavailable: {type(exc).__name__}")
+            problem = f"registry snapshot unavailable: {type(exc).__name__}"
+        if problem:
+            return JSONResponse({"status": "not ready", "problems": [problem]}, status_code=503)
         await router.refresh()
-        if not router.workers():
-            problems.append("no live worker")
-        if problems:
-            return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
-        return JSONResponse({"status": "ready", "workers": len(router.workers())})
+        workers = len(router.workers())
+        body: dict[str, Any] = {"status": "ready", "registry_version": getattr(snap, "version", None),
+                                "workers": workers}
+        if not workers:
+            body["warnings"] = ["no live worker: completions answer 503 no_worker until one reports"]
+        return JSONResponse(body)
 
     async def metrics(request: Request) -> Response:
         gw.metrics.inflight.set(sum(w.inflight for w in router.workers()))

@@ -11,7 +11,8 @@ stable, so an adapter keeps landing on the same few workers and stays warm there
 
 A worker that fails (connection error, broken response) is marked failed for
 ``cooldown_s`` and leaves the candidate lists; it comes back earlier when it publishes
-a fresh report. Static ``worker_urls`` are always live (unless failed) for every base model.
+a fresh report. When no usable worker is left for a base model, ``route`` reloads the
+live set at once instead of waiting for the next periodic refresh. Static ``worker_urls`` are always live (unless failed) for every base model.
 """
 
 from __future__ import annotations
@@ -171,10 +172,25 @@ class Router:
         return pool
 
     async def route(self, base_model: str, adapter_id: str | None) -> list[Worker]:
-        """Workers to try, best first: preferred candidates, then the least-loaded others."""
+        """Workers to try, best first: preferred candidates, then the least-loaded others.
+
+        When the live set has no usable worker for ``base_model``, it is reloaded once right
+        away before the answer is "none" (a worker that just reported serves the next request).
+        """
         if self.due():
             await self._maybe_refresh()
-        return self.choose(base_model, adapter_id)
+        workers = self.choose(base_model, adapter_id)
+        if not workers and self.residency is not None:
+            await self._refresh_now()
+            workers = self.choose(base_model, adapter_id)
+        return workers
+
+    async def _refresh_now(self) -> None:
+        """A refresh now, shared by every caller that asks while it runs."""
+        task = self._refreshing
+        if task is None or task.done():
+            task = self._refreshing = asyncio.create_task(self.refresh())
+        await asyncio.shield(task)
 
     def due(self) -> bool:
         """Whether the live set is due for a refresh (``route`` starts one)."""

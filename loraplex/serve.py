@@ -213,16 +213,18 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
 
 
 async def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    """Until the gateway sees the worker's first residency report."""
+    """Until the gateway is ready and sees the worker's first residency report (``workers`` in
+    its ``/readyz`` answer: readiness itself does not wait for a worker)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(trust_env=False) as client:
         while True:
             try:
-                if (await client.get(url)).status_code == 200:
+                r = await client.get(url)
+                if r.status_code == 200 and r.json().get("workers", 0) > 0:
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway is not ready after {timeout_s:.0f}s ({url})")

@@ -17,7 +17,7 @@ from loraplex.residency import MemoryResidency, RedisResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
 from loraplex.wire import WorkerReport
-from tests.stub_worker import MutableSnapshots, StubProcess, make_snapshot
+from tests.stub_worker import MutableSnapshots, StubProcess, make_snapshot, mock_worker_transport
 
 TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}, "sales": {"active": ("sales", 1)}}}}
 
@@ -177,3 +177,57 @@ async def test_inflight_survives_refresh():
     assert again is w and again.inflight == 1 and "a" in again.device
     w.inflight -= 1
     assert again.load == 0
+
+
+def _app_without_workers(res: MemoryResidency, snapshots: MutableSnapshots | None = None):  # type: ignore[no-untyped-def]
+    s = Settings()
+    app = create_app(s, snapshots=snapshots or MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                     residency=res, http_client=httpx.AsyncClient(transport=mock_worker_transport()),
+                     mount_admin=False)
+    return s, app
+
+
+async def test_first_request_after_a_worker_appears_is_served():
+    """No stale set: routing that finds no worker reloads the live set before answering 503."""
+    res = MemoryResidency()
+    s, app = _app_without_workers(res)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        await res.publish(_report("w1"), 5)
+        r = await c.post("/v1/chat/completions", json=body, headers=h)  # well within the refresh interval
+        assert r.status_code == 200, r.text
+        assert r.headers["x-loraplex-worker"] == "w1"
+
+
+async def test_router_reloads_when_only_failed_workers_are_left():
+    res = MemoryResidency()
+    await res.publish(_report("w1"), 5)
+    router = Router(res, refresh_s=60.0, cooldown_s=60.0)
+    w1 = (await router.route("smol", None))[0]
+    router.mark_failed(w1)
+    await asyncio.sleep(0.01)
+    await res.publish(_report("w1"), 5)  # it restarted and reported again
+    assert [w.id for w in await router.route("smol", None)] == ["w1"]
+
+
+async def test_readyz_without_workers_is_ready_and_says_so():
+    """Readiness means the gateway can serve its API (admin included); worker health is information."""
+    res = MemoryResidency()
+    snapshots = MutableSnapshots(make_snapshot(TENANTS, version=7))
+    _, app = _app_without_workers(res, snapshots)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.get("/readyz")
+        assert r.status_code == 200, r.text
+        assert r.json()["workers"] == 0 and r.json()["registry_version"] == 7
+        assert any("no live worker" in w for w in r.json()["warnings"])
+        await res.publish(_report("w1"), 5)
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json()["workers"] == 1 and "warnings" not in r.json()
+        snapshots.current = None  # no registry snapshot: this replica cannot serve
+        r = await c.get("/readyz")
+        assert r.status_code == 503 and r.json()["problems"] == ["no registry snapshot yet"]
