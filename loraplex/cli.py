@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command -> (module with register(), one-line help)
@@ -29,7 +30,25 @@ def _top_parser() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
 
 
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE, what a shell reports for a command whose reader went away (``| head``)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; output cut short by a closed pipe ends quietly with ``EXIT_BROKEN_PIPE``."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _top_parser()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

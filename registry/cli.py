@@ -2,7 +2,9 @@
 
 ``admin`` talks HTTP to the gateway's admin API (``LORAPLEX_ADMIN_URL`` + ``/admin``) with
 ``LORAPLEX_ADMIN_TOKEN`` or an admin token minted from ``LORAPLEX_JWT_SECRET``. Output is a
-human table by default and JSON with ``--json``; a refusal prints the reason and exits 1.
+human table by default and JSON with ``--json``; a refusal prints the reason (and the evidence
+it carries) and exits 1. ``--url``, ``--token``, ``--json`` and ``--timeout`` go before or after
+the subcommand.
 Heavy modules (httpx, sqlalchemy, alembic) are imported inside handlers so ``--help`` is fast.
 """
 
@@ -42,9 +44,12 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 class AdminError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 body: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.body = body or {}
+        """The whole error answer (evidence such as ``adapter`` or ``bindings`` beside ``error``)."""
 
 
 def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
@@ -72,7 +77,7 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, A
     if r.status_code >= 400:
         err = (data or {}).get("error") if isinstance(data, dict) else None
         if isinstance(err, dict):
-            raise AdminError(r.status_code, str(err.get("message")), err.get("code"))
+            raise AdminError(r.status_code, str(err.get("message")), err.get("code"), data)
         raise AdminError(r.status_code, r.text[:500] or r.reason_phrase)
     return data
 
@@ -123,20 +128,67 @@ def _show(args: argparse.Namespace, kind: str, data: Any, message: str | None = 
         print(_table(kind, [data]))
 
 
+GLOBAL_DEFAULTS: dict[str, Any] = {"json": False, "url": None, "token": None, "timeout": 30.0}
+"""The admin options accepted before and after the subcommand; their parsers never set a default
+(a subparser's default would overwrite a value given earlier), so it is filled in here."""
+
+
+def _with_globals(args: argparse.Namespace) -> argparse.Namespace:
+    for name, default in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    return args
+
+
 def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
+        _with_globals(args)
         try:
             return fn(args)
         except AdminError as exc:
             where = f"HTTP {exc.status}" if exc.status else "no response"
             code = f", {exc.code}" if exc.code else ""
             if args.json:
-                print(json.dumps({"error": {"message": exc.message, "code": exc.code, "status": exc.status}}),
-                      file=sys.stderr)
+                print(json.dumps(exc.body | {"error": {"message": exc.message, "code": exc.code,
+                                                       "status": exc.status}}), file=sys.stderr)
             else:
                 print(f"error: {exc.message} ({where}{code})", file=sys.stderr)
+                adapter = exc.body.get("adapter")
+                if isinstance(adapter, dict) and adapter.get("verification"):
+                    print("\n".join(_evidence(adapter["verification"])), file=sys.stderr)
             return EXIT_UNREACHABLE if exc.status == 0 else EXIT_REFUSED
     return handler
+
+
+def _clip(text: Any, width: int = 100) -> str:
+    text = json.dumps(str(text), ensure_ascii=False)
+    return text if len(text) <= width else text[:width - 4] + '..."'
+
+
+def _evidence(v: dict[str, Any]) -> list[str]:
+    """The activation gate's evidence, readable: verdict, probes (base vs adapter), failed eval cases."""
+    verdict = "passed" if v.get("passed") else "FAILED" if "passed" in v else "recorded"
+    lines = [f"verification: {verdict}" + (f" on worker {v['worker']}" if v.get("worker") else "")
+             + (f": {v['reason']}" if v.get("reason") else "")]
+    if isinstance(v.get("error"), dict):
+        e = v["error"]
+        lines.append(f"  worker error: {' '.join(str(x) for x in (e.get('status'), e.get('code')) if x)} "
+                     f"{e.get('message') or ''}".rstrip())
+    for p in v.get("probes") or []:
+        lines.append(f"  probe {_clip(p.get('prompt'), 60)}\n    base:    {_clip(p.get('base'))}\n"
+                     f"    adapter: {_clip(p.get('adapter'))}")
+    ev = v.get("eval")
+    if isinstance(ev, dict):
+        lines.append(f"  eval: {ev.get('matched')}/{ev.get('cases')} matched (score {ev.get('score')}, "
+                     f"threshold {ev.get('threshold')})")
+        for c in ev.get("failed_cases") or []:
+            lines.append(f"    failed {_clip(c.get('prompt'), 60)} expects /{c.get('expect')}/\n"
+                         f"      adapter: {_clip(c.get('adapter'))}")
+    known = {"worker", "passed", "reason", "error", "probes", "eval", "probes_differing", "adapter_load_ms",
+             "seconds"}
+    if set(v) - known:  # given by the caller (no gate): show it as given
+        lines.append(f"  as given: {json.dumps({k: x for k, x in v.items() if k not in known}, sort_keys=True)}")
+    return lines
 
 
 def _json_arg(value: str) -> dict[str, Any]:
@@ -258,7 +310,7 @@ def adapter_show(a: argparse.Namespace) -> int:
         if data.get("status_reason"):
             print(f"reason: {data['status_reason']}")
         if data.get("verification"):
-            print(f"verification: {json.dumps(data['verification'])}")
+            print("\n".join(_evidence(data["verification"])))
     return 0
 
 
@@ -270,8 +322,18 @@ def adapter_activate(a: argparse.Namespace) -> int:
 
 
 def adapter_disable(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason})
-    _show(a, "adapter", data, f"disabled {data['label']}")
+    data = _request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason, "force": a.force or None})
+    detached = "".join(f"\n  {d['tenant']}/{d['alias']}: "
+                       f"{'canary aborted' if d['role'] == 'canary' else 'binding disabled'}"
+                       for d in data.get("detached") or [])
+    _show(a, "adapter", data, f"disabled {data['label']}" + (f"; with it:{detached}" if detached else ""))
+    return 0
+
+
+def adapter_enable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/enable")
+    _show(a, "adapter", data, f"enabled {data['label']} (bindings disabled with it stay disabled: "
+          f"`binding enable TENANT ALIAS`)")
     return 0
 
 
@@ -403,9 +465,10 @@ def register(subparsers: Any) -> None:
                     "  loraplex admin canary promote acme support\n"
                     "  loraplex admin rollback acme support\n"
                     "  loraplex admin audit --target 'binding:acme/*'\n\n"
-                    "Adapters are named by id (uuid) or NAME@VERSION. Exit status: 0 ok, 1 refused, "
-                    "2 usage, 3 admin API unreachable.")
-    admin.set_defaults(handler=_help_of(admin), json=False, url=None, token=None, timeout=30.0)
+                    "Adapters are named by id (uuid) or NAME@VERSION. --url, --token, --json and --timeout "
+                    "go before or after the subcommand. Exit status: 0 ok, 1 refused, 2 usage, 3 admin API "
+                    "unreachable.")
+    admin.set_defaults(handler=_help_of(admin))
     groups = admin.add_subparsers(dest="admin_command", metavar="COMMAND")
 
     def leaf(parent: Any, name: str, fn: Callable[[argparse.Namespace], int], help_text: str,
@@ -483,18 +546,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("adapter", help="id or NAME@VERSION")
     p = leaf(ad, "activate", adapter_activate, "activate an adapter version (it can then be bound)",
              "Activate an adapter version. On a gateway with the activation gate, a worker first probes "
-             "the version (its outputs must differ from the base model's; with --eval, the share of "
-             "answers matching each case's regex must reach the threshold); a refusal marks it failed.")
+             "the version (its answers must not be empty or one same text for every prompt, must differ "
+             "from the base model's; with --eval, the share of answers matching each case's regex must "
+             "reach the threshold); a refusal marks it failed and prints the evidence (probe outputs, "
+             "failed eval cases). Activating a failed (or disabled) version runs the gate again.")
     p.add_argument("adapter", help="id or NAME@VERSION")
     p.add_argument("--eval", type=_json_arg, metavar="JSON|@FILE",
                    help='evaluation set for the gateway\'s activation gate: {"cases": [{"prompt": ..., '
                         '"expect": REGEX}], "threshold": 0.8}')
     p.add_argument("--verification", type=_json_arg,
                    help="JSON object of results to record (only where the gateway runs no activation gate)")
-    p = leaf(ad, "disable", adapter_disable, "disable an adapter version (aborts canaries on it and "
-             "disables bindings whose active version it is)")
+    p = leaf(ad, "disable", adapter_disable, "disable an adapter version (refused while bindings use it, "
+             "unless --force)",
+             "Disable an adapter version. While bindings route to it (as active version or canary) this is "
+             "refused and the bindings are named; with --force their canaries on it are aborted and the "
+             "bindings active on it disabled (each audited, listed in the answer).")
     p.add_argument("adapter", help="id or NAME@VERSION")
     p.add_argument("--reason", help="why (recorded with the version and in the audit log)")
+    p.add_argument("--force", action="store_true", help="also disable the bindings that use it")
+    p = leaf(ad, "enable", adapter_enable, "re-enable a disabled adapter version that had been active "
+             "(bindings disabled with it stay disabled)")
+    p.add_argument("adapter", help="id or NAME@VERSION")
     p = leaf(ad, "fail", adapter_fail, "mark a pending adapter version failed")
     p.add_argument("adapter", help="id or NAME@VERSION")
     p.add_argument("--reason", required=True)
@@ -506,7 +578,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("alias", help="the model name the tenant's backend sends")
     p.add_argument("adapter", help="id or NAME@VERSION")
     p.add_argument("--on-disabled", choices=["base", "refuse"],
-                   help="when the binding is disabled: answer with the base model or refuse (default refuse)")
+                   help="when the binding is disabled with its adapter version (adapter disable --force): "
+                        "answer with the base model or refuse (default refuse); `binding disable` takes "
+                        "its own --on-disabled")
     p = leaf(groups, "rollback", rollback, "roll an alias back to its previous version (one step; run "
              "again to roll forward)")
     p.add_argument("tenant")
@@ -538,9 +612,14 @@ def register(subparsers: Any) -> None:
         p = leaf(bg, name, fn, text)
         p.add_argument("tenant")
         p.add_argument("alias")
-        if name in ("enable", "disable"):
+        if name == "enable":
             p.add_argument("--on-disabled", choices=["base", "refuse"],
-                           help="while disabled: answer with the base model or refuse")
+                           help="what it falls back to if disabled with its adapter version (adapter "
+                                "disable --force): base model or refuse")
+        if name == "disable":
+            p.add_argument("--on-disabled", choices=["base", "refuse"], default="refuse",
+                           help="while disabled: answer with the base model or refuse (default refuse; "
+                                "applies to this disable only, whatever was chosen before)")
 
     p = leaf(groups, "audit", audit, "show the audit trail, newest first")
     p.add_argument("--actor")

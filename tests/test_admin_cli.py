@@ -56,15 +56,23 @@ def server(tmp_path, monkeypatch):
 
 
 class RecordingGate:
-    """The activation-gate seam: passes every version, remembering what it was asked."""
+    """The activation-gate seam: passes every version (refuses while ``fail``), remembering what it was asked."""
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
+        self.fail = False
 
     async def __call__(self, adapter: dict, request: dict):
         from types import SimpleNamespace
 
         self.requests.append(request)
+        if self.fail:
+            reason = "eval score 0.00 is below the threshold 1.00"
+            return SimpleNamespace(passed=False, reason=reason, verification={
+                "worker": "w1", "passed": False, "reason": reason,
+                "probes": [{"prompt": "What is 2+2?", "base": "4", "adapter": "Quatre."}],
+                "eval": {"score": 0.0, "threshold": 1.0, "cases": 1, "matched": 0,
+                         "failed_cases": [{"prompt": "Say hi", "expect": "^hello", "adapter": "Bonjour !"}]}})
         return SimpleNamespace(passed=True, reason=None, verification={"passed": True, "gate": "recording"})
 
 
@@ -125,7 +133,8 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, out, _ = run(capsys, "adapter", "list", "--owner", "acme")
     assert code == 0 and out.count("support@") == 3
     code, out, _ = run(capsys, "adapter", "show", "support@1")
-    assert "target modules: q_proj, v_proj" in out and '"gate": "recording"' in out
+    assert "target modules: q_proj, v_proj" in out and "verification: passed" in out
+    assert '"gate": "recording"' in out
     eval_file = tmp_path / "eval.json"
     eval_file.write_text(json.dumps({"cases": [{"prompt": "hi", "expect": "hello"}], "threshold": 0.5}))
     write_adapter(root / "support-v4", tiny, seed=4)
@@ -150,7 +159,7 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     assert code == 1 and "no_canary" in err
     run_json(capsys, "canary", "start", "acme", "support", "support@2", "--percent", "5")
     assert run_json(capsys, "canary", "abort", "acme", "support")["canary"] is None
-    assert run_json(capsys, "binding", "disable", "acme", "support")["enabled"] is False
+    assert run_json(capsys, "binding", "disable", "acme", "support")["on_disabled"] == "refuse"  # not sticky
     assert run_json(capsys, "binding", "enable", "acme", "support")["enabled"] is True
     code, out, _ = run(capsys, "binding", "list")
     assert "support@3" in out and "ACTIVE" in out
@@ -158,6 +167,8 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, _, err = run(capsys, "rollback", "acme", "missing")
     assert code == 1 and "404" in err
     assert run_json(capsys, "adapter", "disable", "support@1", "--reason", "old")["status"] == "disabled"
+    code, _, err = run(capsys, "adapter", "disable", "support@3")
+    assert code == 1 and "409" in err and "adapter_in_use" in err and "acme/support (active)" in err
     run_json(capsys, "bind", "acme", "spare", "support@2")
     code, out, _ = run(capsys, "binding", "delete", "acme", "spare")
     assert code == 0 and "removed acme/spare" in out
@@ -198,3 +209,100 @@ def test_admin_cli_subprocess(server, tmp_path):
     assert r.returncode == 2 and "tenant" in r.stdout and "canary" in r.stdout
     r = subprocess.run([*cmd, "canary", "--help"], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "promote" in r.stdout
+
+
+def _seed(capsys, settings, tmp_path) -> None:
+    """Tenant acme, base model tiny, adapter support@1 (active) bound as acme/support."""
+    assert run(capsys, "tenant", "create", "acme")[0] == 0
+    model_dir = tmp_path / "tiny-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 128}))
+    (model_dir / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    bm = run_json(capsys, "base-model", "add", "--from-model", str(model_dir), "--name", "tiny")
+    tiny = TINY.__class__(**{**TINY.to_dict(), "revision": bm["revision"]})
+    root = Path(settings.resolved_adapter_root())
+    for seed in (1, 2):
+        write_adapter(root / f"support-v{seed}", tiny, seed=seed)
+        run_json(capsys, "adapter", "register", "support", f"support-v{seed}", "--base-model", "tiny")
+
+
+def test_admin_cli_global_options_before_and_after_the_subcommand(server, capsys, monkeypatch):
+    _, admin_url, _ = server
+    monkeypatch.setenv("LORAPLEX_ADMIN_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    run(capsys, "--url", admin_url, "tenant", "create", "acme")
+    for argv in (("--url", admin_url, "--json", "tenant", "list"), ("tenant", "list", "--url", admin_url, "--json"),
+                 ("--json", "tenant", "list", "--url", admin_url), ("--url", admin_url, "tenant", "--json", "list")):
+        code, out, err = run(capsys, *argv)
+        assert code == 0, (argv, err)
+        assert [t["slug"] for t in json.loads(out)["data"]] == ["acme"], argv
+    code, _, err = run(capsys, "--url", admin_url, "--token", "garbage", "tenant", "list")
+    assert code == 1 and "401" in err  # the token given before the subcommand is the one sent
+    code, _, err = run(capsys, "--url", admin_url, "--timeout", "5", "tenant", "list", "--token", "garbage")
+    assert code == 1 and "401" in err
+    code, _, err = run(capsys, "tenant", "list")  # no --url anywhere: the configured (dead) URL
+    assert code == 3 and "cannot reach" in err
+
+
+def test_admin_cli_failed_activation_shows_evidence_and_can_be_retried(server, capsys, tmp_path):
+    settings, _, gate = server
+    _seed(capsys, settings, tmp_path)
+    gate.fail = True
+    code, _, err = run(capsys, "adapter", "activate", "support@1")
+    assert code == 1 and "activation refused: eval score 0.00" in err and "adapter_verification_failed" in err
+    assert "verification: FAILED on worker w1" in err
+    assert '"What is 2+2?"' in err and 'base:    "4"' in err and 'adapter: "Quatre."' in err
+    assert 'failed "Say hi" expects /^hello/' in err and '"Bonjour !"' in err
+    code, _, err = run(capsys, "adapter", "activate", "support@1", "--json")
+    assert code == 1 and json.loads(err)["adapter"]["verification"]["eval"]["failed_cases"][0]["prompt"] == "Say hi"
+    code, out, _ = run(capsys, "adapter", "show", "support@1")
+    assert code == 0 and "failed" in out and 'adapter: "Quatre."' in out and "reason: eval score" in out
+    gate.fail = False
+    assert run_json(capsys, "adapter", "activate", "support@1")["status"] == "active"
+
+
+def test_admin_cli_disable_in_use_force_enable(server, capsys, tmp_path):
+    settings, _, _ = server
+    _seed(capsys, settings, tmp_path)
+    run_json(capsys, "adapter", "activate", "support@1")
+    run_json(capsys, "adapter", "activate", "support@2")
+    run_json(capsys, "bind", "acme", "support", "support@1", "--on-disabled", "base")
+    run_json(capsys, "canary", "start", "acme", "support", "support@2", "--percent", "10")
+    code, _, err = run(capsys, "adapter", "disable", "support@2")
+    assert code == 1 and "acme/support (canary)" in err and "adapter_in_use" in err
+    assert run_json(capsys, "binding", "show", "acme", "support")["canary"]["label"] == "support@2"
+    code, out, _ = run(capsys, "adapter", "disable", "support@2", "--force", "--reason", "regression")
+    assert code == 0 and "disabled support@2" in out and "acme/support: canary aborted" in out
+    assert run_json(capsys, "binding", "show", "acme", "support")["canary"] is None
+    code, out, _ = run(capsys, "adapter", "enable", "support@2")
+    assert code == 0 and "enabled support@2" in out and "stay disabled" in out
+    assert run_json(capsys, "adapter", "show", "support@2")["status"] == "active"
+    entries = run_json(capsys, "audit", "--limit", "3")["data"]
+    assert [e["action"] for e in entries] == ["adapter.enable", "binding.canary_abort", "adapter.disable"]
+    # bind chose base; a plain disable refuses, an explicit one falls back to the base model
+    assert run_json(capsys, "binding", "disable", "acme", "support")["on_disabled"] == "refuse"
+    run_json(capsys, "binding", "enable", "acme", "support")
+    assert run_json(capsys, "binding", "disable", "acme", "support", "--on-disabled", "base")["on_disabled"] == "base"
+
+
+def _closed_stdout(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its stdout a pipe nobody reads any more (``cmd | head -0``)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(cmd, env=env, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+
+
+def test_output_to_a_closed_pipe_ends_quietly(server):
+    _, admin_url, _ = server
+    env = {**os.environ, "LORAPLEX_ADMIN_URL": admin_url}
+    cli = [sys.executable, "-m", "loraplex.cli"]
+    assert subprocess.run([*cli, "admin", "tenant", "create", "acme"], env=env, capture_output=True).returncode == 0
+    for argv in (["admin", "tenant", "list", "--json"], ["admin", "tenant", "list"], ["config"],
+                 ["token", "--tenant", "acme"]):
+        r = _closed_stdout([*cli, *argv], env)
+        assert r.returncode == 141, (argv, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, (argv, r.stderr)
