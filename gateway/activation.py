@@ -159,7 +159,7 @@ class ActivationGate:
             results = data["results"]
             texts = [(str(x.get("base") or ""), str(x.get("adapter") or "")) for x in results]
         except (ValueError, KeyError, TypeError, AttributeError):
-            return _failed(worker_id, "the worker's probe answer is malformed", error=error | {"status": 200})
+            return _failed(worker_id, "the worker's probe answer is malformed", error=error)
         if len(texts) != len(prompts):
             return _failed(worker_id, f"the worker answered {len(texts)} of {len(prompts)} probe prompts")
         return self._judge(worker_id, prompts, texts, data.get("adapter_load_ms"), evaluation, seconds)
