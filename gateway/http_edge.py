@@ -149,9 +149,10 @@ class EdgeProtocol(HttpToolsProtocol):
             self._timer = None
 
     def _busy(self) -> bool:
-        """A response is being produced (reading waits for it, not for the client)."""
-        return self.flow.read_paused or (self.cycle is not None and not self.cycle.response_complete
-                                         and self._in_head)
+        """The wait is the server's, not the client's: reading is paused, the request waits
+        behind a pipelined one, or a head follows a request still being answered."""
+        return self.flow.read_paused or bool(self.pipeline) or (
+            self._in_head and self.cycle is not None and not self.cycle.response_complete)
 
     def _expired(self) -> None:
         self._timer = None

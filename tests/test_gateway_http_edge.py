@@ -417,6 +417,12 @@ def test_half_sent_heads_are_answered_408_and_silent_connections_closed():
             time.sleep(0.2)
             s.sendall(b"host: t\r\n\r\n")
             assert Reader(s).response()[2] == b"/slowhead"
+        with connect(srv.port) as s:  # a head arriving behind a request still being answered waits for it
+            s.sendall(b"GET /slow?1.0 HTTP/1.1\r\nhost: t\r\n\r\nGET /behind HTTP/1.1\r\nho")
+            r = Reader(s)
+            assert r.response()[2] == b"slow"
+            s.sendall(b"st: t\r\n\r\n")
+            assert r.response()[2] == b"/behind"
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408():
@@ -436,6 +442,12 @@ def test_a_body_that_does_not_arrive_in_time_is_408():
             time.sleep(0.2)
             s.sendall(b"def")
             assert Reader(s).response()[2] == b"POST 1.1 /echo ok|abcdef"
+        with connect(srv.port) as s:  # time spent waiting behind a pipelined request does not count
+            s.sendall(request("GET", "/slow?1.0") + request("POST", "/echo?queued", headers={"content-length": "6"}) + b"abc")
+            r = Reader(s)
+            assert r.response()[2] == b"slow"
+            s.sendall(b"def")
+            assert r.response()[2] == b"POST 1.1 /echo queued|abcdef"
 
 
 def test_idle_connections_are_closed_after_the_keep_alive_timeout():
