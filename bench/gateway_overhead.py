@@ -6,7 +6,8 @@ Everything runs as real processes on loopback:
   residency into Redis;
 * a real registry (SQLite file, seeded through ``registry.service``; changes fanned out
   over Redis) with one tenant, one base model and one adapter bound to an alias;
-* the gateway as ``loraplex gateway`` (uvicorn + uvloop + httptools) with auth (JWT),
+* the gateway as ``loraplex gateway`` (uvicorn's httptools protocol with the gateway's edge
+  deadlines, uvloop; its metrics on their own port) with auth (JWT),
   resolution, Redis limits (high enough never to refuse) and routing all on;
 * a load generator of raw asyncio HTTP/1.1 keep-alive connections spread over several
   processes, so the client side is cheap.
@@ -198,7 +199,8 @@ def main() -> int:
     gw_port = free_port()
     env = dict(os.environ, LORAPLEX_HOME=str(tmp), LORAPLEX_DATABASE_URL=db, LORAPLEX_REDIS_URL=REDIS_URL,
                LORAPLEX_REDIS_PREFIX=prefix, LORAPLEX_ADAPTER_ROOT=str(tmp / "adapters"),
-               LORAPLEX_GATEWAY_PORT=str(gw_port), LORAPLEX_LOG_LEVEL="WARNING" if args.no_access_log else "INFO")
+               LORAPLEX_GATEWAY_PORT=str(gw_port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()),
+               LORAPLEX_LOG_LEVEL="WARNING" if args.no_access_log else "INFO")
     gw_cmd = [sys.executable, "-m", "loraplex.cli", "gateway"]
     gw = subprocess.Popen(gw_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results: list[dict] = []

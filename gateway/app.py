@@ -5,8 +5,8 @@ handlers (no Request/Response objects), dispatched before Starlette's middleware
 router: auth (cached JWT verification) -> body
 (size-capped) -> validation -> resolution -> limits (reserve before admission) ->
 routing -> proxy -> settle, one access-log line and metrics. The rest (``/v1/models``,
-health, readiness, metrics, the registry admin API under ``/admin``) are ordinary
-Starlette routes.
+health, readiness, the registry admin API under ``/admin``) are ordinary Starlette
+routes; ``/metrics`` is a separate app (``app.metrics_app``) for the internal metrics port.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.routing import Mount, Route
 
 from gateway.auth import Authenticator
 from gateway.errors import GatewayError, send_error
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, metrics_app
 from gateway.proxy import Upstream, read_rest, relay_sse, sse_error, usage_of, used_tokens
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
 from gateway.resolve import Resolver
@@ -151,6 +151,18 @@ class Gateway:
             base_headers[HDR_ADAPTER] = res.label
             if res.fallback:
                 base_headers[HDR_FALLBACK] = "binding-disabled"
+            body = req.body
+            if req.stream:
+                body["stream_options"] = {"include_usage": True}
+            body[EXT_KEY] = {
+                "adapter": res.wire, "tenant": tenant.slug,
+                "priority": PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
+                "request_id": request_id,
+            }
+            try:
+                payload = orjson.dumps(body)
+            except orjson.JSONEncodeError as exc:
+                raise _unencodable(body, exc) from None
             key = (tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent)
             limits = self._limits.get(key)
             if limits is None:
@@ -170,15 +182,6 @@ class Gateway:
             lease = decision.lease
             if self.traffic is not None and res.wire is not None:
                 self.traffic.record(res.wire)
-            body = req.body
-            if req.stream:
-                body["stream_options"] = {"include_usage": True}
-            body[EXT_KEY] = {
-                "adapter": res.wire, "tenant": tenant.slug,
-                "priority": PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
-                "request_id": request_id,
-            }
-            payload = orjson.dumps(body)
             router = self.router
             adapter_id = res.adapter.id if res.adapter else None
             workers = None if router.due() else router.choose(res.base_model, adapter_id)
@@ -237,10 +240,20 @@ class Gateway:
         except _ClientGone:
             status = 499
         except asyncio.CancelledError:
-            # Ours (the deadline passed, the client left) or someone else's (shutdown): re-raised.
+            # Ours (the deadline passed, the client left) or the server's (its shutdown grace ended).
             task = asyncio.current_task()
             if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
-                raise
+                status = 503
+                log.warning("request %s cut short by the server's shutdown", request_id)
+                if st.started and not st.finished:
+                    await send({"type": "http.response.body", "body": sse_error(
+                        "the gateway is shutting down", "shutting_down"), "more_body": False})
+                elif not st.started:
+                    await send_error(send, GatewayError(503, "The gateway is shutting down; retry the request.",
+                                                        code="shutting_down"), base_headers)
+                if task is not None and task.cancelling():
+                    task.uncancel()  # answered: the request ends here, like any other
+                return
             task.uncancel()
             if guard.expired:
                 status = 504
@@ -340,6 +353,30 @@ async def _flush_access_log(every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
         for handler in access_log.handlers:
             handler.flush()
+
+
+ENCODE_MAX_DEPTH = 254
+"""Deepest nesting (objects and lists, the body itself counted) that ``orjson.dumps`` encodes."""
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (1 for a flat object)."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(v, dict | list)]
+    return depth
+
+
+def _unencodable(body: dict[str, Any], exc: orjson.JSONEncodeError) -> GatewayError:
+    """The 400 for a body that parsed but cannot be forwarded (orjson encodes 254 levels at most)."""
+    for name, value in body.items():
+        if isinstance(value, dict | list) and _depth(value) >= ENCODE_MAX_DEPTH:
+            return GatewayError(400, f"'{name}' is nested {_depth(value)} levels deep; the request body may nest "
+                                f"at most {ENCODE_MAX_DEPTH} levels (itself included)", code="invalid_json",
+                                param=name)
+    return GatewayError(400, f"the request body cannot be forwarded: {exc}", code="invalid_json")
 
 
 class _ClientGone(Exception):
@@ -464,6 +501,8 @@ class GatewayApp(Starlette):
     the router."""
 
     gateway: Gateway
+    metrics_app: Any
+    """``/metrics`` for the internal metrics port (``gateway.http_edge.metrics_config``), never this app."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -582,10 +621,6 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             body["warnings"] = ["no live worker: completions answer 503 no_worker until one reports"]
         return JSONResponse(body)
 
-    async def metrics(request: Request) -> Response:
-        gw.metrics.inflight.set(sum(w.inflight for w in router.workers()))
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         return _error(status, "not found" if status == 404 else str(getattr(exc, "detail", "error")))
@@ -632,7 +667,6 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
     ]
     if admin is not None:
         routes.append(Mount("/admin", app=admin))
@@ -640,4 +674,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                      exception_handlers={HTTPException: not_found, Exception: server_error})
     app.gateway = gw
     app.state.gateway = gw
+
+    def refresh_gauges() -> None:
+        gw.metrics.inflight.set(sum(w.inflight for w in router.workers()))
+
+    app.metrics_app = metrics_app(gw.metrics, refresh_gauges)
     return app

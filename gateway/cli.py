@@ -1,8 +1,9 @@
-"""``loraplex gateway`` (run the gateway with uvicorn) and ``loraplex token`` (mint a JWT)."""
+"""``loraplex gateway`` (the gateway and its metrics port on uvicorn) and ``loraplex token`` (mint a JWT)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import TextIO
@@ -44,9 +45,8 @@ class BufferedLines(logging.Handler):
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import create_app
+    from gateway.http_edge import gateway_servers, serve_all
 
     overrides = {}
     if args.host:
@@ -64,24 +64,13 @@ def _gateway(args: argparse.Namespace) -> int:
         access.addHandler(BufferedLines(sys.stderr))
         access.propagate = False
     app = create_app(settings)
-    kwargs: dict[str, object] = {}
+    servers = gateway_servers(app, settings)
     try:
-        import uvloop  # noqa: F401
-
-        kwargs["loop"] = "uvloop"
+        import uvloop
     except ImportError:
-        pass
-    try:
-        from gateway.server import GatewayHttpProtocol  # needs httptools
-
-        kwargs["http"] = GatewayHttpProtocol
-    except ImportError:
-        pass
-    # log_config=None: keep the logging set up above (uvicorn's own config would close its handlers).
-    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, access_log=False, log_config=None,
-                log_level=settings.log_level.lower(), workers=1, timeout_graceful_shutdown=5,
-                proxy_headers=False, server_header=False,
-                backlog=4096, **kwargs)  # type: ignore[arg-type]
+        asyncio.run(serve_all(servers))
+    else:
+        uvloop.run(serve_all(servers))
     return 0
 
 

@@ -13,7 +13,8 @@ when scraped. The rarer series are ordinary ``prometheus_client`` metrics.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -141,3 +142,27 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+def metrics_app(metrics: GatewayMetrics, before_render: Callable[[], None] | None = None) -> Any:
+    """The internal metrics port's ASGI app: ``GET /metrics``, 404 for anything else.
+
+    ``before_render`` refreshes gauges read at scrape time."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            if before_render is not None:
+                before_render()
+            status, ctype, body = 200, CONTENT_TYPE, metrics.render()
+        else:
+            status, ctype, body = 404, b"text/plain; charset=utf-8", b"not found\n"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app

@@ -3,7 +3,8 @@
 The embedded default: the registry on SQLite (migrated at start), the in-process
 limiter, residency table and change fan-out, one engine worker on the demo model.
 The gateway and the worker are the same apps that run as separate processes in
-production, served here by two uvicorn servers on one event loop; the gateway still
+production, served here by uvicorn servers on one event loop (the worker, the gateway and
+its internal metrics port); the gateway still
 reaches the worker over HTTP on loopback, so every code path is the production one.
 
 ``loraplex demo`` also seeds the registry: the base model, two tenants and the demo
@@ -176,6 +177,7 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     from engine.api import create_worker_app
     from engine.engine import Engine
     from gateway.app import create_app
+    from gateway.http_edge import gateway_servers
 
     _step(f"loading {settings.model}")
     t0 = time.monotonic()
@@ -183,24 +185,27 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     _step(f"model loaded in {time.monotonic() - t0:.1f}s")
     worker = uvicorn.Server(uvicorn.Config(create_worker_app(settings, engine=engine), host=settings.worker_host,
                                            port=settings.worker_port, log_level="warning", lifespan="on"))
-    gateway = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.gateway_host,
-                                            port=settings.gateway_port, log_level="warning", lifespan="on"))
-    tasks = [asyncio.create_task(worker.serve()), asyncio.create_task(gateway.serve())]
-    while not (worker.started and gateway.started):
+    *internal, gateway = gateway_servers(create_app(settings), settings, log_level="warning")
+    servers = [worker, *internal, gateway]
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    while not all(s.started for s in servers):
         if any(t.done() for t in tasks):
             for t in tasks:
                 t.cancel()
             raise SystemExit("a server failed to start (is the port in use?)")
         await asyncio.sleep(0.05)
+    metrics = f", metrics on http://{settings.gateway_metrics_host}:{settings.gateway_metrics_port}/metrics" \
+        if internal else ""
     _step(f"worker on {settings.resolved_worker_url()}, gateway on "
-          f"http://{settings.gateway_host}:{settings.gateway_port}")
+          f"http://{settings.gateway_host}:{settings.gateway_port}{metrics}")
     await _wait_ready(f"http://{settings.gateway_host}:{settings.gateway_port}/readyz")
     if demo:
         _step("seeding demo tenants, adapters and bindings")
         try:
             tokens = await seed_demo(settings)
         except (RuntimeError, OSError) as exc:
-            worker.should_exit = gateway.should_exit = True
+            for s in servers:
+                s.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
             raise SystemExit(f"error: demo seeding failed: {exc}") from None
         print_instructions(settings, tokens)
@@ -208,7 +213,8 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
         name = await register_base_model(settings)
         print(f"Serving base model {name!r}. Ctrl-C stops it.", flush=True)
     _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    worker.should_exit = gateway.should_exit = True  # one stops (Ctrl-C, failure): stop both
+    for s in servers:  # one stops (Ctrl-C, failure): stop all
+        s.should_exit = True
     await asyncio.gather(*pending, return_exceptions=True)
 
 

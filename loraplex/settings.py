@@ -94,6 +94,16 @@ class Settings:
     """Static registry snapshot (JSON) served instead of the live registry; for tests and benchmarks."""
     request_timeout_s: float = 300.0
     """Per-request deadline at the gateway (504 when exceeded)."""
+    gateway_head_timeout_s: float = 10.0
+    """A request head must arrive in full within this (from the connection's start or its first byte; 408)."""
+    gateway_body_timeout_s: float = 30.0
+    """A request body must arrive in full within this after its head (408)."""
+    gateway_shutdown_grace_s: float = 30.0
+    """On SIGTERM, running requests get this long to finish; then they are answered 503 (streams: an error event)."""
+    gateway_metrics_host: str = "127.0.0.1"
+    """Listen address of the internal metrics port (``0.0.0.0`` where Prometheus scrapes from another host)."""
+    gateway_metrics_port: int = 9100
+    """Internal port serving ``/metrics`` (never the public port). 0: no metrics port."""
     ratelimit_fail_mode: Literal["open", "closed"] = "open"
     """While Redis is unreachable: ``open`` (per-replica local limits) or ``closed`` (503)."""
     route_candidates: int = 3

@@ -110,7 +110,7 @@ class Cluster:
 
     def add_gateway(self, name: str) -> Proc:
         port = free_port()
-        env = self.env(LORAPLEX_GATEWAY_PORT=str(port))
+        env = self.env(LORAPLEX_GATEWAY_PORT=str(port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()))
         proc = Proc(name, [str(BIN), "gateway"], env, self.home / f"{name}.log", f"http://127.0.0.1:{port}")
         proc.start()
         self.gateways.append(proc)

@@ -365,21 +365,22 @@ class MutableSnapshots:
 
 
 class ThreadServer:
-    """A real uvicorn server for ``app`` on a loopback port, in a background thread, with
-    the gateway's HTTP protocol (as ``loraplex gateway`` runs it)."""
+    """A real uvicorn server for ``app`` on a loopback port, in a background thread, configured
+    as ``loraplex gateway`` serves its public port (``gateway.http_edge``)."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None, settings: Any = None) -> None:
         import threading
 
         import uvicorn
 
-        from gateway.server import GatewayHttpProtocol
+        from gateway.http_edge import gateway_config
+        from loraplex.settings import Settings
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", access_log=False,
-                                lifespan="on", loop="asyncio", http=GatewayHttpProtocol, timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
+        settings = (settings or Settings(gateway_shutdown_grace_s=1.0)).replace(gateway_host="127.0.0.1",
+                                                                              gateway_port=self.port)
+        self.server = uvicorn.Server(gateway_config(app, settings, log_level="error", loop="asyncio"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ThreadServer:

@@ -361,7 +361,11 @@ def test_prometheus_scrapes_gateway_and_every_compose_worker(compose):
                 host, port = t.split(":")
                 targets[host] = int(port)
     services = compose["services"]
-    assert targets["gateway"] == Settings.from_env(_env(services["gateway"])).gateway_port
+    gateway = Settings.from_env(_env(services["gateway"]))
+    # The gateway's metrics port, reachable from Prometheus's container, never its public port.
+    assert targets["gateway"] == gateway.gateway_metrics_port != gateway.gateway_port
+    assert gateway.gateway_metrics_host == "0.0.0.0"
+    assert not any(str(p).endswith(f":{gateway.gateway_metrics_port}") for p in services["gateway"].get("ports", []))
     for name in ("worker-1", "worker-2"):
         assert targets[name] == Settings.from_env(_env(services[name])).worker_port
 
@@ -377,6 +381,12 @@ def test_prometheus_kubernetes_variant_discovers_annotated_pods(k8s):
         assert ann["prometheus.io/scrape"] == "true"
         port = int(ann["prometheus.io/port"])
         assert port in {p["containerPort"] for p in _pod_spec(k8s[key])["containers"][0]["ports"]}
+    config = Settings.from_env(k8s["ConfigMap/loraplex-config"]["data"])
+    ann = k8s["Deployment/loraplex-gateway"]["spec"]["template"]["metadata"]["annotations"]
+    assert int(ann["prometheus.io/port"]) == config.gateway_metrics_port != config.gateway_port
+    assert config.gateway_metrics_host == "0.0.0.0"
+    exposed = {p["targetPort"] for p in k8s["Service/loraplex-gateway"]["spec"]["ports"]}
+    assert exposed == {"http"}
 
 
 DASHBOARD_METRIC = re.compile(r"\b(loraplex_[a-z0-9_]+)")
@@ -440,7 +450,7 @@ def test_dashboard_metrics_match_the_exporters(prefix, exporter):
     assert not missing, missing
 
 
-@pytest.mark.parametrize(("app", "paths"), [("gateway/app.py", ("/healthz", "/readyz", "/metrics")),
+@pytest.mark.parametrize(("app", "paths"), [("gateway/app.py", ("/healthz", "/readyz")),
                                             ("engine/api.py", ("/health", "/metrics"))])
 def test_probe_and_scrape_paths_are_routes_of_the_apps(app, paths):
     """Every path a healthcheck, probe or scrape uses is served by the process it targets."""

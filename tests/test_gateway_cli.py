@@ -45,7 +45,7 @@ def test_gateway_command_serves_with_a_snapshot_file(tmp_path):
     port = free_port()
     with StubProcess("c1") as stub:
         env = dict(os.environ, LORAPLEX_REGISTRY_SNAPSHOT_FILE=str(path), LORAPLEX_GATEWAY_PORT=str(port),
-                   LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_HOME=str(tmp_path / "home"))
+                   LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()), LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_HOME=str(tmp_path / "home"))
         env.pop("LORAPLEX_REDIS_URL", None)
         proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway"], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -123,7 +123,7 @@ def test_broken_stream_ends_with_error_event(stub):
         err = json.loads(events[-1])["error"]
         assert err["code"] == "stream_interrupted"
         assert len(events) >= 2  # the chunks before the break went through
-        m = c.get("/metrics").text
+        m = app.state.gateway.metrics.render().decode()
         assert 'loraplex_gateway_requests_total{adapter="sup@1",status="5xx",tenant="acme"}' in m
 
 
@@ -171,7 +171,7 @@ def test_client_gone_while_sending_body(stub):
                      b"content-length: 1000\r\nauthorization: Bearer " + token.encode() + b"\r\n\r\n{\"model\"")
         time.sleep(0.2)
         sock.close()
-        assert _wait_for(lambda: 'status="499"' in httpx.get(gw.url + "/metrics").text)
+        assert _wait_for(lambda: 'status="499"' in app.state.gateway.metrics.render().decode())
         # the gateway is fine afterwards
         r = httpx.post(gw.url + "/v1/chat/completions", json=_body(), headers={"authorization": f"Bearer {token}"})
         assert r.status_code == 200

@@ -264,7 +264,8 @@ async def test_new_limits_from_snapshot_apply_immediately(redis_url, redis_prefi
         # The bucket is clamped to the new capacity at once: two more, then refused.
         assert [r.status_code for r in rs] == [200, 200, 429, 429]
         assert rs[0].headers["x-ratelimit-limit-requests"] == "2"
-        metrics = (await c.get("/metrics")).text
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.metrics_app), base_url="http://m") as m:
+            metrics = (await m.get("/metrics")).text
         assert 'loraplex_gateway_rate_limited_total{reason="requests",tenant="acme"}' in metrics
 
 

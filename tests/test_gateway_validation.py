@@ -104,6 +104,22 @@ async def test_malformed_json_is_400(raw):
                              content=raw), 400)
 
 
+@pytest.mark.parametrize("field", ["metadata", "tools"])
+async def test_json_nested_deeper_than_the_forwarder_encodes_is_400(field):
+    # orjson parses 1024 levels but encodes 254 (the body itself counted): the gateway, which
+    # re-encodes what it forwards, refuses the rest as invalid JSON, naming the field.
+    app, h = _app()
+    deep: object = 1
+    for _ in range(254):
+        deep = [deep]
+    body = {"model": "support", "messages": MSG, "max_tokens": 4, field: deep}
+    err = _check_error(await _send(app, h, "/v1/chat/completions", json=body), 400)
+    assert err["code"] == "invalid_json" and err["param"] == field
+    assert "254 levels" in err["message"]
+    body[field] = deep[0]  # 254 levels in all: forwarded
+    assert (await _send(app, h, "/v1/chat/completions", json=body)).status_code == 200
+
+
 async def test_oversized_body_is_413_declared_and_streamed():
     app, h = _app()
     big = {"model": "support", "messages": [{"role": "user", "content": "x" * 10_000}]}

@@ -1,10 +1,13 @@
-"""The gateway's HTTP/1.1 server protocol under a real uvicorn server, spoken to over raw
-sockets: framing, keep-alive, pipelining, flow control, disconnects, errors, shutdown."""
+"""The gateway's HTTP edge (uvicorn's httptools protocol with ``EdgeProtocol``'s deadlines)
+under a real uvicorn server, spoken to over raw sockets: framing, keep-alive, pipelining,
+flow control, disconnects, malformed input, head/body deadlines, shutdown; and the
+internal metrics port."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -15,7 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway.server import MAX_HEAD_BYTES, GatewayHttpProtocol, _Exchange
+from gateway.http_edge import MAX_HEAD_BYTES, gateway_config
+from loraplex.settings import Settings
 from tests.stub_worker import free_port
 
 
@@ -122,10 +126,12 @@ class Served:
 
 @contextlib.contextmanager
 def serve(loop: str = "uvloop", **config: Any) -> Iterator[Served]:
+    """``app`` served as the gateway's public port; ``config``: settings fields or uvicorn options."""
     port = free_port()
     app.events = Events()  # type: ignore[attr-defined]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="on",
-                                           loop=loop, http=GatewayHttpProtocol, **config))
+    fields = {k: config.pop(k) for k in list(config) if k.startswith("gateway_")}
+    settings = Settings(gateway_host="127.0.0.1", gateway_port=port, **fields)
+    server = uvicorn.Server(gateway_config(app, settings, log_level="critical", loop=loop, **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -254,10 +260,12 @@ def test_http_1_0_closes_and_length_less_body_ends_with_the_connection():
             _, headers, body = r.response()
             assert body == b"/x" and headers["connection"] == "close"
             assert r.closed()
-        with connect(srv.port) as s:  # HTTP/1.0 cannot read chunked: the body runs to the end of the connection
+        with connect(srv.port) as s:
             s.sendall(request("GET", "/stream", version="1.0"))
-            _, headers, body = Reader(s).response()
-            assert "transfer-encoding" not in headers and body == b"part0;part1;part2;end"
+            r = Reader(s)
+            _, headers, body = r.response()
+            assert body == b"part0;part1;part2;end" and headers["connection"] == "close"
+            assert r.closed()
 
 
 def test_pipelined_requests_are_answered_in_order_one_at_a_time():
@@ -291,13 +299,20 @@ def test_expect_100_continue():
         assert r.response()[2] == b"POST 1.1 /echo e|body"
 
 
-def test_answer_before_the_body_was_read_closes_the_connection():
-    with serve() as srv, connect(srv.port) as s:
-        s.sendall(request("POST", "/refuse", headers={"content-length": "100000"}) + b"x" * 1000)
-        r = Reader(s)
-        status, headers, body = r.response()
-        assert (status, body, headers["connection"]) == (413, b"too large", "close")
-        assert r.closed()
+def test_answer_before_the_body_was_read_skips_the_rest_of_it():
+    with serve(gateway_body_timeout_s=0.5) as srv:
+        with connect(srv.port) as s:
+            s.sendall(request("POST", "/refuse", headers={"content-length": "3000"}) + b"x" * 1000)
+            r = Reader(s)
+            assert r.response()[:1] == (413,)
+            s.sendall(b"x" * 2000 + request("GET", "/next"))  # the rest is read past, not taken for a request
+            assert r.response()[2] == b"/next"
+        with connect(srv.port) as s:  # the rest never comes: closed at the body deadline, nothing more sent
+            s.sendall(request("POST", "/refuse", headers={"content-length": "3000"}) + b"x" * 1000)
+            r = Reader(s)
+            assert r.response()[0] == 413
+            t0 = time.monotonic()
+            assert r.closed() and time.monotonic() - t0 < 3
 
 
 def test_a_client_that_goes_away_is_reported_to_its_request():
@@ -322,7 +337,7 @@ def test_receive_after_the_response_reports_a_disconnect():
         assert r.response()[2] == b"/again"
 
 
-@pytest.mark.parametrize("path", ["/raise", "/nothing", "/bad-header"])
+@pytest.mark.parametrize("path", ["/raise", "/nothing"])
 def test_app_failures_before_the_response_answer_500(path):
     with serve() as srv, connect(srv.port) as s:
         s.sendall(request("GET", path))
@@ -332,24 +347,107 @@ def test_app_failures_before_the_response_answer_500(path):
         assert r.closed()
 
 
-def test_app_failure_mid_response_cuts_the_connection():
+@pytest.mark.parametrize("path", ["/raise-late", "/bad-header"])
+def test_app_failure_mid_response_cuts_the_connection(path):
     with serve() as srv, connect(srv.port) as s:
-        s.sendall(request("GET", "/raise-late"))
+        s.sendall(request("GET", path))
         r = Reader(s)
         with pytest.raises(EOFError):
             r.response()
 
 
-def test_malformed_requests_and_oversized_heads_are_refused():
+def _refused(s: socket.socket, status: int, code: str) -> None:
+    """The edge answered ``status`` in the OpenAI error shape and closed the connection."""
+    r = Reader(s)
+    got, headers, body = r.response()
+    assert (got, headers["connection"], headers["content-type"]) == (status, "close", "application/json")
+    err = json.loads(body)["error"]
+    assert err["code"] == code and set(err) == {"message", "type", "code", "param"}
+    assert r.closed()
+
+
+CHUNKED_POST = b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("data", [
+    b"NOT HTTP AT ALL\r\n\r\n",
+    CHUNKED_POST + b"FFFFFFFFFFFFFFFFFFFF\r\nabc\r\n",  # chunk size overflow
+    CHUNKED_POST + b"5\nhello\n0\n\n",  # LF-only chunk lines
+    b"POST /echo HTTP/1.1\nhost: t\ncontent-length: 1\n\nx",  # LF-only head
+    b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+], ids=["garbage", "chunk-size-overflow", "lf-only-chunks", "lf-only-head", "length-and-chunked",
+        "two-lengths"])
+def test_malformed_requests_are_400_and_closed(data):
+    with serve() as srv, connect(srv.port) as s:
+        s.sendall(data)
+        _refused(s, 400, "invalid_http")
+
+
+def test_oversized_heads_are_431():
     with serve() as srv:
         with connect(srv.port) as s:
-            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-            r = Reader(s)
-            assert r.response()[0] == 400 and r.closed()
-        with connect(srv.port) as s:
             s.sendall(request("GET", "/x", headers={"x-big": "a" * MAX_HEAD_BYTES}))
+            _refused(s, 431, "head_too_large")
+        with connect(srv.port) as s:  # one header line that never ends
+            s.sendall(b"GET /x HTTP/1.1\r\nx-endless: ")
+            with contextlib.suppress(OSError):
+                for _ in range(2 * MAX_HEAD_BYTES // 4096 + 1):
+                    s.sendall(b"a" * 4096)
+                    time.sleep(0.001)
+            _refused(s, 431, "head_too_large")
+
+
+def test_half_sent_heads_are_answered_408_and_silent_connections_closed():
+    with serve(gateway_head_timeout_s=0.5) as srv:
+        half = [connect(srv.port) for _ in range(30)]
+        silent = [connect(srv.port) for _ in range(3)]
+        t0 = time.monotonic()
+        for s in half:
+            s.sendall(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-le")
+        for s in half:
+            _refused(s, 408, "request_timeout")
+        for s in silent:
+            assert Reader(s).closed()
+        assert time.monotonic() - t0 < 5
+        for s in half + silent:
+            s.close()
+        with connect(srv.port) as s:  # a head sent slowly but within the deadline is served
+            s.sendall(b"GET /slowhead HTTP/1.1\r\n")
+            time.sleep(0.2)
+            s.sendall(b"host: t\r\n\r\n")
+            assert Reader(s).response()[2] == b"/slowhead"
+        with connect(srv.port) as s:  # a head arriving behind a request still being answered waits for it
+            s.sendall(b"GET /slow?1.0 HTTP/1.1\r\nhost: t\r\n\r\nGET /behind HTTP/1.1\r\nho")
             r = Reader(s)
-            assert r.response()[0] == 431 and r.closed()
+            assert r.response()[2] == b"slow"
+            s.sendall(b"st: t\r\n\r\n")
+            assert r.response()[2] == b"/behind"
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408():
+    with serve(gateway_body_timeout_s=0.5) as srv:
+        with connect(srv.port) as s:
+            s.sendall(request("POST", "/echo?slow", headers={"content-length": "10"}) + b"abc")
+            _refused(s, 408, "request_timeout")
+        with connect(srv.port) as s:  # chunked, trickling: the deadline is for the whole body
+            s.sendall(CHUNKED_POST)
+            with contextlib.suppress(OSError):
+                for _ in range(20):
+                    s.sendall(b"1\r\nx\r\n")
+                    time.sleep(0.1)
+            _refused(s, 408, "request_timeout")
+        with connect(srv.port) as s:  # a body within the deadline is served
+            s.sendall(request("POST", "/echo?ok", headers={"content-length": "6"}) + b"abc")
+            time.sleep(0.2)
+            s.sendall(b"def")
+            assert Reader(s).response()[2] == b"POST 1.1 /echo ok|abcdef"
+        with connect(srv.port) as s:  # time spent waiting behind a pipelined request does not count
+            s.sendall(request("GET", "/slow?1.0") + request("POST", "/echo?queued", headers={"content-length": "6"}) + b"abc")
+            r = Reader(s)
+            assert r.response()[2] == b"slow"
+            s.sendall(b"def")
+            assert r.response()[2] == b"POST 1.1 /echo queued|abcdef"
 
 
 def test_idle_connections_are_closed_after_the_keep_alive_timeout():
@@ -388,72 +486,124 @@ def test_through_httpx():
             assert b"".join(resp.iter_raw()) == b"part0;part1;part2;end"
 
 
-class FakeTransport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
+# -- the gateway's two ports, and its shutdown ------------------------------------------------------
 
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def get_extra_info(self, name: str) -> Any:
-        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name)
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
+TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}}}}
+CHAT = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def _protocol() -> tuple[GatewayHttpProtocol, FakeTransport]:
-    config = uvicorn.Config(app, http=GatewayHttpProtocol)
-    state = uvicorn.server.ServerState()
-    proto = GatewayHttpProtocol(config, state, {}, _loop=asyncio.get_running_loop())
-    transport = FakeTransport()
-    proto.connection_made(transport)  # type: ignore[arg-type]
-    return proto, transport
+def test_metrics_are_served_on_the_internal_port_only():
+    from gateway.app import create_app
+    from gateway.http_edge import gateway_servers, serve_all
+    from gateway.ratelimit import LocalLimiter
+    from loraplex.residency import MemoryResidency
+    from loraplex.tokens import mint
+    from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+
+    settings = Settings(gateway_host="127.0.0.1", gateway_port=free_port(), gateway_metrics_port=free_port(),
+                        worker_urls=("http://worker",), gateway_shutdown_grace_s=1.0)
+    app = create_app(settings, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                     residency=MemoryResidency(), http_client=httpx.AsyncClient(transport=mock_worker_transport()),
+                     mount_admin=False)
+    servers = gateway_servers(app, settings, log_level="critical")
+    thread = threading.Thread(target=asyncio.run, args=(serve_all(servers),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not all(s.started for s in servers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        public = f"http://127.0.0.1:{settings.gateway_port}"
+        internal = f"http://127.0.0.1:{settings.gateway_metrics_port}"
+        token = mint(settings, "u", tenant="acme")
+        r = httpx.post(public + "/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {token}"})
+        assert r.status_code == 200
+        r = httpx.get(public + "/metrics")  # anonymous, on the public port: nothing there
+        assert r.status_code == 404 and "loraplex_gateway" not in r.text and "acme" not in r.text
+        r = httpx.get(internal + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert 'loraplex_gateway_requests_total{adapter="sup@1",status="2xx",tenant="acme"} 1.0' in r.text
+        assert "loraplex_gateway_inflight" in r.text
+        assert httpx.get(internal + "/v1/models").status_code == 404  # the metrics port serves metrics only
+    finally:
+        for s in servers:
+            s.should_exit = True
+        thread.join(10)
+    assert not thread.is_alive()
 
 
-async def test_send_waits_while_the_transport_is_full_and_one_step_is_one_write():
-    proto, transport = _protocol()
-    scope = {"method": "GET", "http_version": "1.1"}
-    ex = _Exchange(proto, scope, keep_alive=True, expect_100=False)
-    ex.more_body = False
-    proto.exchange = ex
-    await ex.send({"type": "http.response.start", "status": 200, "headers": []})
-    await ex.send({"type": "http.response.body", "body": b"a", "more_body": True})
-    assert transport.writes == []
-    await asyncio.sleep(0)
-    assert transport.writes == [ex.head + b"1\r\na\r\n"]  # head and first part in one write
-    proto.pause_writing()
-    sending = asyncio.ensure_future(ex.send({"type": "http.response.body", "body": b"b", "more_body": False}))
-    await asyncio.sleep(0.01)
-    assert not sending.done() and len(transport.writes) == 1
-    proto.resume_writing()
-    await sending
-    assert transport.writes[-1] == b"1\r\nb\r\n0\r\n\r\n" and ex.complete and proto.exchange is None
-    with pytest.raises(RuntimeError):
-        await ex.send({"type": "http.response.body", "body": b""})
-    proto.connection_lost(None)
-    assert transport.closed
+def _snapshot_file(path: Any) -> str:
+    path.write_text(json.dumps({
+        "version": 1, "base_models": {"smol": {"revision": "r1"}},
+        "adapters": {"sup-v1": {"name": "sup", "version": 1, "base_model": "smol", "uri": "file:///a/sup/1",
+                                "sha256": "0" * 64, "rank": 8, "alpha": 16, "status": "ready"}},
+        "tenants": {"acme": {"bindings": {"support": {"active": "sup-v1"}}}}}))
+    return str(path)
 
 
-async def test_content_length_is_enforced():
-    proto, _ = _protocol()
-    ex = _Exchange(proto, {"method": "GET", "http_version": "1.1"}, keep_alive=True, expect_100=False)
-    ex.more_body = False
-    await ex.send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    with pytest.raises(RuntimeError, match="longer"):
-        await ex.send({"type": "http.response.body", "body": b"abc"})
-    ex = _Exchange(proto, {"method": "GET", "http_version": "1.1"}, keep_alive=True, expect_100=False)
-    ex.more_body = False
-    await ex.send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    with pytest.raises(RuntimeError, match="shorter"):
-        await ex.send({"type": "http.response.body", "body": b"a"})
+def test_sigterm_drains_then_answers_what_is_still_running(tmp_path):
+    """``loraplex gateway`` on SIGTERM: a request that ends within the grace is answered; after it,
+    a waiting request gets a JSON 503 and a stream an error event, then the process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplex.tokens import mint
+    from tests.stub_worker import StubProcess
+
+    secret = "edge-test-" + "s" * 40
+    port, metrics_port = free_port(), free_port()
+    with StubProcess("w1", extra=("--chunks", "5")) as stub:
+        env = dict(os.environ, LORAPLEX_HOME=str(tmp_path), LORAPLEX_JWT_SECRET=secret,
+                   LORAPLEX_WORKER_SECRET="edge-test-worker-" + "w" * 40, LORAPLEX_REDIS_URL="",
+                   LORAPLEX_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path}/registry.db",
+                   LORAPLEX_REGISTRY_SNAPSHOT_FILE=_snapshot_file(tmp_path / "snapshot.json"),
+                   LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_GATEWAY_HOST="127.0.0.1",
+                   LORAPLEX_GATEWAY_PORT=str(port), LORAPLEX_GATEWAY_METRICS_PORT=str(metrics_port),
+                   LORAPLEX_GATEWAY_SHUTDOWN_GRACE_S="1.5", LORAPLEX_LOG_LEVEL="WARNING")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        log = open(tmp_path / "gateway.log", "w+")
+        gw = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway", "--no-access-log"], cwd=root,
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/readyz").status_code == 200:
+                        break
+                time.sleep(0.1)
+            assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").status_code == 200
+            h = {"authorization": f"Bearer {mint(Settings(jwt_secret=secret), 'u', tenant='acme')}"}
+
+            def post(body: dict[str, Any]) -> httpx.Response:
+                return httpx.post(url + "/v1/chat/completions", json=CHAT | body, headers=h, timeout=30)
+
+            with ThreadPoolExecutor(3) as pool:
+                waiting = pool.submit(post, {"metadata": {"stub_delay": "30"}})
+                stream = pool.submit(post, {"stream": True, "metadata": {"stub_chunk_delay": "1.5"}})
+                time.sleep(2.0)  # the stream's first event is out
+                quick = pool.submit(post, {"metadata": {"stub_delay": "0.5"}})
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                gw.send_signal(signal.SIGTERM)
+                assert quick.result().status_code == 200  # finished within the grace
+                r = waiting.result()
+                cut_after = time.monotonic() - t0
+                assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+                assert r.json()["error"]["code"] == "shutting_down"
+                assert 1.0 < cut_after < 10
+                r = stream.result()
+                events = [e[len("data: "):] for e in r.text.split("\n\n") if e.startswith("data: ")]
+                assert r.status_code == 200 and len(events) >= 2 and "[DONE]" not in events
+                assert json.loads(events[-1])["error"]["code"] == "shutting_down"
+            gw.wait(15)
+            log.seek(0)
+            output = log.read()
+            assert "Traceback" not in output, output
+        finally:
+            if gw.poll() is None:
+                gw.kill()
+                gw.wait(5)
+            log.close()

@@ -1,0 +1,240 @@
+"""How the gateway is served: uvicorn's httptools protocol with the gateway's edge policy.
+
+uvicorn parses HTTP (llhttp through httptools: malformed chunk sizes, bare-LF line
+endings and Content-Length/Transfer-Encoding conflicts are refused with a 400) and
+times out idle keep-alive connections. ``EdgeProtocol`` adds what uvicorn leaves open:
+
+* a deadline for a request head to arrive in full (``gateway_head_timeout_s``), from the
+  connection's start for its first request and from the first byte for later ones; a
+  connection that sent nothing is closed, a partial head is answered 408;
+* a deadline for a request body to arrive in full (``gateway_body_timeout_s``) after its
+  head; 408 unless the response has started, then the connection just closes (time the
+  app makes the client wait, with reading paused, does not count);
+* request heads over ``MAX_HEAD_BYTES`` are answered 431;
+* protocol-level refusals (400, 408, 431) in the OpenAI error shape.
+
+Timers are armed only when a read leaves a head or body incomplete, so a request that
+arrives in one read costs none. ``gateway_servers`` builds the public server and the
+internal metrics server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from loraplex.settings import Settings
+from loraplex.wire import error_body
+
+MAX_HEAD_BYTES = 65536
+"""Largest request line plus headers accepted (431 beyond)."""
+
+
+class _HeadTooLarge(Exception):
+    """The request line and headers are over ``MAX_HEAD_BYTES``."""
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """uvicorn's ``HttpToolsProtocol`` with head/body deadlines and a head size cap."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        """Waiting for a head to complete (a new connection waits for its first)."""
+        self._begun = False
+        """Bytes of the current head have arrived."""
+        self._began_here = False
+        self._in_body = False
+        self._since = 0.0
+        self._head_bytes = 0
+        """Bytes of the head's finished parts (request line, headers)."""
+        self._head_raw = 0
+        """Bytes of the reads that went wholly into the head after the one it began in."""
+        self._too_large = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    @classmethod
+    def configured(cls, settings: Settings) -> type[EdgeProtocol]:
+        """This protocol with the deadlines of ``settings``."""
+        return type(cls.__name__, (cls,), {"head_timeout_s": settings.gateway_head_timeout_s,
+                                          "body_timeout_s": settings.gateway_body_timeout_s})
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._since = self.loop.time()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        was_head = self._in_head
+        self._began_here = False
+        super().data_received(data)
+        if self.transport.is_closing():
+            self._disarm()
+            return
+        if was_head and self._in_head and not self._began_here:
+            # httptools holds an unfinished header line in memory: bound what a head may take.
+            self._head_raw += len(data)
+            if self._head_raw > MAX_HEAD_BYTES:
+                self._too_large = True
+                self.send_400_response("")
+                return
+        self._arm()
+
+    # -- parser callbacks -------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._in_head:
+            self._in_head = True
+            self._since = self.loop.time()
+        self._begun = self._began_here = True
+        self._head_bytes = self._head_raw = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = self._begun = False
+        self._in_body = True
+        self._since = self.loop.time()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise _HeadTooLarge
+
+    # -- deadlines --------------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        if self._in_head:
+            at = self._since + self.head_timeout_s
+        elif self._in_body:
+            at = self._since + self.body_timeout_s
+        else:
+            self._disarm()
+            return
+        if self._timer is None or at != self._timer_at:
+            self._disarm()
+            self._timer_at = at
+            self._timer = self.loop.call_at(at, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _busy(self) -> bool:
+        """The wait is the server's, not the client's: reading is paused, the request waits
+        behind a pipelined one, or a head follows a request still being answered."""
+        return self.flow.read_paused or bool(self.pipeline) or (
+            self._in_head and self.cycle is not None and not self.cycle.response_complete)
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or not (self._in_head or self._in_body):
+            return
+        if self._busy():
+            self._since = self.loop.time()
+            self._arm()
+            return
+        if self._in_head:
+            if not self._begun:
+                self.transport.close()  # nothing sent at all: nobody to answer
+                return
+            self._refuse(408, f"the request head did not arrive within {self.head_timeout_s:g} s",
+                         "request_timeout")
+            return
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()
+            return
+        self._refuse(408, f"the request body did not arrive within {self.body_timeout_s:g} s", "request_timeout")
+
+    # -- refusals ---------------------------------------------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse (431 for an oversized head)."""
+        if self._too_large:
+            self._refuse(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes", "head_too_large")
+        else:
+            self._refuse(400, "invalid HTTP request", "invalid_http")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # a response is under way: it cannot be replaced, only cut
+            return
+        body = orjson.dumps(error_body(message, "invalid_request_error", code))
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def gateway_config(app: Any, settings: Settings, **kwargs: Any) -> uvicorn.Config:
+    """The uvicorn config of the public gateway port (``kwargs`` override, e.g. ``loop``)."""
+    options: dict[str, Any] = {
+        "host": settings.gateway_host, "port": settings.gateway_port, "http": EdgeProtocol.configured(settings),
+        "lifespan": "on", "access_log": False, "log_config": None, "log_level": settings.log_level.lower(),
+        "timeout_graceful_shutdown": settings.gateway_shutdown_grace_s, "proxy_headers": False,
+        "server_header": False, "backlog": 4096, "ws": "none",
+    }
+    options.update(kwargs)
+    return uvicorn.Config(app, **options)
+
+
+def metrics_config(app: Any, settings: Settings, **kwargs: Any) -> uvicorn.Config:
+    """The uvicorn config of the internal metrics port (``app.metrics_app``)."""
+    options: dict[str, Any] = {
+        "host": settings.gateway_metrics_host, "port": settings.gateway_metrics_port, "lifespan": "off",
+        "access_log": False, "log_config": None, "log_level": settings.log_level.lower(),
+        "timeout_graceful_shutdown": 1, "server_header": False, "ws": "none",
+    }
+    options.update(kwargs)
+    return uvicorn.Config(app.metrics_app, http=EdgeProtocol.configured(settings), **options)
+
+
+def gateway_servers(app: Any, settings: Settings, **kwargs: Any) -> list[uvicorn.Server]:
+    """The metrics server (when ``gateway_metrics_port`` is set) and the public server, in the
+    order to start them: the last started gets SIGTERM first (uvicorn chains the signal
+    handlers), so the public port drains while metrics are still served."""
+    servers = [uvicorn.Server(gateway_config(app, settings, **kwargs))]
+    if settings.gateway_metrics_port:
+        servers.insert(0, uvicorn.Server(metrics_config(app, settings, **kwargs)))
+    return servers
+
+
+async def serve_all(servers: list[uvicorn.Server]) -> None:
+    """Run ``servers`` on this loop until one stops (a signal, a failure), then stop all."""
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
