@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, TextTokenizer
+from loraplex.tokenizer import ChatTemplateError, TextTokenizer
 from tests.engine_fixtures import demo_gguf, hf_demo_tokenizer, make_tiny_model  # noqa: F401
 
 STRINGS = [
