@@ -14,7 +14,7 @@ default for every request.
 
 It generates min(``max_tokens``, ``--chunks``) tokens, one per stream chunk, reading
 ``max_tokens`` with the shared rule (``loraplex.openai_request``). With ``--tokenizer``
-(a Hugging Face tokenizer directory) it counts prompt tokens exactly as the engine does
+(a model path, or the JSON a worker serves) it counts prompt tokens exactly as the engine does
 and serves the tokenizer on ``GET /internal/tokenizer`` (secret-checked), as a worker does;
 without it, ``usage.prompt_tokens`` is a rough size. Streams carry the usage so far in every
 chunk when asked (``stream_options.continuous_usage_stats``).
@@ -58,7 +58,11 @@ class Stub:
         if args.tokenizer:
             from loraplex.tokenizer import TextTokenizer
 
-            self.tokenizer = TextTokenizer.from_hf_dir(args.tokenizer)
+            if args.tokenizer.endswith(".json"):  # the served form (``TextTokenizer.to_dict``)
+                with open(args.tokenizer) as f:
+                    self.tokenizer = TextTokenizer.from_dict(json.load(f))
+            else:
+                self.tokenizer = TextTokenizer.from_model_path(args.tokenizer)
 
     # -- residency ------------------------------------------------------------------------------
 
@@ -288,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--chunk-delay", type=float, default=0.0)
     p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "400", "break", "load-fail"])
-    p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer directory (exact prompt counts)")
+    p.add_argument("--tokenizer", default="", help="HF directory, .gguf or served tokenizer .json (exact prompt counts)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--worker-secret", default=Settings().worker_secret)
     p.add_argument("--report-interval", type=float, default=0.5)
