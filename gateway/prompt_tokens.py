@@ -61,6 +61,10 @@ class PromptCounter:
         self._fetching: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
 
+    def known(self, base_model: str) -> bool:
+        """Whether a tokenizer of ``base_model`` was fetched."""
+        return base_model in self._entries
+
     def entry(self, base_model: str) -> _Entry | None:
         """The tokenizer of ``base_model`` if known and still served by a live worker (else a
         fetch starts in the background and None comes back)."""
