@@ -4,13 +4,15 @@ Workers serve their tokenizer on ``GET /internal/tokenizer`` (secret-checked). T
 fetches it once per (base model, revision) from a live worker of that base, in the
 background, keeps it, and counts each prompt the way the worker will (the same chat
 template rendering and encode), so the count equals the worker's ``usage.prompt_tokens``.
-While no tokenizer is known (no worker reached yet), ``count`` returns None and the
-caller falls back to the byte-based upper bound (``gateway.validate.estimate``).
+A request that finds the fetch in flight waits for it (up to ``fetch_wait_s``); while no
+tokenizer is known (no worker reached), ``count`` returns None and the caller falls back
+to the byte-based upper bound (``gateway.validate.estimate``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -51,8 +53,9 @@ class PromptCounter:
     """Tokenizers per base model, fetched from workers; ``count`` per request."""
 
     def __init__(self, router: Router, client: httpx.AsyncClient, secret: str, *, retry_s: float = 5.0,
-                 check_s: float = 1.0) -> None:
+                 check_s: float = 1.0, fetch_wait_s: float = 2.0) -> None:
         self.router = router
+        self.fetch_wait_s = fetch_wait_s
         self.client = client
         self.secret = secret
         self.retry_s = retry_s
@@ -114,7 +117,14 @@ class PromptCounter:
         """``(prompt tokens, the model's context length)``, or None while no tokenizer is known."""
         e = self.entry(base_model)
         if e is None:
-            return None
+            task = self._fetching.get(base_model)
+            if task is None:
+                return None
+            with contextlib.suppress(TimeoutError):  # the first requests wait for the fetch a while
+                await asyncio.wait_for(asyncio.shield(task), self.fetch_wait_s)
+            e = self._entries.get(base_model)
+            if e is None:
+                return None
         tok = e.tokenizer
         if req.messages is not None:
             try:
@@ -138,6 +148,6 @@ class PromptCounter:
 
 async def _encode_len(tok: TextTokenizer, text: str, *, special: bool) -> int:
     if len(text) > OFFLOAD_CHARS:
-        return len(await asyncio.to_thread(tok.encode, text, special))
-    return len(tok.encode(text, add_special_tokens=special))
+        return await asyncio.to_thread(tok.count, text, special)
+    return tok.count(text, special)
 

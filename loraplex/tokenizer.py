@@ -213,6 +213,13 @@ class TextTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        """``len(encode(...))`` without building offsets (the gateway's per-request count)."""
+        fast = getattr(self.tk, "encode_batch_fast", None)
+        n = len((fast([text], add_special_tokens=add_special_tokens)[0] if fast is not None
+                 else self.tk.encode(text, add_special_tokens=add_special_tokens)).ids)
+        return n + 1 if add_special_tokens and self.add_bos and self.bos_token_id is not None else n
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -96,6 +96,7 @@ def _same(a: TextTokenizer, b: TextTokenizer) -> None:
     for s in STRINGS:
         assert a.encode(s) == b.encode(s), s
         assert a.encode(s, add_special_tokens=False) == b.encode(s, add_special_tokens=False), s
+        assert b.count(s) == len(a.encode(s)) and b.count(s, False) == len(a.encode(s, False)), s
     for conv in CONVERSATIONS:
         assert a.encode_chat(conv) == b.encode_chat(conv)
     assert (a.bos_token_id, a.eos_token_id, a.vocab_size) == (b.bos_token_id, b.eos_token_id, b.vocab_size)

@@ -19,7 +19,7 @@ from loraplex.settings import Settings
 from loraplex.tokens import mint
 from loraplex.wire import HDR_WORKER, HDR_WORKER_SECRET
 from tests.engine_fixtures import make_tiny_model
-from tests.stub_worker import MutableSnapshots, make_snapshot
+from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
 
 TPM = 100_000
 BINDING = {"bindings": {"support": {"active": ("sup", 1)}}}
@@ -85,9 +85,11 @@ async def test_gateway_count_equals_worker_usage(engine, tmp_path):
     gw = app.gateway
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-        # Before the tokenizer is known: the byte bound (and a fetch starts).
+        # The first request starts the fetch and waits for it: counted exactly too.
         h = {"authorization": f"Bearer {mint(s, 'u', tenant='t0')}"}
-        assert (await c.post("/v1/chat/completions", json=CHAT, headers=h)).status_code == 200
+        r = await c.post("/v1/chat/completions", json=CHAT, headers=h)
+        assert r.status_code == 200
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == TPM - r.json()["usage"]["prompt_tokens"] - 3
         await _ready(gw)
         assert transport.paths.count("/internal/tokenizer") == 1
         for i, (path, body) in enumerate([("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
@@ -110,7 +112,7 @@ async def test_context_length_is_checked_at_the_gateway(engine, tmp_path):
             transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         h = {"authorization": f"Bearer {mint(s, 'u', tenant='t0')}"}
         assert (await c.post("/v1/completions", json=COMPLETION, headers=h)).status_code == 200
-        await _ready(app.gateway)
+        assert app.gateway.prompts.known("smol")
         sent = transport.paths.count("/v1/completions")
         r = await c.post("/v1/completions", json=COMPLETION | {"prompt": "word " * 2000}, headers=h)
         assert r.status_code == 400 and HDR_WORKER not in r.headers
@@ -118,3 +120,22 @@ async def test_context_length_is_checked_at_the_gateway(engine, tmp_path):
         r = await c.post("/v1/completions", json=COMPLETION | {"max_tokens": engine.max_model_len}, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert transport.paths.count("/v1/completions") == sent  # neither reached the worker
+
+
+async def test_without_a_tokenizer_the_bound_reserves_but_never_refuses():
+    """No worker serves a tokenizer: the byte bound (over the limit here) is capped at the
+    bucket's capacity instead of deciding a 400."""
+    s = Settings(worker_urls=("http://worker",))
+    record: list[dict] = []
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot({"small": {"tokens_per_min": 300, **BINDING}})),
+                     limiter=LocalLimiter(), residency=MemoryResidency(),
+                     http_client=httpx.AsyncClient(transport=mock_worker_transport(record)), mount_admin=False)
+    body = {"model": "support", "messages": [{"role": "user", "content": "x" * 1000}]}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=body, headers={
+            "authorization": f"Bearer {mint(s, 'u', tenant='small')}"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ratelimit-remaining-tokens"] == "0"  # reserved the whole capacity
+        assert record[-1]["max_tokens"] == 1 and "max_completion_tokens" not in record[-1]
+        assert not app.gateway.prompts.known("smol")
