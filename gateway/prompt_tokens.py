@@ -4,7 +4,7 @@ Workers serve their tokenizer on ``GET /internal/tokenizer`` (secret-checked). T
 fetches it once per (base model, revision) from a live worker of that base, in the
 background, keeps it, and counts each prompt the way the worker will (the same chat
 template rendering and encode), so the count equals the worker's ``usage.prompt_tokens``.
-A request that finds the fetch in flight waits for it (up to ``fetch_wait_s``); while no
+Requests in the first ``fetch_wait_s`` of a fetch wait for it; while no
 tokenizer is known (no worker reached), ``count`` returns None and the caller falls back
 to the byte-based upper bound (``gateway.validate.estimate``).
 """
@@ -28,6 +28,7 @@ from loraplex.wire import HDR_WORKER_SECRET
 log = logging.getLogger("loraplex.gateway.prompt_tokens")
 
 TOKENIZER_PATH = "/internal/tokenizer"
+FETCH_TIMEOUT_S = 10.0
 OFFLOAD_CHARS = 32_768
 """Prompts longer than this are encoded in a thread (the event loop keeps serving)."""
 
@@ -63,6 +64,7 @@ class PromptCounter:
         self._entries: dict[str, _Entry] = {}
         self._fetching: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
+        self._fetch_started: dict[str, float] = {}
 
     def known(self, base_model: str) -> bool:
         """Whether a tokenizer of ``base_model`` was fetched."""
@@ -88,6 +90,7 @@ class PromptCounter:
         if base_model in self._fetching or now - self._failed_at.get(base_model, -1e9) < self.retry_s:
             return
         task = asyncio.get_running_loop().create_task(self._fetch(base_model))
+        self._fetch_started[base_model] = now
         self._fetching[base_model] = task
         task.add_done_callback(lambda _: self._fetching.pop(base_model, None))
 
@@ -96,7 +99,9 @@ class PromptCounter:
         workers.sort(key=lambda w: w.base_model != base_model)  # reporting workers of the base first
         for w in workers:
             try:
-                r = await self.client.get(w.url + TOKENIZER_PATH, headers={HDR_WORKER_SECRET: self.secret})
+                r = await asyncio.wait_for(self.client.get(w.url + TOKENIZER_PATH,
+                                                           headers={HDR_WORKER_SECRET: self.secret}),
+                                           FETCH_TIMEOUT_S)
                 if r.status_code != 200:
                     continue
                 data = orjson.loads(r.content)
@@ -118,10 +123,11 @@ class PromptCounter:
         e = self.entry(base_model)
         if e is None:
             task = self._fetching.get(base_model)
-            if task is None:
+            wait = self.fetch_wait_s - (time.monotonic() - self._fetch_started.get(base_model, 0.0))
+            if task is None or wait <= 0:
                 return None
             with contextlib.suppress(TimeoutError):  # the first requests wait for the fetch a while
-                await asyncio.wait_for(asyncio.shield(task), self.fetch_wait_s)
+                await asyncio.wait_for(asyncio.shield(task), wait)
             e = self._entries.get(base_model)
             if e is None:
                 return None
