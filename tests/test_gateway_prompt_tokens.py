@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import orjson
 import pytest
 
 from engine.api import create_worker_app
@@ -139,3 +140,26 @@ async def test_without_a_tokenizer_the_bound_reserves_but_never_refuses():
         assert r.headers["x-ratelimit-remaining-tokens"] == "0"  # reserved the whole capacity
         assert record[-1]["max_tokens"] == 1 and "max_completion_tokens" not in record[-1]
         assert not app.gateway.prompts.known("smol")
+
+
+async def test_stream_from_a_real_worker_settles_at_its_usage(engine, tmp_path):
+    s, app, _, _ = _system(engine, tmp_path)
+    settled: list[int] = []
+    limiter = app.gateway.limiter
+    real = limiter.settle_nowait
+    limiter.settle_nowait = lambda lease, used: (settled.append(used), real(lease, used))[1]
+    body = CHAT | {"stream": True, "ignore_eos": True, "max_tokens": 5}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        h = {"authorization": f"Bearer {mint(s, 'u', tenant='t5')}"}
+        r = await c.post("/v1/chat/completions", json=body, headers=h)
+        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert '"usage"' not in r.text  # the per-chunk usage stays between worker and gateway
+        r = await c.post("/v1/chat/completions", json=body | {"stream_options": {"include_usage": True}},
+                         headers=h)
+        chunks = [orjson.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert all(ch["usage"] is None for ch in chunks[:-1]) and len(chunks) == len(events) + 1
+        usage = chunks[-1]["usage"]
+        fields = validate(dict(CHAT), chat=True, max_tokens_cap=8192).fields
+        assert usage["prompt_tokens"] == (await app.gateway.prompts.count("smol", fields))[0]
+        assert settled == [usage["total_tokens"]] * 2
