@@ -179,8 +179,8 @@ def internal_routes(state: Any) -> list[Route]:
                 return exc.response()
         return endpoint
 
-    served: dict[int, bytes] = {}
-    """The tokenizer answer, built once per engine (a few MB of JSON)."""
+    served: list[bytes] = []
+    """The tokenizer answer, built once (a few MB of JSON)."""
 
     async def tokenizer(request: Request) -> Response:
         try:
@@ -190,14 +190,13 @@ def internal_routes(state: Any) -> list[Route]:
                 raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
         except ControlError as exc:
             return exc.response()
-        body = served.get(id(eng))
-        if body is None:
+        if not served:
             info = eng.info
             data = {"base_model": info.name if info else state.model_name,
                     "base_revision": info.revision if info else "", "max_model_len": eng.max_model_len,
                     "tokenizer": eng.tokenizer.to_dict()}
-            body = served[id(eng)] = json.dumps(data, separators=(",", ":")).encode()
-        return Response(body, media_type="application/json")
+            served.append(json.dumps(data, separators=(",", ":")).encode())
+        return Response(served[0], media_type="application/json")
 
     async def list_adapters(request: Request, eng: Any, manager: Any) -> Response:
         adapters = [describe(ref, st) for ref, st in manager.entries()]
