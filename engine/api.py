@@ -214,11 +214,13 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
     async def _stream(eng: Engine, seq: Any, req: GenerationRequest, queue: asyncio.Queue[SeqEvent],
                       created: int) -> AsyncIterator[bytes]:
         finished = False
+        generated = 0
         try:
             if req.kind == "chat":
                 yield _sse(stream_chunk(req, created, "", None, first=True))
             while True:
                 ev = await queue.get()
+                generated += len(ev.new_token_ids)
                 if ev.finish_reason == "error":
                     yield _sse(error_body(ev.error or "generation failed", type="server_error",
                                           code=ev.error_code or "engine_error"))
@@ -227,10 +229,11 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
                         state.metrics.request_done("error")
                     break
                 if ev.text_delta:
-                    yield _sse(stream_chunk(req, created, ev.text_delta, None))
+                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated))
                 if ev.finished:
                     finished = True
-                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason))
+                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason,
+                                            completion_tokens=generated))
                     if req.include_usage:
                         yield _sse(usage_chunk(req, created, len(seq.output_ids)))
                     if state.metrics:

@@ -36,12 +36,12 @@ import torch
 
 from engine.batch import build_batch
 from engine.kv_cache import KVCache
-from engine.loader import load_weights
+from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
-from engine.tokenizer import TextTokenizer
+from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
 
 log = logging.getLogger("loraplex.engine")
@@ -147,7 +147,8 @@ class Engine:
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
                              native_kernels=config.native_kernels)
-        tok = TextTokenizer.from_model_path(path)
+        reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
+        tok = TextTokenizer.from_model_path(path, reader)
         return cls(model, tok, config, model_path=path)
 
     @classmethod

@@ -22,7 +22,11 @@ wrong -> 403. Errors use the OpenAI error shape. Bodies and answers:
   ``adapter_load_failed`` (the only 422: the activation gate reads it as a verdict on the
   adapter). Malformed bodies -> 400.
 
-Without LoRA (``max_loras`` 0) every route but the auth check answers 404 ``lora_disabled``.
+* ``GET /internal/tokenizer`` -> ``{"base_model", "base_revision", "max_model_len", "tokenizer"}``
+  (``tokenizer``: ``loraplex.tokenizer.TextTokenizer.to_dict()``): the gateway counts prompt
+  tokens with it exactly as this worker does.
+
+Without LoRA (``max_loras`` 0) every adapter route answers 404 ``lora_disabled`` after the auth check.
 """
 
 from __future__ import annotations
@@ -175,6 +179,25 @@ def internal_routes(state: Any) -> list[Route]:
                 return exc.response()
         return endpoint
 
+    served: list[bytes] = []
+    """The tokenizer answer, built once (a few MB of JSON)."""
+
+    async def tokenizer(request: Request) -> Response:
+        try:
+            _check_secret(request, settings.worker_secret)
+            eng = state.engine
+            if eng is None:
+                raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
+        except ControlError as exc:
+            return exc.response()
+        if not served:
+            info = eng.info
+            data = {"base_model": info.name if info else state.model_name,
+                    "base_revision": info.revision if info else "", "max_model_len": eng.max_model_len,
+                    "tokenizer": eng.tokenizer.to_dict()}
+            served.append(json.dumps(data, separators=(",", ":")).encode())
+        return Response(served[0], media_type="application/json")
+
     async def list_adapters(request: Request, eng: Any, manager: Any) -> Response:
         adapters = [describe(ref, st) for ref, st in manager.entries()]
         return JSONResponse({"adapters": sorted(adapters, key=lambda a: a["id"]),
@@ -247,6 +270,7 @@ def internal_routes(state: Any) -> list[Route]:
         return JSONResponse({"results": results, "adapter_load_ms": round(load_ms, 3)})
 
     return [
+        Route("/internal/tokenizer", tokenizer, methods=["GET"]),
         Route("/internal/adapters", guarded(list_adapters), methods=["GET"]),
         Route("/internal/adapters/load", guarded(load), methods=["POST"]),
         Route("/internal/adapters/unload", guarded(unload), methods=["POST"]),

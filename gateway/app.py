@@ -30,13 +30,14 @@ from starlette.routing import Mount, Route
 from gateway.auth import Authenticator
 from gateway.errors import GatewayError, send_error
 from gateway.metrics import GatewayMetrics, metrics_app
-from gateway.proxy import Upstream, read_rest, relay_sse, sse_error, usage_of, used_tokens
+from gateway.prompt_tokens import PromptCounter, PromptError
+from gateway.proxy import StreamResult, Upstream, read_rest, relay_sse, sse_error, usage_of
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
 from gateway.resolve import Resolver
 from gateway.router import Router
 from gateway.traffic import AdapterTraffic
 from gateway.transport import H11Transport
-from gateway.validate import validate
+from gateway.validate import Reservation, estimate, reserve, validate
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
 from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, PRIORITY_CLASSES, error_body
@@ -69,6 +70,7 @@ class Gateway:
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
                                  on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
+        self.prompts = PromptCounter(router, client, settings.worker_secret)
         self._limits: dict[tuple[int, int, int], Limits] = {}
         """One ``Limits`` per distinct set of tenant limits (built once, not per request)."""
         self.log_enabled = True
@@ -96,6 +98,21 @@ class Gateway:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    async def _plan(self, req: Any, base_model: str, tokens_per_min: int) -> Reservation:
+        """What to reserve (``gateway.validate.reserve``) with the exact prompt count when the
+        base model's tokenizer is known, else the byte-based bound."""
+        fields = req.fields
+        try:
+            counted = await self.prompts.count(base_model, fields)
+        except PromptError as exc:
+            raise GatewayError(400, exc.message, code="invalid_value", param=exc.param) from None
+        s = self.settings
+        if counted is None:
+            return reserve(fields, estimate(fields), exact=isinstance(fields.prompt, list), max_model_len=None,
+                           tokens_per_min=tokens_per_min, default_max_tokens=s.default_max_tokens)
+        return reserve(fields, counted[0], exact=True, max_model_len=counted[1], tokens_per_min=tokens_per_min,
+                       default_max_tokens=s.default_max_tokens)
+
     async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
         t0 = time.perf_counter()
         authorization = None
@@ -121,7 +138,9 @@ class Gateway:
         alias = ""
         label = ""
         lease = None
-        used: int | None = None
+        plan: Reservation | None = None
+        upstream = _NOT_SENT
+        streamed: StreamResult | None = None
         usage: dict[str, Any] | None = None
         status = 500
         worker_id = ""
@@ -143,7 +162,7 @@ class Gateway:
             except orjson.JSONDecodeError:
                 raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
             s = self.settings
-            req = validate(data, chat=chat, max_tokens_cap=s.max_tokens_cap, default_max_tokens=s.default_max_tokens)
+            req = validate(data, chat=chat, max_tokens_cap=s.max_tokens_cap)
             alias = req.model
             streaming = req.stream
             res = self.resolver.resolve(snapshot, tenant, req.model, req.user or request_id)
@@ -151,9 +170,12 @@ class Gateway:
             base_headers[HDR_ADAPTER] = res.label
             if res.fallback:
                 base_headers[HDR_FALLBACK] = "binding-disabled"
+            plan = await self._plan(req, res.base_model, tenant.tokens_per_min)
             body = req.body
+            body["max_tokens"] = plan.max_tokens  # the one field every worker reads the same way
+            body.pop("max_completion_tokens", None)
             if req.stream:
-                body["stream_options"] = {"include_usage": True}
+                body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
             body[EXT_KEY] = {
                 "adapter": res.wire, "tenant": tenant.slug,
                 "priority": PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
@@ -169,7 +191,7 @@ class Gateway:
                 if len(self._limits) >= 10_000:
                     self._limits.clear()
                 limits = self._limits[key] = Limits(*key)
-            decision = await self.limiter.acquire(tenant.slug, limits, req.reserve_tokens, self.lease_ttl_s)
+            decision = await self.limiter.acquire(tenant.slug, limits, plan.tokens, self.lease_ttl_s)
             base_headers.update(decision.headers)
             if not decision.allowed:
                 self.metrics.limited(tenant.slug, decision.reason)
@@ -189,7 +211,13 @@ class Gateway:
                 workers = await router.route(res.base_model, adapter_id)
             guard = _Guard(receive, st, s.request_timeout_s, self.sweeper)
             try:
-                opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)
+                upstream = _SENT
+                try:
+                    opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)
+                except GatewayError:
+                    upstream = _NOT_SENT  # no worker took it
+                    raise
+                upstream = opened.response.status_code
                 worker_id = opened.worker.id
                 base_headers[HDR_WORKER] = worker_id
                 try:
@@ -198,7 +226,9 @@ class Gateway:
                         await send({"type": "http.response.start", "status": 200,
                                     "headers": _headers(base_headers, b"text/event-stream", extra=_SSE)})
                         st.started = True
-                        result = await relay_sse(opened, send, keep_usage=req.include_usage)
+                        result = streamed = StreamResult()
+                        await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
+                                        strip_chunk_usage=not req.fields.continuous_usage)
                         usage = result.usage
                         if result.first_token_at is not None:
                             self.metrics.first_token(tenant_slug, label, result.first_token_at - t0)
@@ -229,10 +259,6 @@ class Gateway:
                     await self.upstream.done(opened)
             finally:
                 guard.stop()
-            used = used_tokens(usage)
-            if used is None:
-                # No usage (error answer, broken stream): refund only what the worker never saw.
-                used = req.reserve_tokens if status == 200 or st.started else 0
         except GatewayError as err:
             status = err.status
             if not st.started:
@@ -271,16 +297,13 @@ class Gateway:
             if not st.started:
                 await send_error(send, GatewayError(500, "internal error", code="internal_error"), base_headers)
         finally:
+            pt, ct = processed(plan, upstream, usage, streamed, streaming)
             if lease is not None:
                 try:
-                    self.limiter.settle_nowait(lease, used if used is not None else lease.reserved)
+                    self.limiter.settle_nowait(lease, pt + ct)
                 except Exception:
                     log.exception("settling the reservation of %s failed", request_id)
             elapsed = time.perf_counter() - t0
-            pt = usage.get("prompt_tokens", 0) if usage else 0
-            ct = usage.get("completion_tokens", 0) if usage else 0
-            pt = pt if isinstance(pt, int) else 0
-            ct = ct if isinstance(ct, int) else 0
             self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
             if self.log_enabled and access_log.isEnabledFor(logging.INFO):
                 now = time.time()
@@ -289,6 +312,38 @@ class Gateway:
                     "adapter": label, "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct,
                     "status": status, "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
                 }).decode(), now)
+
+
+_NOT_SENT = 0
+_SENT = 1
+"""``upstream`` before a worker answered: not sent (or no worker took it), or sent and
+waiting; after, the worker's status code."""
+
+
+def processed(plan: Reservation | None, upstream: int, usage: dict[str, Any] | None,
+              streamed: StreamResult | None, stream: bool) -> tuple[int, int]:
+    """(prompt, completion) tokens a request is charged and logged with, however it ended:
+
+    * the worker's usage when it sent one;
+    * nothing when no worker took the request or it answered with an error (4xx/5xx);
+    * a stream that ended without usage (client gone, deadline, broken): the prompt (the
+      worker's count, else ours) + the completion tokens relayed;
+    * a request still waiting for its worker (client gone, deadline): the prompt, plus
+      ``max_tokens`` when not streamed (what the worker generated is not known:
+      conservatively all of it).
+    """
+    if usage:
+        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(p, int) and isinstance(c, int):
+            return p, c
+    if plan is None or upstream == _NOT_SENT or (upstream > _SENT and upstream != 200):
+        return 0, 0
+    if streamed is not None:
+        p = streamed.prompt_tokens
+        return (p if p is not None else plan.prompt_tokens), streamed.completion_tokens
+    if upstream == 200:  # answered without usage: bound by the reservation
+        return plan.prompt_tokens, plan.max_tokens
+    return plan.prompt_tokens, 0 if stream else plan.max_tokens
 
 
 _SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -649,6 +704,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                     await gw.traffic.flush()
             for handler in access_log.handlers:
                 handler.flush()
+            await gw.prompts.close()
             stop = getattr(snapshots, "stop", None)
             if stop is not None:
                 await stop()

@@ -7,13 +7,15 @@ reached the client at that point, so a retry is invisible to it.
 
 ``relay_sse`` passes a worker's SSE stream through event by event without buffering
 the response; it picks the usage chunk out (and drops it when the client did not ask
-for ``stream_options.include_usage``), and ends a stream that breaks mid-way with an
-SSE error event, never silently.
+for ``stream_options.include_usage``), keeps count of the tokens relayed from the
+per-chunk usage, and ends a stream that breaks mid-way with an SSE error event, never
+silently.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -163,18 +165,6 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def used_tokens(usage: dict[str, Any] | None) -> int | None:
-    if not usage:
-        return None
-    total = usage.get("total_tokens")
-    if isinstance(total, int):
-        return total
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(p, int) and isinstance(c, int):
-        return p + c
-    return None
-
-
 def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
     return b"data: " + orjson.dumps(error_body(message, "upstream_error", code)) + b"\n\n"
 
@@ -182,6 +172,10 @@ def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
 @dataclass(slots=True)
 class StreamResult:
     usage: dict[str, Any] | None = None
+    """The final usage chunk's usage (None when the stream ended without one)."""
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    """From the per-chunk usage of the last event relayed: what the client got so far."""
     done: bool = False
     error: str | None = None
     """Why the stream broke (the gateway then ends it with an error event)."""
@@ -191,11 +185,31 @@ class StreamResult:
     """``time.perf_counter()`` when the first event went to the client."""
 
 
+_CHUNK_USAGE = re.compile(rb'(?<!"choices":\[\]),"usage":\{[^{}]*\}')
+"""The per-chunk usage (``continuous_usage_stats``: the last key of a content chunk)."""
+_COMPLETION_TOKENS = b'"completion_tokens":'
+_PROMPT_TOKENS = b'"prompt_tokens":'
+
+
+def _int_at(buf: bytes, i: int) -> int | None:
+    j = i
+    while j < len(buf) and 48 <= buf[j] <= 57:
+        j += 1
+    return int(buf[i:j]) if j > i else None
+
+
 async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[None]], *,
-                    keep_usage: bool) -> StreamResult:
-    """Pass SSE events through to ``send``; returns the usage seen and how the stream ended."""
-    result = StreamResult()
+                    keep_usage: bool, strip_chunk_usage: bool = False,
+                    result: StreamResult | None = None) -> StreamResult:
+    """Pass SSE events through to ``send``; returns the usage seen and how the stream ended.
+
+    The worker is asked for usage in every chunk (vLLM's ``continuous_usage_stats``): the
+    counts of the last event relayed are what the client got (``result`` has them even when
+    the relay is cancelled). ``strip_chunk_usage``: the client did not ask for them, so
+    they are taken out (``"usage": null`` when it asked for ``include_usage``)."""
+    result = result if result is not None else StreamResult()
     buf = b""
+    chunk_usage = b',"usage":null' if keep_usage else b""
 
     async def push(data: bytes) -> None:
         nonlocal buf
@@ -205,7 +219,15 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
             return
         complete, buf = buf[: cut + 2], buf[cut + 2:]
         out = complete
-        if b'"usage"' in complete or b"[DONE]" in complete or b'{"error"' in complete:
+        i = complete.rfind(_COMPLETION_TOKENS)
+        if i >= 0:
+            n = _int_at(complete, i + len(_COMPLETION_TOKENS))
+            if n is not None:
+                result.completion_tokens = n
+            j = complete.rfind(_PROMPT_TOKENS, 0, i)
+            if j >= 0:
+                result.prompt_tokens = _int_at(complete, j + len(_PROMPT_TOKENS))
+        if b'"choices":[]' in complete or b"[DONE]" in complete or b'{"error"' in complete:
             kept = []
             for event in complete.split(b"\n\n"):
                 if not event:
@@ -214,17 +236,19 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
                     result.done = True
                 elif event.startswith(b'data: {"error"'):
                     result.worker_error = True  # the worker reported a failure in-stream
-                elif b'"usage"' in event and event.startswith(b"data:"):
+                elif b'"choices":[]' in event and b'"usage"' in event and event.startswith(b"data:"):
                     try:
                         obj = orjson.loads(event[5:])
                     except orjson.JSONDecodeError:
                         obj = None
                     if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                         result.usage = obj["usage"]
-                        if not keep_usage and not obj.get("choices"):
+                        if not keep_usage:
                             continue
                 kept.append(event)
             out = b"".join(e + b"\n\n" for e in kept)
+        if strip_chunk_usage and i >= 0:
+            out = _CHUNK_USAGE.sub(chunk_usage, out)
         if out:
             if result.first_token_at is None:
                 result.first_token_at = time.perf_counter()

@@ -3,8 +3,9 @@
 Both limiters implement one interface (``Limiter``):
 
 * ``acquire(tenant, limits, tokens, lease_ttl_s) -> Decision`` reserves one request, a
-  concurrency slot and ``tokens`` (prompt estimate + ``max_tokens``) *before* the request
-  is admitted, so a concurrent burst can never spend more than the budget;
+  concurrency slot and ``tokens`` (prompt tokens + ``max_tokens``, ``gateway.validate.reserve``)
+  *before* the request is admitted, so a concurrent burst can never spend more than the
+  budget; a refusal's ``retry-after`` is when the bucket would hold ``tokens``;
 * ``settle(lease, used_tokens)`` returns the unused part of the reservation (or charges
   the overshoot) and frees the concurrency slot; ``settle_nowait`` does the same without
   waiting (the gateway's requests end with it: the Redis limiter sends it before any later

@@ -41,6 +41,7 @@ class Worker:
     report_ts: float
     inflight: int = 0
     """Requests this gateway replica has in flight on the worker."""
+    base_revision: str = ""
 
     @property
     def load(self) -> int:
@@ -100,12 +101,13 @@ class Router:
                 prev.host = frozenset(r.host_adapters)
                 prev.reported_load = r.load
                 prev.report_ts = r.timestamp
+                prev.base_revision = r.base_revision
                 workers[r.worker_id] = prev
                 continue
             workers[r.worker_id] = Worker(
                 id=r.worker_id, url=r.url.rstrip("/"), base_model=r.base_model,
                 device=frozenset(r.device_adapters), host=frozenset(r.host_adapters),
-                reported_load=r.load, report_ts=r.timestamp)
+                reported_load=r.load, report_ts=r.timestamp, base_revision=r.base_revision)
         if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
             self._rings = {}
             self._ring_cache = {}

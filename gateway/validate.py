@@ -1,24 +1,30 @@
-"""Validation of OpenAI request bodies, and the conservative prompt-token estimate.
+"""The gateway's side of a request body: the shared field checks, and the reservation rule.
 
-The gateway refuses what a worker could not serve (wrong types, unknown roles, empty
-messages, absurd ``max_tokens``, ``n`` > 1, sampling values out of range) with a 400 in
-the OpenAI shape, before any limit is spent. Unknown extra fields pass through.
+Fields are read by ``loraplex.openai_request`` (the workers read them the same way);
+here the gateway adds what only it needs (a ``model`` alias to resolve, the reserved
+``"loraplex"`` key) and decides what to reserve against the tenant's tokens/min:
 
-Prompt tokens are estimated without a tokenizer (the gateway never imports torch): a
-byte-level BPE token covers at least one UTF-8 byte, so the byte count of every text
-field plus a per-message allowance for the chat template is an upper bound.
+* prompt tokens: the exact count with the base model's tokenizer
+  (``gateway.prompt_tokens``), or, while none is known, a byte-based upper bound
+  (``estimate``: a byte-level BPE token covers at least one UTF-8 byte);
+* ``max_tokens``: the client's (``max_completion_tokens`` wins), else
+  min(``default_max_tokens``, the context room, what the tokens/min limit could ever allow).
+
+A request that can never fit (exact count over the context length, or prompt +
+``max_tokens`` over the bucket's capacity) is a 400 naming the limit; an estimate never
+decides a 400 (its reservation is capped at the capacity instead, and settles at the
+worker's usage).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError
+from loraplex.openai_request import FieldError, OpenAIRequest, parse
 from loraplex.wire import EXT_KEY
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MESSAGE_OVERHEAD_TOKENS = 8
 """Chat-template tokens per message (role markers, separators), generously counted."""
 REQUEST_OVERHEAD_TOKENS = 64
@@ -29,163 +35,91 @@ prompt some chat templates inject (SmolLM2's adds ~30 tokens when none is given)
 @dataclass(slots=True)
 class ValidRequest:
     body: dict[str, Any]
+    fields: OpenAIRequest
     model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int
-    prompt_tokens: int
-    user: str | None
 
     @property
-    def reserve_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+    def stream(self) -> bool:
+        return self.fields.stream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.fields.include_usage
+
+    @property
+    def user(self) -> str | None:
+        return self.fields.user
 
 
-def _bad(message: str, param: str | None = None, status: int = 400) -> GatewayError:
-    return GatewayError(status, message, code="invalid_value" if status == 400 else "invalid_type",
-                        param=param)
+def validate(body: Any, *, chat: bool, max_tokens_cap: int) -> ValidRequest:
+    """Check an OpenAI chat/completions body: 400 in the OpenAI shape when invalid."""
+    if isinstance(body, dict) and EXT_KEY in body:
+        raise GatewayError(400, f"'{EXT_KEY}' is reserved", code="invalid_value", param=EXT_KEY)
+    try:
+        fields = parse(body, chat=chat, max_tokens_cap=max_tokens_cap)
+    except FieldError as exc:
+        raise GatewayError(400, exc.message, code=exc.code, param=exc.param) from None
+    if not fields.model:
+        raise GatewayError(400, "'model' must be a non-empty string", code="invalid_value", param="model")
+    return ValidRequest(body=body, fields=fields, model=fields.model)
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"'{name}' must be a number", name)
-    if not lo <= value <= hi:
-        raise _bad(f"'{name}' must be between {lo:g} and {hi:g}", name)
+def _bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"'{name}' must be an integer", name)
-    if not lo <= value <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}", name)
-    return value
+def estimate(fields: OpenAIRequest) -> int:
+    """An upper bound of the prompt tokens without a tokenizer."""
+    if fields.messages is not None:
+        return REQUEST_OVERHEAD_TOKENS + sum(_bytes(m["content"]) + MESSAGE_OVERHEAD_TOKENS
+                                             for m in fields.messages)
+    if isinstance(fields.prompt, str):
+        return REQUEST_OVERHEAD_TOKENS + _bytes(fields.prompt)
+    return len(fields.prompt or ())
 
 
-def _text_bytes(content: Any, param: str) -> int:
-    if isinstance(content, str):
-        return len(content.encode("utf-8", "surrogatepass"))
-    if isinstance(content, list):
-        total = 0
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad("only text content parts are supported", f"{param}[{i}]")
-            total += len(part["text"].encode("utf-8", "surrogatepass"))
-        return total
-    raise _bad("content must be a string or a list of text parts", param)
+@dataclass(slots=True)
+class Reservation:
+    prompt_tokens: int
+    """Exact, or the upper bound (``exact`` False)."""
+    exact: bool
+    max_tokens: int
+    """What the worker is told to generate at most."""
+    tokens: int
+    """What the limiter reserves."""
 
 
-def _messages(body: dict[str, Any]) -> int:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise _bad("'messages' must be a list", "messages")
-    if not messages:
-        raise _bad("'messages' must not be empty", "messages")
-    total = REQUEST_OVERHEAD_TOKENS
-    for i, msg in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise _bad("each message must be an object", param)
-        role = msg.get("role")
-        if role not in ROLES:
-            raise _bad(f"unknown role {role!r}" if isinstance(role, str) else "message role must be a string",
-                       f"{param}.role")
-        content = msg.get("content")
-        if content is None:
-            if role != "assistant":
-                raise _bad("message content is required", f"{param}.content")
+def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model_len: int | None,
+            tokens_per_min: int, default_max_tokens: int) -> Reservation:
+    """The reservation rule (module docstring); 400 when the request can never be served."""
+    param = fields.max_tokens_param
+    where = "messages" if fields.chat else "prompt"
+    room = max_model_len - prompt_tokens if exact and max_model_len else None
+    if room is not None and room < 1:
+        raise GatewayError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                                f"{prompt_tokens} tokens", code="context_length_exceeded", param=where)
+    max_tokens = fields.max_tokens
+    if max_tokens is not None:
+        if room is not None and max_tokens > room:
+            raise GatewayError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                                    f"has {prompt_tokens} tokens and '{param}' asks for {max_tokens} more",
+                               code="context_length_exceeded", param=param)
+    else:
+        max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
+        if tokens_per_min > 0:
+            max_tokens = max(1, min(max_tokens, tokens_per_min - prompt_tokens))
+    tokens = prompt_tokens + max_tokens
+    if tokens_per_min > 0 and tokens > tokens_per_min:
+        if not exact:
+            tokens = tokens_per_min  # the estimate is only a bound: never refuse on it
+        elif prompt_tokens >= tokens_per_min:
+            raise GatewayError(400, f"The prompt has {prompt_tokens} tokens; this tenant's limit is "
+                                    f"{tokens_per_min} tokens per minute, so it can never be served. Shorten "
+                                    f"the prompt.", code="request_exceeds_token_limit", param=where)
         else:
-            total += _text_bytes(content, f"{param}.content")
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise _bad("'name' must be a string", f"{param}.name")
-            total += len(name.encode("utf-8", "surrogatepass"))
-        total += MESSAGE_OVERHEAD_TOKENS
-    return total
-
-
-def _prompt(body: dict[str, Any]) -> int:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return REQUEST_OVERHEAD_TOKENS + len(prompt.encode("utf-8", "surrogatepass"))
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return REQUEST_OVERHEAD_TOKENS + len(prompt[0].encode("utf-8", "surrogatepass"))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return REQUEST_OVERHEAD_TOKENS + len(prompt)
-    raise _bad("'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
-
-
-_SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                       "top_k", "seed", "logprobs", "top_logprobs", "stop"})
-"""Optional sampling fields (most requests set none of them, so they are checked only when present)."""
-
-
-def _sampling(body: dict[str, Any], chat: bool) -> None:
-    _number(body, "temperature", 0.0, 2.0)
-    _number(body, "top_p", 0.0, 1.0)
-    if body.get("top_p") == 0:
-        raise _bad("'top_p' must be greater than 0", "top_p")
-    _number(body, "presence_penalty", -2.0, 2.0)
-    _number(body, "frequency_penalty", -2.0, 2.0)
-    _number(body, "repetition_penalty", 0.01, 10.0)
-    _int(body, "top_k", -1, 1_000_000)
-    _int(body, "seed", -(2**63), 2**64 - 1)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool if chat else int):
-        raise _bad("'logprobs' has the wrong type", "logprobs")
-    _int(body, "top_logprobs", 0, 20)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            pass
-        elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-            pass
-        else:
-            raise _bad("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-
-
-def validate(body: Any, *, chat: bool, max_tokens_cap: int, default_max_tokens: int) -> ValidRequest:
-    """Check an OpenAI chat/completions body; fill ``max_tokens`` so the reservation bounds usage."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    if EXT_KEY in body:
-        raise _bad(f"'{EXT_KEY}' is reserved", EXT_KEY)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' must be a non-empty string", "model")
-    prompt_tokens = _messages(body) if chat else _prompt(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-    include_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise _bad("'stream_options' must be an object", "stream_options")
-        inc = opts.get("include_usage", False)
-        if not isinstance(inc, bool):
-            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-        include_usage = inc and stream
-    n = _int(body, "n", 1, 1_000_000)
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n")
-    mt = _int(body, "max_tokens", 1, max_tokens_cap)
-    mct = _int(body, "max_completion_tokens", 1, max_tokens_cap)
-    max_tokens = mct if mct is not None else mt
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-        body["max_tokens"] = max_tokens
-    if not _SAMPLING.isdisjoint(body):
-        _sampling(body, chat)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _bad("'user' must be a string", "user")
-    return ValidRequest(body=body, model=model, stream=stream, include_usage=include_usage,
-                        max_tokens=max_tokens, prompt_tokens=prompt_tokens, user=user)
+            raise GatewayError(400, f"The prompt has {prompt_tokens} tokens and '{param}' asks for {max_tokens} "
+                                    f"more ({tokens} in all); this tenant's limit is {tokens_per_min} tokens per "
+                                    f"minute, so it can never be served. Ask for at most "
+                                    f"{tokens_per_min - prompt_tokens} tokens.",
+                               code="request_exceeds_token_limit", param=param)
+    return Reservation(prompt_tokens, exact, max_tokens, tokens)

@@ -89,7 +89,8 @@ class Settings:
     max_tokens_cap: int = 8192
     """Largest ``max_tokens`` a request may ask for (above: 400)."""
     default_max_tokens: int = 1024
-    """``max_tokens`` filled in (and reserved against the tokens/min limit) when a request omits it."""
+    """``max_tokens`` filled in (and reserved against the tokens/min limit) when a request omits it,
+    capped by the context room and what the tenant's tokens/min allows."""
     registry_snapshot_file: str = ""
     """Static registry snapshot (JSON) served instead of the live registry; for tests and benchmarks."""
     request_timeout_s: float = 300.0

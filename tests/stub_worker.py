@@ -9,7 +9,15 @@ requests were cancelled by their client (``GET /stub/stats``).
 Per-request behaviour can be changed through the OpenAI ``metadata`` field:
 ``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
 chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
-``500``, ``load-fail`` = the adapter could not be loaded). ``--mode`` sets the default for every request.
+``500``, ``400`` = a worker 4xx, ``load-fail`` = the adapter could not be loaded). ``--mode`` sets the
+default for every request.
+
+It generates min(``max_tokens``, ``--chunks``) tokens, one per stream chunk, reading
+``max_tokens`` with the shared rule (``loraplex.openai_request``). With ``--tokenizer``
+(a model path, or the JSON a worker serves) it counts prompt tokens exactly as the engine does
+and serves the tokenizer on ``GET /internal/tokenizer`` (secret-checked), as a worker does;
+without it, ``usage.prompt_tokens`` is a rough size. Streams carry the usage so far in every
+chunk when asked (``stream_options.continuous_usage_stats``).
 
 Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
 """
@@ -30,6 +38,9 @@ from typing import Any
 
 import orjson
 
+from loraplex.openai_request import FieldError
+from loraplex.openai_request import parse as parse_fields
+
 
 class Stub:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -43,6 +54,15 @@ class Stub:
         self.device = [a for a in args.device_adapters.split(",") if a]
         self.host = [a for a in args.host_adapters.split(",") if a]
         self._report_task: asyncio.Task[None] | None = None
+        self.tokenizer: Any = None
+        if args.tokenizer:
+            from loraplex.tokenizer import TextTokenizer
+
+            if args.tokenizer.endswith(".json"):  # the served form (``TextTokenizer.to_dict``)
+                with open(args.tokenizer) as f:
+                    self.tokenizer = TextTokenizer.from_dict(json.load(f))
+            else:
+                self.tokenizer = TextTokenizer.from_model_path(args.tokenizer)
 
     # -- residency ------------------------------------------------------------------------------
 
@@ -82,6 +102,17 @@ class Stub:
         if path in ("/health", "/healthz"):
             await self._json(send, 200, {"status": "ok"})
             return
+        if path == "/internal/tokenizer" and self.tokenizer is not None:
+            from loraplex.wire import HDR_WORKER_SECRET
+
+            given = dict(scope["headers"]).get(HDR_WORKER_SECRET.encode(), b"").decode()
+            if given != self.args.worker_secret:
+                await self._json(send, 403, {"error": {"message": "wrong worker secret", "code": "forbidden"}})
+                return
+            await self._json(send, 200, {"base_model": self.args.base_model, "base_revision": "stub",
+                                         "max_model_len": self.args.max_model_len,
+                                         "tokenizer": self.tokenizer.to_dict()})
+            return
         if path not in ("/v1/chat/completions", "/v1/completions"):
             await self._json(send, 404, {"error": {"message": "not found"}})
             return
@@ -119,6 +150,10 @@ class Stub:
         if mode == "500":
             await self._json(send, 500, {"error": {"message": "boom", "type": "server_error", "code": None}})
             return
+        if mode == "400":
+            await self._json(send, 400, {"error": {"message": "refused", "type": "invalid_request_error",
+                                                   "code": "invalid_value"}})
+            return
         disconnected = asyncio.Event()
 
         async def watch() -> None:
@@ -134,11 +169,15 @@ class Stub:
                 self.cancelled += 1
                 return
             chat = path.endswith("chat/completions")
-            n_chunks = self.args.chunks
-            max_tokens = int(body.get("max_tokens") or 16)
-            completion_tokens = min(max_tokens, n_chunks)
-            prompt = body.get("messages") if chat else body.get("prompt")
-            prompt_tokens = max(1, len(orjson.dumps(prompt)) // 4)
+            try:
+                fields = parse_fields(body, chat=chat)
+            except FieldError as exc:
+                await self._json(send, 400, {"error": {"message": exc.message, "type": "invalid_request_error",
+                                                       "code": exc.code, "param": exc.param}})
+                return
+            max_tokens = fields.max_tokens or 16
+            n_chunks = completion_tokens = min(max_tokens, self.args.chunks)
+            prompt_tokens = self._prompt_tokens(fields, body, chat)
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                      "total_tokens": prompt_tokens + completion_tokens}
             rid = f"cmpl-{self.args.worker_id}-{self.requests}"
@@ -157,6 +196,7 @@ class Stub:
                         "headers": [(b"content-type", b"text/event-stream")]})
             obj = "chat.completion.chunk" if chat else "text_completion"
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
             for i in range(n_chunks):
                 if chunk_delay and await self._wait(disconnected, chunk_delay):
                     self.cancelled += 1
@@ -173,6 +213,9 @@ class Stub:
                           if chat else {"index": 0, "text": piece, "finish_reason": "stop" if last else None,
                                         "logprobs": None})
                 chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
+                                      "total_tokens": prompt_tokens + i + 1}
                 await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
                             "more_body": True})
             tail = b""
@@ -185,6 +228,16 @@ class Stub:
         finally:
             if watcher is not None:
                 watcher.cancel()
+
+    def _prompt_tokens(self, fields: Any, body: dict[str, Any], chat: bool) -> int:
+        tok = self.tokenizer
+        if tok is None:
+            return max(1, len(orjson.dumps(body.get("messages") if chat else body.get("prompt"))) // 4)
+        if fields.messages is not None:
+            return len(tok.encode_chat(fields.messages, add_generation_prompt=True))
+        if isinstance(fields.prompt, str):
+            return len(tok.encode(fields.prompt))
+        return len(fields.prompt)
 
     @staticmethod
     async def _wait(disconnected: asyncio.Event, seconds: float) -> bool:
@@ -225,6 +278,8 @@ class Stub:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from loraplex.settings import Settings
+
     p = argparse.ArgumentParser(description="stub engine worker for gateway tests and benchmarks")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--worker-id", default="stub")
@@ -236,7 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=5)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--chunk-delay", type=float, default=0.0)
-    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "break", "load-fail"])
+    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "400", "break", "load-fail"])
+    p.add_argument("--tokenizer", default="", help="HF directory, .gguf or served tokenizer .json (exact prompt counts)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--worker-secret", default=Settings().worker_secret)
     p.add_argument("--report-interval", type=float, default=0.5)
     p.add_argument("--report-ttl", type=float, default=2.0)
     return p.parse_args(argv)

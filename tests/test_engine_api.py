@@ -288,3 +288,17 @@ def test_app_loads_engine_from_settings_and_reports(tiny_dir, tmp_path):
         assert reports and reports[0].worker_id == "w-life" and reports[0].base_model == "tiny"
         assert reports[0].total_kv_blocks > 0 and len(reports[0].base_revision) == 16
     assert app.state.worker.engine.running_thread is False
+
+
+async def test_continuous_usage_counts_every_token(client):
+    """``continuous_usage_stats``: each chunk carries the tokens generated so far (the gateway
+    settles a stream that ends early from it)."""
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(ln[6:]) async for ln in r.aiter_lines() if ln.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    assert list(chunks[-2])[-1] == "usage"  # the last key of a content chunk

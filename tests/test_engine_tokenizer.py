@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, TextTokenizer
+from loraplex.tokenizer import ChatTemplateError, TextTokenizer
 from tests.engine_fixtures import demo_gguf, hf_demo_tokenizer, make_tiny_model  # noqa: F401
 
 STRINGS = [
@@ -90,3 +90,30 @@ def test_template_errors_are_chat_template_errors(tmp_path):
                          chat_template=None)
     with pytest.raises(ChatTemplateError):
         none.render_chat([{"role": "user", "content": "x"}])
+
+
+def _same(a: TextTokenizer, b: TextTokenizer) -> None:
+    for s in STRINGS:
+        assert a.encode(s) == b.encode(s), s
+        assert a.encode(s, add_special_tokens=False) == b.encode(s, add_special_tokens=False), s
+        assert b.count(s) == len(a.encode(s)) and b.count(s, False) == len(a.encode(s, False)), s
+    for conv in CONVERSATIONS:
+        assert a.encode_chat(conv) == b.encode_chat(conv)
+    assert (a.bos_token_id, a.eos_token_id, a.vocab_size) == (b.bos_token_id, b.eos_token_id, b.vocab_size)
+
+
+def test_served_form_rebuilds_the_same_tokenizer(tmp_path):
+    """What a worker serves on /internal/tokenizer (JSON) encodes exactly as the worker does."""
+    import json
+
+    path = make_tiny_model(tmp_path, "llama")
+    ours = TextTokenizer.from_hf_dir(path)
+    _same(ours, TextTokenizer.from_dict(json.loads(json.dumps(ours.to_dict()))))
+
+
+@pytest.mark.slow
+def test_served_form_of_the_gguf_tokenizer(demo_gguf):  # noqa: F811
+    import json
+
+    ours = TextTokenizer.from_gguf(demo_gguf)
+    _same(ours, TextTokenizer.from_dict(json.loads(json.dumps(ours.to_dict()))))

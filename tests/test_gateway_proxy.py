@@ -77,12 +77,16 @@ def test_usage_chunk_only_when_asked(stub):
     with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
         plain = _events(c.post("/v1/chat/completions", json=_body(stream=True), headers=h).text)
         assert all('"usage"' not in e for e in plain) and plain[-1] == "[DONE]"
-        # The worker was asked for usage anyway (to settle the reservation).
-        assert stub.stats()["exts"][-1]["stream_options"] == {"include_usage": True}
+        # The worker was asked for usage anyway, in every chunk (to settle what was streamed).
+        assert stub.stats()["exts"][-1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         asked = _events(c.post("/v1/chat/completions", json=_body(
             stream=True, stream_options={"include_usage": True}), headers=h).text)
         usage = json.loads(asked[-2])
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+        assert all(json.loads(e)["usage"] is None for e in asked[:-2])  # as OpenAI: null until the last
+        every = _events(c.post("/v1/chat/completions", json=_body(
+            stream=True, stream_options={"continuous_usage_stats": True}), headers=h).text)
+        assert [json.loads(e)["usage"]["completion_tokens"] for e in every[:-1]] == [1, 2, 3, 4, 5, 6]
         comp = c.post("/v1/completions", json={"model": "support", "prompt": "hi", "max_tokens": 3}, headers=h)
         assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 3
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.ratelimit import LocalLimiter
-from gateway.validate import validate
+from gateway.validate import estimate, reserve, validate
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
@@ -144,15 +144,15 @@ async def test_wrong_method_and_unknown_path():
 async def test_valid_extras_pass_through_and_max_tokens_filled():
     body = {"model": "support", "messages": MSG, "temperature": 0.5, "top_p": 0.9, "stop": ["\n"],
             "seed": 3, "metadata": {"k": "v"}, "max_completion_tokens": 20}
-    req = validate(dict(body), chat=True, max_tokens_cap=100, default_max_tokens=50)
-    assert req.max_tokens == 20 and req.body["metadata"] == {"k": "v"}
-    req = validate({"model": "m", "messages": MSG}, chat=True, max_tokens_cap=100, default_max_tokens=50)
-    assert req.max_tokens == 50 and req.body["max_tokens"] == 50
+    req = validate(dict(body), chat=True, max_tokens_cap=100)
+    assert req.fields.max_tokens == 20 and req.body["metadata"] == {"k": "v"}
+    req = validate({"model": "m", "messages": MSG}, chat=True, max_tokens_cap=100)
+    plan = reserve(req.fields, 10, exact=True, max_model_len=None, tokens_per_min=0, default_max_tokens=50)
+    assert (plan.max_tokens, plan.tokens) == (50, 60)
     # The estimate bounds the prompt: every UTF-8 byte counted, plus template overhead.
     text = "héllo wörld " * 10
-    req = validate({"model": "m", "messages": [{"role": "user", "content": text}]}, chat=True,
-                   max_tokens_cap=100, default_max_tokens=50)
-    assert req.prompt_tokens >= len(text.encode()) + 8
+    req = validate({"model": "m", "messages": [{"role": "user", "content": text}]}, chat=True, max_tokens_cap=100)
+    assert estimate(req.fields) >= len(text.encode()) + 8
 
 
 json_values = st.recursive(

@@ -10,6 +10,9 @@
 
 Chat templates are rendered with jinja2 the way transformers renders them (sandboxed,
 ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``).
+
+Torch-free: workers tokenize with it, and the gateway counts prompt tokens with the same
+class, rebuilt from the form a worker serves (``to_dict``/``from_dict``).
 """
 
 from __future__ import annotations
@@ -136,11 +139,17 @@ class TextTokenizer:
         return cls(tk, bos_token=bos, eos_token=eos, add_bos=add_bos, chat_template=template, extra_special=extra)
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> TextTokenizer:
-        from engine.loader import gguf_metadata_getter, gguf_reader
+    def from_gguf(cls, path: str | Path, reader: Any = None) -> TextTokenizer:
+        """``reader``: a ``gguf.GGUFReader`` of ``path`` already parsed (parsing is slow)."""
+        if reader is None:
+            from gguf import GGUFReader
 
-        reader = gguf_reader(path)
-        get = gguf_metadata_getter(reader)
+            reader = GGUFReader(str(path))
+
+        def get(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer {kind!r} is not supported (only gpt2-style byte-level BPE)")
@@ -178,9 +187,20 @@ class TextTokenizer:
                                   "pad_token": tok("tokenizer.ggml.padding_token_id")})
 
     @classmethod
-    def from_model_path(cls, path: str | Path) -> TextTokenizer:
+    def from_model_path(cls, path: str | Path, gguf_reader: Any = None) -> TextTokenizer:
         p = Path(path)
-        return cls.from_gguf(p) if p.suffix == ".gguf" else cls.from_hf_dir(p)
+        return cls.from_gguf(p, gguf_reader) if p.suffix == ".gguf" else cls.from_hf_dir(p)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form that ``from_dict`` turns back into an equal tokenizer."""
+        return {"tokenizer": self.tk.to_str(), "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "add_bos": self.add_bos, "chat_template": self.chat_template, "extra_special": self.extra_special}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TextTokenizer:
+        return cls(Tokenizer.from_str(data["tokenizer"]), bos_token=data.get("bos_token"),
+                   eos_token=data.get("eos_token"), add_bos=bool(data.get("add_bos")),
+                   chat_template=data.get("chat_template"), extra_special=data.get("extra_special") or {})
 
     # ------------------------------------------------------------------ use
     @property
@@ -192,6 +212,13 @@ class TextTokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        """``len(encode(...))`` without building offsets (the gateway's per-request count)."""
+        fast = getattr(self.tk, "encode_batch_fast", None)
+        n = len((fast([text], add_special_tokens=add_special_tokens)[0] if fast is not None
+                 else self.tk.encode(text, add_special_tokens=add_special_tokens)).ids)
+        return n + 1 if add_special_tokens and self.add_bos and self.bos_token_id is not None else n
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)

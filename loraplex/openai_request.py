@@ -1,0 +1,226 @@
+"""The OpenAI request fields, read one way by the gateway and by the workers.
+
+``parse(body, chat=...)`` checks an OpenAI chat/completions body (types, ranges, roles,
+content parts, ``stop``, ``n``, ``stream_options``, the ``max_tokens`` rule) and returns an
+``OpenAIRequest`` with the cleaned chat messages fed to the chat template. Invalid fields
+raise ``FieldError`` (message, param, code); each side turns it into its own 400.
+
+The ``max_tokens`` rule, on both routes: ``max_completion_tokens`` wins when given, else
+``max_tokens``. What a side fills in when neither is given is that side's policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_SEQUENCES = 4
+
+
+class FieldError(ValueError):
+    """An invalid request field (the caller answers 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    chat: bool
+    model: str | None
+    messages: list[dict[str, str]] | None
+    """Chat: ``[{"role", "content"}]`` with text content only (what the chat template renders)."""
+    prompt: str | list[int] | None
+    """Completions: the text, or the token ids."""
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far (as vLLM)."""
+    max_tokens: int | None
+    """The winning field's value (None: neither given)."""
+    max_tokens_param: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise FieldError(f"'{key}' must be a number", key)
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        raise FieldError(f"'{key}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v}", key)
+    return float(v)
+
+
+def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FieldError(f"'{key}' must be an integer", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise FieldError(f"'{key}' must be {bound}, got {v}", key)
+    return v
+
+
+def _bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise FieldError(f"'{param or key}' must be a boolean", param or key)
+    return v
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise FieldError("only text content parts are supported", f"{param}[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise FieldError("content must be a string or a list of text parts", param)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise FieldError("'messages' must be a non-empty list", "messages")
+    clean: list[dict[str, str]] = []
+    for i, m in enumerate(msgs):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise FieldError("each message must be an object", param)
+        role = m.get("role")
+        if role not in ROLES:
+            raise FieldError(f"role {role!r} is not one of {', '.join(sorted(ROLES))}" if isinstance(role, str)
+                             else "message role must be a string", f"{param}.role")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise FieldError("message content is required", f"{param}.content")
+            text = ""
+        else:
+            text = _content(content, f"{param}.content")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise FieldError("'name' must be a string", f"{param}.name")
+        clean.append({"role": role, "content": text})
+    if all(not m["content"] for m in clean):
+        raise FieldError("every message is empty", "messages")
+    return clean
+
+
+def _ids(p: list[Any]) -> bool:
+    return bool(p) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise FieldError("'prompt' is empty", "prompt")
+        return p
+    if isinstance(p, list) and _ids(p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
+        raise FieldError("batched prompts are not supported; send one prompt per request", "prompt")
+    raise FieldError("'prompt' must be a non-empty string or a list of non-negative token ids", "prompt")
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise FieldError(f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} strings", "stop")
+
+
+_SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                       "top_k", "seed", "logprobs", "top_logprobs", "stop", "stop_token_ids", "ignore_eos"})
+"""Optional fields most requests leave out (checked only when one is present)."""
+
+
+def _sampling(body: dict[str, Any], req: OpenAIRequest) -> None:
+    req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    req.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    top_k = _int(body, "top_k", -1)
+    req.top_k = -1 if top_k is None else top_k
+    req.seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        ok = isinstance(logprobs, bool) if req.chat else \
+            isinstance(logprobs, int) and not isinstance(logprobs, bool) and 0 <= logprobs <= 5
+        if not ok:
+            raise FieldError("'logprobs' must be a boolean" if req.chat else "'logprobs' must be an integer in [0, 5]",
+                             "logprobs")
+    _int(body, "top_logprobs", 0, 20)
+    req.stop = _stop(body)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise FieldError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+        req.stop_token_ids = tuple(ids)
+    req.ignore_eos = _bool(body, "ignore_eos")
+
+
+def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAIRequest:
+    """Check an OpenAI body (``chat``: /v1/chat/completions, else /v1/completions)."""
+    if not isinstance(body, dict):
+        raise FieldError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("'model' must be a string", "model")
+    messages = _messages(body) if chat else None
+    prompt = None if chat else _prompt(body)
+    stream = _bool(body, "stream")
+    include_usage = continuous = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise FieldError("'stream_options' must be an object", "stream_options")
+        include_usage = _bool(opts, "include_usage", "stream_options.include_usage") and stream
+        continuous = _bool(opts, "continuous_usage_stats", "stream_options.continuous_usage_stats") and stream
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise FieldError(f"only n=1 is supported (got {n}); send separate requests", "n")
+    mt = _int(body, "max_tokens", 1, max_tokens_cap)
+    mct = _int(body, "max_completion_tokens", 1, max_tokens_cap)
+    param = "max_completion_tokens" if mct is not None else "max_tokens"
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise FieldError("'user' must be a string", "user")
+    req = OpenAIRequest(chat=chat, model=model, messages=messages, prompt=prompt, stream=stream,
+                        include_usage=include_usage, continuous_usage=continuous,
+                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user)
+    if not _SAMPLING.isdisjoint(body):
+        _sampling(body, req)
+    return req
