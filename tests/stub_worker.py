@@ -10,6 +10,8 @@ Per-request behaviour can be changed through the OpenAI ``metadata`` field:
 ``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
 chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
 ``500``, ``load-fail`` = the adapter could not be loaded). ``--mode`` sets the default for every request.
+Like a real worker it refuses every route but ``/health`` without the worker secret
+(``--worker-secret``, default ``LORAPLEX_WORKER_SECRET`` or the development value): 401/403.
 
 Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
 """
@@ -30,6 +32,22 @@ from typing import Any
 
 import orjson
 
+from loraplex.settings import DEV_WORKER_SECRET
+from loraplex.wire import HDR_WORKER_SECRET
+
+_SECRET_HEADER = HDR_WORKER_SECRET.encode()
+
+
+def _secret_refusal(given: bytes | None, secret: str) -> tuple[int, dict[str, Any]] | None:
+    """(status, body) when ``given`` is not the worker secret, as a worker answers."""
+    if not given:
+        return 401, {"error": {"message": f"missing {HDR_WORKER_SECRET} header", "type": "authentication_error",
+                               "code": "unauthorized", "param": None}}
+    if given != secret.encode():
+        return 403, {"error": {"message": "wrong worker secret", "type": "permission_error", "code": "forbidden",
+                               "param": None}}
+    return None
+
 
 class Stub:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -38,6 +56,7 @@ class Stub:
         self.completed = 0
         self.cancelled = 0
         self.inflight = 0
+        self.refused = 0
         self.adapters: Counter[str] = Counter()
         self.exts: deque[dict[str, Any]] = deque(maxlen=200)
         self.device = [a for a in args.device_adapters.split(",") if a]
@@ -81,6 +100,12 @@ class Stub:
             return
         if path in ("/health", "/healthz"):
             await self._json(send, 200, {"status": "ok"})
+            return
+        refused = _secret_refusal(next((v for k, v in scope["headers"] if k == _SECRET_HEADER), None),
+                                  self.args.worker_secret)
+        if refused is not None:
+            self.refused += 1
+            await self._json(send, *refused)
             return
         if path not in ("/v1/chat/completions", "/v1/completions"):
             await self._json(send, 404, {"error": {"message": "not found"}})
@@ -203,7 +228,7 @@ class Stub:
 
     def stats(self) -> dict[str, Any]:
         return {"worker_id": self.args.worker_id, "requests": self.requests, "completed": self.completed,
-                "cancelled": self.cancelled, "inflight": self.inflight, "adapters": dict(self.adapters),
+                "cancelled": self.cancelled, "inflight": self.inflight, "refused": self.refused, "adapters": dict(self.adapters),
                 "exts": list(self.exts)}
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -239,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "break", "load-fail"])
     p.add_argument("--report-interval", type=float, default=0.5)
     p.add_argument("--report-ttl", type=float, default=2.0)
+    p.add_argument("--worker-secret", default=os.environ.get("LORAPLEX_WORKER_SECRET", DEV_WORKER_SECRET))
     return p.parse_args(argv)
 
 
@@ -396,14 +422,18 @@ class ThreadServer:
         self.thread.join(10)
 
 
-def mock_worker_transport(record: list[dict[str, Any]] | None = None, *, chunks: int = 5) -> Any:
+def mock_worker_transport(record: list[dict[str, Any]] | None = None, *, chunks: int = 5,
+                          secret: str = DEV_WORKER_SECRET) -> Any:
     """An ``httpx.MockTransport`` answering like the stub worker, for in-process app tests.
 
-    Each forwarded body is appended to ``record``.
+    Each forwarded body is appended to ``record``; a request without ``secret`` gets 401/403.
     """
     import httpx
 
     def handler(request: httpx.Request) -> httpx.Response:
+        refused = _secret_refusal(request.headers.get(HDR_WORKER_SECRET, "").encode("latin-1") or None, secret)
+        if refused is not None:
+            return httpx.Response(refused[0], json=refused[1])
         body = orjson.loads(request.content)
         if record is not None:
             record.append(body)
