@@ -11,8 +11,7 @@ import pytest
 
 from engine.api import create_worker_app
 from engine.engine import Engine, EngineConfig
-from loraplex.settings import Settings
-from loraplex.settings import DEV_WORKER_SECRET
+from loraplex.settings import DEV_WORKER_SECRET, Settings
 from loraplex.wire import HDR_WORKER, HDR_WORKER_SECRET
 from tests.engine_fixtures import make_tiny_model
 
