@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loraplex.wire import HDR_WORKER_SECRET  # noqa: E402
 from tests.stub_worker import StubProcess, free_port  # noqa: E402
 
 REDIS_URL = os.environ.get("LORAPLEX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -121,12 +122,14 @@ def run_load(port: int, request: bytes, stream: bool, concurrency: int, seconds:
             "mean_ms": 1000 * statistics.fmean(lat) if n else None, "non_200": len(bad)}
 
 
-def http_request(port: int, path: str, body: dict, token: str | None) -> bytes:
+def http_request(port: int, path: str, body: dict, token: str | None, worker_secret: str = "") -> bytes:
     raw = json.dumps(body, separators=(",", ":")).encode()
     head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
             f"Content-Length: {len(raw)}"]
     if token:
         head.append(f"Authorization: Bearer {token}")
+    if worker_secret:
+        head.append(f"{HDR_WORKER_SECRET}: {worker_secret}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
 
 
@@ -195,11 +198,12 @@ def main() -> int:
     token = mint(settings, "bench-user", tenant="bench", ttl_s=24 * 3600)
 
     stub = StubProcess("bench-w1", redis_url=REDIS_URL, redis_prefix=prefix, base_model="tiny",
-                       device=(adapter_id,), extra=("--chunks", "5")).start()
+                       device=(adapter_id,), extra=("--chunks", "5", "--worker-secret", settings.worker_secret)).start()
     gw_port = free_port()
     env = dict(os.environ, LORAPLEX_HOME=str(tmp), LORAPLEX_DATABASE_URL=db, LORAPLEX_REDIS_URL=REDIS_URL,
                LORAPLEX_REDIS_PREFIX=prefix, LORAPLEX_ADAPTER_ROOT=str(tmp / "adapters"),
                LORAPLEX_GATEWAY_PORT=str(gw_port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()),
+               LORAPLEX_WORKER_SECRET=settings.worker_secret,
                LORAPLEX_LOG_LEVEL="WARNING" if args.no_access_log else "INFO")
     gw_cmd = [sys.executable, "-m", "loraplex.cli", "gateway"]
     gw = subprocess.Popen(gw_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -213,7 +217,7 @@ def main() -> int:
                                       body | {"loraplex": {"adapter": {"id": adapter_id, "name": "support@1",
                                                                        "uri": "", "sha256": None, "rank": 4},
                                                            "tenant": "bench", "priority": 1,
-                                                           "request_id": "r"}}, None)
+                                                           "request_id": "r"}}, None, settings.worker_secret)
             gw_req = http_request(gw_port, "/v1/chat/completions", body, token)
             # warm up both paths (connections, JIT-free but caches: JWT, resolution, ring)
             run_load(stub.port, direct_req, stream, 4, 0.5, 1)

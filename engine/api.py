@@ -4,6 +4,7 @@ A request whose ``"loraplex"`` extension names an adapter is served with it (LoR
 load starts when the request arrives. If the adapter cannot be loaded, only the requests
 for it fail: 503 ``adapter_load_failed`` with the reason (a stream that already started
 ends with an error event carrying that code). Internal control routes: ``engine.internal_api``.
+Every route but ``/health`` and ``/metrics`` needs the gateway's worker secret (``engine.worker_auth``).
 
 The asyncio side parses and validates requests and streams results; the engine runs
 in its own thread (``Engine.start``). Each request registers a listener that hands
@@ -48,6 +49,7 @@ from engine.protocol import (
 )
 from engine.scheduler import QueueFullError
 from engine.sequence import SeqEvent
+from engine.worker_auth import WorkerSecretMiddleware
 from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
@@ -342,4 +344,5 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.worker = state
     app.add_middleware(WorkerHeaderMiddleware, worker_id=state.worker_id)
+    app.add_middleware(WorkerSecretMiddleware, secret=settings.worker_secret)  # outermost: first to run
     return app

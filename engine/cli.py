@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 
@@ -11,6 +12,7 @@ def _worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.api import create_worker_app
+    from loraplex.devsecrets import refusal
     from loraplex.settings import get_settings
 
     overrides: dict[str, Any] = {}
@@ -24,6 +26,10 @@ def _worker(args: argparse.Namespace) -> int:
         if value:
             overrides[key] = tuple(value)
     settings = get_settings().replace(**overrides)
+    problem = refusal(settings, {"LORAPLEX_WORKER_HOST / --host": settings.worker_host}, ("worker_secret",))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level)
     app = create_worker_app(settings)
     uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())

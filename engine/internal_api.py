@@ -1,8 +1,8 @@
 """The worker's internal control endpoints (``/internal/adapters...``), for the internal network.
 
 Every route needs the shared secret ``settings.worker_secret`` in header
-``x-loraplex-worker-secret`` (``loraplex.wire.HDR_WORKER_SECRET``): missing -> 401,
-wrong -> 403. Errors use the OpenAI error shape. Bodies and answers:
+``x-loraplex-worker-secret`` (``engine.worker_auth``): missing -> 401, wrong -> 403.
+Errors use the OpenAI error shape. Bodies and answers:
 
 * ``GET /internal/adapters`` -> ``{"adapters": [ADAPTER...], "resident": {"device", "host", "disk"}}``
   with ``ADAPTER = {"id", "name", "uri", "tier", "state", "pinned", "users", "rank", "slot", "error"}``
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from typing import Any
@@ -45,6 +44,7 @@ from starlette.routing import Route
 from engine.engine import PromptTooLongError
 from engine.scheduler import QueueFullError
 from engine.sequence import SamplingParams, SeqEvent
+from engine.worker_auth import SecretRefused, check_worker_secret
 from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef, error_body
 
 MAX_PROBE_PROMPTS = 128
@@ -60,14 +60,6 @@ class ControlError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, type=self.type, code=self.code), status_code=self.status)
-
-
-def _check_secret(request: Request, secret: str) -> None:
-    given = request.headers.get(HDR_WORKER_SECRET)
-    if not given:
-        raise ControlError(401, f"missing {HDR_WORKER_SECRET} header", "unauthorized", "authentication_error")
-    if not secret or not hmac.compare_digest(given.encode(), secret.encode()):
-        raise ControlError(403, "wrong worker secret", "forbidden", "permission_error")
 
 
 async def _json(request: Request, limit: int) -> dict[str, Any]:
@@ -168,14 +160,14 @@ def internal_routes(state: Any) -> list[Route]:
     def guarded(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
             try:
-                _check_secret(request, settings.worker_secret)
+                check_worker_secret(request.headers.get(HDR_WORKER_SECRET), settings.worker_secret)
                 eng = state.engine
                 if eng is None:
                     raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
                 if eng.lora_runtime is None:
                     raise ControlError(404, "LoRA is disabled on this worker (max_loras=0)", "lora_disabled")
                 return await handler(request, eng, eng.lora_runtime.manager)
-            except ControlError as exc:
+            except (ControlError, SecretRefused) as exc:
                 return exc.response()
         return endpoint
 
@@ -184,11 +176,11 @@ def internal_routes(state: Any) -> list[Route]:
 
     async def tokenizer(request: Request) -> Response:
         try:
-            _check_secret(request, settings.worker_secret)
+            check_worker_secret(request.headers.get(HDR_WORKER_SECRET), settings.worker_secret)
             eng = state.engine
             if eng is None:
                 raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
-        except ControlError as exc:
+        except (ControlError, SecretRefused) as exc:
             return exc.response()
         if not served:
             info = eng.info

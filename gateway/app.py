@@ -68,7 +68,7 @@ class Gateway:
         self.resolver = Resolver()
         self.metrics = GatewayMetrics()
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
-                                 on_failure=self.metrics.upstream_failure)
+                                 on_failure=self.metrics.upstream_failure, worker_secret=settings.worker_secret)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.prompts = PromptCounter(router, client, settings.worker_secret)
         self._limits: dict[tuple[int, int, int], Limits] = {}

@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import TextIO
 
+from loraplex.devsecrets import refusal
 from loraplex.settings import Settings
 
 
@@ -54,6 +55,11 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.port:
         overrides["gateway_port"] = args.port
     settings = Settings.from_env(**overrides)
+    problem = refusal(settings, {"LORAPLEX_GATEWAY_HOST / --host": settings.gateway_host},
+                      ("jwt_secret", "worker_secret"))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     access = logging.getLogger("loraplex.gateway.access")
     if args.no_access_log:

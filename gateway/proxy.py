@@ -1,9 +1,11 @@
 """Forwarding to engine workers over one pooled ``httpx.AsyncClient``.
 
 ``Upstream.open`` tries the routed workers in order until one answers: a connection
-error, a 503, or a response that breaks before its first byte moves on to the next
+error, a 503, a 401/403 (the worker refused this gateway's worker secret: logged, never
+passed to the client), or a response that breaks before its first byte moves on to the next
 candidate (connection failures also mark the worker failed in the router). Nothing has
-reached the client at that point, so a retry is invisible to it.
+reached the client at that point, so a retry is invisible to it. Every request carries
+the worker secret (``x-loraplex-worker-secret``): workers refuse requests without it.
 
 ``relay_sse`` passes a worker's SSE stream through event by event without buffering
 the response; it picks the usage chunk out (and drops it when the client did not ask
@@ -28,13 +30,19 @@ import orjson
 from gateway.errors import GatewayError
 from gateway.router import Router, Worker
 from gateway.transport import H11Transport, RawResponse
-from loraplex.wire import HDR_REQUEST_ID, error_body
+from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET, error_body
 
 log = logging.getLogger("loraplex.gateway.proxy")
 
 _JSON = {"content-type": "application/json"}
-_JSON_AND_ID = b"content-type: application/json\r\n" + HDR_REQUEST_ID.encode() + b": "
-"""The start of the headers the gateway sends with a request (the request id follows)."""
+
+
+def _head(worker_secret: str) -> bytes:
+    """The start of the headers the gateway sends with a request (the request id follows)."""
+    if "\r" in worker_secret or "\n" in worker_secret:
+        raise ValueError("the worker secret must not contain line breaks")
+    return (b"content-type: application/json\r\n" + HDR_WORKER_SECRET.encode() + b": " + worker_secret.encode()
+            + b"\r\n" + HDR_REQUEST_ID.encode() + b": ")
 
 
 @dataclass(slots=True)
@@ -51,8 +59,10 @@ class Opened:
 
 class Upstream:
     def __init__(self, client: httpx.AsyncClient, router: Router, max_attempts: int = 4,
-                 on_failure: Any = None) -> None:
+                 on_failure: Any = None, *, worker_secret: str) -> None:
         self.client = client
+        self._head = _head(worker_secret)
+        self._secret = worker_secret.encode()
         self.on_failure = on_failure
         self.router = router
         self.max_attempts = max_attempts
@@ -73,10 +83,11 @@ class Upstream:
         client has one, else through httpx. Returns the awaitable itself (no frame of its own)."""
         if self.fast is not None and worker.url.startswith("http://"):
             host, port, prefix = self._target(worker.url)
-            extra = _JSON_AND_ID + request_id.encode("latin-1") + b"\r\n"
+            extra = self._head + request_id.encode("latin-1") + b"\r\n"
             return self.fast.post(host, port, prefix + path, extra, payload)
         req = self.client.build_request("POST", worker.url + path, content=payload,
-                                        headers={"content-type": "application/json", HDR_REQUEST_ID: request_id})
+                                        headers={"content-type": "application/json", HDR_REQUEST_ID: request_id,
+                                                 HDR_WORKER_SECRET: self._secret})
         return self.client.send(req, stream=True)
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
@@ -102,6 +113,16 @@ class Upstream:
                         load_failure = _message(body)
                         break  # the artifact itself failed: another worker would fail the same way
                     last = f"worker {worker.id} is overloaded"
+                    continue
+                if resp.status_code in (401, 403):
+                    # Not the client's fault: this gateway's worker secret is not the worker's.
+                    await resp.aread()
+                    await resp.aclose()
+                    resp = None
+                    worker.inflight -= 1
+                    log.error("worker %s refused the worker secret (set the same LORAPLEX_WORKER_SECRET "
+                              "on gateways and workers)", worker.id)
+                    last = f"worker {worker.id} refused the worker secret"
                     continue
                 if whole:
                     return Opened(worker, resp, await resp.aread(), None)

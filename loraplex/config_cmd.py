@@ -14,7 +14,7 @@ import inspect
 import json
 from typing import Any
 
-from loraplex.settings import PREFIX, Settings, get_settings
+from loraplex.settings import PREFIX, Settings, get_settings, is_development_secret
 
 SECRET_FIELDS = {"jwt_secret", "worker_secret", "admin_token"}
 
@@ -46,6 +46,8 @@ def field_docs() -> dict[str, tuple[str, str]]:
 
 
 def _show(name: str, value: Any) -> str:
+    if is_development_secret(name, value):
+        return f"(development default — set {PREFIX}{name.upper()})"
     if name in SECRET_FIELDS and value:
         return "(set)"
     if isinstance(value, tuple):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex.devsecrets import refusal
 from loraplex.settings import Settings, get_settings
 
 log = logging.getLogger("loraplex.serve")
@@ -243,6 +244,11 @@ def _handler(demo: bool):  # type: ignore[no-untyped-def]
         overrides = {k: v for k, v in (("gateway_port", args.port), ("worker_port", args.worker_port))
                      if v is not None}
         settings = settings.replace(**overrides)
+        problem = refusal(settings, {"LORAPLEX_GATEWAY_HOST": settings.gateway_host,
+                                     "LORAPLEX_WORKER_HOST": settings.worker_host}, ("jwt_secret", "worker_secret"))
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
         for chatty in ("httpx", "alembic"):
             logging.getLogger(chatty).setLevel(logging.WARNING)

@@ -20,6 +20,16 @@ from typing import Any, Literal
 
 PREFIX = "LORAPLEX_"
 
+DEV_JWT_SECRET = "loraplex-development-secret-change-me-please"
+DEV_WORKER_SECRET = "loraplex-internal-secret-change-me"
+DEVELOPMENT_SECRETS = {"jwt_secret": DEV_JWT_SECRET, "worker_secret": DEV_WORKER_SECRET}
+"""The built-in values of the secret settings: written in this repository, so fit for a laptop only."""
+
+
+def is_development_secret(name: str, value: str) -> bool:
+    """True when setting ``name`` still holds its built-in development value."""
+    return name in DEVELOPMENT_SECRETS and value == DEVELOPMENT_SECRETS[name]
+
 
 def _default_home() -> str:
     return str(Path(os.environ.get("LORAPLEX_HOME", Path.cwd() / ".loraplex")).resolve())
@@ -58,7 +68,7 @@ class Settings:
     """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
 
     # --- auth ----------------------------------------------------------------------------
-    jwt_secret: str = "loraplex-development-secret-change-me-please"
+    jwt_secret: str = DEV_JWT_SECRET
     """HS256 shared secret. Change it anywhere but a laptop."""
     jwt_public_key_file: str = ""
     """PEM public key for RS256/ES256 tokens."""
@@ -78,6 +88,9 @@ class Settings:
     """Claim with space-separated scopes."""
     jwt_admin_scope: str = "loraplex:admin"
     """Scope required by the admin API."""
+    allow_dev_secrets: bool = False
+    """Let ``gateway``, ``worker``, ``serve`` and ``demo`` listen on a non-loopback address while a secret
+    they use is still its built-in development value (never in production)."""
 
     # --- gateway -------------------------------------------------------------------------
     gateway_host: str = "127.0.0.1"
@@ -133,8 +146,10 @@ class Settings:
     """Worker listen port."""
     worker_url: str = ""
     """URL the gateway should use to reach this worker. Empty: from host and port."""
-    worker_secret: str = "loraplex-internal-secret-change-me"
-    """Shared secret for the worker's internal control endpoints."""
+    worker_secret: str = DEV_WORKER_SECRET
+    """Shared secret the gateway sends (``x-loraplex-worker-secret``) on every worker request; workers
+    refuse every route but ``/health`` and ``/metrics`` without it. Set the same value on gateways and
+    workers."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda[:N]``."""
     dtype: str = "auto"

@@ -28,7 +28,9 @@ HDR_ADAPTER = "x-loraplex-adapter"
 """``name@version`` of the adapter that answered, or ``base`` for the base model."""
 HDR_WORKER = "x-loraplex-worker"
 HDR_WORKER_SECRET = "x-loraplex-worker-secret"
-"""Shared secret for the worker's internal control endpoints."""
+"""Request header with ``settings.worker_secret``: the gateway sends it on every worker request,
+and workers trust the ``"loraplex"`` extension (or serve any route but ``/health``, ``/metrics``)
+only with it."""
 
 PRIORITY_CLASSES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 """Tenant priority class -> admission order on the worker (lower is served first)."""

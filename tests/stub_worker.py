@@ -18,6 +18,8 @@ It generates min(``max_tokens``, ``--chunks``) tokens, one per stream chunk, rea
 and serves the tokenizer on ``GET /internal/tokenizer`` (secret-checked), as a worker does;
 without it, ``usage.prompt_tokens`` is a rough size. Streams carry the usage so far in every
 chunk when asked (``stream_options.continuous_usage_stats``).
+Like a real worker it refuses every route but ``/health`` without the worker secret
+(``--worker-secret``, default ``LORAPLEX_WORKER_SECRET`` or the development value): 401/403.
 
 Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
 """
@@ -40,6 +42,21 @@ import orjson
 
 from loraplex.openai_request import FieldError
 from loraplex.openai_request import parse as parse_fields
+from loraplex.settings import DEV_WORKER_SECRET
+from loraplex.wire import HDR_WORKER_SECRET
+
+_SECRET_HEADER = HDR_WORKER_SECRET.encode()
+
+
+def _secret_refusal(given: bytes | None, secret: str) -> tuple[int, dict[str, Any]] | None:
+    """(status, body) when ``given`` is not the worker secret, as a worker answers."""
+    if not given:
+        return 401, {"error": {"message": f"missing {HDR_WORKER_SECRET} header", "type": "authentication_error",
+                               "code": "unauthorized", "param": None}}
+    if given != secret.encode():
+        return 403, {"error": {"message": "wrong worker secret", "type": "permission_error", "code": "forbidden",
+                               "param": None}}
+    return None
 
 
 class Stub:
@@ -49,6 +66,7 @@ class Stub:
         self.completed = 0
         self.cancelled = 0
         self.inflight = 0
+        self.refused = 0
         self.adapters: Counter[str] = Counter()
         self.exts: deque[dict[str, Any]] = deque(maxlen=200)
         self.device = [a for a in args.device_adapters.split(",") if a]
@@ -102,13 +120,13 @@ class Stub:
         if path in ("/health", "/healthz"):
             await self._json(send, 200, {"status": "ok"})
             return
+        refused = _secret_refusal(next((v for k, v in scope["headers"] if k == _SECRET_HEADER), None),
+                                  self.args.worker_secret)
+        if refused is not None:
+            self.refused += 1
+            await self._json(send, *refused)
+            return
         if path == "/internal/tokenizer" and self.tokenizer is not None:
-            from loraplex.wire import HDR_WORKER_SECRET
-
-            given = dict(scope["headers"]).get(HDR_WORKER_SECRET.encode(), b"").decode()
-            if given != self.args.worker_secret:
-                await self._json(send, 403, {"error": {"message": "wrong worker secret", "code": "forbidden"}})
-                return
             await self._json(send, 200, {"base_model": self.args.base_model, "base_revision": "stub",
                                          "max_model_len": self.args.max_model_len,
                                          "tokenizer": self.tokenizer.to_dict()})
@@ -256,7 +274,7 @@ class Stub:
 
     def stats(self) -> dict[str, Any]:
         return {"worker_id": self.args.worker_id, "requests": self.requests, "completed": self.completed,
-                "cancelled": self.cancelled, "inflight": self.inflight, "adapters": dict(self.adapters),
+                "cancelled": self.cancelled, "inflight": self.inflight, "refused": self.refused, "adapters": dict(self.adapters),
                 "exts": list(self.exts)}
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -278,7 +296,6 @@ class Stub:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from loraplex.settings import Settings
 
     p = argparse.ArgumentParser(description="stub engine worker for gateway tests and benchmarks")
     p.add_argument("--port", type=int, required=True)
@@ -294,9 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "400", "break", "load-fail"])
     p.add_argument("--tokenizer", default="", help="HF directory, .gguf or served tokenizer .json (exact prompt counts)")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--worker-secret", default=Settings().worker_secret)
     p.add_argument("--report-interval", type=float, default=0.5)
     p.add_argument("--report-ttl", type=float, default=2.0)
+    p.add_argument("--worker-secret", default=os.environ.get("LORAPLEX_WORKER_SECRET", DEV_WORKER_SECRET))
     return p.parse_args(argv)
 
 
@@ -455,14 +472,18 @@ class ThreadServer:
         self.thread.join(10)
 
 
-def mock_worker_transport(record: list[dict[str, Any]] | None = None, *, chunks: int = 5) -> Any:
+def mock_worker_transport(record: list[dict[str, Any]] | None = None, *, chunks: int = 5,
+                          secret: str = DEV_WORKER_SECRET) -> Any:
     """An ``httpx.MockTransport`` answering like the stub worker, for in-process app tests.
 
-    Each forwarded body is appended to ``record``.
+    Each forwarded body is appended to ``record``; a request without ``secret`` gets 401/403.
     """
     import httpx
 
     def handler(request: httpx.Request) -> httpx.Response:
+        refused = _secret_refusal(request.headers.get(HDR_WORKER_SECRET, "").encode("latin-1") or None, secret)
+        if refused is not None:
+            return httpx.Response(refused[0], json=refused[1])
         body = orjson.loads(request.content)
         if record is not None:
             record.append(body)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -60,6 +61,22 @@ def test_compose_has_the_whole_system(compose):
             assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file(), name
 
 
+COMPOSE_SECRETS = {"LORAPLEX_JWT_SECRET": "j" * 64, "LORAPLEX_WORKER_SECRET": "w" * 64, "POSTGRES_PASSWORD": "p" * 32}
+"""What an operator puts in .env (compose requires every one of them)."""
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def _interpolate(value: str, environ: dict[str, str]) -> str:
+    """``${VAR}``, ``${VAR:-default}`` and ``${VAR:?message}`` as docker compose resolves them."""
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        got = environ.get(name, "")
+        if op in (":?", "?") and not got:
+            raise LookupError(f"{name}: {arg}")
+        return got or (arg if op in (":-", "-") else "")
+    return _VAR.sub(one, value)
+
+
 def test_compose_loraplex_services_use_only_known_settings(compose):
     for name, svc in compose["services"].items():
         if not _ours(svc):
@@ -68,13 +85,50 @@ def test_compose_loraplex_services_use_only_known_settings(compose):
         assert env, f"{name} has no environment"
         unknown = sorted(set(env) - SETTINGS_KEYS)
         assert not unknown, f"{name}: not LORAPLEX_* settings: {unknown}"
-        # Resolve ${VAR:-default} as compose would with nothing set, then parse like the processes do.
-        resolved = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
-        settings = Settings.from_env(resolved)
+        # Resolve ${VAR...} as compose would with the operator's .env, then parse like the processes do.
+        settings = Settings.from_env({k: _interpolate(v, COMPOSE_SECRETS) for k, v in env.items()})
         db, redis = urlsplit(settings.database_url), urlsplit(settings.redis_url)
         assert (db.scheme, db.hostname) == ("postgresql+asyncpg", "postgres"), name
+        assert db.password == COMPOSE_SECRETS["POSTGRES_PASSWORD"], name
         assert (redis.scheme, redis.hostname) == ("redis", "redis"), name
-        assert settings.jwt_secret != Settings().jwt_secret, f"{name} uses the development JWT secret"
+        assert settings.jwt_secret == COMPOSE_SECRETS["LORAPLEX_JWT_SECRET"], name
+        assert settings.worker_secret == COMPOSE_SECRETS["LORAPLEX_WORKER_SECRET"], name
+
+
+SECRETISH = re.compile(r"SECRET|PASSWORD|TOKEN|_KEY$")
+
+
+def test_compose_takes_every_secret_from_the_environment(compose):
+    """No secret value is written in the repository: each is a required ${VAR:?...} variable."""
+    required: set[str] = set()
+    for name, svc in compose["services"].items():
+        for key, value in _env(svc).items():
+            for var, op, _ in _VAR.findall(value):
+                if SECRETISH.search(var):
+                    assert op == ":?", f"{name}: {key} must be ${{{var}:?...}} (no default in the repo)"
+                    required.add(var)
+            if SECRETISH.search(key):
+                assert _VAR.fullmatch(value), f"{name}: {key} is written in the compose file"
+            if key == "LORAPLEX_DATABASE_URL":
+                password = urlsplit(_interpolate(value, COMPOSE_SECRETS)).password
+                assert password and password not in value, f"{name}: the database password is written here"
+            if any(SECRETISH.search(var) for var, _, _ in _VAR.findall(value)):
+                with pytest.raises(LookupError):  # compose refuses to start without .env
+                    _interpolate(value, {})
+    assert required == set(COMPOSE_SECRETS)
+    example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert example == dict.fromkeys(COMPOSE_SECRETS, ""), "the .env.example lists each variable, with no value"
+    assert ".env" in (ROOT / ".gitignore").read_text().splitlines(), "a filled-in .env must never be committed"
+
+
+def test_compose_publishes_only_the_gateway(compose):
+    services = compose["services"]
+    for name in ("worker-1", "worker-2", "postgres", "redis", "migrate"):
+        assert not services[name].get("ports"), f"{name} must be reachable on the compose network only"
+        assert services[name].get("network_mode") != "host", name
+    gateway = Settings.from_env(_env(services["gateway"]))
+    assert services["gateway"]["ports"] == [f"{gateway.gateway_port}:{gateway.gateway_port}"]
 
 
 def test_compose_third_party_images_use_their_own_env_only(compose):
@@ -151,9 +205,12 @@ def _docker_compose_available() -> bool:
 
 @pytest.mark.skipif(not _docker_compose_available(), reason="docker compose plugin not installed")
 def test_docker_compose_config_parses():
-    proc = subprocess.run(["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                          capture_output=True, text=True, cwd=ROOT)
+    cmd = ["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"]
+    env = {k: v for k, v in os.environ.items() if k not in COMPOSE_SECRETS}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env | COMPOSE_SECRETS)
     assert proc.returncode == 0, proc.stderr
+    missing = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert missing.returncode != 0 and "LORAPLEX_JWT_SECRET" in missing.stderr + missing.stdout
 
 
 # --- Dockerfiles ---------------------------------------------------------------------------
@@ -339,6 +396,49 @@ def test_k8s_workers_get_a_gpu_and_a_stable_advertised_url(k8s):
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert str(Path(env["LORAPLEX_MODEL"]["value"]).parent) in mounts
     assert config.resolved_adapter_root() in mounts
+
+
+def _env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize(("key", "var"), [("Deployment/loraplex-gateway", "LORAPLEX_GATEWAY_HOST"),
+                                          ("StatefulSet/loraplex-worker", "LORAPLEX_WORKER_HOST")])
+def test_k8s_processes_bind_their_pod_ip_only(k8s, key, var):
+    env = _env_of(_pod_spec(k8s[key])["containers"][0])
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env[var]["value"] == "$(POD_IP)"
+    assert var not in k8s["ConfigMap/loraplex-config"]["data"], "a shared listen address would override nothing"
+
+
+def test_k8s_workers_accept_traffic_only_from_gateways_and_prometheus(k8s):
+    policies = [d for d in k8s.values() if d["kind"] == "NetworkPolicy"]
+    worker_labels = k8s["StatefulSet/loraplex-worker"]["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = k8s["Deployment/loraplex-gateway"]["spec"]["template"]["metadata"]["labels"]
+    mine = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()]
+    assert len(mine) == 1, "one NetworkPolicy selects the worker pods"
+    spec = mine[0]["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    worker = _pod_spec(k8s["StatefulSet/loraplex-worker"])["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    sources = []
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "a rule without 'from' admits every pod"
+        for port in rule["ports"]:
+            assert ports.get(port["port"], port["port"]) == ports["http"]
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer
+            sources.append(peer)
+    same_namespace_gateways = [p for p in sources if "namespaceSelector" not in p
+                               and p["podSelector"]["matchLabels"].items() <= gateway_labels.items()]
+    assert same_namespace_gateways, "gateway pods must be admitted"
+    others = [p for p in sources if p not in same_namespace_gateways]
+    assert all(p["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"} for p in others), others
+
+
+def test_k8s_secret_template_holds_no_secret(k8s):
+    for key, value in k8s["Secret/loraplex-secrets"]["stringData"].items():
+        assert "CHANGE-ME" in value, f"{key}: the template must hold placeholders only"
 
 
 def test_k8s_migrate_job(k8s):

@@ -11,9 +11,12 @@ import pytest
 
 from engine.api import create_worker_app
 from engine.engine import Engine, EngineConfig
-from loraplex.settings import Settings
-from loraplex.wire import HDR_WORKER
+from loraplex.settings import DEV_WORKER_SECRET, Settings
+from loraplex.wire import HDR_WORKER, HDR_WORKER_SECRET
 from tests.engine_fixtures import make_tiny_model
+
+AUTH = {HDR_WORKER_SECRET: DEV_WORKER_SECRET}
+"""What the gateway sends (the settings here keep the default worker secret)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def settings(tmp_path):
 @pytest.fixture
 async def client(engine, settings):
     app = create_worker_app(settings, engine=engine, report=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w", headers=AUTH) as c:
         yield c
 
 
@@ -213,7 +216,7 @@ async def test_stream_disconnect_aborts_and_frees_blocks(live_url, engine):
     live_url, app = live_url
     await _wait_idle(engine)
     body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient(base_url=live_url) as c:
+    async with httpx.AsyncClient(base_url=live_url, headers=AUTH) as c:
         async with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -236,7 +239,7 @@ async def test_nonstream_disconnect_aborts(live_url, engine, monkeypatch):
 
     monkeypatch.setattr(engine.model, "forward", slow_forward)
     body = {"prompt": "Hello", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=live_url, timeout=0.3) as c:
+    async with httpx.AsyncClient(base_url=live_url, timeout=0.3, headers=AUTH) as c:
         with pytest.raises(httpx.ReadTimeout):
             await c.post("/v1/completions", json=body)
     await _wait_idle(engine)
@@ -246,7 +249,7 @@ async def test_nonstream_disconnect_aborts(live_url, engine, monkeypatch):
 async def test_queue_full_is_503(tiny_dir, tmp_path):
     eng = Engine.from_path(tiny_dir, EngineConfig(kv_cache_bytes=1 << 20, max_waiting=1))
     app = create_worker_app(Settings(home=str(tmp_path), worker_id="w-full"), engine=eng, report=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w", headers=AUTH) as c:
         # The engine thread is not started, so the first request stays queued.
         first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
         for _ in range(200):
@@ -275,7 +278,7 @@ def test_app_loads_engine_from_settings_and_reports(tiny_dir, tmp_path):
     app = create_worker_app(settings, residency=store)
     with TestClient(app) as c:
         assert c.get("/health").json()["model"] == "tiny"
-        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, headers=AUTH)
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         reports = []
         for _ in range(100):

@@ -92,7 +92,7 @@ def body(adapter: AdapterRef | None, prompt: str = "Hello world", n: int = 8, **
 
 
 async def chat(client, adapter: AdapterRef | None, **kw) -> str:
-    r = await client.post("/v1/chat/completions", json=body(adapter, **kw))
+    r = await client.post("/v1/chat/completions", json=body(adapter, **kw), headers=H())
     assert r.status_code == 200, r.text
     assert r.headers[HDR_ADAPTER] == (adapter.name if adapter else "base")
     return r.json()["choices"][0]["message"]["content"]
@@ -124,12 +124,12 @@ async def test_corrupt_adapter_fails_only_its_requests(client, world):
     bad = ref(world, "bad")
     base_task = asyncio.create_task(chat(client, None, n=16))
     other_task = asyncio.create_task(chat(client, ref(world, "b"), n=16))
-    r = await client.post("/v1/chat/completions", json=body(bad))
+    r = await client.post("/v1/chat/completions", json=body(bad), headers=H())
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "adapter_load_failed" and "bad@1" in err["message"] and "invalid adapter" in err["message"]
     # A stream that already started ends with an error event carrying the code.
-    async with client.stream("POST", "/v1/chat/completions", json=body(bad, stream=True)) as s:
+    async with client.stream("POST", "/v1/chat/completions", json=body(bad, stream=True), headers=H()) as s:
         assert s.status_code == 200
         events = [line[6:] async for line in s.aiter_lines() if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
