@@ -52,7 +52,7 @@ class Settings:
     """Highest effective LoRA scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, per module after
     ``alpha_pattern``/``rank_pattern``) admitted and served."""
     max_lora_delta: float = 65504.0
-    """Highest possible delta-weight entry (``scale * r * max|A| * max|B|``) admitted and served;
+    """Highest possible delta-weight entry (``scale * r * max abs(A) * max abs(B)``) admitted and served;
     the default is float16's largest finite value."""
     max_adapter_bytes: int = 512 * 1024 * 1024
     """Admission refuses adapter files larger than this."""
