@@ -189,6 +189,8 @@ def _check_layout(path: Path) -> None:
                                  f"pickle-based file {entry.relative_to(path)} is refused; "
                                  f"save the adapter as safetensors")
     for name in ADAPTER_FILES:
+        if (path / name).exists() and not (path / name).is_file():
+            raise AdmissionError("not_regular_file", f"{name} is not a regular file")
         if not (path / name).is_file():
             raise AdmissionError("missing_file", f"{name} is missing: only the PEFT layout "
                                  f"({CONFIG_FILE} + {WEIGHTS_FILE}) is accepted")

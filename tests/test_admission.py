@@ -156,6 +156,7 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
     "delta_over_float16": ({"tensors": lambda t: {k: _large(v) for k, v in t.items()}}, None, None,
                            "delta_too_large"),
     "hard_link": ({}, _hard_link_from_outside, None, "hard_link"),
+    "fifo_weights": ({}, lambda d: ((d / W).unlink(), os.mkfifo(d / W))[0], None, "not_regular_file"),
     "layer_out_of_range": ({"tensors": lambda t: {k.replace("layers.1.", "layers.7."): v for k, v in t.items()}},
                            None, None, "layer_out_of_range"),
     "unexpected_tensor": ({"tensors": lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(2, 2)}},

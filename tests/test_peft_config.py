@@ -146,8 +146,13 @@ AGREE = {
     "rank_pattern_mismatch": {"config": {"rank_pattern": {"q_proj": 8}}},
     "delta_over_float16": {"tensors": lambda t: {k: v.fill_(100.0) for k, v in t.items()}},
     "layers_outside": {"config": {"layers_to_transform": [0]}},
+    "fan_in_fan_out": {"config": {"fan_in_fan_out": True}},
+    "fan_in_fan_out_transposed": {"config": {"fan_in_fan_out": True},
+                                  "tensors": lambda t: {k: v.t().contiguous() for k, v in t.items()}},
+    "transposed_without_the_flag": {"tensors": lambda t: {k: v.t().contiguous() for k, v in t.items()}},
 }
-ACCEPTED = {"plain", "no_alpha", "rslora", "rank_pattern", "alpha_pattern", "regex"}
+ACCEPTED = {"plain", "no_alpha", "rslora", "rank_pattern", "alpha_pattern", "regex", "fan_in_fan_out",
+            "fan_in_fan_out_transposed"}
 
 
 @pytest.mark.parametrize("case", sorted(AGREE))

@@ -91,15 +91,8 @@ class LoRAWeights:
         return LoRAWeights(mods, self.rank, dict(self.config))
 
 
-def read_config(path: str | Path, limits: ConfigLimits | None = None) -> LoraConfig:
-    """``adapter_config.json`` of a directory, through the shared reader."""
-    p = Path(path) / CONFIG_FILE
-    if not p.is_file():
-        raise AdapterFormatError(f"{p.name} not found in {path}")
-    return parse_config_bytes(p.read_bytes(), limits)
-
-
 def parse_config_bytes(data: bytes, limits: ConfigLimits | None = None) -> LoraConfig:
+    """``adapter_config.json`` bytes through the shared reader (:mod:`loraplex.peft_config`)."""
     try:
         return peft_config.read_config(data, limits)
     except PeftConfigError as exc:
@@ -107,6 +100,7 @@ def parse_config_bytes(data: bytes, limits: ConfigLimits | None = None) -> LoraC
 
 
 def parse_config(raw: Mapping[str, Any], limits: ConfigLimits | None = None) -> LoraConfig:
+    """Parsed ``adapter_config.json`` contents through the shared reader."""
     try:
         return peft_config.parse_config(raw, limits)
     except PeftConfigError as exc:
