@@ -257,7 +257,7 @@ def parse_safetensors_header(data: bytes, name: str) -> dict[str, Any]:
         raise AdmissionError("truncated", f"{name} is truncated: header needs {n} bytes, "
                              f"{file_size - 8} present")
     try:
-        header = json.loads(data[8:8 + n].decode("utf-8"))
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise AdmissionError("bad_header", f"{name} header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -289,6 +289,14 @@ def parse_safetensors_header(data: bytes, name: str) -> dict[str, Any]:
     if end_max < data_len:
         raise AdmissionError("bad_header", f"{name} has {data_len - end_max} trailing bytes")
     return header
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object without repeated keys (readers disagree on which one wins)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key is repeated")
+    return out
 
 
 def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: LoraConfig,

@@ -84,6 +84,18 @@ def _garbage_header(d: Path) -> None:
     (d / W).write_bytes(data[:8] + b"{" * n + data[8 + n:])
 
 
+def _duplicate_tensor_name(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    raw = json.dumps(header)
+    entry = json.dumps({first: header[first]})[1:-1]
+    text = raw[:-1] + ", " + entry + "}"  # the first tensor's entry once more, at the end
+    body = text.encode().ljust(n + len(entry) + 2 + (8 - (n + len(entry) + 2) % 8) % 8)
+    (d / W).write_bytes(struct.pack("<Q", len(body)) + body + data[8 + n:])
+
+
 def _symlink_inside(d: Path) -> None:
     (d / W).rename(d / "real.safetensors")
     os.symlink(d / "real.safetensors", d / W)
@@ -118,6 +130,7 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
     "truncated_header": ({}, _truncate_header, None, "truncated"),
     "header_length_lies": ({}, _huge_header_len, None, "bad_header"),
     "garbage_header": ({}, _garbage_header, None, "bad_header"),
+    "duplicate_tensor_name": ({}, _duplicate_tensor_name, None, "bad_header"),
     "bad_config_json": ({}, lambda d: (d / C).write_text("{not json"), None, "bad_config"),
     "dora": ({"config": {"use_dora": True}}, None, None, "unsupported_feature"),
     "modules_to_save": ({"config": {"modules_to_save": ["lm_head"]}}, None, None, "unsupported_feature"),
