@@ -88,11 +88,6 @@ class LoraConfig:
     limits: ConfigLimits = field(default_factory=ConfigLimits, compare=False)
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
-    @property
-    def max_rank(self) -> int:
-        """The largest rank any module may have (picks the slot rank class)."""
-        return max([self.r, *self.rank_pattern.values()])
-
     def rank_and_scale(self, module: str) -> tuple[int, float]:
         """Rank and scale PEFT gives ``module`` (a dotted name such as ``model.layers.0.self_attn.q_proj``);
         refuses a scale over ``limits.max_scale``."""

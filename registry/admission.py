@@ -176,7 +176,7 @@ def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str |
     num, modules, scales = _check_tensors(header, base, cfg, settings)
     _check_values(weights, header, scales, cfg)
     return AdmittedAdapter(path=path, uri=path.as_uri(), sha256=digest_contents(contents), size_bytes=size,
-                           rank=cfg.max_rank, alpha=cfg.lora_alpha, target_modules=modules, num_tensors=num,
+                           rank=max(r for r, _ in scales.values()), alpha=cfg.lora_alpha, target_modules=modules, num_tensors=num,
                            config=cfg.raw)
 
 

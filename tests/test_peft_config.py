@@ -78,7 +78,6 @@ def test_refusals(change, code):
 def test_patterns_rslora_and_the_scale_cap_per_module():
     cfg = parse_config({**BASE, "r": 8, "lora_alpha": 16, "use_rslora": True,
                         "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"v_proj": 2048}})
-    assert cfg.max_rank == 8
     assert cfg.rank_and_scale("model.layers.0.self_attn.q_proj") == (4, 16 / math.sqrt(4))
     assert cfg.rank_and_scale("model.layers.0.self_attn.k_proj") == (8, 16 / math.sqrt(8))
     with pytest.raises(PeftConfigError) as exc:  # 2048 / sqrt(8) > 256, only where the pattern applies
@@ -138,6 +137,7 @@ AGREE = {
     "no_alpha": {"config": {"lora_alpha": None}},
     "rslora": {"config": {"use_rslora": True}, "alpha": 64},
     "rank_pattern": {"config": {"rank_pattern": {"q_proj": 8}}, "tensors": _grow_q(8)},
+    "unused_rank_pattern": {"config": {"rank_pattern": {"k_proj": 16}}},
     "alpha_pattern": {"config": {"alpha_pattern": {"v_proj": 64}}},
     "exclude_v": {"config": {"exclude_modules": ["v_proj"], "target_modules": ["q_proj", "v_proj"]}},
     "regex": {"config": {"target_modules": r".*\.(q_proj|v_proj)"}},
@@ -151,7 +151,8 @@ AGREE = {
                                   "tensors": lambda t: {k: v.t().contiguous() for k, v in t.items()}},
     "transposed_without_the_flag": {"tensors": lambda t: {k: v.t().contiguous() for k, v in t.items()}},
 }
-ACCEPTED = {"plain", "no_alpha", "rslora", "rank_pattern", "alpha_pattern", "regex", "fan_in_fan_out",
+ACCEPTED = {"plain", "no_alpha", "rslora", "rank_pattern", "unused_rank_pattern", "alpha_pattern", "regex",
+            "fan_in_fan_out",
             "fan_in_fan_out_transposed"}
 
 
