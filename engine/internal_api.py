@@ -45,6 +45,7 @@ from engine.engine import PromptTooLongError
 from engine.scheduler import QueueFullError
 from engine.sequence import SamplingParams, SeqEvent
 from engine.worker_auth import SecretRefused, check_worker_secret
+from loraplex.digest import is_digest
 from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef, error_body
 
 MAX_PROBE_PROMPTS = 128
@@ -82,8 +83,8 @@ def _ref(data: Any) -> AdapterRef:
         if not isinstance(data.get(key), str) or not data[key]:
             raise ControlError(400, f"adapter.{key} must be a non-empty string", "invalid_value")
     sha = data.get("sha256")
-    if sha is not None and not isinstance(sha, str):
-        raise ControlError(400, "adapter.sha256 must be a string", "invalid_value")
+    if not is_digest(sha):
+        raise ControlError(400, "adapter.sha256 must be the adapter version's 64-hex digest", "invalid_value")
     rank = data.get("rank", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ControlError(400, "adapter.rank must be a non-negative integer", "invalid_value")

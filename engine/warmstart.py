@@ -1,7 +1,9 @@
 """Warm start: adapters a worker loads (and pins) before it takes traffic.
 
 * ``settings.preload_adapters``: entries ``ID=URI`` or ``ID=URI#sha256`` — loaded into host
-  memory at start.
+  memory at start. The URI must be under ``adapter_sources`` like any other; ``#sha256`` (the
+  version digest the registry shows) is checked when given. An entry without it is the
+  operator's own configuration on the worker host and is loaded unchecked.
 * ``settings.pin_adapters``: entries in the same format, or bare ids from the preload list —
   loaded and pinned (never evicted from host memory or their device slot).
 * With Redis configured (``redis_url``) and ``preload_adapters`` empty: the
@@ -11,7 +13,7 @@
   - ``{redis_prefix}:adapter-traffic``: sorted set, member = adapter version id,
     score = recent request count;
   - ``{redis_prefix}:adapter-refs``: hash, field = adapter version id, value =
-    ``AdapterRef.to_json()``.
+    ``AdapterRef.to_json()`` (refs without a digest are skipped).
 
 A failed load is logged and reported in the outcome; it never stops the worker.
 """
@@ -22,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.digest import is_digest
 from loraplex.wire import AdapterRef
 
 log = logging.getLogger("loraplex.engine.warmstart")
@@ -80,6 +83,9 @@ async def top_adapters(redis: Any, prefix: str, n: int) -> list[AdapterRef]:
             ref = AdapterRef.from_json(raw)
         except (ValueError, TypeError) as exc:
             log.warning("skipping adapter %s from traffic: bad ref (%s)", aid, exc)
+            continue
+        if not is_digest(ref.sha256):
+            log.warning("skipping adapter %s from traffic: its ref carries no digest", aid)
             continue
         out.append(ref)
     return out

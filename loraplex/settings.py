@@ -58,6 +58,12 @@ class Settings:
     """Admission refuses adapter paths outside this directory. Empty: ``{home}/adapters``."""
     max_lora_rank: int = 64
     """Highest adapter rank admitted and served (as in vLLM)."""
+    max_lora_scale: float = 256.0
+    """Highest effective LoRA scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, per module after
+    ``alpha_pattern``/``rank_pattern``) admitted and served."""
+    max_lora_delta: float = 65504.0
+    """Highest possible delta-weight entry (``scale * r * max abs(A) * max abs(B)``) admitted and served;
+    the default is float16's largest finite value."""
     max_adapter_bytes: int = 512 * 1024 * 1024
     """Admission refuses adapter files larger than this."""
     allowed_target_modules: tuple[str, ...] = (
@@ -183,6 +189,9 @@ class Settings:
     adapter_cache_max_bytes: int = 10 * 1024**3
     """Byte budget of the adapter disk tier: least recently used versions are deleted (and
     fetched again when next needed). 0: unbounded."""
+    adapter_sources: tuple[str, ...] = ()
+    """URI prefixes a worker may fetch adapters from (``file:///srv/adapters/``, ``https://store.internal/v1/``);
+    anything else is refused before it is opened or connected to. Empty: the adapter root only."""
     preload_adapters: tuple[str, ...] = ()
     """Adapters a worker loads at start: ``ID=URI`` or ``ID=URI#sha256`` entries."""
     pin_adapters: tuple[str, ...] = ()
@@ -202,6 +211,9 @@ class Settings:
 
     def resolved_adapter_root(self) -> str:
         return self.adapter_root or str(Path(self.home) / "adapters")
+
+    def resolved_adapter_sources(self) -> tuple[str, ...]:
+        return self.adapter_sources or (Path(self.resolved_adapter_root()).resolve().as_uri().rstrip("/") + "/",)
 
     def resolved_adapter_cache_dir(self) -> str:
         return self.adapter_cache_dir or str(Path(self.home) / "adapter-cache")

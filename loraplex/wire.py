@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.digest import is_digest
+
 EXT_KEY = "loraplex"
 """Key of the gateway's extension object in the body forwarded to a worker."""
 
@@ -65,6 +67,8 @@ class AdapterRef(_Codec):
 
     ``id`` is the registry's stable version id: the engine's cache key and the
     routing key. ``name`` (``alias-or-adapter@version``) is for logs and headers only.
+    ``sha256`` is the version digest (``loraplex.digest``) the worker checks before loading;
+    a ref from a gateway always carries it.
     """
 
     id: str
@@ -86,8 +90,11 @@ class WorkerRequestExt(_Codec):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerRequestExt:
         adapter = data.get("adapter")
+        ref = AdapterRef.from_dict(adapter) if adapter else None
+        if ref is not None and not is_digest(ref.sha256):
+            raise ValueError("adapter.sha256 must be the adapter version's 64-hex digest")
         return cls(
-            adapter=AdapterRef.from_dict(adapter) if adapter else None,
+            adapter=ref,
             tenant=str(data.get("tenant", "")),
             priority=int(data.get("priority", PRIORITY_CLASSES["normal"])),
             request_id=str(data.get("request_id", "")),

@@ -6,37 +6,51 @@ Checks, in order, each refusal naming a machine ``code`` and a human message:
   on the way or inside the adapter directory (``unsupported_uri``, ``path_escape``,
   ``symlink``, ``not_found``);
 * layout: PEFT only (``adapter_config.json`` + ``adapter_model.safetensors``); any pickle
-  format present is refused (``pickle_format``, ``missing_file``), size cap (``too_large``);
-* config: LoRA only, no DoRA / ``modules_to_save`` / per-module ranks / biases / layer
-  replication / token training (``unsupported_feature``), rank cap (``rank_too_large``),
-  allowed target modules (``target_module_not_allowed``), base revision
-  (``base_revision_mismatch``); rsLoRA and ``layers_to_transform`` are fine;
+  format present is refused (``pickle_format``, ``missing_file``); each file regular with a
+  single link (``not_regular_file``, ``hard_link``), size cap (``too_large``);
+* config, by the shared reader ``loraplex.peft_config`` (the engine reads it the same way):
+  strict JSON, no non-finite numbers (``bad_config``), LoRA only (``unsupported_feature``),
+  rank cap (``rank_too_large``), scale cap per module (``scale_too_large``); here also the
+  allowed target modules (``target_module_not_allowed``), the base model named in
+  ``base_model_name_or_path`` (``base_model_mismatch``) and its revision (``base_revision_mismatch``);
 * safetensors header, parsed by hand so truncated files are caught (``truncated``,
   ``bad_header``); every tensor's name, dtype, shape and layer index checked against the
   base model (``unexpected_tensor``, ``bad_dtype``, ``shape_mismatch``, ``layer_out_of_range``,
   ``missing_tensor``, ``rank_mismatch``);
-* values: no NaN / Inf (``non_finite``); sha256 of ``adapter_model.safetensors``.
+* values: no NaN / Inf (``non_finite``), no delta weight that could overflow (``delta_too_large``).
 
-Blocking (file I/O, hashing, tensor scan): async callers run it in a thread.
+Both files are read once; the checks and the version digest (``loraplex.digest``, what the
+registry stores as ``sha256``) cover exactly those bytes. Blocking (file I/O, hashing,
+tensor scan): async callers run it in a thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
+from loraplex.digest import digest_contents
 from loraplex.modelinfo import PROJECTIONS
+from loraplex.peft_config import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ConfigLimits,
+    LoraConfig,
+    PeftConfigError,
+    check_delta,
+    read_config,
+)
 from loraplex.settings import Settings
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 DTYPE_SIZES = {"F16": 2, "BF16": 2, "F32": 4}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -72,6 +86,7 @@ class AdmittedAdapter:
     path: Path
     uri: str
     sha256: str
+    """The version digest over every file it is served from (``loraplex.digest``)."""
     size_bytes: int
     rank: int
     alpha: float
@@ -139,24 +154,30 @@ def _normalize(parts: tuple[str, ...]) -> list[str]:
 
 
 def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str | None = None) -> AdmittedAdapter:
-    """Run every check; return what the registry records, or raise ``AdmissionError``."""
+    """Run every check; return what the registry records, or raise ``AdmissionError``.
+
+    Both files are read once into memory: every check and the digest cover those bytes.
+    """
     if expected_revision and expected_revision != base.revision:
         raise AdmissionError("base_revision_mismatch",
                              f"expected base revision {expected_revision!r} but the registry has "
                              f"{base.name} at revision {base.revision!r}")
     path = resolve_location(uri, settings)
     _check_layout(path)
-    weights = path / WEIGHTS_FILE
-    size = weights.stat().st_size + (path / CONFIG_FILE).stat().st_size
-    if size > settings.max_adapter_bytes:
-        raise AdmissionError("too_large", f"adapter is {size} bytes; the cap is {settings.max_adapter_bytes}")
-    config = _read_config(path / CONFIG_FILE)
-    cfg = _check_config(config, base, settings)
-    header = read_safetensors_header(weights)
-    num, modules = _check_tensors(header, base, cfg, settings)
-    _check_finite(weights, header)
-    return AdmittedAdapter(path=path, uri=path.as_uri(), sha256=sha256_file(weights), size_bytes=size,
-                           rank=cfg.rank, alpha=cfg.alpha, target_modules=modules, num_tensors=num, config=config)
+    contents = _read_files(path, settings.max_adapter_bytes)
+    size = sum(len(data) for data in contents.values())
+    try:
+        cfg = read_config(contents[CONFIG_FILE], ConfigLimits.from_settings(settings))
+    except PeftConfigError as exc:
+        raise AdmissionError(exc.code, exc.message) from None
+    _check_config(cfg, base, settings)
+    weights = contents[WEIGHTS_FILE]
+    header = parse_safetensors_header(weights, WEIGHTS_FILE)
+    num, modules, scales = _check_tensors(header, base, cfg, settings)
+    _check_values(weights, header, scales, cfg)
+    return AdmittedAdapter(path=path, uri=path.as_uri(), sha256=digest_contents(contents), size_bytes=size,
+                           rank=max(r for r, _ in scales.values()), alpha=cfg.lora_alpha, target_modules=modules, num_tensors=num,
+                           config=cfg.raw)
 
 
 def _check_layout(path: Path) -> None:
@@ -167,148 +188,124 @@ def _check_layout(path: Path) -> None:
             raise AdmissionError("pickle_format",
                                  f"pickle-based file {entry.relative_to(path)} is refused; "
                                  f"save the adapter as safetensors")
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
+    for name in ADAPTER_FILES:
+        if (path / name).exists() and not (path / name).is_file():
+            raise AdmissionError("not_regular_file", f"{name} is not a regular file")
         if not (path / name).is_file():
             raise AdmissionError("missing_file", f"{name} is missing: only the PEFT layout "
                                  f"({CONFIG_FILE} + {WEIGHTS_FILE}) is accepted")
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > 1024 * 1024:
-        raise AdmissionError("bad_config", f"{CONFIG_FILE} is larger than 1 MiB")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdmissionError("bad_config", f"{CONFIG_FILE} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdmissionError("bad_config", f"{CONFIG_FILE} must be a JSON object")
-    return config
+def _read_files(path: Path, max_bytes: int) -> dict[str, bytes]:
+    """The adapter files' bytes. Each must be a regular file with one link (a hard link could
+    bring in a file from outside the root), opened without following a symlink."""
+    out: dict[str, bytes] = {}
+    remaining = max_bytes
+    for name in ADAPTER_FILES:
+        try:
+            fd = os.open(path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError as exc:
+            raise AdmissionError("missing_file", f"{name} cannot be opened: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise AdmissionError("not_regular_file", f"{name} is not a regular file")
+            if st.st_nlink != 1:
+                raise AdmissionError("hard_link", f"{name} has {st.st_nlink} hard links; an adapter's files "
+                                     f"must be its own (copy them instead of linking)")
+            data = fh.read(remaining + 1)
+        if len(data) > remaining:
+            raise AdmissionError("too_large", f"adapter is larger than the cap of {max_bytes} bytes")
+        remaining -= len(data)
+        out[name] = data
+    return out
 
 
-UNSUPPORTED_FLAGS: dict[str, str] = {
-    "use_dora": "DoRA adapters (use_dora) are not supported",
-    "modules_to_save": "modules_to_save is not supported (LoRA deltas on decoder projections only)",
-    "rank_pattern": "rank_pattern (per-module ranks) is not supported",
-    "alpha_pattern": "alpha_pattern (per-module alphas) is not supported",
-    "lora_bias": "lora_bias is not supported",
-    "layer_replication": "layer_replication is not supported",
-    "trainable_token_indices": "trainable_token_indices (embedding training) is not supported",
-    "target_parameters": "target_parameters is not supported",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
-    "use_qalora": "QA-LoRA (use_qalora) is not supported",
-    "fan_in_fan_out": "fan_in_fan_out is not supported (Llama projections are nn.Linear)",
-}
-
-
-@dataclass(frozen=True)
-class _Config:
-    rank: int
-    alpha: float
-    targets: frozenset[str] | None
-    """Named target modules, or None when the config gives a regex (tensors decide)."""
-    layers: frozenset[int] | None
-
-
-def _check_config(config: dict[str, Any], base: BaseDims, settings: Settings) -> _Config:
-    peft_type = config.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        raise AdmissionError("unsupported_feature", f"peft_type {peft_type!r} is not supported (LoRA only)")
-    for key, message in UNSUPPORTED_FLAGS.items():
-        if config.get(key):
-            raise AdmissionError("unsupported_feature", f"{message}: {key}={config[key]!r}")
-    if config.get("bias", "none") not in ("none", None):
-        raise AdmissionError("unsupported_feature", f"bias={config['bias']!r} is not supported (only 'none')")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdmissionError("bad_config", f"r must be a positive integer, got {rank!r}")
-    if rank > settings.max_lora_rank:
-        raise AdmissionError("rank_too_large", f"rank {rank} exceeds the cap of {settings.max_lora_rank}")
-    alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-        raise AdmissionError("bad_config", f"lora_alpha must be a positive number, got {alpha!r}")
-    raw_targets = config.get("target_modules")
-    targets: frozenset[str] | None
-    if isinstance(raw_targets, str) and raw_targets:
-        targets = None  # a regex or "all-linear": every tensor's module is checked against the allow-list
-    elif isinstance(raw_targets, list) and raw_targets and all(isinstance(t, str) for t in raw_targets):
+def _check_config(cfg: LoraConfig, base: BaseDims, settings: Settings) -> None:
+    """What the shared reader cannot know: the allowed modules and the registered base model."""
+    if isinstance(cfg.target_modules, tuple):
         allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
-        bad = sorted(t for t in raw_targets if t.rsplit(".", 1)[-1] not in allowed)
+        bad = sorted(t for t in cfg.target_modules if t.rsplit(".", 1)[-1] not in allowed)
         if bad:
             raise AdmissionError("target_module_not_allowed",
                                  f"target modules {bad} are not allowed; allowed: {sorted(allowed)}")
-        targets = frozenset(t.rsplit(".", 1)[-1] for t in raw_targets)
-    else:
-        raise AdmissionError("bad_config", "target_modules must be a non-empty list of module names or a regex")
-    ltt = config.get("layers_to_transform")
-    layers: frozenset[int] | None = None
-    if isinstance(ltt, int) and not isinstance(ltt, bool):
-        layers = frozenset((ltt,))
-    elif isinstance(ltt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ltt):
-        layers = frozenset(ltt)
-    elif ltt is not None:
-        raise AdmissionError("bad_config", f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
-    revision = config.get("base_model_revision")
-    if revision is not None and str(revision) != base.revision:
+    if not cfg.names_base(base.name):
+        raise AdmissionError("base_model_mismatch",
+                             f"adapter was trained on {cfg.base_model_name_or_path!r}, not on the base model "
+                             f"{base.name!r} it is registered against")
+    if cfg.base_model_revision is not None and cfg.base_model_revision != base.revision:
         raise AdmissionError("base_revision_mismatch",
-                             f"adapter was trained on base revision {revision!r}; the registry's "
+                             f"adapter was trained on base revision {cfg.base_model_revision!r}; the registry's "
                              f"{base.name} is at revision {base.revision!r}")
-    return _Config(rank=rank, alpha=float(alpha), targets=targets, layers=layers)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The checked header of a safetensors file on disk (see :func:`parse_safetensors_header`)."""
+    return parse_safetensors_header(Path(path).read_bytes(), Path(path).name)
+
+
+def parse_safetensors_header(data: bytes, name: str) -> dict[str, Any]:
     """Parse the safetensors header ourselves (8-byte LE length + JSON) and check the data
     region covers every tensor exactly, so truncated or padded files are refused."""
-    file_size = path.stat().st_size
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise AdmissionError("truncated", f"{path.name} is {file_size} bytes: too short for a header")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER_BYTES:
-            raise AdmissionError("bad_header", f"{path.name} declares a {n}-byte header")
-        if 8 + n > file_size:
-            raise AdmissionError("truncated", f"{path.name} is truncated: header needs {n} bytes, "
-                                 f"{file_size - 8} present")
-        raw = fh.read(n)
+    file_size = len(data)
+    if file_size < 8:
+        raise AdmissionError("truncated", f"{name} is {file_size} bytes: too short for a header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES:
+        raise AdmissionError("bad_header", f"{name} declares a {n}-byte header")
+    if 8 + n > file_size:
+        raise AdmissionError("truncated", f"{name} is truncated: header needs {n} bytes, "
+                             f"{file_size - 8} present")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdmissionError("bad_header", f"{path.name} header is not valid JSON: {exc}") from None
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise AdmissionError("bad_header", f"{name} header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise AdmissionError("bad_header", f"{path.name} header is not a JSON object")
+        raise AdmissionError("bad_header", f"{name} header is not a JSON object")
     data_len = file_size - 8 - n
     end_max = 0
-    for name, info in header.items():
-        if name == "__metadata__":
+    for tname, info in header.items():
+        if tname == "__metadata__":
             continue
         if (not isinstance(info, dict) or not isinstance(info.get("shape"), list)
                 or not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2):
-            raise AdmissionError("bad_header", f"tensor {name!r} has a malformed header entry")
+            raise AdmissionError("bad_header", f"tensor {tname!r} has a malformed header entry")
         dtype = info.get("dtype")
         if dtype not in DTYPE_SIZES:
-            raise AdmissionError("bad_dtype", f"tensor {name!r} has dtype {dtype!r}; allowed: "
+            raise AdmissionError("bad_dtype", f"tensor {tname!r} has dtype {dtype!r}; allowed: "
                                  f"{', '.join(DTYPE_SIZES)}")
         shape = info["shape"]
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise AdmissionError("bad_header", f"tensor {name!r} has an invalid shape {shape!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise AdmissionError("bad_header", f"tensor {tname!r} has an invalid shape {shape!r}")
         start, end = info["data_offsets"]
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
-            raise AdmissionError("bad_header", f"tensor {name!r} has invalid data offsets")
+            raise AdmissionError("bad_header", f"tensor {tname!r} has invalid data offsets")
         if end - start != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise AdmissionError("bad_header", f"tensor {name!r}: byte length does not match shape and dtype")
+            raise AdmissionError("bad_header", f"tensor {tname!r}: byte length does not match shape and dtype")
         end_max = max(end_max, end)
     if end_max > data_len:
-        raise AdmissionError("truncated", f"{path.name} is truncated: tensors need {end_max} data bytes, "
+        raise AdmissionError("truncated", f"{name} is truncated: tensors need {end_max} data bytes, "
                              f"{data_len} present")
     if end_max < data_len:
-        raise AdmissionError("bad_header", f"{path.name} has {data_len - end_max} trailing bytes")
+        raise AdmissionError("bad_header", f"{name} has {data_len - end_max} trailing bytes")
     return header
 
 
-def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: _Config,
-                   settings: Settings) -> tuple[int, list[str]]:
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object without repeated keys (readers disagree on which one wins)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key is repeated")
+    return out
+
+
+def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: LoraConfig,
+                   settings: Settings) -> tuple[int, list[str], dict[tuple[int, str], tuple[int, float]]]:
+    """Names, layers and shapes against the base model and the config; returns the tensor
+    count, the adapted projections and each module's (rank, scale)."""
     allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
     seen: dict[tuple[int, str], set[str]] = {}
+    scales: dict[tuple[int, str], tuple[int, float]] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -322,26 +319,34 @@ def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: _Config,
         if module not in allowed:
             raise AdmissionError("target_module_not_allowed",
                                  f"tensor {name!r} adapts {module}, which is not allowed; allowed: {sorted(allowed)}")
-        if cfg.targets is not None and module not in cfg.targets:
+        dotted = f"model.layers.{layer}.{m['group']}.{module}"
+        if not cfg.targets(dotted):
             raise AdmissionError("unexpected_tensor",
                                  f"tensor {name!r} is for {module}, which is not in target_modules")
         if layer >= base.num_layers:
             raise AdmissionError("layer_out_of_range",
                                  f"tensor {name!r}: layer {layer} but {base.name} has {base.num_layers} layers")
-        if cfg.layers is not None and layer not in cfg.layers:
+        if cfg.layers_to_transform is not None and layer not in cfg.layers_to_transform:
             raise AdmissionError("layer_out_of_range", f"tensor {name!r}: layer {layer} is outside layers_to_transform")
+        try:
+            rank, scale = cfg.rank_and_scale(dotted)
+        except PeftConfigError as exc:
+            raise AdmissionError(exc.code, exc.message) from None
         in_f, out_f = base.projection_shape(module)
         shape = tuple(info["shape"])
-        want = (cfg.rank, in_f) if ab == "A" else (out_f, cfg.rank)
-        if len(shape) == 2:
+        want = (rank, in_f) if ab == "A" else (out_f, rank)
+        if shape != want and cfg.fan_in_fan_out and shape == want[::-1]:
+            want = shape  # fan_in_fan_out: the transposed layout, as the engine reads it
+        if len(shape) == 2 and shape != want:
             r_dim, f_dim = (shape[0], shape[1]) if ab == "A" else (shape[1], shape[0])
-            if f_dim == (in_f if ab == "A" else out_f) and r_dim != cfg.rank:
+            if f_dim == (in_f if ab == "A" else out_f) and r_dim != rank:
                 raise AdmissionError("rank_mismatch",
-                                     f"tensor {name!r} has rank {r_dim} but the config says r={cfg.rank}")
+                                     f"tensor {name!r} has rank {r_dim} but the config says r={rank}")
         if shape != want:
             raise AdmissionError("shape_mismatch",
                                  f"tensor {name!r} has shape {list(shape)}; {base.name} needs {list(want)}")
         seen.setdefault((layer, module), set()).add(ab)
+        scales[(layer, module)] = (rank, scale)
     if not seen:
         raise AdmissionError("empty_adapter", "adapter has no LoRA tensors")
     for (layer, module), parts in sorted(seen.items()):
@@ -349,41 +354,43 @@ def _check_tensors(header: dict[str, Any], base: BaseDims, cfg: _Config,
             missing = "B" if "A" in parts else "A"
             raise AdmissionError("missing_tensor", f"layer {layer} {module} has no lora_{missing} weight")
     modules = sorted({module for _, module in seen}, key=PROJECTIONS.index)
-    return sum(len(p) for p in seen.values()), modules
+    return sum(len(p) for p in seen.values()), modules, scales
 
 
-def _check_finite(path: Path, header: dict[str, Any]) -> None:
-    """Scan every tensor for NaN/Inf straight from the (already validated) file bytes.
+def _check_values(data: bytes, header: dict[str, Any], scales: dict[tuple[int, str], tuple[int, float]],
+                  cfg: LoraConfig) -> None:
+    """No NaN / Inf in any tensor, and no module whose delta weight could overflow
+    (``check_delta`` over each module's largest |A| and |B| entries).
 
-    numpy over a memory map: admission runs in the gateway process, which never imports torch.
+    numpy over the file bytes: admission runs in the gateway process, which never imports torch.
     BF16 is widened to float32 by shifting its 16 bits into the high half.
     """
     import numpy as np
 
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    try:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            raw = data[start:end]
-            if info["dtype"] == "F32":
-                values = raw.view("<f4")
-            elif info["dtype"] == "F16":
-                values = raw.view("<f2")
-            else:  # BF16
-                values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-            if not bool(np.isfinite(values).all()):
-                raise AdmissionError("non_finite", f"tensor {name!r} contains NaN or Inf values")
-    finally:
-        del data
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    (n,) = struct.unpack("<Q", data[:8])
+    region = np.frombuffer(data, dtype=np.uint8, offset=8 + n)
+    peak: dict[tuple[int, str], dict[str, float]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = region[start:end]
+        if info["dtype"] == "F32":
+            values = raw.view("<f4")
+        elif info["dtype"] == "F16":
+            values = raw.view("<f2")
+        else:  # BF16
+            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        if not bool(np.isfinite(values).all()):
+            raise AdmissionError("non_finite", f"tensor {name!r} contains NaN or Inf values")
+        m = TENSOR_NAME.match(name)
+        assert m is not None  # _check_tensors accepted every name
+        top = float(np.abs(values).max()) if values.size else 0.0
+        peak.setdefault((int(m["layer"]), m["module"]), {})[m["ab"]] = top
+    for (layer, module), (rank, scale) in sorted(scales.items()):
+        p = peak[(layer, module)]
+        try:
+            check_delta(f"model.layers.{layer}.{MODULE_GROUP[module]}.{module}", scale, rank, p["A"], p["B"],
+                        cfg.limits)
+        except PeftConfigError as exc:
+            raise AdmissionError(exc.code, exc.message) from None

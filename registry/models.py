@@ -123,6 +123,7 @@ class AdapterVersion(Base):
     base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"), nullable=False, index=True)
     uri: Mapped[str] = mapped_column(Text, nullable=False)
     sha256: Mapped[str] = mapped_column(String(64), nullable=False)
+    """The version digest over every file it is served from (``loraplex.digest``)."""
     size_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
     rank: Mapped[int] = mapped_column(Integer, nullable=False)
     alpha: Mapped[float] = mapped_column(Float, nullable=False)

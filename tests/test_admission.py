@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplex.digest import digest_directory
 from loraplex.settings import Settings
 from registry.admission import AdmissionError, admit, read_safetensors_header
 from registry.errors import Invalid
@@ -36,7 +37,7 @@ def test_good_adapter_is_admitted(settings):
     d = write_adapter(root(settings) / "good", TINY, rank=8, alpha=16, targets=("q_proj", "o_proj", "down_proj"))
     a = admit("good", TINY, settings)
     assert (a.rank, a.alpha, a.target_modules) == (8, 16.0, ["q_proj", "o_proj", "down_proj"])
-    assert a.sha256 == hashlib.sha256((d / W).read_bytes()).hexdigest()
+    assert a.sha256 == digest_directory(d) != hashlib.sha256((d / W).read_bytes()).hexdigest()
     assert a.uri == d.resolve().as_uri() and a.num_tensors == 2 * 3 * TINY.num_layers
     assert admit(d.resolve().as_uri(), TINY, settings).sha256 == a.sha256  # file:// URI
     assert admit(str(d), TINY, settings, expected_revision=TINY.revision).path == d.resolve()
@@ -83,9 +84,39 @@ def _garbage_header(d: Path) -> None:
     (d / W).write_bytes(data[:8] + b"{" * n + data[8 + n:])
 
 
+def _duplicate_tensor_name(d: Path) -> None:
+    data = (d / W).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    raw = json.dumps(header)
+    entry = json.dumps({first: header[first]})[1:-1]
+    text = raw[:-1] + ", " + entry + "}"  # the first tensor's entry once more, at the end
+    body = text.encode().ljust(n + len(entry) + 2 + (8 - (n + len(entry) + 2) % 8) % 8)
+    (d / W).write_bytes(struct.pack("<Q", len(body)) + body + data[8 + n:])
+
+
 def _symlink_inside(d: Path) -> None:
     (d / W).rename(d / "real.safetensors")
     os.symlink(d / "real.safetensors", d / W)
+
+
+def _hard_link_from_outside(d: Path) -> None:
+    outside = d.parent.parent / f"outside-{d.name}.safetensors"  # next to the adapter root
+    (d / W).rename(outside)
+    os.link(outside, d / W)
+
+
+def _config_text(old: str, new: str) -> Callable[[Path], None]:
+    def apply(d: Path) -> None:
+        text = (d / C).read_text()
+        assert old in text
+        (d / C).write_text(text.replace(old, new))
+    return apply
+
+
+def _large(x: torch.Tensor) -> torch.Tensor:
+    return x.fill_(100.0)
 
 
 # name -> (writer kwargs, post-write hook, uri override, expected code)
@@ -99,10 +130,11 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
     "truncated_header": ({}, _truncate_header, None, "truncated"),
     "header_length_lies": ({}, _huge_header_len, None, "bad_header"),
     "garbage_header": ({}, _garbage_header, None, "bad_header"),
+    "duplicate_tensor_name": ({}, _duplicate_tensor_name, None, "bad_header"),
     "bad_config_json": ({}, lambda d: (d / C).write_text("{not json"), None, "bad_config"),
     "dora": ({"config": {"use_dora": True}}, None, None, "unsupported_feature"),
     "modules_to_save": ({"config": {"modules_to_save": ["lm_head"]}}, None, None, "unsupported_feature"),
-    "rank_pattern": ({"config": {"rank_pattern": {"q_proj": 8}}}, None, None, "unsupported_feature"),
+    "rank_pattern_over_cap": ({"config": {"rank_pattern": {"q_proj": 32}}}, None, None, "rank_too_large"),
     "not_lora": ({"config": {"peft_type": "IA3"}}, None, None, "unsupported_feature"),
     "lora_bias": ({"config": {"lora_bias": True}}, None, None, "unsupported_feature"),
     "trainable_tokens": ({"config": {"trainable_token_indices": [1, 2]}}, None, None, "unsupported_feature"),
@@ -114,7 +146,30 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
                                             for k, v in t.items()}}, None, None, "shape_mismatch"),
     "rank_mismatch": ({"config": {"r": 8}}, None, None, "rank_mismatch"),
     "other_base_model": ({"info": OTHER, "config": {"base_model_revision": TINY.revision}}, None, None,
-                         "shape_mismatch"),
+                         "base_model_mismatch"),
+    "other_base_shapes": ({"info": OTHER, "config": {"base_model_name_or_path": "tiny",
+                                                     "base_model_revision": TINY.revision}}, None, None,
+                          "shape_mismatch"),
+    "other_base_hub_id": ({"config": {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, None, None,
+                          "base_model_mismatch"),
+    "alpha_1e38": ({"alpha": 1e38}, None, None, "scale_too_large"),
+    "alpha_1e300": ({"alpha": 1e300}, None, None, "scale_too_large"),
+    "alpha_nan": ({"alpha": float("nan")}, None, None, "bad_config"),
+    "alpha_infinity": ({"alpha": float("inf")}, None, None, "bad_config"),
+    "alpha_overflows_to_inf": ({}, _config_text('"lora_alpha": 8', '"lora_alpha": 1e999'), None, "bad_config"),
+    "alpha_huge_int": ({}, _config_text('"lora_alpha": 8', '"lora_alpha": 1' + "0" * 400), None, "bad_config"),
+    "alpha_zero": ({"alpha": 0}, None, None, "bad_config"),
+    "alpha_negative": ({"alpha": -16}, None, None, "bad_config"),
+    "alpha_string": ({"alpha": "16"}, None, None, "bad_config"),
+    "duplicate_alpha_key": ({}, _config_text('"lora_alpha": 8', '"lora_alpha": 8, "lora_alpha": 1e30'), None,
+                            "bad_config"),
+    "scale_over_cap": ({"alpha": 4 * 257}, None, None, "scale_too_large"),
+    "rslora_scale_over_cap": ({"alpha": 600, "config": {"use_rslora": True}}, None, None, "scale_too_large"),
+    "alpha_pattern_over_cap": ({"config": {"alpha_pattern": {"q_proj": 5000}}}, None, None, "scale_too_large"),
+    "delta_over_float16": ({"tensors": lambda t: {k: _large(v) for k, v in t.items()}}, None, None,
+                           "delta_too_large"),
+    "hard_link": ({}, _hard_link_from_outside, None, "hard_link"),
+    "fifo_weights": ({}, lambda d: ((d / W).unlink(), os.mkfifo(d / W))[0], None, "not_regular_file"),
     "layer_out_of_range": ({"tensors": lambda t: {k.replace("layers.1.", "layers.7."): v for k, v in t.items()}},
                            None, None, "layer_out_of_range"),
     "unexpected_tensor": ({"tensors": lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(2, 2)}},

@@ -150,7 +150,7 @@ async def test_oversized_body_413(client):
 
 
 async def test_adapter_without_lora_support_400(client):
-    ext = {"adapter": {"id": "a1", "name": "support@1", "uri": "file:///nope"}, "tenant": "t1"}
+    ext = {"adapter": {"id": "a1", "name": "support@1", "uri": "file:///nope", "sha256": "0" * 64}, "tenant": "t1"}
     r = await client.post("/v1/completions", json={"prompt": "hi", "loraplex": ext})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "adapter_not_supported"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import threading
 import time
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 from engine.lora.manager import AdapterLoadError, AdapterManager, LRUPolicy, SlotsExhausted
 from engine.lora.slots import SlotBank
 from engine.lora.sources import AdapterFetchError, HttpSource, LocalSource, SourceRegistry
+from loraplex.digest import digest_directory
 from loraplex.modelinfo import ModelInfo
 from loraplex.wire import AdapterRef
 
@@ -40,7 +40,7 @@ def make_adapter(d: Path, seed: int, rank: int = 4) -> Path:
 
 
 def sha(d: Path) -> str:
-    return hashlib.sha256((d / "adapter_model.safetensors").read_bytes()).hexdigest()
+    return digest_directory(d)
 
 
 def ref_for(d: Path, id_: str, name: str = "", with_sha: bool = False) -> AdapterRef:
@@ -315,8 +315,10 @@ def test_unknown_scheme_and_oversized_download(tmp_path, http_root):
 def test_from_settings(tmp_path, adapters):
     from loraplex.settings import Settings
 
-    settings = Settings(home=str(tmp_path / "home"), max_loras=3, max_cpu_loras=5, lora_rank_classes=(8, 32))
+    settings = Settings(home=str(tmp_path / "home"), adapter_root=str(tmp_path), max_loras=3, max_cpu_loras=5,
+                        lora_rank_classes=(8, 32))
     m = AdapterManager.from_settings(settings, TINY)
+    assert m.sources.policy is not None and m.sources.policy.prefixes == (tmp_path.resolve().as_uri() + "/",)
     assert m.bank.rank_classes == (8, 32) and m.bank.slots_per_class == 3 and m.bank.num_slots == 6
     assert m.max_cpu_loras == 5 and str(m.disk.root) == settings.resolved_adapter_cache_dir()
     assert m.acquire_slots([adapters["a"]]) == [0]

@@ -248,6 +248,8 @@ def test_file_level_refusals(tmp_path):
     torch.save(_qproj(), d / "adapter_model.bin")
     with pytest.raises(AdapterFormatError, match="pickle"):
         load_adapter(d, TINY)
+    (d / "adapter_model.bin").unlink()
+    save_file(_qproj(), d / "adapter_model.safetensors")
     (d / "adapter_config.json").write_text("{not json")
     with pytest.raises(AdapterFormatError, match="JSON"):
         load_adapter(d, TINY)

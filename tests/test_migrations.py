@@ -51,7 +51,7 @@ def test_alembic_ini_from_repo_root(tmp_path):
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], cwd=ROOT, env=env, check=True, capture_output=True)
     out = subprocess.run([*alembic, "current"], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-    assert "0001" in out.stdout
+    assert "0002" in out.stdout
     subprocess.run([*alembic, "downgrade", "base"], cwd=ROOT, env=env, check=True, capture_output=True)
 
 
@@ -64,3 +64,50 @@ def test_loraplex_migrate_command(tmp_path):
     subprocess.run(run, cwd=tmp_path, env=env, check=True, capture_output=True)
     assert (home / "registry.db").is_file()
     subprocess.run([*run, "--down", "--revision", "base"], cwd=tmp_path, env=env, check=True, capture_output=True)
+
+
+async def test_0002_recomputes_version_digests(db_url, tmp_path, caplog):
+    """0002 turns each row's weights-file sha256 into the version digest where the files are
+    present and unchanged; it logs and leaves the others (workers then refuse them)."""
+    import hashlib
+    import logging
+    import shutil
+
+    from loraplex.digest import digest_directory
+    from registry.service import RegistryService
+    from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
+
+    await fresh_registry(db_url)
+    settings = make_settings(tmp_path, db_url)
+    root = Path(settings.resolved_adapter_root())
+    svc = RegistryService(settings)
+    try:
+        await svc.register_base_model(TINY)
+        rows = {n: await svc.register_adapter(n, str(write_adapter(root / n, TINY, seed=i)), "tiny")
+                for i, n in enumerate(("kept", "gone", "changed"))}
+    finally:
+        await svc.close()
+    dirs = {n: root / n for n in rows}
+    weights_sha = {n: hashlib.sha256((d / "adapter_model.safetensors").read_bytes()).hexdigest()
+                   for n, d in dirs.items()}
+    assert all(rows[n]["sha256"] == digest_directory(dirs[n]) != weights_sha[n] for n in rows)
+
+    async def stored() -> dict[str, str]:
+        async with engine.connect() as conn:
+            return dict((await conn.execute(text("SELECT name, sha256 FROM adapter_versions"))).all())
+
+    engine = make_engine(db_url)
+    try:
+        await downgrade_async(engine, "0001")
+        assert await stored() == weights_sha, "the downgrade restores the weights-file sha256"
+        shutil.rmtree(dirs["gone"])
+        write_adapter(dirs["changed"], TINY, seed=9)
+        with caplog.at_level(logging.WARNING):
+            await upgrade_async(engine)
+        assert await stored() == {"kept": digest_directory(dirs["kept"]), "gone": weights_sha["gone"],
+                                  "changed": weights_sha["changed"]}
+        log = caplog.text
+        assert "gone@1" in log and "not found" in log and "changed@1" in log and "changed since" in log
+        assert "kept@1" not in log
+    finally:
+        await engine.dispose()

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import http.server
 import json
+import shutil
+import threading
 import time
 
 import httpx
@@ -21,6 +25,7 @@ from engine.api import create_worker_app
 from engine.engine import Engine
 from engine.reporter import build_report, report_forever
 from engine.warmstart import PreloadEntryError, parse_entry, plan, warm_start
+from loraplex.digest import digest_directory
 from loraplex.modelinfo import describe_model
 from loraplex.residency import MemoryResidency, RedisResidency
 from loraplex.settings import Settings
@@ -62,22 +67,31 @@ def world(tmp_path_factory):
                                              '"target_modules": ["q_proj"]}')
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors")
     adapters["bad"] = bad
+    served = root / "served"
+    shutil.copytree(adapters["c"], served / "c")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    store = f"http://127.0.0.1:{server.server_address[1]}/"
     settings = Settings(home=str(root / "home"), model=str(tiny), worker_id="w-lora", device="cpu",
                         dtype="float32", kv_cache_bytes=2 << 20, max_num_seqs=8, max_loras=2, max_cpu_loras=8,
-                        lora_rank_classes=(8, 16), worker_secret=SECRET, max_body_bytes=64 * 1024)
+                        lora_rank_classes=(8, 16), worker_secret=SECRET, max_body_bytes=64 * 1024,
+                        adapter_sources=(root.as_uri() + "/", store))
     engine = Engine.from_settings(settings)
     engine.start()
-    yield settings, engine, adapters
+    yield settings, engine, adapters, server
     engine.close()
+    server.server_close()
 
 
 def ref(world, name: str, id_: str | None = None) -> AdapterRef:
-    return AdapterRef(id=id_ or f"id-{name}", name=f"{name}@1", uri=world[2][name].as_uri())
+    d = world[2][name]
+    return AdapterRef(id=id_ or f"id-{name}", name=f"{name}@1", uri=d.as_uri(), sha256=digest_directory(d))
 
 
 @pytest.fixture
 async def client(world):
-    settings, engine, _ = world
+    settings, engine, *_ = world
     app = create_worker_app(settings, engine=engine, report=False)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w", timeout=60) as c:
         yield c
@@ -135,7 +149,7 @@ async def test_corrupt_adapter_fails_only_its_requests(client, world):
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
     assert json.loads(events[-2])["error"]["code"] == "adapter_load_failed" and events[-1] == "[DONE]"
     assert await base_task and await other_task
-    _, engine, _ = world
+    _, engine, *_ = world
     assert engine.lora_runtime.manager.state(bad).state == "failed"
 
 
@@ -177,7 +191,7 @@ async def test_load_pin_unpin_unload_list(client, world):
 async def test_unload_refused_while_in_use(client, world):
     from engine.sequence import SamplingParams
 
-    _, engine, _ = world
+    _, engine, *_ = world
     rd = ref(world, "d")
     seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), adapter=rd)
     try:
@@ -215,7 +229,7 @@ async def test_probe_runs_base_and_adapter(client, world):
 
 
 async def test_report_tiers_in_process_and_redis(client, world, redis_url, redis_prefix):
-    settings, engine, _ = world
+    settings, engine, *_ = world
     ra = ref(world, "a")
     await chat(client, ra)
     rep = build_report(engine, "w-lora", "http://w", settings)
@@ -282,7 +296,7 @@ def test_preload_entries_parse():
 
 
 async def test_warm_start_preloads_and_pins(world):
-    settings, engine, adapters = world
+    settings, engine, adapters, _ = world
     warm = settings.replace(preload_adapters=(f"id-pre={adapters['pre'].as_uri()}",
                                               f"id-bad={adapters['bad'].as_uri()}"), pin_adapters=("id-pre",))
     app = create_worker_app(warm, engine=engine, report=False)
@@ -299,7 +313,7 @@ async def test_warm_start_preloads_and_pins(world):
 async def test_warm_start_top_n_from_redis_traffic(world, redis_url, redis_prefix):
     import redis.asyncio as aioredis
 
-    settings, engine, _ = world
+    settings, engine, *_ = world
     r = aioredis.from_url(redis_url)
     hot, cold = ref(world, "hot"), ref(world, "cold")
     await r.zadd(f"{redis_prefix}:adapter-traffic", {hot.id: 50, cold.id: 3, "id-unknown": 80})
@@ -316,27 +330,28 @@ async def test_warm_start_top_n_from_redis_traffic(world, redis_url, redis_prefi
 
 
 async def test_http_adapter_reaches_the_disk_tier_and_report(client, world):
-    import functools
-    import http.server
-    import shutil
-    import threading
-
-    settings, engine, adapters = world
-    served = adapters["a"].parent / "served"
-    shutil.copytree(adapters["c"], served / "c", dirs_exist_ok=True)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    settings, engine, adapters, server = world
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        remote = AdapterRef(id="id-remote-c", name="c@2", uri=f"http://127.0.0.1:{server.server_address[1]}/c")
+        remote = AdapterRef(id="id-remote-c", name="c@2", uri=f"http://127.0.0.1:{server.server_address[1]}/c",
+                            sha256=digest_directory(adapters["c"]))
         got = await chat(client, remote)
         assert got == await chat(client, ref(world, "c")), "same files over HTTP give the same output"
     finally:
         server.shutdown()
-        server.server_close()
     rep = build_report(engine, "w-lora", "http://w", settings)
     assert "id-remote-c" in rep.disk_adapters and "id-remote-c" in rep.host_adapters
     text = (await client.get("/metrics")).text
     assert 'loraplex_worker_adapter_loads_total{tier="source",worker="w-lora"} 1.0' in text
     assert 'loraplex_worker_adapters_resident{tier="disk",worker="w-lora"} 1.0' in text
+
+
+async def test_adapter_ref_without_digest_is_refused(client, world):
+    """The gateway always sends the version digest; a ref without one never reaches the engine."""
+    _, engine, *_ = world
+    bare = AdapterRef(id="id-bare", name="a@9", uri=world[2]["a"].as_uri())
+    r = await client.post("/v1/chat/completions", json=body(bare))
+    assert r.status_code == 400 and "sha256" in r.json()["error"]["message"]
+    r = await client.post("/internal/adapters/load", json={"adapter": bare.to_dict()}, headers=H())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+    assert engine.lora_runtime.manager.state("id-bare").state == "absent"

@@ -3,7 +3,7 @@
 The engine talks to one :class:`AdapterManager`:
 
 * ``prefetch(ref)`` when a request is queued: a loader thread brings the adapter to host
-  memory (fetching/downloading, verifying sha256, reading and validating the PEFT files)
+  memory (fetching/downloading, verifying the version digest, reading and validating the PEFT files)
   while the current step runs. Never blocks.
 * ``ready(ref)`` / ``state(ref)``: whether ``acquire_slots`` would not wait on IO; a failed
   load reports ``"failed"`` with the reason (only that adapter's requests fail; a later
@@ -34,17 +34,19 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter
+from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter_files
 from engine.lora.slots import RankTooLarge, SlotBank
 from engine.lora.sources import (
     AdapterFetchError,
     DiskCache,
     HttpSource,
     LocalSource,
+    SourcePolicy,
     SourceRegistry,
-    verify_sha256,
+    read_verified,
 )
 from loraplex.modelinfo import ModelInfo
+from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 
@@ -157,6 +159,7 @@ class AdapterManager:
         loader_threads: int = 2,
         failure_ttl_s: float = 5.0,
         weights_dtype: torch.dtype = torch.float32,
+        limits: ConfigLimits | None = None,
     ) -> None:
         self.model = model
         self.bank = bank
@@ -168,6 +171,8 @@ class AdapterManager:
         self.sources = sources or SourceRegistry()
         self.failure_ttl_s = failure_ttl_s
         self.weights_dtype = weights_dtype
+        self.limits = limits or ConfigLimits()
+        """Rank, scale and delta bounds of the shared PEFT config reader."""
         self._host_policy = policy()
         self._device_policy = policy()
         self._entries: dict[str, _Entry] = {}
@@ -182,8 +187,8 @@ class AdapterManager:
     def from_settings(cls, settings: Settings, model: ModelInfo, *, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu", **kw: Any) -> AdapterManager:
         """The worker's manager: a slot bank per ``lora_rank_classes`` with ``max_loras`` slots
-        per class, the host LRU of ``max_cpu_loras`` and the disk cache directory and budget
-        from settings."""
+        per class, the host LRU of ``max_cpu_loras``, the disk cache directory and budget,
+        the adapter sources (``adapter_sources``) and the config bounds from settings."""
         # Classes above max_lora_rank are dropped: such adapters are refused as in vLLM.
         classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
             settings.max_lora_rank,)
@@ -191,8 +196,10 @@ class AdapterManager:
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
                    cache_max_bytes=settings.adapter_cache_max_bytes,
-                   sources=kw.pop("sources", None) or SourceRegistry([LocalSource(), HttpSource(
-                       max_bytes=settings.max_adapter_bytes)]), **kw)
+                   sources=kw.pop("sources", None) or SourceRegistry(
+                       [LocalSource(), HttpSource(max_bytes=settings.max_adapter_bytes)],
+                       policy=SourcePolicy.from_settings(settings)),
+                   limits=ConfigLimits.from_settings(settings), **kw)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -303,8 +310,9 @@ class AdapterManager:
         return weights, "source", time.perf_counter() - t0
 
     def _read_dir(self, ref: AdapterRef, directory: Path) -> LoRAWeights:
-        verify_sha256(ref, directory)
-        weights = load_adapter(directory, self.model, dtype=self.weights_dtype, projections=self.bank.projections)
+        contents = read_verified(ref, directory)  # parsed below from exactly the verified bytes
+        weights = load_adapter_files(contents, self.model, dtype=self.weights_dtype,
+                                     projections=self.bank.projections, limits=self.limits)
         self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
         if self._pin_host:
             weights = weights.pin_memory()

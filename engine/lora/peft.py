@@ -6,7 +6,9 @@ becomes ``y + (x @ A.T) @ B.T * scale`` exactly as PEFT's ``lora.Linear`` comput
 
 Anything this engine cannot reproduce exactly is refused with the reason
 (:class:`AdapterFormatError`), never silently approximated: DoRA, ``modules_to_save``,
-LoRA biases, embedding/lm_head adapters, layer replication, pickle weight files.
+LoRA biases, embedding/lm_head adapters, layer replication, pickle weight files. The config
+is read by the shared reader :mod:`loraplex.peft_config` (the rules and bounds admission
+applies); each module's possible delta-weight peak is bounded there too (``check_delta``).
 
 ``fan_in_fan_out`` describes the *base* layer's weight layout (GPT-2 ``Conv1D``); PEFT
 keeps ``lora_A``/``lora_B`` as ``nn.Linear`` weights either way (and resets the flag to
@@ -17,9 +19,9 @@ False for ``nn.Linear`` bases such as Llama's). Tensors are therefore expected i
 
 from __future__ import annotations
 
-import json
-import math
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +29,18 @@ from typing import Any
 
 import torch
 
+from loraplex import peft_config
 from loraplex.modelinfo import PROJECTIONS, ModelInfo
+from loraplex.peft_config import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ConfigLimits,
+    LoraConfig,
+    PeftConfigError,
+    check_delta,
+)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
 
 _KEY = re.compile(
@@ -81,157 +91,59 @@ class LoRAWeights:
         return LoRAWeights(mods, self.rank, dict(self.config))
 
 
-@dataclass(frozen=True)
-class AdapterConfig:
-    """The parts of ``adapter_config.json`` that decide the math."""
-
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...] | str
-    exclude_modules: tuple[str, ...] | str | None
-    fan_in_fan_out: bool
-    rank_pattern: dict[str, int]
-    alpha_pattern: dict[str, float]
-    layers_to_transform: tuple[int, ...] | None
-    raw: dict[str, Any]
-
-    def rank_and_scale(self, module: str) -> tuple[int, float]:
-        """Rank and scale PEFT gives ``module`` (a dotted name such as ``model.layers.0.self_attn.q_proj``)."""
-        r = int(self.rank_pattern[k]) if (k := _pattern_key(self.rank_pattern, module)) else self.r
-        alpha = float(self.alpha_pattern[k]) if (k := _pattern_key(self.alpha_pattern, module)) else self.lora_alpha
-        if r <= 0:
-            raise AdapterFormatError(f"{module}: rank must be positive, got {r}")
-        scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
-        return r, scale
-
-    def targets(self, module: str) -> bool:
-        """Whether PEFT would have adapted ``module`` under this config."""
-        if self.exclude_modules and _matches(self.exclude_modules, module):
-            return False
-        if self.target_modules == "all-linear":
-            return True
-        return _matches(self.target_modules, module)
-
-
-def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
-    # Same rule as peft.utils.other.get_pattern_key.
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return None
-
-
-def _matches(targets: tuple[str, ...] | str, module: str) -> bool:
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
-
-
-def _refuse_unless(ok: bool, reason: str) -> None:
-    if not ok:
-        raise AdapterFormatError(reason)
-
-
-def parse_config(raw: Mapping[str, Any]) -> AdapterConfig:
-    """Validate ``adapter_config.json`` contents; refuse what cannot be served exactly."""
-    _refuse_unless(isinstance(raw, Mapping), "adapter_config.json is not a JSON object")
-    peft_type = str(raw.get("peft_type", "LORA")).upper()
-    _refuse_unless(peft_type == "LORA", f"peft_type {peft_type!r} is not supported (only LORA)")
-    _refuse_unless(not raw.get("use_dora"), "DoRA adapters (use_dora) are not supported")
-    _refuse_unless(not raw.get("modules_to_save"),
-                   f"modules_to_save {raw.get('modules_to_save')!r} is not supported: "
-                   "only LoRA deltas on decoder projections can be served from a shared base")
-    bias = raw.get("bias", "none")
-    _refuse_unless(bias in (None, "none"), f"bias={bias!r} is not supported (only 'none')")
-    _refuse_unless(not raw.get("lora_bias"), "lora_bias is not supported")
-    _refuse_unless(not raw.get("layer_replication"), "layer_replication is not supported")
-    _refuse_unless(not raw.get("trainable_token_indices"), "trainable_token_indices is not supported")
-    _refuse_unless(not raw.get("target_parameters"), "target_parameters is not supported")
-    _refuse_unless(not raw.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens) is not supported")
-    _refuse_unless(not raw.get("use_qalora"), "QA-LoRA (use_qalora) is not supported")
+def parse_config_bytes(data: bytes, limits: ConfigLimits | None = None) -> LoraConfig:
+    """``adapter_config.json`` bytes through the shared reader (:mod:`loraplex.peft_config`)."""
     try:
-        r = int(raw.get("r", 8))
-        alpha = float(raw.get("lora_alpha", 8))
-        rank_pattern = {str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()}
-        alpha_pattern = {str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()}
-    except (TypeError, ValueError) as exc:
-        raise AdapterFormatError(f"bad r / lora_alpha / rank_pattern / alpha_pattern: {exc}") from None
-    _refuse_unless(r > 0, f"r must be positive, got {r}")
-    _refuse_unless(math.isfinite(alpha), f"lora_alpha must be finite, got {alpha}")
-    targets = _module_list(raw.get("target_modules"), "target_modules")
-    _refuse_unless(targets is not None, "target_modules is missing")
-    assert targets is not None
-    exclude = _module_list(raw.get("exclude_modules"), "exclude_modules")
-    ltt = raw.get("layers_to_transform")
-    layers: tuple[int, ...] | None
-    if ltt is None:
-        layers = None
-    elif isinstance(ltt, int) and not isinstance(ltt, bool):
-        layers = (ltt,)
-    elif isinstance(ltt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ltt):
-        layers = tuple(ltt)
-    else:
-        raise AdapterFormatError(f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
-    return AdapterConfig(
-        r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
-        target_modules=targets, exclude_modules=exclude,
-        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
-        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-        layers_to_transform=layers, raw=dict(raw),
-    )
+        return peft_config.read_config(data, limits)
+    except PeftConfigError as exc:
+        raise AdapterFormatError(exc.message) from None
 
 
-def _module_list(value: Any, name: str) -> tuple[str, ...] | str | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value != "all-linear":
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise AdapterFormatError(f"{name} is not a valid regular expression: {exc}") from None
-        return value
-    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise AdapterFormatError(f"{name} must be a list of names or a regex string, got {value!r}")
-
-
-def read_config(path: str | Path) -> AdapterConfig:
-    p = Path(path) / CONFIG_FILE
-    if not p.is_file():
-        raise AdapterFormatError(f"{p.name} not found in {path}")
+def parse_config(raw: Mapping[str, Any], limits: ConfigLimits | None = None) -> LoraConfig:
+    """Parsed ``adapter_config.json`` contents through the shared reader."""
     try:
-        raw = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFormatError(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
-    return parse_config(raw)
+        return peft_config.parse_config(raw, limits)
+    except PeftConfigError as exc:
+        raise AdapterFormatError(exc.message) from None
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of ``adapter_model.safetensors``; pickle files are refused, never unpickled."""
+def read_files(path: str | Path) -> dict[str, bytes]:
+    """The bytes of the adapter files in ``path`` (regular files, no symlink followed);
+    pickle weight files are refused, never unpickled."""
     d = Path(path)
-    f = d / WEIGHTS_FILE
-    if not f.is_file():
+    if not (d / WEIGHTS_FILE).exists():
         pickles = [name for name in PICKLE_FILES if (d / name).exists()]
         if pickles:
             raise AdapterFormatError(f"pickle weight files are refused ({', '.join(pickles)}); "
                                      f"convert the adapter to {WEIGHTS_FILE}")
-        raise AdapterFormatError(f"{WEIGHTS_FILE} not found in {path}")
-    from safetensors import SafetensorError, safe_open
+    out: dict[str, bytes] = {}
+    for name in ADAPTER_FILES:
+        try:
+            fd = os.open(d / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise AdapterFormatError(f"{name} not found in {path}") from None
+        except OSError as exc:
+            raise AdapterFormatError(f"{name} in {path} cannot be opened: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise AdapterFormatError(f"{name} in {path} is not a regular file")
+            out[name] = fh.read()
+    return out
+
+
+def parse_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Tensors of ``adapter_model.safetensors`` from its bytes."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
     try:
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                out[key] = fh.get_tensor(key)
-        return out
+        return load(data)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
         raise AdapterFormatError(f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
 
 
 def build_weights(
-    config: AdapterConfig,
+    config: LoraConfig,
     tensors: Mapping[str, torch.Tensor],
     model: ModelInfo | None = None,
     *,
@@ -239,6 +151,14 @@ def build_weights(
     projections: Iterable[str] = PROJECTIONS,
 ) -> LoRAWeights:
     """Pair ``lora_A``/``lora_B`` tensors per module, check them against ``config`` and ``model``."""
+    try:
+        return _build_weights(config, tensors, model, dtype, projections)
+    except PeftConfigError as exc:
+        raise AdapterFormatError(exc.message) from None
+
+
+def _build_weights(config: LoraConfig, tensors: Mapping[str, torch.Tensor], model: ModelInfo | None,
+                   dtype: torch.dtype, projections: Iterable[str]) -> LoRAWeights:
     allowed = set(projections)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}
@@ -289,6 +209,7 @@ def build_weights(
                 f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match rank {r} "
                 f"and the base projection (in={fan_in}, out={fan_out}); expected "
                 f"[{r}, {fan_in}] / [{fan_out}, {r}]")
+        check_delta(module, scale, r, float(a.abs().max()), float(b.abs().max()), config.limits)
         modules[(layer, proj)] = LoRAModule(a.to(dtype).contiguous(), b.to(dtype).contiguous(), float(scale))
     rank = max(mod.rank for mod in modules.values())
     return LoRAWeights(modules=modules, rank=rank, config=dict(config.raw))
@@ -300,7 +221,20 @@ def load_adapter(
     *,
     dtype: torch.dtype = torch.float32,
     projections: Iterable[str] = PROJECTIONS,
+    limits: ConfigLimits | None = None,
 ) -> LoRAWeights:
     """Read a PEFT adapter directory and validate it against ``model``'s projection shapes."""
-    config = read_config(path)
-    return build_weights(config, read_tensors(path), model, dtype=dtype, projections=projections)
+    return load_adapter_files(read_files(path), model, dtype=dtype, projections=projections, limits=limits)
+
+
+def load_adapter_files(
+    contents: Mapping[str, bytes],
+    model: ModelInfo | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    projections: Iterable[str] = PROJECTIONS,
+    limits: ConfigLimits | None = None,
+) -> LoRAWeights:
+    """An adapter from the bytes of its files (``{file name: bytes}``, as :func:`read_files` gives)."""
+    config = parse_config_bytes(contents[CONFIG_FILE], limits)
+    return build_weights(config, parse_tensors(contents[WEIGHTS_FILE]), model, dtype=dtype, projections=projections)

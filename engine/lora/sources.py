@@ -1,6 +1,8 @@
 """Where adapter files come from: sources keyed by URI scheme, and the local disk cache tier.
 
-A source turns an :class:`~loraplex.wire.AdapterRef` URI into a local directory holding
+Only configured sources are used (:class:`SourcePolicy`, from ``settings.adapter_sources``;
+by default the adapter root): a URI outside them is refused before anything is opened or
+connected to. A source turns an :class:`~loraplex.wire.AdapterRef` URI into a local directory holding
 ``adapter_config.json`` + ``adapter_model.safetensors``. Local sources (a path or a
 ``file://`` URI) are read in place; remote sources (``http(s)://``) download into the disk
 cache, keyed by the adapter *version id* (never its name), so a rollback can never pick
@@ -8,8 +10,9 @@ up another version's files; the cache has a byte budget and deletes least recent
 versions, which are fetched again when next needed. Object stores plug in as another :class:`AdapterSource`
 registered for their scheme (``s3``, ``gs``, ...).
 
-``AdapterRef.sha256`` (when set) is the sha256 of ``adapter_model.safetensors``, as the
-registry computes it at admission; every load checks it.
+``AdapterRef.sha256`` (when set) is the version digest (:mod:`loraplex.digest`) over every
+file the version is served from, as the registry computes it at admission; every load
+checks it over exactly the bytes it then parses (:func:`read_verified`).
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from engine.lora.peft import CONFIG_FILE, WEIGHTS_FILE
+from engine.lora.peft import read_files
+from loraplex.digest import digest_contents, digest_directory
+from loraplex.peft_config import ADAPTER_FILES
 from loraplex.wire import AdapterRef
 
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+DEFAULT_PORTS = {"http": 80, "https": 443}
 STALE_PARTIAL_S = 3600.0
 """A ``.partial-*`` directory of the disk cache idle this long is left over from a dead process."""
 
@@ -62,7 +67,7 @@ class LocalSource:
     remote = False
 
     def fetch(self, ref: AdapterRef, dest: Path | None) -> Path:
-        path = local_path(ref.uri)
+        path = Path(os.path.realpath(local_path(ref.uri)))
         if not path.is_dir():
             raise AdapterFetchError(f"adapter directory {path} does not exist")
         return path
@@ -88,11 +93,16 @@ class HttpSource:
         base = ref.uri.rstrip("/") + "/"
         kwargs = {"transport": self.transport} if self.transport is not None else {}
         try:
-            with httpx.Client(timeout=self.timeout_s, follow_redirects=True, **kwargs) as client:  # type: ignore[arg-type]
+            # Redirects are not followed: they could lead outside the configured sources.
+            with httpx.Client(timeout=self.timeout_s, follow_redirects=False, trust_env=False,
+                              **kwargs) as client:  # type: ignore[arg-type]
                 for name in ADAPTER_FILES:
                     url = urllib.parse.urljoin(base, name)
                     total = 0
                     with client.stream("GET", url) as resp:
+                        if resp.is_redirect:
+                            raise AdapterFetchError(f"GET {url} answered a redirect (HTTP {resp.status_code}); "
+                                                    f"redirects are not followed")
                         if resp.status_code != 200:
                             raise AdapterFetchError(f"GET {url} answered HTTP {resp.status_code}")
                         with open(dest / name, "wb") as fh:
@@ -106,11 +116,85 @@ class HttpSource:
         return dest
 
 
-class SourceRegistry:
-    """Sources by URI scheme."""
+class SourcePolicy:
+    """The URI prefixes adapters may be fetched from.
 
-    def __init__(self, sources: list[AdapterSource] | None = None) -> None:
+    ``file:///dir/`` (or a plain absolute path) allows that directory and below, compared
+    after resolving symlinks and ``..``; ``http(s)://host[:port]/path/`` allows URLs with
+    that scheme, host, port and path prefix. URIs with userinfo, a query, a fragment or
+    dot segments are refused.
+    """
+
+    def __init__(self, prefixes: Iterable[str]) -> None:
+        self.prefixes = tuple(p for p in prefixes if p)
+        self._dirs: list[str] = []
+        self._urls: list[tuple[str, str, int, str]] = []
+        for prefix in self.prefixes:
+            scheme = uri_scheme(prefix)
+            if scheme in ("", "file"):
+                path = local_path(prefix)
+                if not path.is_absolute():
+                    raise ValueError(f"adapter source {prefix!r} must be an absolute path or file:// URI")
+                self._dirs.append(str(path))
+            elif scheme in DEFAULT_PORTS:
+                self._urls.append(_url_parts(prefix, prefix=True))
+            else:
+                raise ValueError(f"adapter source {prefix!r}: only file://, http:// and https:// are supported")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> SourcePolicy:
+        return cls(settings.resolved_adapter_sources())
+
+    def check(self, uri: str) -> None:
+        """Raise :class:`AdapterFetchError` unless ``uri`` is under a configured source."""
+        if not self._allows(uri):
+            raise AdapterFetchError(f"adapter uri {uri!r} is not under a configured adapter source "
+                                    f"({', '.join(self.prefixes) or 'none'}); see LORAPLEX_ADAPTER_SOURCES")
+
+    def _allows(self, uri: str) -> bool:
+        scheme = uri_scheme(uri)
+        try:
+            if scheme in ("", "file"):
+                path = os.path.realpath(local_path(uri))
+                return any(_under(path, os.path.realpath(d)) for d in self._dirs)
+            if scheme in DEFAULT_PORTS:
+                got = _url_parts(uri, prefix=False)
+                return any(got[:3] == want[:3] and (got[3].rstrip("/") + "/").startswith(want[3])
+                           for want in self._urls)
+        except (AdapterFetchError, ValueError, OSError):
+            return False
+        return False
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _url_parts(url: str, *, prefix: bool) -> tuple[str, str, int, str]:
+    """(scheme, host, port, path) of an http(s) URL; ``prefix``: the path as a directory prefix."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(f"{url!r}: userinfo is not allowed in adapter URIs")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a query or fragment is not allowed in adapter URIs")
+    if not parts.hostname:
+        raise ValueError(f"{url!r} has no host")
+    decoded = urllib.parse.unquote(parts.path)
+    if "\\" in decoded or any(seg in (".", "..") for seg in decoded.split("/")):
+        raise ValueError(f"{url!r}: dot segments are not allowed in adapter URIs")
+    scheme = parts.scheme.lower()
+    path = parts.path or "/"
+    if prefix:
+        path = path.rstrip("/") + "/"
+    return scheme, parts.hostname.lower(), parts.port or DEFAULT_PORTS[scheme], path
+
+
+class SourceRegistry:
+    """Sources by URI scheme, behind an optional :class:`SourcePolicy` (the worker always has one)."""
+
+    def __init__(self, sources: list[AdapterSource] | None = None, *, policy: SourcePolicy | None = None) -> None:
         self._by_scheme: dict[str, AdapterSource] = {}
+        self.policy = policy
         for s in sources if sources is not None else [LocalSource(), HttpSource()]:
             self.register(s)
 
@@ -119,6 +203,9 @@ class SourceRegistry:
             self._by_scheme[scheme] = source
 
     def for_uri(self, uri: str) -> AdapterSource:
+        """The source for ``uri``, once the policy allows it (nothing is opened before)."""
+        if self.policy is not None:
+            self.policy.check(uri)
         scheme = uri_scheme(uri)
         source = self._by_scheme.get(scheme)
         if source is None:
@@ -141,24 +228,30 @@ def local_path(uri: str) -> Path:
     return Path(uri)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def read_verified(ref: AdapterRef, directory: Path) -> dict[str, bytes]:
+    """The adapter files' bytes, checked against ``ref.sha256`` (the version digest) when set:
+    what is parsed next is exactly what was verified."""
+    contents = read_files(directory)
+    if ref.sha256:
+        _compare(ref, digest_contents(contents))
+    return contents
 
 
-def verify_sha256(ref: AdapterRef, directory: Path) -> None:
+def verify_digest(ref: AdapterRef, directory: Path) -> None:
+    """Check the files in ``directory`` against ``ref.sha256`` (before a download is kept)."""
     if not ref.sha256:
         return
-    f = directory / WEIGHTS_FILE
-    if not f.is_file():
-        raise AdapterFetchError(f"{WEIGHTS_FILE} not found in {directory}")
-    got = sha256_file(f)
-    if got.lower() != ref.sha256.lower():
-        raise AdapterFetchError(f"sha256 mismatch for {ref.name or ref.id}: "
-                                f"expected {ref.sha256}, got {got}")
+    missing = [n for n in ADAPTER_FILES if not (directory / n).is_file()]
+    if missing:
+        raise AdapterFetchError(f"{', '.join(missing)} not found in {directory}")
+    _compare(ref, digest_directory(directory))
+
+
+def _compare(ref: AdapterRef, got: str) -> None:
+    if got != (ref.sha256 or "").lower():
+        raise AdapterFetchError(f"sha256 mismatch for {ref.name or ref.id}: expected {ref.sha256}, got {got} "
+                                f"(the digest over {' and '.join(ADAPTER_FILES)}); the files changed "
+                                f"after registration")
 
 
 class DiskCache:
@@ -207,7 +300,7 @@ class DiskCache:
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.root))
         try:
             got = source.fetch(ref, tmp)
-            verify_sha256(ref, got)
+            verify_digest(ref, got)
             final = self.path_for(ref)
             self._discard(final)
             os.replace(got, final)
