@@ -427,3 +427,54 @@ def test_preloading_a_poisoned_adapter_reports_the_reason(world):
             eng.lora_runtime.manager.acquire_slots([refs[0]])
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_path):
+    """How an end-to-end test forces poisoned adapters into a running worker without the
+    registry: ``preload_adapters`` (``LORAPLEX_PRELOAD_ADAPTERS=ID=URI``), the internal load
+    API, or a worker request whose ``loraplex`` extension names the adapter's URI."""
+    import asyncio
+
+    from engine.warmstart import warm_start
+    from loraplex.wire import HDR_WORKER_SECRET
+
+    secret = "containment-secret-0123"
+    settings = Settings(home=str(tmp_path), model=str(world.base), worker_id="w-poison", device="cpu",
+                        dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=8, max_loras=4,
+                        lora_rank_classes=(8, 16), worker_secret=secret, max_body_bytes=64 * 1024,
+                        preload_adapters=(f"p38={world.poison['alpha1e38'].as_uri()}",
+                                          f"p300={world.poison['alpha1e300'].as_uri()}"))
+    eng = Engine.from_settings(settings)
+    eng.start()
+    try:
+        result = await warm_start(eng, settings)
+        assert result is not None and result.loaded == ["p38"] and "not finite" in result.failed["p300"]
+        app = create_worker_app(settings, engine=eng, report=False, warm_start=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w",
+                                     timeout=60) as c:
+            r = await c.post("/internal/adapters/load", headers={HDR_WORKER_SECRET: secret},
+                             json={"adapter": {"id": "p300", "uri": world.poison["alpha1e300"].as_uri()}})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed"
+            assert "not finite in float32" in r.json()["error"]["message"]
+
+            def req(adapter_id: str | None) -> dict:
+                b: dict[str, Any] = {"prompt": "t5 t6 t7 t8", "max_tokens": 5, "temperature": 0,
+                                     "ignore_eos": True}
+                if adapter_id is not None:
+                    uri = world.poison["alpha1e38" if adapter_id == "p38" else "alpha1e300"].as_uri()
+                    b["loraplex"] = {"adapter": {"id": adapter_id, "name": adapter_id, "uri": uri}, "tenant": "x"}
+                return b
+
+            alone = (await c.post("/v1/completions", json=req(None))).json()["choices"][0]["text"]
+            got = await asyncio.gather(*(c.post("/v1/completions", json=req(a)) for a in (None, "p38", "p300", None)))
+            assert [r.status_code for r in got] == [200, 503, 503, 200]
+            assert [got[i].json()["choices"][0]["text"] for i in (0, 3)] == [alone, alone]
+            assert got[1].json()["error"]["code"] == "non_finite_output"
+            assert got[2].json()["error"]["code"] == "adapter_load_failed"
+            h = await c.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "ok"
+            assert (await c.post("/v1/completions", json=req(None))).json()["choices"][0]["text"] == alone
+        assert _cache_finite(eng)
+    finally:
+        eng.close()
