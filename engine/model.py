@@ -116,8 +116,9 @@ class DecoderModel:
             if lora is not None:
                 lora.apply_many(i, m, (("down_proj", delta),))
         h.add_(delta)
-        # NaN/Inf anywhere in a row sums to non-finite: the engine contains that row's sequence.
-        ctx.row_finite = torch.isfinite(h.sum(dim=1))
+        # NaN/Inf anywhere in a row sums to non-finite (float32: a float16 sum could overflow);
+        # the engine stops that row's sequence.
+        ctx.row_finite = torch.isfinite(h.sum(dim=1, dtype=torch.float32))
         rows = ctx.sample_rows
         if rows.numel() == 0:
             return h.new_empty((0, cfg.vocab_size))

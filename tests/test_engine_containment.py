@@ -478,3 +478,15 @@ async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_p
         assert _cache_finite(eng)
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_large_but_finite_float16_rows_are_not_taken_for_non_finite(world):
+    """The row check sums in float32: a float16 row of large finite values must pass."""
+    eng = Engine.from_path(world.base, EngineConfig(kv_cache_bytes=1 << 20, max_model_len=96, dtype="float16"))
+    try:
+        eng.model.w.embed[60] = 2000.0  # 64 x 2000 overflows a float16 sum, not float16 values
+        [(seq, events)] = _run(eng, [(None, [60, 60, 61], GREEDY)])
+        assert seq.finish_reason == "length", events[-1].error
+    finally:
+        eng.close()
