@@ -7,7 +7,9 @@ The engine talks to one :class:`AdapterManager`:
   while the current step runs. Never blocks.
 * ``ready(ref)`` / ``state(ref)``: whether ``acquire_slots`` would not wait on IO; a failed
   load reports ``"failed"`` with the reason (only that adapter's requests fail; a later
-  ``prefetch`` retries once ``failure_ttl_s`` has passed).
+  ``prefetch`` retries once ``failure_ttl_s`` has passed). A load fails, too, when the
+  adapter's scale or weights are not finite in the slots' dtype, and so does a slot write
+  that raises (the slot is handed back): neither ever fails an engine step.
 * ``acquire_slots(refs)`` when sequences join the running batch (one ref per sequence):
   places the adapters into device slots and returns one slot id per ref; each ref counts
   one user until ``release(refs)``. A slot with users is never evicted, so a slot id stays
