@@ -490,3 +490,37 @@ def test_large_but_finite_float16_rows_are_not_taken_for_non_finite(world):
         assert seq.finish_reason == "length", events[-1].error
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_failing_slot_write_fails_only_that_adapters_load(world, native, expected, monkeypatch):
+    """A slot write that raises (say, out of device memory) inside admission must fail that
+    adapter's requests with the reason and hand the slot back, not fail the step."""
+    eng = _engine(world, native)
+    try:
+        bank = eng.lora_runtime.manager.bank
+        real = SlotBank.write
+        doomed = _ref("doomed", world.good["r8"])
+
+        def write(self, slot, weights):
+            if weights is eng.lora_runtime.manager._entries[doomed.id].weights:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return real(self, slot, weights)
+
+        eng.lora_runtime.manager.prefetch(doomed)
+        assert eng.lora_runtime.manager.wait(doomed, timeout=30).state == "host"
+        monkeypatch.setattr(SlotBank, "write", write)
+        free_before = {c: list(v) for c, v in eng.lora_runtime.manager._free.items()}
+        good = _good_rows(world)
+        results = _run(eng, [*good[:2], (doomed, PROMPTS[2], GREEDY), *good[2:]])
+        _, events = results.pop(2)
+        assert _tokens(results) == expected
+        assert events[-1].error_code == "adapter_load_failed" and "out of memory" in events[-1].error
+        st = eng.lora_runtime.manager.state(doomed)
+        assert st.state == "failed" and st.slot is None
+        in_slots = {e.slot for e in eng.lora_runtime.manager._entries.values() if e.slot is not None}
+        free_after = {c: set(v) for c, v in eng.lora_runtime.manager._free.items()}
+        for c, slots in free_before.items():
+            assert set(slots) == free_after[c] | {s for s in in_slots if bank.split(s)[0] == c}
+    finally:
+        eng.close()
