@@ -261,14 +261,17 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
             return JSONResponse({"status": status, "worker_id": state.worker_id, "error": state.loading_error},
                                 status_code=503)
         info = eng.info
-        body = {"status": "ok", "worker_id": state.worker_id, "model": state.model_name,
+        fault = eng.fault
+        body = {"status": "degraded" if fault else "ok", "worker_id": state.worker_id, "model": state.model_name,
                 "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
                 "lora": eng.lora_runtime is not None, **eng.load()}
         if eng.lora_runtime is not None:
             r = eng.lora_runtime.manager.resident()
             body["adapters"] = {"device": len(r["device"]), "host": len(r["host"]),
                                 "max_loras": eng.lora_runtime.manager.max_loras}
-        return JSONResponse(body)
+        if fault:
+            body["error"] = fault
+        return JSONResponse(body, status_code=503 if fault else 200)
 
     async def metrics(request: Request) -> Response:
         if state.metrics is None:

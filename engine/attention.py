@@ -10,6 +10,11 @@ Shapes (``H`` query heads, ``Hk`` KV heads, ``g = H // Hk``, ``d`` head dim):
 * prefill chunk: queries ``[L, H, d]`` against the sequence's ``C`` cached keys
   (earlier chunks included) under a causal mask.
 
+Positions outside a context (the tail of a sequence's last block, padding) are masked by
+``masked_fill`` to ``-inf`` rather than by adding ``-inf``: a stale NaN/Inf key there
+cannot turn a score into NaN, and its weight is exactly 0 (see ``engine.kv_cache`` for
+why the stale values are finite).
+
 On CPU float32 the decode group instead goes through the native kernel
 (``engine.native.DecodeAttention``), which reads the K/V blocks in place: the gather
 copy above moves every cached byte three times per layer, the kernel once.
@@ -26,18 +31,16 @@ from engine.native import DecodeAttention
 NEG_INF = float("-inf")
 
 
-def prepare_attention(ctx: BatchContext, num_kv_heads: int, dtype: torch.dtype,
-                      kernel: DecodeAttention | None = None) -> None:
-    """Per-step additive masks (0 / -inf) in the model's dtype, shared by every layer
-    (the native decode kernel needs none)."""
+def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttention | None = None) -> None:
+    """Per-step masks (True: outside the context), shared by every layer (the native decode
+    kernel needs none: it reads only positions inside each context)."""
     dec = ctx.decode
-    if dec is not None and dec.bias is None and kernel is None:
+    if dec is not None and dec.masked is None and kernel is None:
         b, c = dec.valid.shape
-        bias = torch.zeros((b, c), device=dec.valid.device, dtype=dtype).masked_fill_(~dec.valid, NEG_INF)
-        dec.bias = bias.unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
+        dec.masked = (~dec.valid).unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
     for item in ctx.prefills:
-        if item.bias is None:
-            item.bias = torch.zeros(item.mask.shape, device=item.mask.device, dtype=dtype).masked_fill_(~item.mask, NEG_INF)
+        if item.masked is None:
+            item.masked = ~item.mask
 
 
 def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tensor,
@@ -55,7 +58,7 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
         kernel(q, cache.k[layer], cache.v[layer], dec.blocks.view(b, -1), dec.lens, dec.valid.shape[1],
                cache.block_size, out, rows=None if dec.contiguous else dec.rows)
     elif dec is not None:
-        assert dec.bias is not None
+        assert dec.masked is not None
         b = int(dec.rows.shape[0])
         c = dec.valid.shape[1]
         qd = q if dec.contiguous else q.index_select(0, dec.rows)
@@ -63,7 +66,7 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
         kd, vd = cache.gather(layer, dec.blocks)
         kd = kd.view(num_kv_heads * b, c, d)
         vd = vd.view(num_kv_heads * b, c, d)
-        scores = torch.baddbmm(dec.bias, qd, kd.transpose(1, 2))  # [Hk*B, g, C]
+        scores = torch.bmm(qd, kd.transpose(1, 2)).masked_fill_(dec.masked, NEG_INF)  # [Hk*B, g, C]
         probs = torch.softmax(scores, dim=-1)
         od = torch.bmm(probs, vd).view(num_kv_heads, b, g, d).transpose(0, 1).reshape(b, h * d)
         if out is None:
@@ -75,7 +78,7 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
         qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
         kp, vp = cache.gather(layer, item.blocks)
         scores = torch.matmul(qp, kp.unsqueeze(1).transpose(-1, -2))  # [Hk, g, L, C]
-        scores.add_(item.bias)
+        scores.masked_fill_(item.masked, NEG_INF)
         probs = torch.softmax(scores, dim=-1)
         op = torch.matmul(probs, vp.unsqueeze(1))  # [Hk, g, L, d]
         out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)

@@ -35,15 +35,16 @@ class DecodeGroup:
     rows: torch.Tensor
     """``[B]`` token rows (one per decoding sequence)."""
     blocks: torch.Tensor
-    """``[B * nb]`` KV blocks to gather, row-major (``nb`` blocks of the longest context; padded)."""
+    """``[B * nb]`` KV blocks to gather, row-major (``nb`` blocks of the longest context; a shorter
+    row is padded with its own last block, never another sequence's)."""
     valid: torch.Tensor
     """``[B, nb * block_size]`` bool: key position is inside that sequence's context."""
     contiguous: bool
     """True when ``rows`` is ``0..B-1`` (a pure decode step), so no scatter is needed."""
     lens: torch.Tensor
     """``[B]`` int64: context length of each sequence (this step's token included)."""
-    bias: torch.Tensor | None = None
-    """``[kv_heads * B, 1, C]`` additive mask, built once per step by the attention."""
+    masked: torch.Tensor | None = None
+    """``[kv_heads * B, 1, C]`` bool, True outside each context; built once per step by the attention."""
 
 
 @dataclass
@@ -55,8 +56,8 @@ class PrefillItem:
     """``[nb]`` the sequence's KV blocks covering positions ``0..C-1`` (``C = nb * block_size``)."""
     mask: torch.Tensor
     """``[L, C]`` bool causal mask (query at position p sees keys ``0..p``)."""
-    bias: torch.Tensor | None = None
-    """``[L, C]`` additive form of ``mask``, built once per step by the attention."""
+    masked: torch.Tensor | None = None
+    """``[L, C]`` ``~mask``, built once per step by the attention."""
 
 
 @dataclass
@@ -78,6 +79,8 @@ class BatchContext:
     """LoRA hook (``apply(layer_idx, module, x, out)``) or ``None``."""
     seq_slots: torch.Tensor | None = None
     """``[num_seqs]`` adapter slot per sequence, filled by the LoRA manager if it wants."""
+    row_finite: torch.Tensor | None = None
+    """``[T]`` bool, set by the forward: the row's final hidden state is all finite."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -127,7 +130,7 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
         for s in dec_seq:
             table = s.block_table[:nb]
             flat.extend(table)
-            flat.extend([0] * (nb - len(table)))
+            flat.extend([table[-1]] * (nb - len(table)))
         lens_t = torch.tensor(lens)
         valid = torch.arange(nb * block_size).unsqueeze(0) < lens_t.unsqueeze(1)
         contiguous = dec_rows == list(range(len(dec_rows))) and row == len(dec_rows)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.batch import build_batch
+from engine.batch import BatchContext, build_batch
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
@@ -132,6 +132,8 @@ class Engine:
         self._stopping = False
         self.steps = 0
         self.last_step_s = 0.0
+        self.fault: str | None = None
+        """Set while base-model rows come out non-finite (the worker itself is unwell)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -241,12 +243,20 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
-        """Run one scheduled step. Returns False when there was nothing to run."""
+        """Run one scheduled step. Returns False when there was nothing to run.
+
+        Containment: a sequence whose values go non-finite is stopped with a
+        ``non_finite_output`` error and its fresh K/V zeroed; an exception in the forward
+        fails only the rows it can be pinned on (an adapter's), else the step's rows; the
+        other rows continue exactly as if the failed ones had not been there.
+        """
         t0 = time.perf_counter()
         with self._lock:
             out = self.scheduler.schedule()
             for seq in out.failed:
                 self._finish(seq, "error", error="the request does not fit in this worker's KV cache")
+            for seq, exc in out.errors:
+                self._finish(seq, "error", *self._describe(exc, seq))
             take_failed = getattr(self.scheduler.policy, "take_failed", None)
             if take_failed is not None:
                 for seq, reason in take_failed():
@@ -257,24 +267,103 @@ class Engine:
         if not out.chunks:
             return False
         ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
-        if self.lora_runtime is not None:
-            self.lora_runtime.prepare_batch(ctx)
-        logits = self.model.forward(ctx, self.cache)
+        try:
+            if self.lora_runtime is not None:
+                self.lora_runtime.prepare_batch(ctx)
+            logits = self.model.forward(ctx, self.cache)
+        except Exception as exc:
+            self._contain_exception(ctx, exc)
+            return True
         sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
+        bad = self._non_finite(ctx, logits)
+        if bad:
+            keep = [j for j, i in enumerate(ctx.sample_seqs) if i not in bad]
+            logits = logits[keep]
+            sampling = [sampling[j] for j in keep]
         tokens = sample(logits, sampling)
         now = time.monotonic()
         with self._lock:
+            if bad:
+                self._contain_rows(ctx, bad)
             for seq, n in out.chunks:
                 if not seq.is_finished:
                     seq.num_computed += n
             for seq, tok in zip(sampling, tokens, strict=True):
                 if not seq.is_finished:
                     self._append_token(seq, tok, now)
+            if self.fault is not None and any(s.adapter is None for s in sampling):
+                self.fault = None  # the base model answers finitely again
         self.steps += 1
         self.last_step_s = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.observe_step(self.last_step_s, out.num_tokens)
         return True
+
+    # ------------------------------------------------------------------ containment
+    @staticmethod
+    def _non_finite(ctx: BatchContext, logits: torch.Tensor) -> set[int]:
+        """Indices (into ``ctx.seqs``) of sequences with a non-finite hidden row or logits row."""
+        row_ok = ctx.row_finite
+        logit_ok = torch.isfinite(logits.sum(dim=1))  # NaN/Inf anywhere makes the row sum non-finite
+        if bool(logit_ok.all()) and (row_ok is None or bool(row_ok.all())):
+            return set()
+        bad = {ctx.sample_seqs[j] for j in (~logit_ok).nonzero().flatten().tolist()}
+        if row_ok is not None:
+            bad.update(ctx.token_seq[~row_ok].tolist())
+        return bad
+
+    def _contain_rows(self, ctx: BatchContext, bad: set[int]) -> None:
+        """Stop sequences whose values went non-finite; zero what they wrote (call under the lock)."""
+        idx = torch.tensor(sorted(bad), dtype=torch.long, device=ctx.token_seq.device)
+        slots = ctx.slot_mapping[torch.isin(ctx.token_seq, idx)]
+        blocks = [b for i in bad for b in ctx.seqs[i].block_table]  # empty once aborted mid-step
+        self.cache.scrub(slots, blocks)
+        for i in sorted(bad):
+            seq = ctx.seqs[i]
+            if seq.adapter is None:
+                what = "the base model"
+                self.fault = "the base model produced non-finite values (NaN/Inf); the worker may be corrupted"
+            else:
+                what = f"adapter {seq.adapter.name}"
+            log.warning("sequence %d (%s) produced non-finite values; stopped", seq.seq_id, what)
+            if not seq.is_finished:
+                self._finish(seq, "error", f"{what} produced non-finite values (NaN/Inf) for this request",
+                             "non_finite_output")
+
+    def _describe(self, exc: BaseException, seq: Sequence) -> tuple[str, str]:
+        """(message, code) for a request failed by ``exc``."""
+        from engine.lora.batch import LoRAApplyError
+        from engine.lora.manager import AdapterLoadError
+
+        if isinstance(exc, AdapterLoadError):
+            name = seq.adapter.name if seq.adapter is not None else exc.adapter_id
+            return f"adapter {name} could not be loaded: {exc.reason}", "adapter_load_failed"
+        if isinstance(exc, LoRAApplyError) and seq.adapter is not None:
+            return f"applying adapter {seq.adapter.name} failed in this worker", "adapter_error"
+        return "internal engine error", "engine_error"
+
+    def _contain_exception(self, ctx: BatchContext, exc: Exception) -> None:
+        """The forward failed: fail the rows it can be pinned on (one adapter's), else all of the
+        step's rows. The rest are recomputed next step; what the step wrote is zeroed."""
+        from engine.lora.batch import LoRAApplyError
+        from engine.lora.manager import AdapterLoadError
+
+        targets: list[Sequence] = []
+        if isinstance(exc, AdapterLoadError):
+            targets = [s for s in ctx.seqs if s.adapter is not None and s.adapter.id == exc.adapter_id]
+        elif isinstance(exc, LoRAApplyError) and ctx.seq_slots is not None:
+            hit = set(exc.slots)
+            targets = [s for s, slot in zip(ctx.seqs, ctx.seq_slots.tolist(), strict=True) if slot in hit]
+        if targets:
+            log.warning("engine step: %s; failing %d request(s) of that adapter", exc, len(targets))
+        else:
+            log.exception("engine step failed; failing its %d request(s)", len(ctx.seqs))
+            targets = list(ctx.seqs)
+        with self._lock:
+            self.cache.scrub(ctx.slot_mapping)
+            for seq in targets:
+                if not seq.is_finished:
+                    self._finish(seq, "error", *self._describe(exc, seq))
 
     def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
         p = seq.params
@@ -329,6 +418,16 @@ class Engine:
             for seq in list(self.scheduler.running) + [e[2] for e in self.scheduler.waiting]:
                 self._finish(seq, "error", error)
 
+    def _fail_running(self, error: str) -> None:
+        """After an unexpected step error: fail the running requests (all, if none runs, so a
+        request that breaks scheduling cannot wedge the loop); the engine keeps serving."""
+        with self._lock:
+            if not self.scheduler.running:
+                self.fail_all(error)
+                return
+            for seq in list(self.scheduler.running):
+                self._finish(seq, "error", error)
+
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
         if self._thread is not None:
@@ -359,8 +458,8 @@ class Engine:
             try:
                 progressed = self.step()
             except Exception:
-                log.exception("engine step failed; failing the in-flight requests")
-                self.fail_all("internal engine error")
+                log.exception("engine step failed; failing the running requests")
+                self._fail_running("internal engine error")
                 progressed = True
             if not progressed:  # work waits on an adapter load: do not spin
                 with self._wake:

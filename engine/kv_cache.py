@@ -9,6 +9,11 @@ Keeping the slot axis second lets a step gather every sequence's context with on
 ``BlockAllocator`` hands out block ids; the scheduler asks it before admitting or
 extending a sequence and returns blocks when a sequence finishes, is aborted or is
 preempted. The number of blocks follows from ``kv_cache_bytes``.
+
+Reused blocks are not cleared: attention gives every position outside a sequence's
+context a weight of exactly 0 (scores masked, not added to), which is exact as long as
+the stale V values there are finite. The engine keeps it so: K/V a row wrote while its
+hidden state went non-finite are zeroed (``scrub``) before the blocks can be reused.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class BlockAllocator:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Block 0 last so low ids are used first (and a stale slot 0 pad stays harmless).
+        # Popped from the end: low ids are used first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 
     @property
@@ -107,6 +112,16 @@ class KVCache:
         torch.index_select(vc, 1, blocks, out=v_out)
         out_shape = (self.num_kv_heads, n * self.block_size, self.head_dim)
         return k_out.view(out_shape), v_out.view(out_shape)
+
+    def scrub(self, slots: torch.Tensor | None = None, blocks: list[int] | None = None) -> None:
+        """Zero K and V in every layer at token ``slots`` and over whole ``blocks``."""
+        for layer in range(len(self.k)):
+            for pool in (self.k[layer], self.v[layer]):
+                if slots is not None and slots.numel():
+                    pool.index_fill_(1, slots.to(pool.device), 0)
+                if blocks:
+                    idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+                    pool.view(self.num_kv_heads, self.num_blocks, -1).index_fill_(1, idx, 0)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""

@@ -2,7 +2,9 @@
 
 One ``forward(ctx)`` runs every token row of the step (prefill chunks and decode
 rows together) through the layers, writes their K/V into the paged cache, and
-returns logits only for ``ctx.sample_rows`` (the LM head never sees the rest).
+returns logits only for ``ctx.sample_rows`` (the LM head never sees the rest). It also
+sets ``ctx.row_finite`` (per row: the final hidden state is finite), which the engine
+reads to stop a sequence whose values went non-finite before they reach anyone else.
 
 LoRA hook contract
 ------------------
@@ -88,7 +90,7 @@ class DecoderModel:
         h = F.embedding(ctx.input_ids, w.embed)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
-        prepare_attention(ctx, nkv, self.dtype, self.decode_kernel)
+        prepare_attention(ctx, nkv, self.decode_kernel)
         t = h.shape[0]
         delta = None  # the previous layer's MLP output, added into h by the next norm
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
@@ -114,6 +116,9 @@ class DecoderModel:
             if lora is not None:
                 lora.apply_many(i, m, (("down_proj", delta),))
         h.add_(delta)
+        # NaN/Inf anywhere in a row sums to non-finite (float32: a float16 sum could overflow);
+        # the engine stops that row's sequence.
+        ctx.row_finite = torch.isfinite(h.sum(dim=1, dtype=torch.float32))
         rows = ctx.sample_rows
         if rows.numel() == 0:
             return h.new_empty((0, cfg.vocab_size))

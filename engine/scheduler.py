@@ -17,7 +17,8 @@ Prefill chunks and decode rows of the step go through ONE forward pass.
 Adapter-aware admission plugs in through ``AdmissionPolicy``: ``admit(seq, batch)`` is
 asked for each waiting candidate with the sequences already chosen for this step
 (running ones included); returning False skips the candidate this step without
-blocking the ones behind it. The default admits everything. A policy may also define
+blocking the ones behind it; one that raises fails that candidate only
+(``SchedulerOutput.errors``). The default admits everything. A policy may also define
 ``order(waiting, running) -> list`` (the candidates in the order to try them; default:
 priority, then arrival) and ``charge(chunks)`` (told the chunks each step serves) —
 ``engine.admission.FairAdmission`` uses both for tenant fairness and adapter residency.
@@ -27,11 +28,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv_cache import BlockAllocator
 from engine.sequence import SeqStatus, Sequence
+
+log = logging.getLogger("loraplex.engine.scheduler")
 
 
 class QueueFullError(RuntimeError):
@@ -53,6 +57,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
     """Sequences that can never fit the KV pool (finished with an error)."""
+    errors: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    """Sequences the admission policy raised for (removed; the engine fails them with the error)."""
 
     @property
     def num_tokens(self) -> int:
@@ -158,7 +164,16 @@ class Scheduler:
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self.policy.admit(seq, chosen):
+            try:
+                admit = self.policy.admit(seq, chosen)
+            except Exception as exc:  # fails this request, not the step
+                log.exception("admission of sequence %d failed", seq.seq_id)
+                admitted.add(id(seq))
+                self._release(seq)
+                seq.status = SeqStatus.FINISHED
+                out.errors.append((seq, exc))
+                continue
+            if not admit:
                 continue
             if alloc.blocks_for(seq.num_tokens + 1) > alloc.num_blocks:
                 admitted.add(id(seq))

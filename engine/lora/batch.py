@@ -7,7 +7,8 @@ which (layer, projection) pairs no adapter in the batch touches so those calls c
 nothing. Projections that read the same input (q/k/v, gate/up) are applied together:
 on the native CPU path that is one kernel call over their stacks, whose argument tables
 are built once per storage (``SlotBank.derived``). A batch without LoRA rows
-(``batch.empty``) makes every call a no-op.
+(``batch.empty``) makes every call a no-op. A failing pass raises :class:`LoRAApplyError`
+naming the slots it served.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import torch
 from engine.lora.ops import SegmentPlan, choose_path, lora_apply
 from engine.lora.slots import SlotBank
 from engine.native import lora_rows_kernel
+
+
+class LoRAApplyError(RuntimeError):
+    """The LoRA work of one rank class failed; ``slots`` are the global slot ids it served
+    (the engine fails the rows of those adapters only)."""
+
+    def __init__(self, slots: tuple[int, ...], message: str) -> None:
+        super().__init__(message)
+        self.slots = slots
 
 
 @dataclass(frozen=True)
@@ -97,14 +107,23 @@ class LoRABatch:
             todo = tuple((proj, out) for proj, out in targets if p.active[proj][layer])
             if not todo:
                 continue
-            if p.path == "native":
-                kernel = lora_rows_kernel()
-                table = self._native_table(kernel, p.class_index, layer, tuple(proj for proj, _ in todo))
-                kernel.run(table, x, [out for _, out in todo], p.plan.rows, p.plan.row_slots)
-                continue
-            for proj, out in todo:
-                a, b, scale = self.bank.stacks(p.class_index, layer, proj)
-                lora_apply(out, x, a, b, scale, p.plan, path=p.path, native=p.native)
+            try:
+                self._run_pass(p, layer, x, todo)
+            except Exception as exc:
+                s = self.bank.slots_per_class
+                slots = tuple(p.class_index * s + local for local in p.plan.seg_slots)
+                raise LoRAApplyError(slots, f"layer {layer} {'/'.join(t[0] for t in todo)}: {exc}") from exc
+
+    def _run_pass(self, p: _ClassPass, layer: int, x: torch.Tensor,
+                  todo: tuple[tuple[str, torch.Tensor], ...]) -> None:
+        if p.path == "native":
+            kernel = lora_rows_kernel()
+            table = self._native_table(kernel, p.class_index, layer, tuple(proj for proj, _ in todo))
+            kernel.run(table, x, [out for _, out in todo], p.plan.rows, p.plan.row_slots)
+            return
+        for proj, out in todo:
+            a, b, scale = self.bank.stacks(p.class_index, layer, proj)
+            lora_apply(out, x, a, b, scale, p.plan, path=p.path, native=p.native)
 
     def _native_table(self, kernel: Any, c: int, layer: int, projs: tuple[str, ...]) -> Any:
         bank = self.bank

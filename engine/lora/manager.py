@@ -7,7 +7,9 @@ The engine talks to one :class:`AdapterManager`:
   while the current step runs. Never blocks.
 * ``ready(ref)`` / ``state(ref)``: whether ``acquire_slots`` would not wait on IO; a failed
   load reports ``"failed"`` with the reason (only that adapter's requests fail; a later
-  ``prefetch`` retries once ``failure_ttl_s`` has passed).
+  ``prefetch`` retries once ``failure_ttl_s`` has passed). A load fails, too, when the
+  adapter's scale or weights are not finite in the slots' dtype, and so does a slot write
+  that raises (the slot is handed back): neither ever fails an engine step.
 * ``acquire_slots(refs)`` when sequences join the running batch (one ref per sequence):
   places the adapters into device slots and returns one slot id per ref; each ref counts
   one user until ``release(refs)``. A slot with users is never evicted, so a slot id stays
@@ -35,7 +37,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter_files
-from engine.lora.slots import RankTooLarge, SlotBank
+from engine.lora.slots import NonFiniteAdapter, RankTooLarge, SlotBank, check_finite
 from engine.lora.sources import (
     AdapterFetchError,
     DiskCache,
@@ -271,7 +273,7 @@ class AdapterManager:
             weights, tier, seconds = self._read(ref)
         except Exception as exc:
             reason = _reason(exc)
-            if not isinstance(exc, AdapterFormatError | AdapterFetchError | RankTooLarge | OSError):
+            if not isinstance(exc, AdapterFormatError | AdapterFetchError | RankTooLarge | NonFiniteAdapter | OSError):
                 log.exception("unexpected error loading adapter %s (%s)", ref.id, ref.name)
             else:
                 log.warning("adapter %s (%s) failed to load: %s", ref.id, ref.name, reason)
@@ -314,6 +316,7 @@ class AdapterManager:
         weights = load_adapter_files(contents, self.model, dtype=self.weights_dtype,
                                      projections=self.bank.projections, limits=self.limits)
         self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
+        check_finite(weights, self.bank.dtype)  # a slot write can then never overflow
         if self._pin_host:
             weights = weights.pin_memory()
         return weights
@@ -408,14 +411,31 @@ class AdapterManager:
             if victim.weights is None and not victim.pinned:
                 del self._entries[order[0]]
         t0 = time.perf_counter()
-        self.bank.write(slot, e.weights)
-        if self.bank.device.type == "cuda":
-            torch.cuda.current_stream(self.bank.device).synchronize()
+        try:
+            self.bank.write(slot, e.weights)
+            if self.bank.device.type == "cuda":
+                torch.cuda.current_stream(self.bank.device).synchronize()
+        except Exception as exc:  # only this adapter fails: the slot goes back, the load is marked failed
+            self._slot_write_failed(e, c, slot, exc)
         seconds = time.perf_counter() - t0
         self.stats.loads["host"] += 1
         self.stats.load_seconds["host"] += seconds
         e.slot = slot
         self._observe("host", seconds)
+
+    def _slot_write_failed(self, e: _Entry, class_index: int, slot: int, exc: Exception) -> None:
+        reason = _reason(exc)
+        log.warning("adapter %s (%s) could not be placed in slot %d: %s", e.ref.id, e.ref.name, slot, reason)
+        try:
+            self.bank.clear(slot)
+        finally:
+            self._free[class_index].insert(0, slot)
+            e.weights = None
+            e.error = reason
+            e.failed_at = time.monotonic()
+            self._host_policy.remove(e.ref.id)
+            self.stats.failures += 1
+        raise AdapterLoadError(e.ref.id, reason) from exc
 
     def _observe(self, tier: str, seconds: float) -> None:
         if self.on_load is not None:
@@ -513,6 +533,8 @@ class AdapterManager:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, AdapterFormatError):
         return f"invalid adapter: {exc}"
+    if isinstance(exc, NonFiniteAdapter):
+        return f"invalid adapter: non-finite values: {exc}"
     if isinstance(exc, RankTooLarge):
         return f"unsupported rank: {exc}"
     if isinstance(exc, AdapterFetchError):

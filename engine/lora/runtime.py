@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.lora.batch import LoRABatch
-from engine.lora.manager import AdapterLoadError, AdapterManager
+from engine.lora.manager import AdapterLoadError, AdapterManager, SlotsExhausted
 
 
 class LoRARuntime:
@@ -69,7 +69,8 @@ class LoRARuntime:
 
     # --- per step ----------------------------------------------------------------------------
     def slot_for(self, seq: Any) -> int:
-        """The sequence's slot (``-1`` for the base model); acquires (blocking) if not admitted."""
+        """The sequence's slot (``-1`` for the base model); acquires (blocking) if not admitted.
+        Raises :class:`AdapterLoadError` (naming the adapter) when that fails."""
         ref = seq.adapter
         if ref is None:
             return -1
@@ -77,7 +78,10 @@ class LoRARuntime:
             held = self._held.get(seq.seq_id)
         if held is not None:
             return held[1]
-        [slot] = self.manager.acquire_slots([ref])
+        try:
+            [slot] = self.manager.acquire_slots([ref])
+        except SlotsExhausted as exc:  # fails this adapter's rows, not the step
+            raise AdapterLoadError(ref.id, str(exc)) from exc
         with self._lock:
             self._held[seq.seq_id] = (ref, slot)
         return slot

@@ -23,6 +23,7 @@ their ranks). Device memory per class is at most ``S * L * r_c * sum(in + out)``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,33 @@ from loraplex.modelinfo import PROJECTIONS, ModelInfo
 
 class RankTooLarge(ValueError):
     """The adapter's rank exceeds the largest rank class."""
+
+
+class NonFiniteAdapter(ValueError):
+    """The adapter's scale or weights are NaN or Inf once scaled and cast to the serving dtype."""
+
+
+def check_finite(weights: LoRAWeights, dtype: torch.dtype, *, tensors: bool = True) -> None:
+    """Refuse (:class:`NonFiniteAdapter`) an adapter a slot of ``dtype`` cannot hold finitely:
+    per module the scale (alpha/r or alpha/sqrt(r), patterns applied), ``A`` and ``scale * B``
+    must all be finite in ``dtype``. ``tensors=False``: the scales only (no pass over the
+    weights; what a slot write needs so that it never overflows half-way)."""
+    top = torch.finfo(dtype).max
+    name = str(dtype).removeprefix("torch.")
+    for (layer, proj), mod in sorted(weights.modules.items()):
+        where = f"layers.{layer}.{proj}"
+        scale = float(mod.scale)
+        if not math.isfinite(scale) or abs(scale) > top:
+            raise NonFiniteAdapter(f"{where}: LoRA scale {scale:g} (lora_alpha / r) is not finite in {name}")
+        if not tensors:
+            continue
+        if not bool(torch.isfinite(mod.a.to(dtype)).all()):
+            raise NonFiniteAdapter(f"{where}: lora_A holds values that are NaN or Inf in {name}")
+        b = mod.b.to(dtype)
+        if not bool(torch.isfinite(b).all()):
+            raise NonFiniteAdapter(f"{where}: lora_B holds values that are NaN or Inf in {name}")
+        if b.numel() and float(b.abs().amax()) * abs(scale) > top:
+            raise NonFiniteAdapter(f"{where}: lora_B scaled by {scale:g} (lora_alpha / r) overflows {name}")
 
 
 @dataclass
@@ -152,7 +180,9 @@ class SlotBank:
         return value
 
     def write(self, slot: int, weights: LoRAWeights) -> None:
-        """Copy an adapter into ``slot`` (zero-padded to the class rank; other modules zeroed)."""
+        """Copy an adapter into ``slot`` (zero-padded to the class rank; other modules zeroed).
+        Shapes and scales are checked before the slot is touched; the weights' values are
+        the loader's to check (:func:`check_finite`)."""
         c, i = self.split(slot)
         rc = self.rank_classes[c]
         if weights.rank > rc:
@@ -162,6 +192,7 @@ class SlotBank:
                 raise ValueError(f"projection {proj!r} has no slot storage (bank holds {self.projections})")
             if not 0 <= layer < self.num_layers:
                 raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer bank")
+        check_finite(weights, self.dtype, tensors=False)
         st = self._class(c, need=i + 1)
         self.clear(slot)
         non_blocking = self.device.type == "cuda"
