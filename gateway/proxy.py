@@ -109,9 +109,10 @@ class Upstream:
                     await resp.aclose()
                     resp = None
                     worker.inflight -= 1
-                    if b"adapter_load_failed" in body:
-                        load_failure = _message(body)
-                        break  # the artifact itself failed: another worker would fail the same way
+                    failed = _adapter_failure(body)
+                    if failed is not None:
+                        load_failure = failed
+                        break  # the adapter itself failed: another worker would fail the same way
                     last = f"worker {worker.id} is overloaded"
                     continue
                 if resp.status_code in (401, 403):
@@ -147,7 +148,9 @@ class Upstream:
                     await resp.aclose()
                 raise
         if load_failure is not None:
-            raise GatewayError(503, f"The adapter could not be loaded: {load_failure}", code="adapter_load_failed")
+            code, message = load_failure
+            what = "could not be loaded" if code == "adapter_load_failed" else "failed on this request"
+            raise GatewayError(503, f"The adapter {what}: {message}", code=code)
         log.warning("request %s: every candidate failed (%s)", request_id, last)
         raise GatewayError(503, "No worker could serve this request right now.", code="no_worker",
                            headers={"retry-after": "1"})
@@ -159,6 +162,18 @@ class Upstream:
             resp.close()
         else:
             await resp.aclose()
+
+
+ADAPTER_FAILURES = (b"adapter_load_failed", b"non_finite_output", b"adapter_error")
+"""Worker error codes that blame the adapter itself: such an answer is not retried elsewhere."""
+
+
+def _adapter_failure(body: bytes) -> tuple[str, str] | None:
+    """(code, message) of a worker's 503 that blames the adapter, else None (overloaded)."""
+    for code in ADAPTER_FAILURES:
+        if code in body:
+            return code.decode(), _message(body)
+    return None
 
 
 def _message(body: bytes) -> str:

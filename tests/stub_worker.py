@@ -9,7 +9,8 @@ requests were cancelled by their client (``GET /stub/stats``).
 Per-request behaviour can be changed through the OpenAI ``metadata`` field:
 ``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
 chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
-``500``, ``400`` = a worker 4xx, ``load-fail`` = the adapter could not be loaded). ``--mode`` sets the
+``500``, ``400`` = a worker 4xx, ``load-fail`` = the adapter could not be loaded, ``non-finite`` = its
+values went NaN/Inf). ``--mode`` sets the
 default for every request.
 
 It generates min(``max_tokens``, ``--chunks``) tokens, one per stream chunk, reading
@@ -165,6 +166,10 @@ class Stub:
             await self._json(send, 503, {"error": {"message": "sha256 mismatch", "type": "server_error",
                                                    "code": "adapter_load_failed"}})
             return
+        if mode == "non-finite":
+            await self._json(send, 503, {"error": {"message": "adapter x produced non-finite values (NaN/Inf)",
+                                                   "type": "server_error", "code": "non_finite_output"}})
+            return
         if mode == "500":
             await self._json(send, 500, {"error": {"message": "boom", "type": "server_error", "code": None}})
             return
@@ -308,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=5)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--chunk-delay", type=float, default=0.0)
-    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "400", "break", "load-fail"])
+    p.add_argument("--mode", default="ok", choices=["ok", "503", "500", "400", "break", "load-fail", "non-finite"])
     p.add_argument("--tokenizer", default="", help="HF directory, .gguf or served tokenizer .json (exact prompt counts)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--report-interval", type=float, default=0.5)

@@ -30,13 +30,20 @@ def env(monkeypatch, tmp_path):
 
 @pytest.fixture
 def started(env):
-    """What would have served: uvicorn.run and the embedded runner, recorded instead of run."""
+    """What would have served: uvicorn.run, the gateway's servers and the embedded runner,
+    recorded instead of run."""
     import uvicorn
 
+    import gateway.http_edge as http_edge
     import loraplex.serve as serve
 
     calls: list[tuple[str, dict]] = []
     env.setattr(uvicorn, "run", lambda app, **kw: calls.append(("uvicorn", kw)))
+
+    async def serve_all(servers):
+        calls.append(("uvicorn", {"host": servers[-1].config.host}))
+
+    env.setattr(http_edge, "serve_all", serve_all)
     env.setattr(serve, "prepare", lambda settings: settings)
 
     async def run(settings, *, demo=False):

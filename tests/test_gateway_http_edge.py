@@ -554,9 +554,10 @@ def test_sigterm_drains_then_answers_what_is_still_running(tmp_path):
 
     secret = "edge-test-" + "s" * 40
     port, metrics_port = free_port(), free_port()
-    with StubProcess("w1", extra=("--chunks", "5")) as stub:
+    worker_secret = "edge-test-worker-" + "w" * 40
+    with StubProcess("w1", extra=("--chunks", "5", "--worker-secret", worker_secret)) as stub:
         env = dict(os.environ, LORAPLEX_HOME=str(tmp_path), LORAPLEX_JWT_SECRET=secret,
-                   LORAPLEX_WORKER_SECRET="edge-test-worker-" + "w" * 40, LORAPLEX_REDIS_URL="",
+                   LORAPLEX_WORKER_SECRET=worker_secret, LORAPLEX_REDIS_URL="",
                    LORAPLEX_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path}/registry.db",
                    LORAPLEX_REGISTRY_SNAPSHOT_FILE=_snapshot_file(tmp_path / "snapshot.json"),
                    LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_GATEWAY_HOST="127.0.0.1",

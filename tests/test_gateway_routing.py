@@ -156,6 +156,10 @@ async def test_routing_and_failover_with_real_workers(stubs, redis_url, redis_pr
         assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_load_failed"
         assert "sha256 mismatch" in r.json()["error"]["message"]
         assert sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2") == before + 1
+        # Nor is an adapter whose values went non-finite: it would poison every candidate's batch.
+        r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "non-finite"}}, headers=h)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "non_finite_output", r.text
+        assert sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2") == before + 2
         # The dead worker leaves the live set within the report TTL.
         router = app.state.gateway.router
         while "w2" in {w.id for w in router.workers()} and time.monotonic() - t0 < 5:

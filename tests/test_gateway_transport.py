@@ -10,7 +10,12 @@ import orjson
 import pytest
 
 from gateway.transport import H11Transport
+from loraplex.settings import DEV_WORKER_SECRET
+from loraplex.wire import HDR_WORKER_SECRET
 from tests.stub_worker import StubProcess, free_port
+
+SECRET_LINE = f"{HDR_WORKER_SECRET}: {DEV_WORKER_SECRET}\r\n".encode()
+"""The stub worker refuses requests without the worker secret, as a real one does."""
 
 
 class RawServer:
@@ -57,7 +62,7 @@ def stub():
 
 async def test_json_and_sse_through_httpx_client(stub):
     t = H11Transport()
-    async with httpx.AsyncClient(transport=t) as c:
+    async with httpx.AsyncClient(transport=t, headers={HDR_WORKER_SECRET: DEV_WORKER_SECRET}) as c:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         for _ in range(3):
             r = await c.post(stub.url + "/v1/chat/completions", json=body)
@@ -74,7 +79,7 @@ async def test_json_and_sse_through_httpx_client(stub):
 async def test_fast_post_path(stub):
     t = H11Transport()
     payload = orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 2})
-    resp = await t.post("127.0.0.1", stub.port, "/v1/completions", b"content-type: application/json\r\n", payload)
+    resp = await t.post("127.0.0.1", stub.port, "/v1/completions", b"content-type: application/json\r\n" + SECRET_LINE, payload)
     assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
     data = b"".join([c async for c in resp.aiter_bytes()])
     await resp.aclose()

@@ -15,6 +15,7 @@ from engine.api import create_worker_app
 from engine.engine import Engine
 from gateway.app import create_app
 from gateway.ratelimit import LocalLimiter
+from loraplex.digest import digest_directory
 from loraplex.modelinfo import describe_model
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
@@ -153,7 +154,8 @@ async def test_with_the_secret_the_routes_work(client, touched):
 
 
 async def test_health_and_metrics_are_open_and_name_no_tenant_or_adapter(client, worker):
-    ref = {"id": "acme-private-v9", "name": "acme-private@9", "uri": worker[2].as_uri()}
+    ref = {"id": "acme-private-v9", "name": "acme-private@9", "uri": worker[2].as_uri(),
+           "sha256": digest_directory(worker[2])}
     r = await client.post("/v1/chat/completions", headers={HDR_WORKER_SECRET: SECRET},
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                 "loraplex": {"adapter": ref, "tenant": "acme-secret-tenant"}})

@@ -350,7 +350,7 @@ async def test_adapter_ref_without_digest_is_refused(client, world):
     """The gateway always sends the version digest; a ref without one never reaches the engine."""
     _, engine, *_ = world
     bare = AdapterRef(id="id-bare", name="a@9", uri=world[2]["a"].as_uri())
-    r = await client.post("/v1/chat/completions", json=body(bare))
+    r = await client.post("/v1/chat/completions", json=body(bare), headers=H())
     assert r.status_code == 400 and "sha256" in r.json()["error"]["message"]
     r = await client.post("/internal/adapters/load", json={"adapter": bare.to_dict()}, headers=H())
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
