@@ -35,9 +35,14 @@ from engine.lora.slots import NonFiniteAdapter, SlotBank, check_finite
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, Sequence
 from engine.warmstart import warm
+from loraplex.digest import digest_directory
+from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 from tests.lora_fixtures import ALL, model_info, peft_adapters, save_tiny_llama
+
+UNBOUNDED = ConfigLimits(max_rank=64, max_scale=math.inf, max_delta=math.inf)
+"""No admission-style bounds: the engine must contain what the bounds would refuse."""
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
@@ -135,7 +140,8 @@ def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20) -> Engine
                                                     max_model_len=96, native_kernels=native))
     info = model_info(world.base)
     bank = SlotBank.for_model(info, (8, 16), slots_per_class=4)
-    rt = LoRARuntime(AdapterManager(info, bank, max_loras=8, cache_dir=str(world.cache)), native=native)
+    rt = LoRARuntime(AdapterManager(info, bank, max_loras=8, cache_dir=str(world.cache), limits=UNBOUNDED),
+                     native=native)
     eng.lora_runtime = rt
     eng.scheduler.policy = FairAdmission(rt)
     return eng
@@ -443,6 +449,8 @@ async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_p
     settings = Settings(home=str(tmp_path), model=str(world.base), worker_id="w-poison", device="cpu",
                         dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=8, max_loras=4,
                         lora_rank_classes=(8, 16), worker_secret=secret, max_body_bytes=64 * 1024,
+                        max_lora_scale=math.inf, max_lora_delta=math.inf,
+                        adapter_root=str(world.poison["alpha1e38"].parent),
                         preload_adapters=(f"p38={world.poison['alpha1e38'].as_uri()}",
                                           f"p300={world.poison['alpha1e300'].as_uri()}"))
     eng = Engine.from_settings(settings)
@@ -452,9 +460,10 @@ async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_p
         assert result is not None and result.loaded == ["p38"] and "not finite" in result.failed["p300"]
         app = create_worker_app(settings, engine=eng, report=False, warm_start=False)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w",
-                                     timeout=60) as c:
+                                     timeout=60, headers={HDR_WORKER_SECRET: secret}) as c:
             r = await c.post("/internal/adapters/load", headers={HDR_WORKER_SECRET: secret},
-                             json={"adapter": {"id": "p300", "uri": world.poison["alpha1e300"].as_uri()}})
+                             json={"adapter": {"id": "p300", "uri": world.poison["alpha1e300"].as_uri(),
+                                               "sha256": digest_directory(world.poison["alpha1e300"])}})
             assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed"
             assert "not finite in float32" in r.json()["error"]["message"]
 
@@ -462,8 +471,9 @@ async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_p
                 b: dict[str, Any] = {"prompt": "t5 t6 t7 t8", "max_tokens": 5, "temperature": 0,
                                      "ignore_eos": True}
                 if adapter_id is not None:
-                    uri = world.poison["alpha1e38" if adapter_id == "p38" else "alpha1e300"].as_uri()
-                    b["loraplex"] = {"adapter": {"id": adapter_id, "name": adapter_id, "uri": uri}, "tenant": "x"}
+                    path = world.poison["alpha1e38" if adapter_id == "p38" else "alpha1e300"]
+                    b["loraplex"] = {"adapter": {"id": adapter_id, "name": adapter_id, "uri": path.as_uri(),
+                                                 "sha256": digest_directory(path)}, "tenant": "x"}
                 return b
 
             alone = (await c.post("/v1/completions", json=req(None))).json()["choices"][0]["text"]
