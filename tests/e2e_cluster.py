@@ -70,6 +70,10 @@ class Cluster:
     redis_prefix: str
     model: str
     base_name: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """``LORAPLEX_*`` variables every process gets (a deployment's own secrets, say)."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Variables only the workers get."""
     workers: list[Proc] = field(default_factory=list)
     gateways: list[Proc] = field(default_factory=list)
 
@@ -91,6 +95,7 @@ class Cluster:
             "LORAPLEX_REGISTRY_REFRESH_S": "5",
             "HF_HUB_OFFLINE": "1",
         })
+        env.update(self.extra_env)
         env.update(extra)
         return env
 
@@ -102,7 +107,7 @@ class Cluster:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = self.env(LORAPLEX_WORKER_ID=worker_id, LORAPLEX_WORKER_PORT=str(port), LORAPLEX_WORKER_URL=url,
-                       LORAPLEX_KV_CACHE_BYTES=str(64 * 1024 * 1024))
+                       LORAPLEX_KV_CACHE_BYTES=str(64 * 1024 * 1024), **self.worker_env)
         proc = Proc(worker_id, [str(BIN), "worker"], env, self.home / f"{worker_id}.log", url)
         proc.start()
         self.workers.append(proc)
