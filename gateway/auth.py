@@ -1,11 +1,7 @@
 """Bearer-token authentication for the data plane, with a short verification cache.
 
-Verifying a JWT (signature + claims) is the most expensive step of the hot path, and a
-client sends the same token on every request, so verified principals are cached per
-token in a bounded LRU. A cached entry is honoured only until the token's own ``exp``
-(plus the configured leeway) and at most ``ttl_s``; failures are never cached.
-Whether the tenant exists and is active is checked against the current registry
-snapshot on every request, so disabling a tenant takes effect within a snapshot swap.
+Verified principals are cached per token until its ``exp`` (+ leeway) and at most ``ttl_s``;
+failures are never cached; the tenant is checked against the snapshot on every request.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """How the gateway is served: uvicorn's httptools protocol with the gateway's edge policy.
 
-uvicorn parses HTTP (llhttp through httptools: malformed chunk sizes, bare-LF line
-endings and Content-Length/Transfer-Encoding conflicts are refused with a 400) and
-times out idle keep-alive connections. ``EdgeProtocol`` adds what uvicorn leaves open:
-
-* a deadline for a request head to arrive in full (``gateway_head_timeout_s``), from the
-  connection's start for its first request and from the first byte for later ones; a
-  connection that sent nothing is closed, a partial head is answered 408;
-* a deadline for a request body to arrive in full (``gateway_body_timeout_s``) after its
-  head; 408 unless the response has started, then the connection just closes (time the
-  app makes the client wait, with reading paused, does not count);
-* request heads over ``MAX_HEAD_BYTES`` are answered 431;
-* protocol-level refusals (400, 408, 431) in the OpenAI error shape.
-
-Timers are armed only when a read leaves a head or body incomplete, so a request that
-arrives in one read costs none. ``gateway_servers`` builds the public server and the
-internal metrics server.
+``EdgeProtocol`` adds head and body deadlines (408), 431 for heads over ``MAX_HEAD_BYTES`` and
+protocol refusals in the OpenAI error shape (docs/DESIGN.md, "Edge"); ``gateway_servers``
+builds the public server and the internal metrics server.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Prometheus metrics per tenant and per adapter version, with bounded label cardinality.
 
-Each label dimension admits at most ``max_values`` distinct values; later ones are
-folded into ``"other"``, so thousands of tenants or adapter versions cannot blow up
-the time-series count.
-
-The per-request series (requests, latency, tokens, errors) are plain numbers per
-(tenant, adapter) that the request path bumps with one dict lookup and no locks (the
-event loop both updates and renders them); a collector turns them into metric families
-when scraped. The rarer series are ordinary ``prometheus_client`` metrics.
+Each label dimension admits at most ``max_values`` distinct values and folds later ones into
+``"other"``; per-request series are plain counters rendered by a collector when scraped.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Resolution: (tenant, requested model name) -> the adapter version that answers.
 
-A tenant may call its own aliases and the base model names. Anything else, including
-another tenant's alias, is a 404 with the same message as a name that exists nowhere.
-A binding with a canary sends ``canary_percent`` of the traffic to the canary version,
-chosen by a stable hash of (tenant, end user or request id), so one end user sticks to
-one version. A disabled binding answers with the base model or refuses with 503,
-per binding (``on_disabled``).
-
-Per-tenant tables are built lazily from each registry snapshot and kept until the
-snapshot object changes, so the request path does two dict lookups and one hash.
+Own aliases and base model names only (anything else is the same 404), the canary split by a
+stable hash of (tenant, end user or request id), per-tenant tables cached per snapshot:
+docs/DESIGN.md, "Resolve and canary".
 """
 
 from __future__ import annotations

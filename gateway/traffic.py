@@ -1,13 +1,8 @@
 """Recent adapter traffic, published for workers' warm start.
 
-Each gateway counts requests per adapter version in memory (no I/O on the request
-path) and adds the counts to Redis about once a second:
-
-* ``{prefix}:adapter-traffic``: sorted set, member = adapter version id, score = requests;
-* ``{prefix}:adapter-refs``: hash, field = adapter version id, value = the ``AdapterRef`` JSON.
-
-Both keys expire ``ttl_s`` after the last flush, so the ranking reflects recent traffic.
-A worker starting with ``LORAPLEX_PRELOAD_TOP_N`` loads the top N from them.
+Requests per adapter version are counted in memory and added to Redis about once a second:
+``{prefix}:adapter-traffic`` (sorted set: version id -> requests) and ``{prefix}:adapter-refs``
+(hash: version id -> ``AdapterRef`` JSON), both expiring ``ttl_s`` after the last flush.
 """
 
 from __future__ import annotations

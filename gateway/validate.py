@@ -1,19 +1,8 @@
 """The gateway's side of a request body: the shared field checks, and the reservation rule.
 
-Fields are read by ``loraplex.openai_request`` (the workers read them the same way);
-here the gateway adds what only it needs (a ``model`` alias to resolve, the reserved
-``"loraplex"`` key) and decides what to reserve against the tenant's tokens/min:
-
-* prompt tokens: the exact count with the base model's tokenizer
-  (``gateway.prompt_tokens``), or, while none is known, a byte-based upper bound
-  (``estimate``: a byte-level BPE token covers at least one UTF-8 byte);
-* ``max_tokens``: the client's (``max_completion_tokens`` wins), else
-  min(``default_max_tokens``, the context room, what the tokens/min limit could ever allow).
-
-A request that can never fit (exact count over the context length, or prompt +
-``max_tokens`` over the bucket's capacity) is a 400 naming the limit; an estimate never
-decides a 400 (its reservation is capped at the capacity instead, and settles at the
-worker's usage).
+``validate`` adds to ``loraplex.openai_request`` what only the gateway needs (a ``model`` alias,
+the reserved ``"loraplex"`` key); ``estimate`` is the byte-based prompt bound and ``reserve``
+the reservation rule (docs/DESIGN.md, "Count and plan").
 """
 
 from __future__ import annotations

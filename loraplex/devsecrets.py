@@ -1,10 +1,5 @@
-"""Refuse to listen beyond loopback while a secret is still its built-in development value.
-
-The defaults of ``jwt_secret`` and ``worker_secret`` are written in this repository: with
-them anyone can mint tenant and admin tokens, or call workers directly. ``loraplex gateway``,
-``worker``, ``serve`` and ``demo`` check their listen addresses at start: a loopback address
-works with the defaults (the quick start), any other address needs real secrets, or
-``LORAPLEX_ALLOW_DEV_SECRETS=true``.
+"""Refuse to listen beyond loopback while a secret (``jwt_secret``, ``worker_secret``) is still
+its built-in development value, unless ``LORAPLEX_ALLOW_DEV_SECRETS=true``.
 """
 
 from __future__ import annotations

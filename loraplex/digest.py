@@ -1,15 +1,10 @@
 """The identity of an adapter version: one sha256 over every file it is served from.
 
-The digest is the sha256 of a canonical manifest, one line per file in name order
-(``adapter_config.json`` and ``adapter_model.safetensors``)::
+The digest is the sha256 of a canonical manifest, one line per file in name order::
 
     loraplex-adapter-v1
     adapter_config.json <sha256 of its bytes>
     adapter_model.safetensors <sha256 of its bytes>
-
-The registry stores it (``adapter_versions.sha256``) at admission and every worker checks
-it over exactly the bytes it then parses, so editing any file of an admitted version makes
-its loads fail instead of serving something nobody admitted.
 """
 
 from __future__ import annotations

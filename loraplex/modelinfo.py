@@ -1,10 +1,7 @@
 """What a base model is, read without loading its weights: architecture, dimensions, revision.
 
-Both sides need the same answer: the registry validates adapters against a base
-model's dimensions and revision, and each worker reports the revision it serves.
-A model is a Hugging Face directory (``config.json`` + ``*.safetensors``) or a
-``.gguf`` file. The revision is a content hash, so two hosts with the same bytes
-agree on it without talking to each other.
+From a Hugging Face directory (``config.json`` + ``*.safetensors``) or a ``.gguf`` file; the
+revision is a content hash, so hosts with the same bytes agree on it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The OpenAI request fields, read one way by the gateway and by the workers.
 
-``parse(body, chat=...)`` checks an OpenAI chat/completions body (types, ranges, roles,
-content parts, ``stop``, ``n``, ``stream_options``, the ``max_tokens`` rule) and returns an
-``OpenAIRequest`` with the cleaned chat messages fed to the chat template. Invalid fields
-raise ``FieldError`` (message, param, code); each side turns it into its own 400.
-
-The ``max_tokens`` rule, on both routes: ``max_completion_tokens`` wins when given, else
-``max_tokens``. What a side fills in when neither is given is that side's policy.
+``parse(body, chat=...)`` returns an ``OpenAIRequest`` (with the cleaned chat messages fed to
+the chat template) or raises ``FieldError`` (message, param, code), which each side turns into
+its own 400. On both routes ``max_completion_tokens`` wins over ``max_tokens``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The one reader of a PEFT LoRA ``adapter_config.json``, for admission and the engine alike.
 
-Parsing is strict JSON (no ``NaN``/``Infinity``, no number that overflows to infinity, no
-duplicate keys), defaults are PEFT's own (``r`` 8, ``lora_alpha`` 8), and every feature this
-system cannot reproduce exactly is refused with a machine ``code`` and a reason.
-
-Bounds (:class:`ConfigLimits`, from settings) make an adapter unable to overflow a
-projection:
-
-* every rank (``r`` and ``rank_pattern`` values) is a positive integer at most ``max_rank``;
-* every alpha (``lora_alpha`` and ``alpha_pattern`` values) is finite and positive;
-* the effective scale of each module (``alpha / r``, or ``alpha / sqrt(r)`` with
-  ``use_rslora``, after the patterns) is at most ``max_scale``;
-* the largest possible entry of a module's delta weight, ``scale * r * max|A| * max|B|``,
-  is at most ``max_delta`` (by default float16's largest finite value), checked by
-  :func:`check_delta` once the tensors' magnitudes are known.
-
-Pure Python (no torch): admission runs in the gateway process.
+Strict JSON, PEFT's own defaults, unsupported features refused with a machine ``code``, and the
+bounds of :class:`ConfigLimits` (rank, alpha, scale per module; the delta-weight peak through
+:func:`check_delta`): docs/DESIGN.md, "Admission". Pure Python (no torch).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Where workers publish their residency/load reports and the gateway reads them.
 
-Two stores behind one small interface, chosen by configuration:
-
-* ``MemoryResidency``: a process-global table, the embedded default (gateway and
-  worker in one process);
-* ``RedisResidency``: one key per worker with a TTL plus a sorted set of ids, so a
-  worker that stops reporting disappears by itself.
+``MemoryResidency`` (a process-global table, the embedded default) or ``RedisResidency``
+(one key per worker with a TTL plus a sorted set of ids), chosen by configuration.
 """
 
 from __future__ import annotations

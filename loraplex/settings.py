@@ -1,11 +1,7 @@
 """One settings object for every loraplex process, read from ``LORAPLEX_*`` variables.
 
-Every field has an embedded default that runs the whole system on one machine:
-SQLite registry, in-process limiter / residency table / change fan-out, one worker,
-the demo model. Production sets ``LORAPLEX_DATABASE_URL`` (PostgreSQL) and
-``LORAPLEX_REDIS_URL``; nothing else changes code paths.
-
-Field ``foo_bar`` is read from ``LORAPLEX_FOO_BAR``. Lists are comma separated.
+Field ``foo_bar`` is read from ``LORAPLEX_FOO_BAR``; lists are comma separated. Every field
+has an embedded default that runs the whole system on one machine.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Tokenizer and chat template, from a Hugging Face directory or from GGUF metadata.
 
-* HF directory: ``tokenizer.json`` (``tokenizers``) plus ``tokenizer_config.json`` for the
-  special tokens and the chat template (or ``chat_template.jinja``).
-* GGUF: a gpt2-style byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` /
-  ``merges``; tokens typed CONTROL become special added tokens, USER_DEFINED plain
-  added tokens; the pre-tokenizer split follows llama.cpp's ``tokenizer.ggml.pre``
-  (``smollm``/``starcoder``/``refact``... split digits one by one, as their original
-  ``tokenizer.json`` does). The chat template is ``tokenizer.chat_template``.
-
-Chat templates are rendered with jinja2 the way transformers renders them (sandboxed,
-``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``).
-
-Torch-free: workers tokenize with it, and the gateway counts prompt tokens with the same
-class, rebuilt from the form a worker serves (``to_dict``/``from_dict``).
+Torch-free: workers tokenize with it, and the gateway counts prompts with the same class,
+rebuilt from the form a worker serves (``to_dict``/``from_dict``; docs/DESIGN.md, "The
+tokenizer route").
 """
 
 from __future__ import annotations

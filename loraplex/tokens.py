@@ -1,9 +1,7 @@
 """JWT minting and verification (pyjwt), shared by the gateway, the admin API and the CLI.
 
-Verification is strict: an explicit algorithm allow-list (never ``none``), required
-``exp``, issuer and audience, a small leeway. Keys come from the settings: an HS256
-shared secret, a PEM public key, or a JWKS file (keys picked by ``kid``). A key of the
-wrong family for the token's algorithm is refused, so HS/RS confusion cannot work.
+Strict: an algorithm allow-list (never ``none``), required ``exp``, issuer and audience; keys
+from the settings (HS256 secret, PEM public key, or JWKS by ``kid``), never of the wrong family.
 """
 
 from __future__ import annotations

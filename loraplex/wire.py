@@ -1,14 +1,8 @@
-"""Wire types shared by the gateway and the engine workers.
+"""Wire types shared by the gateway and the engine workers (docs/DESIGN.md, "The wire contract").
 
-This is the only module both sides import. It holds:
-
-* the worker request extension: the gateway forwards the client's OpenAI body to a
-  worker with one extra key, ``"loraplex"``, naming the resolved adapter version,
-  the tenant and its priority class (``WorkerRequestExt``);
-* the residency/load report a worker publishes every ~1 s (``WorkerReport``);
-* the OpenAI error body and the response headers both sides set.
-
-Everything is plain JSON-able dataclasses; ``to_dict``/``from_dict`` are the codec.
+The worker request extension (``WorkerRequestExt``), the residency report (``WorkerReport``),
+the OpenAI error body and the headers both sides set: plain JSON-able dataclasses whose
+``to_dict``/``from_dict`` are the codec.
 """
 
 from __future__ import annotations

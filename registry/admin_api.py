@@ -2,14 +2,9 @@
 
     app = admin_app(RegistryService(settings), settings)   # a Starlette sub-app
 
-Every route but ``GET /openapi.json`` needs ``Authorization: Bearer <JWT>`` carrying
-``settings.jwt_admin_scope`` (missing/bad token: 401; a token without the scope: 403).
-Errors use the OpenAI shape (``loraplex.wire.error_body``): malformed JSON 400, unknown
-tenant/adapter/alias 404, duplicates and state conflicts 409, bad values and admission
-refusals 422 (``code`` names the reason), body over ``max_body_bytes`` 413, registry
-database down (or its schema missing) 503. Never a stack trace.
-
-One table (``OPERATIONS``) drives both the routes and the OpenAPI document.
+Every route but ``GET /openapi.json`` needs a JWT carrying ``settings.jwt_admin_scope`` (401/403);
+errors are OpenAI-shaped, never a stack trace. One table (``OPERATIONS``) drives both the routes
+and the OpenAPI document.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Adapter admission: decide whether a PEFT LoRA artifact may enter the registry.
 
-Checks, in order, each refusal naming a machine ``code`` and a human message:
-
-* location: ``file://`` URI or plain path inside the configured adapter root, no symlinks
-  on the way or inside the adapter directory (``unsupported_uri``, ``path_escape``,
-  ``symlink``, ``not_found``);
-* layout: PEFT only (``adapter_config.json`` + ``adapter_model.safetensors``); any pickle
-  format present is refused (``pickle_format``, ``missing_file``); each file regular with a
-  single link (``not_regular_file``, ``hard_link``), size cap (``too_large``);
-* config, by the shared reader ``loraplex.peft_config`` (the engine reads it the same way):
-  strict JSON, no non-finite numbers (``bad_config``), LoRA only (``unsupported_feature``),
-  rank cap (``rank_too_large``), scale cap per module (``scale_too_large``); here also the
-  allowed target modules (``target_module_not_allowed``), the base model named in
-  ``base_model_name_or_path`` (``base_model_mismatch``) and its revision (``base_revision_mismatch``);
-* safetensors header, parsed by hand so truncated files are caught (``truncated``,
-  ``bad_header``); every tensor's name, dtype, shape and layer index checked against the
-  base model (``unexpected_tensor``, ``bad_dtype``, ``shape_mismatch``, ``layer_out_of_range``,
-  ``missing_tensor``, ``rank_mismatch``);
-* values: no NaN / Inf (``non_finite``), no delta weight that could overflow (``delta_too_large``).
-
-Both files are read once; the checks and the version digest (``loraplex.digest``, what the
-registry stores as ``sha256``) cover exactly those bytes. Blocking (file I/O, hashing,
-tensor scan): async callers run it in a thread.
+``admit`` refuses with a machine ``code`` and a reason (the checks, in order:
+docs/DESIGN.md, "Admission"); the version digest covers exactly the bytes it checked.
+Blocking (file I/O, hashing, tensor scan): async callers run it in a thread.
 """
 
 from __future__ import annotations

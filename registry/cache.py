@@ -1,12 +1,7 @@
 """Reader-side registry cache: the snapshot every gateway request resolves against.
 
-``SnapshotCache`` holds one immutable ``RegistrySnapshot`` and swaps in a new one when a
-change is announced (``registry.changes``), plus a periodic full refresh
-(``settings.registry_refresh_s``) as a safety net. If the database is unreachable it keeps
-serving the last snapshot and logs; ``current`` is never None after ``start()``.
-
     cache = SnapshotCache(settings)
-    await cache.start()
+    await cache.start()                       # ``current`` is never None after this
     snap = cache.current                      # RegistrySnapshot
     await cache.wait_for(version, timeout=2)  # True once current.version >= version
     await cache.refresh()                     # force a reload now

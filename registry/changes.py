@@ -1,14 +1,7 @@
 """Change fan-out: every committed registry change is announced with its new version.
 
-* PostgreSQL: ``pg_notify`` inside the write transaction (delivered on commit, dropped on
-  rollback); readers hold one ``LISTEN`` connection (asyncpg) that reconnects by itself.
-* SQLite with ``LORAPLEX_REDIS_URL``: Redis pub/sub on ``{redis_prefix}:registry`` after commit
-  (several processes sharing one SQLite file).
-* Always: an in-process hub, so readers in the writer's own process (the embedded default)
-  see a change without any round trip.
-
-A reader treats announcements as hints: it refreshes when the announced version is newer
-than what it holds, and after any reconnect (it may have missed announcements).
+PostgreSQL ``LISTEN``/``NOTIFY``, Redis pub/sub (SQLite shared by several processes) and an
+in-process hub; readers treat announcements as hints (docs/DESIGN.md, "Change fan-out").
 """
 
 from __future__ import annotations

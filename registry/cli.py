@@ -1,11 +1,10 @@
 """``loraplex migrate`` and ``loraplex admin``: schema migrations and registry operations.
 
 ``admin`` talks HTTP to the gateway's admin API (``LORAPLEX_ADMIN_URL`` + ``/admin``) with
-``LORAPLEX_ADMIN_TOKEN`` or an admin token minted from ``LORAPLEX_JWT_SECRET``. Output is a
-human table by default and JSON with ``--json``; a refusal prints the reason (and the evidence
-it carries) and exits 1. ``--url``, ``--token``, ``--json`` and ``--timeout`` go before or after
-the subcommand.
-Heavy modules (httpx, sqlalchemy, alembic) are imported inside handlers so ``--help`` is fast.
+``LORAPLEX_ADMIN_TOKEN`` or an admin token minted from ``LORAPLEX_JWT_SECRET``; human tables,
+or JSON with ``--json``; a refusal prints the reason (and its evidence) and exits 1. Global
+options go before or after the subcommand. Heavy modules are imported inside handlers so
+``--help`` is fast.
 """
 
 from __future__ import annotations

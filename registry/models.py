@@ -1,12 +1,6 @@
 """Registry schema (SQLAlchemy 2 typed ORM): base models, adapter versions, tenants,
 bindings, the append-only audit log and the one-row registry version.
 
-Adapter versions are immutable artifacts: only ``status``, ``status_reason`` and
-``verification`` ever change after registration. Their ``id`` (a uuid string) is the
-routing key and the engine's cache key everywhere downstream. Every write transaction
-bumps ``registry_state.version`` first, which both orders changes (readers compare
-versions) and serializes writers (row lock on PostgreSQL, write lock on SQLite).
-
 Schema changes go through Alembic (``migrations/``); a test proves the two agree.
 """
 

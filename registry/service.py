@@ -1,20 +1,7 @@
 """Registry operations: every change is one transaction with its audit row and a bump of
 the registry version, announced to readers after commit.
 
-Writers serialize on the one ``registry_state`` row (bumped first in every write
-transaction), so concurrent operations on one binding cannot lose an update; bindings also
-carry a ``row_version`` the ORM checks on UPDATE. A failure anywhere (validation, admission,
-audit insert, database) rolls the whole operation back: registry and audit log stay consistent.
-
-Rules enforced here (besides the schema's):
-
-* an adapter owned by tenant X binds only to X's aliases (adapters without owner are shared);
-* bind / canary need an ``active`` adapter version of the binding's base model;
-* disabling an adapter version that bindings route to (active or canary) is refused, naming
-  them, unless forced: then it aborts canaries on it and disables bindings whose active version
-  it is (``on_disabled`` then decides: answer with the base model, or refuse), so a reader's
-  snapshot never routes to a disabled version; re-enabling it leaves those bindings disabled.
-
+The rules it enforces: docs/DESIGN.md, "Registry" and "Bindings, canary, rollback".
 Results are JSON-able dicts (what the admin API returns).
 """
 

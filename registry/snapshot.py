@@ -1,9 +1,7 @@
 """Reader-side view of the registry: what the gateway resolves every request against.
 
-A ``RegistrySnapshot`` is an immutable, fully materialised picture of the registry at
-one ``version`` (tenant -> aliases -> adapter versions -> limits). Readers hold a
-``SnapshotCache`` that swaps in a new snapshot when a change is announced, and does
-a periodic full refresh as a safety net.
+A ``RegistrySnapshot`` is an immutable, fully materialised picture of the registry at one
+``version`` (tenant -> aliases -> adapter versions -> limits).
 """
 
 from __future__ import annotations

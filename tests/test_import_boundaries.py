@@ -1,4 +1,4 @@
-"""The package boundaries of DESIGN.md hold at import time (checked in fresh interpreters).
+"""The package boundaries of docs/DESIGN.md hold at import time (checked in fresh interpreters).
 
 * the gateway never imports torch, not even when it admits an adapter (admission runs there);
 * the registry imports neither the gateway nor the engine;

@@ -1,30 +1,13 @@
 """Batched multi-LoRA on one projection: each token applies its own adapter's delta.
 
-Semantics, for every token ``i`` with ``slot[i] >= 0`` (``-1`` is a base row, no work)::
+For every token ``i`` with ``slot[i] >= 0`` (``-1`` is a base row, left bit-for-bit unchanged)::
 
     y[i] += (x[i] @ A[slot[i]].T) @ B[slot[i]].T * scale[slot[i]]
 
 with ``x [T, in]``, ``y [T, out]`` (updated in place), ``A [S, r, in]``, ``B [S, out, r]``,
-``scale [S]``. Rows with ``slot == -1`` are never written (bit-for-bit unchanged).
-
-Plain-torch paths (CPU, and the correctness oracle for the Triton kernels):
-
-* ``gather``: gather each LoRA token's A and B, two ``bmm``. One fixed cost per call,
-  memory traffic ``tokens x r x (in + out)`` (the BGMV pattern; on CPU it lost everywhere).
-* ``segmented``: tokens grouped by slot once per step (:class:`SegmentPlan`), then one
-  ``mm`` pair per adapter; contiguous runs (a prefill sequence) are processed in place
-  through slices, without gather/scatter; otherwise one gather and one scatter per call.
-  Fastest on CPU for prefill and for few adapters.
-* ``padded``: all adapters of the call in one ``bmm`` pair, segments padded to the
-  longest (the SGMV shape in plain torch).
-* ``native``: the C kernel of ``engine.native`` (CPU float32): per LoRA row, shrink and
-  expand straight from the slot stacks into ``y``, no gather/pad/scatter copies. Fastest
-  on CPU for decode-like batches (few rows per adapter); padded is its fallback.
-* ``reference``: a per-row loop, the literal definition (tests and benchmark baseline).
-
-:func:`lora_apply` is the one public entry point: Triton on CUDA when it imports,
-otherwise the torch path that :func:`choose_path` picks from the measured heuristic
-(``bench/lora_ops.py``).
+``scale [S]``. :func:`lora_apply` is the one entry point: Triton on CUDA, else the CPU path
+(``segmented``, ``padded``, ``native``, ``gather``; ``reference`` is the definition) that
+:func:`choose_path` picks from measured thresholds (docs/DESIGN.md, "Batched LoRA").
 """
 
 from __future__ import annotations

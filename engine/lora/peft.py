@@ -1,20 +1,9 @@
 """Read a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-The result is a :class:`LoRAWeights` on CPU: for each (layer, projection) the adapter
-touches, ``A [r, in]``, ``B [out, r]`` and the scale, so that the projection output
-becomes ``y + (x @ A.T) @ B.T * scale`` exactly as PEFT's ``lora.Linear`` computes it.
-
-Anything this engine cannot reproduce exactly is refused with the reason
-(:class:`AdapterFormatError`), never silently approximated: DoRA, ``modules_to_save``,
-LoRA biases, embedding/lm_head adapters, layer replication, pickle weight files. The config
-is read by the shared reader :mod:`loraplex.peft_config` (the rules and bounds admission
-applies); each module's possible delta-weight peak is bounded there too (``check_delta``).
-
-``fan_in_fan_out`` describes the *base* layer's weight layout (GPT-2 ``Conv1D``); PEFT
-keeps ``lora_A``/``lora_B`` as ``nn.Linear`` weights either way (and resets the flag to
-False for ``nn.Linear`` bases such as Llama's). Tensors are therefore expected in the
-``[r, in]`` / ``[out, r]`` layout; with ``fan_in_fan_out: true`` the transposed layout
-(``[in, r]`` / ``[r, out]``) is also accepted and transposed on load.
+The result is a :class:`LoRAWeights` on CPU: per (layer, projection) ``A [r, in]``, ``B [out, r]``
+and the scale, so the output becomes ``y + (x @ A.T) @ B.T * scale`` exactly as PEFT computes it.
+Anything not reproducible exactly is refused (:class:`AdapterFormatError`); the config is read by
+:mod:`loraplex.peft_config`.
 """
 
 from __future__ import annotations

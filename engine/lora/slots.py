@@ -1,24 +1,8 @@
-"""Device slots for adapters, sized per rank class so a rank-8 adapter does not pay for rank 64.
+"""Device slots for adapters, one stack per rank class so a rank-8 adapter does not pay for rank 64.
 
-For each rank class ``r_c`` (``settings.lora_rank_classes``) and projection there is one
-stack per kind:
-
-* ``A[L, S, r_c, in]``, ``B^T[L, S, r_c, out]``, ``scale[L, S]``
-
-so ``stacks(c, layer, proj)`` gives ``A [S, r_c, in]`` (contiguous), ``B [S, out, r_c]`` (the
-transposed view of the contiguous ``B^T`` block) and ``scale [S]``, what the batched op
-takes. B is stored transposed so that the expand step streams rows of ``out`` contiguous
-values per rank component: plain vector FMAs in the CPU kernel, and for ``mm`` the
-``B.T`` operand is contiguous. Storage is allocated on a class's first use and
-grows by doubling up to ``S`` slots, so classes and slots nobody uses cost no memory.
-An adapter of rank ``r`` goes in the smallest
-class with ``r_c >= r``; its A rows and B columns beyond ``r`` are zero, which is exact.
-Modules the adapter does not touch stay zero with scale 0.
-
-Slot ids are global: class ``c`` owns ids ``[c * S, (c + 1) * S)`` with ``S = slots_per_class``
-(default ``settings.max_loras``, so any batch of up to ``max_loras`` adapters fits whatever
-their ranks). Device memory per class is at most ``S * L * r_c * sum(in + out)`` elements
-(SmolLM2-135M, float32: 18 MB per slot at rank 16, 74 MB at rank 64).
+``stacks(c, layer, proj)`` gives ``A [S, r_c, in]``, ``B [S, out, r_c]`` (a view of the stored
+``B^T``) and ``scale [S]``, what the batched op takes. Slot ids are global: class ``c`` owns
+``[c * S, (c + 1) * S)``. Layout and sizes: docs/DESIGN.md, "Rank classes".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Where adapter files come from: sources keyed by URI scheme, and the local disk cache tier.
+"""Where adapter files come from: sources keyed by URI scheme, the allow-list of configured
+sources (:class:`SourcePolicy`) and the local disk cache tier (:class:`DiskCache`).
 
-Only configured sources are used (:class:`SourcePolicy`, from ``settings.adapter_sources``;
-by default the adapter root): a URI outside them is refused before anything is opened or
-connected to. A source turns an :class:`~loraplex.wire.AdapterRef` URI into a local directory holding
-``adapter_config.json`` + ``adapter_model.safetensors``. Local sources (a path or a
-``file://`` URI) are read in place; remote sources (``http(s)://``) download into the disk
-cache, keyed by the adapter *version id* (never its name), so a rollback can never pick
-up another version's files; the cache has a byte budget and deletes least recently used
-versions, which are fetched again when next needed. Object stores plug in as another :class:`AdapterSource`
-registered for their scheme (``s3``, ``gs``, ...).
-
-``AdapterRef.sha256`` (when set) is the version digest (:mod:`loraplex.digest`) over every
-file the version is served from, as the registry computes it at admission; every load
-checks it over exactly the bytes it then parses (:func:`read_verified`).
+A source turns an :class:`~loraplex.wire.AdapterRef` URI into a local directory holding the
+PEFT files; every load checks the version digest over exactly the bytes it then parses
+(:func:`read_verified`). Rules: docs/DESIGN.md, "Sources" and "Tiers".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Triton kernels for the batched LoRA op (CUDA), same semantics as :mod:`engine.lora.ops`.
+"""Triton kernels for the batched LoRA op (CUDA), same semantics as :mod:`engine.lora.ops`:
+SGMV for segments (prefill), BGMV for single tokens (decode).
 
-* SGMV (segmented, prefill): one program per (adapter segment, block of its tokens
-  [, block of outputs]); ``tl.dot`` tiles of the segment's tokens against that adapter's A
-  (shrink) then B (expand). Tokens are addressed through the plan's sorted row indices,
-  so a segment need not be contiguous in the batch.
-* BGMV (gathered, decode): one program per LoRA token [, block of outputs]; each reads
-  its own slot's A / B rows (matrix-vector products, no tile padding for 1-token segments).
-
-Both write the shrink result ``t = (x @ A.T) * scale`` to a float32 scratch ``[n, r]`` in
-sorted order, then add ``t @ B.T`` into ``y`` in place; rows without a slot are never
-touched. Triton is imported on first use, so this module imports without it; with
-``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (tests).
+Triton is imported on first use, so this module imports without it; with ``TRITON_INTERPRET=1``
+the kernels also run on CPU tensors (tests).
 """
 
 from __future__ import annotations
