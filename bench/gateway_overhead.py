@@ -523,6 +523,11 @@ def main() -> int:
         now = start_loraplex("loraplex (this tree)", "now", ROOT, tmp, secret_check=True,
                              access_log=not args.no_access_log)
         sides.append(now)
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        now.info = {"commit": head, "uncommitted_changes": bool(dirty)}
         if not args.skip_matrix:
             results = run_matrix(now, levels, args.seconds, args.procs)
         baseline = litellm = None
