@@ -77,6 +77,17 @@ def summarise_gateway(d: dict[str, Any]) -> list[Row]:
         rows.append(("gateway_overhead", f"{r['mode']}, concurrency {r['concurrency']}",
                      f"{_fmt(g['rps'], '.0f')} req/s; added p50 {_fmt(r['added_p50_ms'], '.2f')} ms; "
                      f"{_fmt(g['gateway_cpu_ms_per_req'], '.2f')} ms CPU/req", cpu_target + extra))
+    cmp = d.get("comparison")
+    if cmp:  # this tree beside an older commit's gateway and LiteLLM's proxy
+        ratios = cmp.get("ratios") or {}
+        targets = {"baseline": ("cpu_now_over_baseline", "this tree <= 1.5x its CPU"),
+                   "litellm": ("cpu_litellm_over_now", ">= 40x this tree's CPU")}
+        for name, s in cmp["sides"].items():
+            key, target = targets.get(s.get("role", ""), ("", ""))
+            ratio = f"; ratio {_fmt(ratios[key], '.2f')}x" if key in ratios else ""
+            rows.append(("gateway_overhead", f"{name}, non-stream, concurrency {cmp['concurrency']}",
+                         f"{_fmt(s['rps'], '.0f')} req/s; added p50 {_fmt(s['added_p50_ms'], '.2f')} ms; "
+                         f"{_fmt(s['cpu_ms_per_req'], '.3f')} ms CPU/req{ratio}", target))
     return rows
 
 

@@ -21,6 +21,8 @@ without it, ``usage.prompt_tokens`` is a rough size. Streams carry the usage so 
 chunk when asked (``stream_options.continuous_usage_stats``).
 Like a real worker it refuses every route but ``/health`` without the worker secret
 (``--worker-secret``, default ``LORAPLEX_WORKER_SECRET`` or the development value): 401/403.
+``--no-secret-check`` (benchmarks only) accepts requests without it, for clients that send none
+(an older gateway, another proxy).
 
 Run: ``python -m tests.stub_worker --port 8101 --worker-id w1 --base-model smol``.
 """
@@ -121,8 +123,8 @@ class Stub:
         if path in ("/health", "/healthz"):
             await self._json(send, 200, {"status": "ok"})
             return
-        refused = _secret_refusal(next((v for k, v in scope["headers"] if k == _SECRET_HEADER), None),
-                                  self.args.worker_secret)
+        refused = None if self.args.no_secret_check else _secret_refusal(
+            next((v for k, v in scope["headers"] if k == _SECRET_HEADER), None), self.args.worker_secret)
         if refused is not None:
             self.refused += 1
             await self._json(send, *refused)
@@ -319,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-interval", type=float, default=0.5)
     p.add_argument("--report-ttl", type=float, default=2.0)
     p.add_argument("--worker-secret", default=os.environ.get("LORAPLEX_WORKER_SECRET", DEV_WORKER_SECRET))
+    p.add_argument("--no-secret-check", action="store_true",
+                   help="benchmarks only: serve requests without the worker secret (older gateways, other proxies)")
     return p.parse_args(argv)
 
 
