@@ -164,8 +164,8 @@ if maxc > 0 then
 end
 local out = {}
 local slots = {}
-for i = 5, #ARGV, 2 do
-  local need = tonumber(ARGV[i])
+for need, lease in string.gmatch(ARGV[5], '(%S+) (%S+)') do
+  need = tonumber(need)
   local reason = ''
   local wait = 0
   if rpm > 0 and rq < 1 then
@@ -190,7 +190,7 @@ for i = 5, #ARGV, 2 do
     if maxc > 0 then
       inflight = inflight + 1
       slots[#slots + 1] = now + ttl
-      slots[#slots + 1] = ARGV[i + 1]
+      slots[#slots + 1] = lease
     end
   end
   out[#out + 1] = reason
@@ -206,7 +206,7 @@ redis.call('HSET', kh, 'rq', tostring(rq), 'rt', now, 'tk', tostring(tk), 'tt', 
 redis.call('PEXPIRE', kh, 120000)
 return out
 """
-"""Acquires ``(need, lease)`` pairs (from ``ARGV[5]`` on) in turn, as many calls one after
+"""Acquires the ``need lease`` pairs of ``ARGV[5]`` in turn, as many calls one after
 the other would: four strings per pair (reason or '', requests left, tokens left, wait ms)."""
 
 _SETTLE = """
@@ -215,9 +215,9 @@ local kc = KEYS[2]
 local tpm = tonumber(ARGV[1])
 local leases = {}
 local refunds = {}
-for i = 2, #ARGV, 2 do
-  refunds[#refunds + 1] = tonumber(ARGV[i])
-  leases[#leases + 1] = ARGV[i + 1]
+for refund, lease in string.gmatch(ARGV[2], '(%S+) (%S+)') do
+  refunds[#refunds + 1] = tonumber(refund)
+  leases[#leases + 1] = lease
 end
 redis.call('ZREM', kc, unpack(leases))
 local any = false
@@ -242,26 +242,27 @@ if tpm > 0 and any then
 end
 return 1
 """
-"""Settles ``(refund, lease)`` pairs (from ``ARGV[2]`` on) in turn: frees each lease's
+"""Settles the ``refund lease`` pairs of ``ARGV[2]`` in turn: frees each lease's
 slot and returns its unused tokens (a negative refund charges an overshoot)."""
 
 MAX_BATCH = 512
-"""Calls joined into one script call at most (the scripts ``unpack`` their arguments)."""
+"""Calls joined into one script call at most (the scripts ``unpack`` their leases)."""
 
 
 class _Call:
     """Calls of one script with the same keys and leading arguments queued in one event-loop
-    step, sent as a single ``EVALSHA`` that carries the rest of each call's arguments in turn
-    (the scripts loop over them): Redis and redis-py spend most of a call on the call itself,
-    and under load dozens of settlements and several acquires share one."""
+    step, sent as a single ``EVALSHA`` whose last argument carries each call's own part in
+    turn, space-separated (the scripts loop over them): Redis and redis-py spend most of a
+    call on the call and on each argument, and under load dozens of settlements and several
+    acquires share one call of a few arguments."""
 
-    __slots__ = ("args", "keys", "script", "size", "waiters")
+    __slots__ = ("const", "keys", "parts", "script", "waiters")
 
     def __init__(self, script: Script, keys: list[str], const: list[Any]) -> None:
         self.script = script
         self.keys = keys
-        self.args: list[Any] = list(const)
-        self.size = 0
+        self.const = const
+        self.parts: list[str] = []
         self.waiters: list[asyncio.Future[Any]] = []
         """One future per caller that waits: a caller that gives up cancels its own only."""
 
@@ -302,25 +303,24 @@ class _StepPipeline:
         self._sender: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def join(self, script: Script, keys: list[str], const: list[Any], args: tuple[Any, ...], *,
+    def join(self, script: Script, keys: list[str], const: list[Any], part: str, *,
              defer_s: float = 0.0, wait: bool = True) -> tuple[int, asyncio.Future[Any] | None]:
-        """Queue a call of ``script`` (joined to the open call of its keys and ``const`` leading
-        arguments): this call's index among the joined ones, and (``wait``) a future of its own
+        """Queue a call of ``script`` with its own ``part`` of the last argument (joined to the
+        open call of its keys and ``const`` leading arguments): this call's index among the joined ones, and (``wait``) a future of its own
         for their reply. ``defer_s``: the call may wait that long for company (a settlement
         rides along with the next acquire instead of costing a round trip of its own)."""
         key = (script.sha, *keys, *const)
         call = self._open.get(key)
-        if call is None or call.size >= MAX_BATCH:
+        if call is None or len(call.parts) >= MAX_BATCH:
             call = self._open[key] = _Call(script, keys, const)
             self._queue.append(call)
-        call.args += args
-        call.size += 1
+        call.parts.append(part)
         fut = None
         if wait:
             fut = asyncio.get_running_loop().create_future()
             call.waiters.append(fut)
         self._kick(defer_s)
-        return call.size - 1, fut
+        return len(call.parts) - 1, fut
 
     def _kick(self, defer_s: float) -> None:
         if self._sender is not None:
@@ -367,8 +367,8 @@ class _StepPipeline:
             call.resolve(reply)
 
     async def _execute(self, calls: list[_Call]) -> list[Any]:
-        return await self._execute_commands([("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args)
-                                             for c in calls])
+        return await self._execute_commands([("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.const,
+                                              " ".join(c.parts)) for c in calls])
 
     async def _execute_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
@@ -435,7 +435,7 @@ class RedisLimiter:
         lease_id = self._lease_ids.next()
         i, fut = self._pipe.join(self._acquire, self._tenant_keys(tenant),
                                  [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
-                                  int(lease_ttl_s * 1000)], (tokens, lease_id))
+                                  int(lease_ttl_s * 1000)], f"{tokens} {lease_id}")
         try:
             reason, rq, tk, wait = (await fut)[4 * i: 4 * i + 4]  # type: ignore[misc]
         except Exception:  # the pipeline reported it (``_failed``)
@@ -450,7 +450,7 @@ class RedisLimiter:
 
     def _join_settle(self, lease: Lease, used_tokens: int, wait: bool) -> asyncio.Future[Any] | None:
         return self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
-                               (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s,
+                               f"{lease.reserved - used_tokens} {lease.lease_id}", defer_s=self.settle_delay_s,
                                wait=wait)[1]
 
     async def settle(self, lease: Lease, used_tokens: int) -> None:
