@@ -305,10 +305,11 @@ class _StepPipeline:
 
     def join(self, script: Script, keys: list[str], const: list[Any], part: str, *,
              defer_s: float = 0.0, wait: bool = True) -> tuple[int, asyncio.Future[Any] | None]:
-        """Queue a call of ``script`` with its own ``part`` of the last argument (joined to the
-        open call of its keys and ``const`` leading arguments): this call's index among the joined ones, and (``wait``) a future of its own
-        for their reply. ``defer_s``: the call may wait that long for company (a settlement
-        rides along with the next acquire instead of costing a round trip of its own)."""
+        """Queue a call of ``script`` with its own ``part`` of the last argument, joined to the
+        open call of its keys and ``const`` leading arguments: this call's index among the
+        joined ones, and (``wait``) a future of its own for their reply. ``defer_s``: the call
+        may wait that long for company (a settlement rides along with the next acquire
+        instead of costing a round trip of its own)."""
         key = (script.sha, *keys, *const)
         call = self._open.get(key)
         if call is None or len(call.parts) >= MAX_BATCH:
