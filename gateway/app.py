@@ -574,8 +574,12 @@ def _error(status: int, message: str, code: str | None = None, headers: dict[str
 
 
 def _redis_client(settings: Settings) -> Any:
+    """The replica's one Redis client (limiter, residency, adapter traffic)."""
     import redis.asyncio as aioredis
+    from redis.utils import HIREDIS_AVAILABLE
 
+    if not HIREDIS_AVAILABLE:
+        log.warning("hiredis is not installed: Redis replies are parsed in Python (slower)")
     return aioredis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5,
                              health_check_interval=0, max_connections=256)
 

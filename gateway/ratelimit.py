@@ -15,8 +15,8 @@ Requests and tokens are token buckets that refill continuously (capacity = the
 per-minute limit). Concurrency slots are lease ids in a sorted set scored by expiry,
 pruned on every acquire, so a gateway that dies holding slots loses them by itself.
 
-``RedisLimiter`` keeps the state in Redis and does each step in one atomic Lua script;
-when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
+``RedisLimiter`` keeps the state in Redis and does each step in one atomic Lua script,
+sent through ``redis.asyncio``: the calls of one event-loop step go out as one pipeline; when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
 ``open``) or refuses with 503 (fail mode ``closed``), and goes back to Redis when it
 answers again. ``LocalLimiter`` alone is the embedded default (no ``redis_url``).
 A limit of 0 means unlimited.
@@ -31,10 +31,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from gateway.resp import ReplyError, RespConnection, bulk, encode
+if TYPE_CHECKING:
+    from redis.commands.core import AsyncScript as Script
 
 log = logging.getLogger("loraplex.gateway.ratelimit")
 
@@ -162,8 +164,8 @@ if maxc > 0 then
 end
 local out = {}
 local slots = {}
-for i = 5, #ARGV, 2 do
-  local need = tonumber(ARGV[i])
+for need, lease in string.gmatch(ARGV[5], '(%S+) (%S+)') do
+  need = tonumber(need)
   local reason = ''
   local wait = 0
   if rpm > 0 and rq < 1 then
@@ -188,7 +190,7 @@ for i = 5, #ARGV, 2 do
     if maxc > 0 then
       inflight = inflight + 1
       slots[#slots + 1] = now + ttl
-      slots[#slots + 1] = ARGV[i + 1]
+      slots[#slots + 1] = lease
     end
   end
   out[#out + 1] = reason
@@ -204,7 +206,7 @@ redis.call('HSET', kh, 'rq', tostring(rq), 'rt', now, 'tk', tostring(tk), 'tt', 
 redis.call('PEXPIRE', kh, 120000)
 return out
 """
-"""Acquires ``(need, lease)`` pairs (from ``ARGV[5]`` on) in turn, as many calls one after
+"""Acquires the ``need lease`` pairs of ``ARGV[5]`` in turn, as many calls one after
 the other would: four strings per pair (reason or '', requests left, tokens left, wait ms)."""
 
 _SETTLE = """
@@ -213,9 +215,9 @@ local kc = KEYS[2]
 local tpm = tonumber(ARGV[1])
 local leases = {}
 local refunds = {}
-for i = 2, #ARGV, 2 do
-  refunds[#refunds + 1] = tonumber(ARGV[i])
-  leases[#leases + 1] = ARGV[i + 1]
+for refund, lease in string.gmatch(ARGV[2], '(%S+) (%S+)') do
+  refunds[#refunds + 1] = tonumber(refund)
+  leases[#leases + 1] = lease
 end
 redis.call('ZREM', kc, unpack(leases))
 local any = false
@@ -240,251 +242,164 @@ if tpm > 0 and any then
 end
 return 1
 """
-"""Settles ``(refund, lease)`` pairs (from ``ARGV[2]`` on) in turn: frees each lease's
+"""Settles the ``refund lease`` pairs of ``ARGV[2]`` in turn: frees each lease's
 slot and returns its unused tokens (a negative refund charges an overshoot)."""
 
 MAX_BATCH = 512
-"""Calls joined into one script call at most (the scripts ``unpack`` their arguments)."""
+"""Calls joined into one script call at most (the scripts ``unpack`` their leases)."""
 
 
-_Command = tuple[Any, list[str], list[Any], bytes]
-"""(script, keys, args, the same call as one encoded ``EVALSHA`` frame)."""
+class _Call:
+    """Calls of one script with the same keys and leading arguments queued in one event-loop
+    step, sent as a single ``EVALSHA`` whose last argument carries each call's own part in
+    turn, space-separated (the scripts loop over them): Redis and redis-py spend most of a
+    call on the call and on each argument, and under load dozens of settlements and several
+    acquires share one call of a few arguments."""
 
+    __slots__ = ("const", "keys", "parts", "script", "waiters")
 
-def script_call(script: Any, keys: list[str], args: list[Any]) -> _Command:
-    """A ``_Command`` encoded in full."""
-    return script, keys, args, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
-
-
-class _Batch:
-    """Calls of one script with the same keys and leading arguments made before one flush,
-    sent as a single call that carries the rest of each call's arguments in turn (the
-    scripts loop over them). Redis spends most of a script call on running the script at
-    all; under load dozens of settlements and several acquires share one."""
-
-    __slots__ = ("args", "const", "encoded", "fut", "keys", "prefix", "retrying", "script", "size", "waiters",
-                 "watched")
-
-    def __init__(self, script: Any, keys: list[str], const: list[Any], prefix: bytes) -> None:
+    def __init__(self, script: Script, keys: list[str], const: list[Any]) -> None:
         self.script = script
         self.keys = keys
         self.const = const
-        self.prefix = prefix
-        """The encoded ``EVALSHA sha numkeys keys const`` (without the frame's header)."""
-        self.args: list[Any] = []
-        self.encoded: list[bytes] = []
-        """The calls' own arguments, encoded as they come."""
-        self.size = 0
-        self.fut: asyncio.Future[Any] = None  # type: ignore[assignment]
-        """The reply (an error reply as an exception *value*)."""
+        self.parts: list[str] = []
         self.waiters: list[asyncio.Future[Any]] = []
-        """The futures of the calls that wait, one each: a caller that gives up cancels its
-        own, never the batch's."""
-        self.retrying: asyncio.Future[Any] | None = None
-        self.watched = False
-        """Whether something deals with the batch's failure for callers that do not wait."""
+        """One future per caller that waits: a caller that gives up cancels its own only."""
 
-    def resolve(self, fut: asyncio.Future[Any]) -> None:
-        """``fut``'s done-callback: pass the reply (or failure) on to the waiting calls."""
-        exc = fut.exception()
-        res = None if exc is not None else fut.result()
+    def resolve(self, reply: Any) -> None:
+        """Pass the reply (an exception when the call failed) on to the waiting callers."""
         for waiter in self.waiters:
             if not waiter.done():
-                if exc is not None:
-                    waiter.set_exception(exc)
+                if isinstance(reply, BaseException):
+                    waiter.set_exception(reply)
                 else:
-                    waiter.set_result(res)
-
-    def command(self) -> _Command:
-        args = [*self.const, *self.args]
-        frame = b"*%d\r\n" % (3 + len(self.keys) + len(args)) + self.prefix + b"".join(self.encoded)
-        return self.script, self.keys, args, frame
+                    waiter.set_result(reply)
 
 
-class _Pipeliner:
-    """Coalesces the script calls issued in one event-loop tick into one Redis round trip,
-    and calls of one script with the same keys into one call (``join``).
+class _StepPipeline:
+    """Sends the script calls made in one event-loop step as one redis-py pipeline
+    (``transaction=False``: one round trip), calls of one script with the same keys and
+    leading arguments joined into one (``_Call``).
 
-    Under concurrency many requests acquire and settle at the same moment; sending them
-    together saves a round trip and the per-command client overhead for each. Over plain
-    TCP the frames go through the lean ``RespConnection`` (no task per batch); otherwise
-    through a redis-py pipeline.
+    One pipeline is in flight at a time and calls queued meanwhile go in the next, so Redis
+    runs the calls in the order they were made (a settlement before any later acquire of
+    this replica). A ``NOSCRIPT`` reply (Redis restarted or flushed its scripts) loads the
+    scripts and sends the refused calls again before anything queued after them; any other
+    failure goes to every caller of the pipeline and to ``on_failure``.
     """
 
-    def __init__(self, redis: Any, scripts: list[Any]) -> None:
+    def __init__(self, redis: Any, scripts: list[Script], *, timeout_s: float,
+                 on_failure: Callable[[BaseException], None]) -> None:
         self.redis = redis
         self.scripts = scripts
-        self.conn = RespConnection.from_redis(redis)
-        self._pending: list[tuple[_Command | _Batch, asyncio.Future[Any]]] = []
-        self._open: dict[tuple[Any, ...], _Batch] = {}
-        """Batches still taking calls (until the next flush)."""
-        self._prefixes: dict[tuple[Any, ...], bytes] = {}
-        self._scheduled = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.timeout_s = timeout_s
+        self.on_failure = on_failure
+        from redis.exceptions import NoScriptError  # lazy: the embedded gateway never loads redis
 
-    def join(self, script: Any, keys: list[str], const: list[Any], args: tuple[Any, ...], *,
-             defer_s: float = 0.0, wait: bool = True) -> tuple[_Batch, int, asyncio.Future[Any] | None]:
-        """Add a call of ``script`` to the open batch of its keys and ``const`` leading
-        arguments (opening one if needed): the batch, this call's index among its calls,
-        and (``wait``) a future of its own for the batch's reply. ``defer_s`` as for ``submit``."""
+        self._noscript = NoScriptError
+        self._queue: list[_Call] = []
+        self._open: dict[tuple[Any, ...], _Call] = {}
+        """Calls still taking company (until the queue is sent)."""
+        self._sender: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def join(self, script: Script, keys: list[str], const: list[Any], part: str, *,
+             defer_s: float = 0.0, wait: bool = True) -> tuple[int, asyncio.Future[Any] | None]:
+        """Queue a call of ``script`` with its own ``part`` of the last argument, joined to the
+        open call of its keys and ``const`` leading arguments: this call's index among the
+        joined ones, and (``wait``) a future of its own for their reply. ``defer_s``: the call
+        may wait that long for company (a settlement rides along with the next acquire
+        instead of costing a round trip of its own)."""
         key = (script.sha, *keys, *const)
-        batch = self._open.get(key)
-        if batch is None or batch.size >= MAX_BATCH:
-            prefix = self._prefixes.get(key)
-            if prefix is None:
-                if len(self._prefixes) >= 10_000:
-                    self._prefixes.clear()
-                prefix = self._prefixes[key] = b"".join([bulk(a) for a in ("EVALSHA", script.sha, len(keys), *keys,
-                                                                           *const)])
-            batch = self._open[key] = _Batch(script, keys, const, prefix)
-            batch.fut = self.submit(batch, defer_s=defer_s)
-            batch.fut.add_done_callback(batch.resolve)
-        elif not defer_s and not self._scheduled:
-            self._schedule()  # a deferred batch goes now that a call cannot wait
-        batch.args += args
-        batch.encoded += map(bulk, args)
-        batch.size += 1
+        call = self._open.get(key)
+        if call is None or len(call.parts) >= MAX_BATCH:
+            call = self._open[key] = _Call(script, keys, const)
+            self._queue.append(call)
+        call.parts.append(part)
         fut = None
         if wait:
-            fut = batch.fut.get_loop().create_future()
-            batch.waiters.append(fut)
-        return batch, batch.size - 1, fut
+            fut = asyncio.get_running_loop().create_future()
+            call.waiters.append(fut)
+        self._kick(defer_s)
+        return len(call.parts) - 1, fut
 
-    def submit(self, cmd: _Command | _Batch, *, defer_s: float = 0.0) -> asyncio.Future[Any]:
-        """Queue one script call (or batch); the future gets its reply (an error reply as an
-        exception *value*). ``defer_s``: it may wait that long for company (settlements ride
-        along with the next acquire instead of costing a round trip of their own)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.append((cmd, fut))
-        if self._scheduled:
-            return fut
+    def _kick(self, defer_s: float) -> None:
+        if self._sender is not None:
+            return  # the running sender takes the queue after its pipeline
         if defer_s > 0:
             if self._timer is None:
-                self._timer = loop.call_later(defer_s, self._flush)
-            return fut
-        self._schedule()
-        return fut
-
-    def _schedule(self) -> None:
-        self._scheduled = True
-        asyncio.get_running_loop().call_soon(self._flush)
-
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` as a task that ``close`` waits for."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def call(self, cmd: _Command, *, defer_s: float = 0.0) -> Any:
-        """``submit`` and wait: the reply, or the error raised."""
-        res = await self.submit(cmd, defer_s=defer_s)
-        return await self.retry(cmd, res) if isinstance(res, Exception) else res
-
-    async def retry(self, cmd: _Command | _Batch, error: Exception) -> Any:
-        """After an error reply: a ``NOSCRIPT`` (Redis restarted or flushed its scripts)
-        reloads the scripts and sends ``cmd`` again; any other error is raised. (The hot
-        callers await ``submit`` themselves and come here only on an error.) A batch is sent
-        again once, however many of its callers ask."""
-        if isinstance(cmd, _Batch):
-            if cmd.retrying is None:
-                cmd.retrying = asyncio.ensure_future(self.retry(cmd.command(), error))
-                cmd.retrying.add_done_callback(_consume)
-            return await asyncio.shield(cmd.retrying)
-        res: Any = error
-        if _is_noscript(res):
-            await self._load_scripts()
-            res = await self.submit(cmd)
-        if isinstance(res, Exception):
-            raise res
-        return res
-
-    def _flush(self) -> None:
-        self._scheduled = False
+                self._timer = asyncio.get_running_loop().call_later(defer_s, self._kick, 0.0)
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        pending, self._pending = self._pending, []
-        self._open.clear()
-        if not pending:
-            return
-        batch = [(cmd.command() if isinstance(cmd, _Batch) else cmd, fut) for cmd, fut in pending]
-        conn = self.conn
-        if conn is not None and conn.connected:
-            conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
-            return
-        self.spawn(self._run(batch))
+        # A task's first step runs after the callbacks already due: the calls of this step join.
+        self._sender = asyncio.get_running_loop().create_task(self._send_queued())
 
-    async def _run(self, batch: list[tuple[_Command, asyncio.Future[Any]]]) -> None:
-        """The slow path: connect first, or go through redis-py (TLS, unix sockets)."""
+    async def _send_queued(self) -> None:
         try:
-            if self.conn is not None:
-                await self.conn.connect()
-                self.conn.push(b"".join([cmd[3] for cmd, _ in batch]), [fut for _, fut in batch])
-                return
-            pipe = self.redis.pipeline(transaction=False)
-            for (script, keys, args, _), _ in batch:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            results = await pipe.execute(raise_on_error=False)
-        except BaseException as exc:  # connection problems: every caller sees them
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
-                    fut.exception()  # a settlement nobody waits for must not warn
-            return
-        for (_, fut), res in zip(batch, results, strict=True):
-            if not fut.done():
-                fut.set_result(res)
+            while self._queue:
+                calls, self._queue = self._queue, []
+                self._open.clear()
+                await self._send(calls)
+        finally:
+            self._sender = None
 
-    async def _load_scripts(self) -> None:
-        if self.conn is not None:
-            await self.conn.execute([("SCRIPT", "LOAD", s.script) for s in self.scripts])
-        else:
-            for s in self.scripts:
-                await self.redis.script_load(s.script)
+    async def _send(self, calls: list[_Call]) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                replies = await self._execute(calls)
+                refused = [i for i, r in enumerate(replies) if isinstance(r, self._noscript)]
+                if refused:
+                    await self._execute_commands([("SCRIPT", "LOAD", s.script) for s in self.scripts])
+                    again = await self._execute([calls[i] for i in refused])
+                    for i, reply in zip(refused, again, strict=True):
+                        replies[i] = reply
+        except Exception as exc:  # connection problems and timeouts: every caller sees them
+            replies = [exc] * len(calls)
+        except BaseException:  # the sender itself cancelled (the loop shuts down)
+            for call in calls:
+                call.resolve(ConnectionError("the Redis limiter was stopped"))
+            raise
+        failure = next((r for r in replies if isinstance(r, Exception)), None)
+        if failure is not None:
+            self.on_failure(failure)
+        for call, reply in zip(calls, replies, strict=True):
+            call.resolve(reply)
+
+    async def _execute(self, calls: list[_Call]) -> list[Any]:
+        return await self._execute_commands([("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.const,
+                                              " ".join(c.parts)) for c in calls])
+
+    async def _execute_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return await pipe.execute(raise_on_error=False)
 
     async def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        pending, self._pending = self._pending, []
-        self._open.clear()
-        if pending:  # settlements still waiting for company
-            await self._run([(cmd.command() if isinstance(cmd, _Batch) else cmd, fut) for cmd, fut in pending])
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.conn is not None:
-            if self.conn.connected:  # replies come in order: once a PING is answered, so is everything before it
-                with contextlib.suppress(Exception):
-                    await self.conn.execute([("PING",)])
-            await self.conn.close()
-
-
-def _consume(fut: asyncio.Future[Any]) -> None:
-    """Mark a shared future's exception retrieved (its callers may all have given up)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _is_noscript(res: Any) -> bool:
-    return (isinstance(res, Exception) and str(res).startswith("NOSCRIPT")) or \
-        type(res).__name__ == "NoScriptError"
+        """Send what is still queued (settlements waiting for company) and wait for it."""
+        if self._queue and self._sender is None:
+            self._kick(0.0)
+        if self._sender is not None:
+            await asyncio.shield(self._sender)
 
 
 class RedisLimiter:
-    """Limits shared by every gateway replica, kept in Redis."""
+    """Limits shared by every gateway replica, kept in Redis (``redis.asyncio`` client)."""
 
     def __init__(self, redis: Any, prefix: str = "loraplex", *, fail_mode: Literal["open", "closed"] = "open",
-                 fallback: LocalLimiter | None = None, retry_s: float = 1.0) -> None:
+                 fallback: LocalLimiter | None = None, retry_s: float = 1.0, timeout_s: float = 1.0) -> None:
         self.redis = redis
         self.prefix = f"{prefix}:rl:"
         self.fail_mode = fail_mode
         self.fallback = fallback or LocalLimiter()
         self.retry_s = retry_s
+        """How long the limiter stays on its fallback after Redis failed before trying it again."""
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
-        self._pipe = _Pipeliner(redis, [self._acquire, self._settle])
+        self._pipe = _StepPipeline(redis, [self._acquire, self._settle], timeout_s=timeout_s,
+                                   on_failure=self._failed)
         self._keys: dict[str, list[str]] = {}
         self._lease_ids = LeaseIds()
         self._down_until = 0.0
@@ -504,7 +419,7 @@ class RedisLimiter:
 
     def _failed(self, exc: BaseException) -> None:
         if not self.degraded:
-            log.warning("redis limiter unreachable (%s); %s", type(exc).__name__,
+            log.warning("redis limiter unreachable (%s: %s); %s", type(exc).__name__, exc,
                         "using the local limiter" if self.fail_mode == "open" else "refusing requests")
         self.degraded = True
         self._down_until = time.monotonic() + self.retry_s
@@ -519,16 +434,12 @@ class RedisLimiter:
         if self._down_until and time.monotonic() < self._down_until:
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         lease_id = self._lease_ids.next()
-        batch, i, fut = self._pipe.join(self._acquire, self._tenant_keys(tenant),
-                                        [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
-                                         int(lease_ttl_s * 1000)], (tokens, lease_id))
+        i, fut = self._pipe.join(self._acquire, self._tenant_keys(tenant),
+                                 [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
+                                  int(lease_ttl_s * 1000)], f"{tokens} {lease_id}")
         try:
-            res = await fut  # type: ignore[misc]
-            if isinstance(res, Exception):
-                res = await self._pipe.retry(batch, res)
-            reason, rq, tk, wait = res[4 * i: 4 * i + 4]
-        except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
-            self._failed(exc)
+            reason, rq, tk, wait = (await fut)[4 * i: 4 * i + 4]  # type: ignore[misc]
+        except Exception:  # the pipeline reported it (``_failed``)
             return await self._degraded(tenant, limits, tokens, lease_ttl_s)
         if self.degraded:
             log.warning("redis limiter reachable again")
@@ -538,6 +449,11 @@ class RedisLimiter:
         lease = Lease(tenant, lease_id, tokens, limits.tokens_per_min, self) if not reason else None
         return _decision(not reason, lease, limits, reason, float(rq), float(tk), float(wait))
 
+    def _join_settle(self, lease: Lease, used_tokens: int, wait: bool) -> asyncio.Future[Any] | None:
+        return self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
+                               f"{lease.reserved - used_tokens} {lease.lease_id}", defer_s=self.settle_delay_s,
+                               wait=wait)[1]
+
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         if lease.settled:
             return
@@ -545,58 +461,25 @@ class RedisLimiter:
         if lease.backend is not self:
             await lease.backend.settle(lease, used_tokens)
             return
-        batch, _, fut = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
-                                        (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s)
-        try:
-            res = await fut  # type: ignore[misc]
-            if isinstance(res, Exception):
-                await self._pipe.retry(batch, res)
-        except (TimeoutError, OSError, ReplyError, _redis_errors()) as exc:
-            # The concurrency slot expires by itself; the token refund is lost (conservative).
-            self._failed(exc)
+        # A failure is reported by the pipeline: the concurrency slot expires by itself and the
+        # token refund is lost (conservative).
+        with contextlib.suppress(Exception):
+            await self._join_settle(lease, used_tokens, True)  # type: ignore[misc]
 
     def settle_nowait(self, lease: Lease, used_tokens: int) -> None:
-        """``settle`` without waiting for Redis: the request is answered, nothing depends on
-        the reply, and a request task that ends at once holds its objects that much less.
-        A failed batch of settlements is dealt with once, as ``settle`` would (a NOSCRIPT
-        resends it, anything else turns the limiter to its fallback for a while)."""
+        """``settle`` without waiting for Redis: the request is answered and nothing depends on
+        the reply (the pipeline deals with failures as it does for ``settle``)."""
         if lease.settled:
             return
         if lease.backend is not self:
             lease.backend.settle_nowait(lease, used_tokens)
             return
         lease.settled = True
-        batch, _, _ = self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
-                                      (lease.reserved - used_tokens, lease.lease_id), defer_s=self.settle_delay_s,
-                                      wait=False)
-        if not batch.watched:
-            batch.watched = True
-            batch.fut.add_done_callback(lambda fut: self._settled(batch, fut))
-
-    def _settled(self, batch: _Batch, fut: asyncio.Future[Any]) -> None:
-        res = fut.exception() or fut.result()
-        if not isinstance(res, Exception):
-            return
-        if _is_noscript(res):
-            self._pipe.spawn(self._settle_again(batch, res))
-        else:
-            self._failed(res)
-
-    async def _settle_again(self, batch: _Batch, error: Exception) -> None:
-        try:
-            await self._pipe.retry(batch, error)
-        except Exception as exc:
-            self._failed(exc)
+        self._join_settle(lease, used_tokens, False)
 
     async def close(self) -> None:
         await self._pipe.close()
         await self.fallback.close()
-
-
-def _redis_errors() -> type[BaseException]:
-    from redis.exceptions import RedisError
-
-    return RedisError
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,17 +1,20 @@
 """Per-tenant limits in real Redis (and the in-process limiter): reservation under bursts,
-settlement, concurrency leases, headers, Redis outage and recovery, limits from the snapshot."""
+settlement, concurrency leases, headers, Redis outage and recovery, limits from the snapshot,
+and the Redis limiter's pipeline: one round trip per event-loop step, joined script calls,
+script reloading, timeouts and cancelled callers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import create_app
-from gateway.ratelimit import Limits, LocalLimiter, RedisLimiter
+from gateway.app import _redis_client, create_app
+from gateway.ratelimit import MAX_BATCH, Limits, LocalLimiter, RedisLimiter, _StepPipeline
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
@@ -359,3 +362,173 @@ async def test_settlements_not_waited_for_turn_to_the_fallback_when_redis_fails(
         await r.aclose()
         with contextlib.suppress(Exception):
             await proxy.stop()
+
+
+class CountingRedis:
+    """A ``redis.asyncio`` client that counts the pipelines sent through it (round trips)
+    and how many were in flight at once at most."""
+
+    def __init__(self, redis) -> None:
+        self.redis = redis
+        self.pipelines = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def register_script(self, script):
+        return self.redis.register_script(script)
+
+    def pipeline(self, transaction=True):
+        self.pipelines += 1
+        pipe = self.redis.pipeline(transaction=transaction)
+        execute = pipe.execute
+
+        async def counted(**kw):
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                return await execute(**kw)
+            finally:
+                self.in_flight -= 1
+
+        pipe.execute = counted
+        return pipe
+
+
+async def test_gateway_client_parses_with_hiredis(redis_url):
+    from redis.asyncio.connection import _AsyncHiredisParser
+
+    r = _redis_client(Settings(redis_url=redis_url))
+    try:
+        assert await r.ping()
+        conn = await r.connection_pool.get_connection()
+        assert isinstance(conn._parser, _AsyncHiredisParser)
+        await r.connection_pool.release(conn)
+    finally:
+        await r.aclose()
+
+
+async def test_calls_of_one_step_share_one_round_trip_and_settlements_go_first(redis_url, redis_prefix):
+    r = aioredis.from_url(redis_url)
+    counting = CountingRedis(r)
+    lim = RedisLimiter(counting, redis_prefix)
+    limits = Limits(tokens_per_min=1000, max_concurrent=3)
+    try:
+        got = await asyncio.gather(*[lim.acquire(t, limits, 100, 30) for t in ("a", "a", "a", "b")])
+        assert all(d.allowed for d in got) and counting.pipelines == 1
+        # Settlements wait for company: they ride along with the next acquire, ahead of it.
+        for d in got[:3]:
+            lim.settle_nowait(d.lease, 10)
+        await asyncio.sleep(0)
+        assert counting.pipelines == 1
+        d = await lim.acquire("a", limits, 100, 30)
+        assert counting.pipelines == 2
+        assert d.allowed and int(d.headers["x-ratelimit-remaining-tokens"]) == 1000 - 3 * 10 - 100
+        # Calls made while a pipeline is in flight go in the next one, in order.
+        first = asyncio.ensure_future(lim.acquire("a", limits, 100, 30))
+        await asyncio.sleep(0)  # first joins the queue
+        await asyncio.sleep(0)  # and the sender takes it
+        assert not lim._pipe._queue and lim._pipe._sender is not None
+        lim.settle_nowait(d.lease, 10)
+        second = asyncio.ensure_future(lim.acquire("a", limits, 100, 30))
+        a, b = await first, await second
+        assert counting.pipelines == 4
+        assert int(a.headers["x-ratelimit-remaining-tokens"]) == 1000 - 3 * 10 - 2 * 100
+        assert int(b.headers["x-ratelimit-remaining-tokens"]) == 1000 - 4 * 10 - 2 * 100  # d's refund first
+        # A settlement nobody waits for goes out by itself within ``settle_delay_s``.
+        lim.settle_nowait(a.lease, 0)
+        await asyncio.sleep(lim.settle_delay_s + 0.05)
+        assert counting.pipelines == 5
+        assert await r.zcard(f"{redis_prefix}:rl:a:c") == 1
+        # A burst over many loop steps: never two pipelines at once (Redis runs them in order).
+        leases = []
+
+        async def request(n):
+            for _ in range(n):
+                await asyncio.sleep(0)
+            d = await lim.acquire("b", Limits(), 1, 30)
+            lim.settle_nowait(d.lease, 1)
+            leases.append(d.lease)
+
+        await asyncio.gather(*[request(n % 7) for n in range(50)])
+        assert len(leases) == 50 and counting.most_in_flight == 1 and 5 < counting.pipelines < 50
+    finally:
+        await lim.close()
+        await r.aclose()
+
+
+async def test_joined_calls_are_reloaded_once_split_when_full_and_survive_cancelled_callers(redis_url,
+                                                                                            redis_client):
+    r = aioredis.from_url(redis_url)
+    # Answers with its arguments and how many times it ran (a counter in Redis).
+    script = r.register_script(f"-- {uuid.uuid4().hex}\nlocal n = redis.call('INCR', KEYS[1])\n"
+                               "return {n, unpack(ARGV)}")
+    key = f"batch-{uuid.uuid4().hex}"
+    failures = []
+    p = _StepPipeline(r, [script], timeout_s=1.0, on_failure=failures.append)
+
+    async def call(const, part):
+        i, fut = p.join(script, [key], const, part)
+        return await fut, i
+
+    try:
+        await redis_client.script_flush()  # the joined call gets NOSCRIPT: scripts reloaded, sent once more
+        out = await asyncio.gather(*[call(["c"], f"a{i} b{i}") for i in range(5)], call(["d"], "x y"))
+        joined = [res for res, _ in out[:5]]
+        assert all(res == joined[0] for res in joined)
+        assert joined[0][1:] == [b"c", b"a0 b0 a1 b1 a2 b2 a3 b3 a4 b4"]
+        assert [i for _, i in out] == [0, 1, 2, 3, 4, 0]
+        assert out[5][0][1:] == [b"d", b"x y"]  # other leading arguments: a call of its own
+        assert int(await redis_client.get(key)) == 2 and not failures
+        full = await asyncio.gather(*[call(["c"], str(i)) for i in range(MAX_BATCH + 1)])
+        assert full[-1][1] == 0 and full[-2][1] == MAX_BATCH - 1  # a full call makes room for another
+        assert int(await redis_client.get(key)) == 4
+        # A caller that gives up (a request cancelled while it waits) leaves the others be.
+        first = asyncio.ensure_future(call(["c"], "gone"))
+        second = asyncio.ensure_future(call(["c"], "stays"))
+        await asyncio.sleep(0)
+        first.cancel()
+        res, i = await second
+        assert i == 1 and res[1:] == [b"c", b"gone stays"] and first.cancelled()
+    finally:
+        await redis_client.delete(key)
+        await p.close()
+        await r.aclose()
+
+
+async def test_cancelled_acquire_never_fails_the_others(redis_url, redis_prefix):
+    r = aioredis.from_url(redis_url)
+    lim = RedisLimiter(r, redis_prefix)
+    limits = Limits(requests_per_min=100, max_concurrent=10)
+    try:
+        tasks = [asyncio.ensure_future(lim.acquire("acme", limits, 1, 30)) for _ in range(4)]
+        await asyncio.sleep(0)  # all four joined; the pipeline is on its way
+        tasks[1].cancel()
+        await asyncio.sleep(0)
+        tasks[2].cancel()  # cancelled while the pipeline is in flight
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert done[0].allowed and done[3].allowed and not lim.degraded
+        assert all(isinstance(x, asyncio.CancelledError) for x in done[1:3])
+        assert (await lim.acquire("acme", limits, 1, 30)).allowed  # the connection is fine
+    finally:
+        await lim.close()
+        await r.aclose()
+
+
+async def test_silent_redis_times_out_to_the_fallback(redis_prefix):
+    async def silent(reader, writer):
+        await asyncio.sleep(5)
+
+    port = free_port()
+    server = await asyncio.start_server(silent, "127.0.0.1", port)
+    r = aioredis.from_url(f"redis://127.0.0.1:{port}/0")  # no socket timeout: the limiter's own applies
+    lim = RedisLimiter(r, redis_prefix, timeout_s=0.3)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got = await asyncio.gather(*[lim.acquire("acme", Limits(requests_per_min=10), 1, 30) for _ in range(3)])
+        assert loop.time() - t0 < 2.0
+        assert all(d.allowed and d.lease.backend is lim.fallback for d in got) and lim.degraded
+    finally:
+        await lim.close()
+        await r.aclose()
+        server.close()
