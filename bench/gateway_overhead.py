@@ -205,7 +205,7 @@ def main() -> int:
                LORAPLEX_GATEWAY_PORT=str(gw_port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()),
                LORAPLEX_WORKER_SECRET=settings.worker_secret,
                LORAPLEX_LOG_LEVEL="WARNING" if args.no_access_log else "INFO")
-    gw_cmd = [sys.executable, "-m", "loraplex.cli", "gateway"]
+    gw_cmd = [sys.executable, "-m", "loraplex_cli", "gateway"]
     gw = subprocess.Popen(gw_cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results: list[dict] = []
     try:

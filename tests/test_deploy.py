@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from loraplex.cli import COMMANDS
 from loraplex.settings import PREFIX, Settings
+from loraplex_cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
