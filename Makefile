@@ -8,11 +8,12 @@ STAMP := $(VENV)/.loraplex-installed
 
 venv: $(STAMP)
 
+# torch first: the CPU wheel then satisfies the engine extra's torch range (no CUDA torch is pulled).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@echo "==> installing torch 2.13.0 (CPU) and loraplex into $(VENV)"
+	@echo "==> installing torch 2.13.0 (CPU) and loraplex with the engine and test extras into $(VENV)"
 	$(PIP) install --progress-bar on torch==2.13.0
-	$(PIP) install --progress-bar on -e '.[test]'
+	$(PIP) install --progress-bar on -e '.[engine,test]'
 	@touch $(STAMP)
 
 demo: venv  ## seed demo tenants + adapters, run gateway + one worker (embedded)

@@ -288,7 +288,9 @@ def start_loraplex(name: str, role: str, tree: Path, tmp: Path, *, secret_check:
     extra = ("--chunks", "5") + (("--worker-secret", worker_secret) if secret_check else ("--no-secret-check",))
     stub = StubProcess(f"{prefix}-w1", redis_url=REDIS_URL, redis_prefix=prefix, base_model="tiny",
                        device=(seed["adapter_id"],), extra=extra).start()
-    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway"], cwd=tree, env=env,
+    # The command's module moved to loraplex_cli; older trees (a --baseline) still have loraplex/cli.py.
+    module = "loraplex_cli" if (tree / "loraplex_cli").is_dir() else "loraplex.cli"
+    proc = subprocess.Popen([sys.executable, "-m", module, "gateway"], cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     side = Side(name, role, proc, gw_port, stub, {}, {},
                 cleanup=[lambda: delete_redis_keys((f"{prefix}*",))])

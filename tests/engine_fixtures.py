@@ -76,7 +76,8 @@ def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides:
 
 
 @lru_cache(maxsize=1)
-def demo_model_file() -> Path | None:
+def _fetched_demo_model() -> Path | str:
+    """The demo model's path, or why fetching it failed (kept, so it is tried once per session)."""
     from engine.fetch_demo import demo_model_path, fetch_demo
 
     found = demo_model_path()
@@ -84,16 +85,21 @@ def demo_model_file() -> Path | None:
         return found
     try:
         return fetch_demo(quiet=True)
-    except Exception:
-        return None
+    except Exception as exc:  # any failure: every test that needs the model fails with it
+        return f"{type(exc).__name__}: {exc}"
+
+
+def demo_model_file() -> Path:
+    """The demo model, fetched on first use; a failed fetch fails the test (never skips it)."""
+    got = _fetched_demo_model()
+    if isinstance(got, str):
+        pytest.fail(f"the demo model could not be fetched (loraplex fetch-demo): {got}", pytrace=False)
+    return got
 
 
 @pytest.fixture(scope="session")
 def demo_gguf() -> Path:
-    path = demo_model_file()
-    if path is None:
-        pytest.skip("demo model not cached and could not be fetched")
-    return path
+    return demo_model_file()
 
 
 @lru_cache(maxsize=1)
@@ -102,7 +108,6 @@ def hf_demo_model() -> Any:
     from transformers import AutoModelForCausalLM
 
     path = demo_model_file()
-    assert path is not None
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                 dtype=torch.float32).eval()
 
@@ -112,7 +117,6 @@ def hf_demo_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     path = demo_model_file()
-    assert path is not None
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

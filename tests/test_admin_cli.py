@@ -17,7 +17,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from loraplex.cli import main
+from loraplex_cli.main import main
 from registry.admin_api import admin_app
 from registry.migrate import upgrade
 from registry.service import RegistryService
@@ -201,7 +201,7 @@ def test_admin_cli_subprocess(server, tmp_path):
     """The installed entry point, as an operator runs it."""
     _, admin_url, _ = server
     env = {**os.environ, "LORAPLEX_ADMIN_URL": admin_url}
-    cmd = [sys.executable, "-m", "loraplex.cli", "admin"]
+    cmd = [sys.executable, "-m", "loraplex_cli", "admin"]
     r = subprocess.run([*cmd, "tenant", "create", "globex", "--json"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["slug"] == "globex"
@@ -299,7 +299,7 @@ def _closed_stdout(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedP
 def test_output_to_a_closed_pipe_ends_quietly(server):
     _, admin_url, _ = server
     env = {**os.environ, "LORAPLEX_ADMIN_URL": admin_url}
-    cli = [sys.executable, "-m", "loraplex.cli"]
+    cli = [sys.executable, "-m", "loraplex_cli"]
     assert subprocess.run([*cli, "admin", "tenant", "create", "acme"], env=env, capture_output=True).returncode == 0
     for argv in (["admin", "tenant", "list", "--json"], ["admin", "tenant", "list"], ["config"],
                  ["token", "--tenant", "acme"]):

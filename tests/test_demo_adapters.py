@@ -17,6 +17,7 @@ import pytest
 
 from loraplex.modelinfo import ModelInfo, revision_of
 from loraplex.settings import Settings
+from registry import admission
 from tests.engine_fixtures import demo_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,11 +33,6 @@ EXPECTED = {  # name -> (rank, alpha, target modules)
     "terse": (8, 16, ALL_PROJ),
 }
 TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-def demo_gguf() -> Path | None:
-    """The demo model, fetched (``loraplex fetch-demo``) when this checkout has none yet."""
-    return demo_model_file()
 
 
 def _base_info(revision: str) -> ModelInfo:
@@ -80,7 +76,6 @@ def test_shipped_adapter_is_a_well_formed_peft_lora(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_shipped_adapter_passes_registry_admission(name):
-    admission = pytest.importorskip("registry.admission")
     cfg = json.loads((ADAPTERS / name / "adapter_config.json").read_text())
     settings = Settings(adapter_root=str(ADAPTERS))
     admitted = admission.admit(name, _base_info(cfg["base_model_revision"]), settings)
@@ -93,9 +88,7 @@ def test_shipped_adapter_passes_registry_admission(name):
 
 
 def test_shipped_adapters_match_the_demo_model_revision():
-    gguf = demo_gguf()
-    if gguf is None:
-        pytest.skip("demo model not fetched (loraplex fetch-demo)")
+    gguf = demo_model_file()
     rev = revision_of(gguf)
     for name in EXPECTED:
         cfg = json.loads((ADAPTERS / name / "adapter_config.json").read_text())
@@ -119,13 +112,12 @@ def _words(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference():
-    gguf = demo_gguf()
-    if gguf is None:
-        pytest.skip("demo model not fetched (loraplex fetch-demo)")
+    gguf = demo_model_file()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    import peft
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

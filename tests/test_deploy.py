@@ -19,18 +19,23 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
 import yaml
 
-from loraplex.cli import COMMANDS
 from loraplex.settings import PREFIX, Settings
+from loraplex_cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30"
 SETTINGS_KEYS = {PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
-OUR_IMAGES = {"loraplex", "loraplex-cuda"}
+OUR_IMAGES = {"loraplex", "loraplex-worker", "loraplex-cuda"}
+CONTROL_IMAGE = ("loraplex", "Dockerfile")
+"""The image without torch (``pip install .``): gateway, migrate, admin."""
+WORKER_IMAGES = {"loraplex-worker": "Dockerfile.worker", "loraplex-cuda": "Dockerfile.cuda"}
+"""Images with the engine extra (``pip install '.[engine]'``)."""
 
 
 # --- docker-compose ------------------------------------------------------------------------
@@ -226,7 +231,7 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.worker", "Dockerfile.cuda"])
 def test_dockerfile_references_existing_paths_and_commands(name):
     path = DEPLOY / name
     ins = _instructions(path)
@@ -251,10 +256,44 @@ def test_dockerfile_references_existing_paths_and_commands(name):
     env = " ".join(rest for op, rest in ins if op == "ENV")
     for key in re.findall(r"\b(LORAPLEX_[A-Z_]+)=", env):
         assert key in SETTINGS_KEYS, f"{name}: {key} is not a setting"
-    if name == "Dockerfile":
-        assert stages[-1].startswith("${PYTHON_IMAGE}") and "ARG PYTHON_IMAGE=python:3.11-slim" in path.read_text()
-    else:
+    if name == "Dockerfile.cuda":
         assert "nvidia/cuda:" in path.read_text()
+    else:
+        assert stages[-1].startswith("${PYTHON_IMAGE}") and "ARG PYTHON_IMAGE=python:3.11-slim" in path.read_text()
+
+
+def _pip_installs(name: str) -> list[str]:
+    """The arguments of every ``pip install`` in a Dockerfile's RUN lines."""
+    runs = [rest for op, rest in _instructions(DEPLOY / name) if op == "RUN"]
+    return [m.strip() for run in runs for m in re.findall(r"\bpip install ([^&;]+)", run)]
+
+
+def test_the_gateway_image_carries_no_torch():
+    installs = _pip_installs(CONTROL_IMAGE[1])
+    assert installs == ["."], "the control-plane image installs the project without extras, and nothing else"
+    text = (DEPLOY / CONTROL_IMAGE[1]).read_text()
+    assert "pip show torch" in text, "the build fails if the resolution ever brings torch"
+    assert json.loads(next(rest for op, rest in _instructions(DEPLOY / CONTROL_IMAGE[1]) if op == "CMD")) == ["gateway"]
+
+
+@pytest.mark.parametrize("name", sorted(WORKER_IMAGES.values()))
+def test_worker_images_install_torch_first_then_the_engine_extra(name):
+    installs = _pip_installs(name)
+    assert len(installs) == 2 and '"torch==${TORCH_VERSION}"' in installs[0], installs
+    assert installs[1] == "'.[engine]'", installs
+    assert json.loads(next(rest for op, rest in _instructions(DEPLOY / name) if op == "CMD")) == ["worker"]
+
+
+def test_compose_runs_the_gateway_without_torch_and_workers_with_the_engine(compose):
+    services = compose["services"]
+    for name in ("gateway", "migrate"):
+        svc = services[name]
+        assert svc["image"].split(":")[0] == CONTROL_IMAGE[0], name
+        assert svc["build"]["dockerfile"] == f"deploy/{CONTROL_IMAGE[1]}", name
+    for name in ("worker-1", "worker-2", "fetch-demo"):
+        svc = services[name]
+        image = svc["image"].split(":")[0]
+        assert image in WORKER_IMAGES and svc["build"]["dockerfile"] == f"deploy/{WORKER_IMAGES[image]}", name
 
 
 # --- Kubernetes ----------------------------------------------------------------------------
@@ -278,7 +317,6 @@ def k8s() -> dict[str, dict[str, Any]]:
 
 
 def test_k8s_manifests_validate_strictly(k8s):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for key, doc in k8s.items():
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -287,7 +325,6 @@ def test_k8s_manifests_validate_strictly(k8s):
 
 
 def test_k8s_validation_catches_a_broken_manifest(k8s):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     import copy
 
     broken = copy.deepcopy(k8s["Deployment/loraplex-gateway"])
@@ -305,7 +342,6 @@ def test_kustomization_lists_every_manifest_but_the_secret_template(k8s):
 
 @pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl not installed")
 def test_kustomize_build_validates():
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     proc = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
@@ -441,6 +477,18 @@ def test_k8s_secret_template_holds_no_secret(k8s):
         assert "CHANGE-ME" in value, f"{key}: the template must hold placeholders only"
 
 
+def test_k8s_runs_the_gateway_without_torch_and_workers_with_the_engine(k8s):
+    def images(key: str) -> set[str]:
+        pod = _pod_spec(k8s[key])
+        return {c["image"].split(":")[0] for c in pod.get("initContainers", []) + pod["containers"]}
+
+    assert images("Deployment/loraplex-gateway") == images("Job/loraplex-migrate") == {CONTROL_IMAGE[0]}
+    assert images("StatefulSet/loraplex-worker") <= set(WORKER_IMAGES)
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = {i["name"] for i in kust["images"]}
+    assert images("Deployment/loraplex-gateway") | images("StatefulSet/loraplex-worker") <= listed
+
+
 def test_k8s_migrate_job(k8s):
     job = k8s["Job/loraplex-migrate"]
     c = _pod_spec(job)["containers"][0]
@@ -540,8 +588,7 @@ PENDING_METRICS = {
 def test_dashboard_metrics_match_the_exporters(prefix, exporter):
     """The metrics the dashboard reads are the ones the gateway / worker exporters define."""
     source = ROOT / exporter
-    if not source.is_file():
-        pytest.skip(f"{exporter} not present")
+    assert source.is_file(), f"{exporter} is gone: point this test at the module that defines the metrics"
     defined = set(re.findall(r'"(' + prefix + r'[a-z0-9_]+)"', source.read_text()))
     dash = (DEPLOY / "grafana" / "loraplex-dashboard.json").read_text()
     known = defined | PENDING_METRICS
@@ -555,8 +602,7 @@ def test_dashboard_metrics_match_the_exporters(prefix, exporter):
 def test_probe_and_scrape_paths_are_routes_of_the_apps(app, paths):
     """Every path a healthcheck, probe or scrape uses is served by the process it targets."""
     source = ROOT / app
-    if not source.is_file():
-        pytest.skip(f"{app} not present")
+    assert source.is_file(), f"{app} is gone: point this test at the module that serves the routes"
     text = source.read_text()
     for path in paths:
         assert f'Route("{path}"' in text, f"{app} serves no {path}"

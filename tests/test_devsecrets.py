@@ -11,9 +11,9 @@ import os
 import pytest
 
 from loraplex import config_cmd
-from loraplex.cli import main
 from loraplex.devsecrets import development_secrets, is_loopback, refusal
 from loraplex.settings import DEV_JWT_SECRET, DEV_WORKER_SECRET, Settings, is_development_secret
+from loraplex_cli.main import main
 
 REAL = {"LORAPLEX_JWT_SECRET": "j" * 64, "LORAPLEX_WORKER_SECRET": "w" * 64}
 
@@ -35,7 +35,7 @@ def started(env):
     import uvicorn
 
     import gateway.http_edge as http_edge
-    import loraplex.serve as serve
+    import loraplex_cli.serve as serve
 
     calls: list[tuple[str, dict]] = []
     env.setattr(uvicorn, "run", lambda app, **kw: calls.append(("uvicorn", kw)))

@@ -32,11 +32,8 @@ FRENCH_WORDS = {"le", "la", "les", "est", "de", "des", "une", "un", "et", "capit
 @pytest.fixture(scope="module")
 def cluster(pg_url, redis_url, tmp_path_factory):
     model = demo_model_file()
-    if model is None:
-        pytest.skip("demo model not available")
     for name in ("french", "json", "terse"):
-        if not (DEMO / name / "adapter_model.safetensors").is_file():
-            pytest.skip(f"demo adapter {name} missing")
+        assert (DEMO / name / "adapter_model.safetensors").is_file(), f"demo adapter {name} missing (demo/README.md)"
     home = tmp_path_factory.mktemp("e2e")
     c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
                 redis_prefix=f"loraplex-e2e-{uuid.uuid4().hex[:8]}", model=str(model))

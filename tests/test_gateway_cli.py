@@ -18,9 +18,9 @@ import httpx
 from gateway.app import _AccessRecords
 from gateway.cli import BufferedLines
 from gateway.metrics import OTHER, GatewayMetrics
-from loraplex.cli import main
 from loraplex.settings import Settings
 from loraplex.tokens import Verifier
+from loraplex_cli.main import main
 from tests.stub_worker import StubProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_gateway_command_serves_with_a_snapshot_file(tmp_path):
         env = dict(os.environ, LORAPLEX_REGISTRY_SNAPSHOT_FILE=str(path), LORAPLEX_GATEWAY_PORT=str(port),
                    LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()), LORAPLEX_WORKER_URLS=stub.url, LORAPLEX_HOME=str(tmp_path / "home"))
         env.pop("LORAPLEX_REDIS_URL", None)
-        proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway"], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "loraplex_cli", "gateway"], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             url = f"http://127.0.0.1:{port}"
@@ -59,7 +59,7 @@ def test_gateway_command_serves_with_a_snapshot_file(tmp_path):
                 except httpx.HTTPError:
                     time.sleep(0.1)
             assert httpx.get(url + "/readyz").status_code == 200
-            token = subprocess.run([sys.executable, "-m", "loraplex.cli", "token", "--tenant", "acme"], cwd=ROOT,
+            token = subprocess.run([sys.executable, "-m", "loraplex_cli", "token", "--tenant", "acme"], cwd=ROOT,
                                    env=env, capture_output=True, text=True, check=True).stdout.strip()
             r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
                            json={"model": "support", "messages": [{"role": "user", "content": "hi"}]})

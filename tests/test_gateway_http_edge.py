@@ -565,7 +565,7 @@ def test_sigterm_drains_then_answers_what_is_still_running(tmp_path):
                    LORAPLEX_GATEWAY_SHUTDOWN_GRACE_S="1.5", LORAPLEX_LOG_LEVEL="WARNING")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         log = open(tmp_path / "gateway.log", "w+")
-        gw = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "gateway", "--no-access-log"], cwd=root,
+        gw = subprocess.Popen([sys.executable, "-m", "loraplex_cli", "gateway", "--no-access-log"], cwd=root,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"

@@ -1,13 +1,19 @@
-"""The package boundaries of docs/DESIGN.md hold at import time (checked in fresh interpreters).
+"""The package boundaries of docs/DESIGN.md hold (checked in fresh interpreters; the ground floor in its source too).
 
-* the gateway never imports torch, not even when it admits an adapter (admission runs there);
-* the registry imports neither the gateway nor the engine;
-* the engine imports neither the gateway nor the registry.
+| package | may import | never imports |
+|---|---|---|
+| ``loraplex/`` (ground floor) | third-party libraries only | gateway, registry, engine, loraplex_cli, torch |
+| ``registry/`` | loraplex | gateway, engine, loraplex_cli |
+| ``gateway/`` | loraplex, registry | engine, loraplex_cli, torch (not even when it admits an adapter) |
+| ``engine/`` | loraplex | gateway, registry, loraplex_cli |
+| ``loraplex_cli/`` (composition root) | every package, each only for the command that runs it | |
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +30,41 @@ def _modules_after(code: str) -> set[str]:
 
 def _top(mods: set[str]) -> set[str]:
     return {m.split(".")[0] for m in mods}
+
+
+def _floor_modules() -> list[str]:
+    return sorted(f"loraplex.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "loraplex")]))
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    modules = _floor_modules()
+    assert {"loraplex.settings", "loraplex.wire", "loraplex.openai_request"} <= set(modules)
+    top = _top(_modules_after("\n".join(f"import {m}" for m in modules)))
+    assert not top & {"gateway", "registry", "engine", "loraplex_cli", "torch"}, sorted(top)
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module an ``import`` statement anywhere in ``path`` names, deferred imports in functions included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_ground_floor_defers_no_import_of_an_upper_package():
+    """Deferred imports (inside functions) escape the import-time check above; the source shows them."""
+    upper = {"gateway", "registry", "engine", "loraplex_cli", "torch"}
+    reaching = {f"{path.name}: {name}" for path in sorted((ROOT / "loraplex").glob("*.py"))
+                for name in _imported_names(path) if name.split(".")[0] in upper}
+    assert not reaching, sorted(reaching)
+
+
+def test_the_cli_dispatcher_imports_no_package_until_a_command_runs():
+    top = _top(_modules_after("import loraplex_cli.main"))
+    assert not top & {"gateway", "registry", "engine", "torch"}, sorted(top)
 
 
 def test_gateway_does_not_import_torch_even_when_admitting(tmp_path):
@@ -44,16 +85,17 @@ admit("a", TINY, Settings(adapter_root={str(tmp_path)!r}))
 """
     # Re-importing torch after the purge would show up in sys.modules again.
     assert "torch" not in _modules_after(code)
-    assert "torch" not in _top(_modules_after("import gateway.app, gateway.activation, gateway.cli"))
+    assert not _top(_modules_after("import gateway.app, gateway.activation, gateway.cli")) & {
+        "torch", "engine", "loraplex_cli"}
 
 
 def test_registry_imports_neither_gateway_nor_engine():
     top = _top(_modules_after("import registry.service, registry.admin_api, registry.cache, registry.cli, "
                               "registry.admission, registry.migrate"))
-    assert not top & {"gateway", "engine"}
+    assert not top & {"gateway", "engine", "loraplex_cli"}
 
 
 def test_engine_imports_neither_gateway_nor_registry():
     top = _top(_modules_after("import engine.api, engine.engine, engine.internal_api, engine.reporter, "
                               "engine.warmstart, engine.lora.manager, engine.cli"))
-    assert not top & {"gateway", "registry"}
+    assert not top & {"gateway", "registry", "loraplex_cli"}

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from engine.engine import Engine, EngineConfig
 from engine.lora.manager import AdapterManager
 from engine.lora.runtime import LoRARuntime
 from engine.lora.slots import SlotBank
@@ -36,7 +37,6 @@ def _save_base(path):
 
 @pytest.mark.slow
 def test_engine_mixed_batch_matches_peft_per_adapter(tmp_path):
-    engine_mod = pytest.importorskip("engine.engine")
     from engine.sequence import SamplingParams
 
     specs = {
@@ -48,7 +48,7 @@ def test_engine_mixed_batch_matches_peft_per_adapter(tmp_path):
     peft_model, dirs = _peft_model(tmp_path, specs)
     base_dir = tmp_path / "base"
     _save_base(base_dir)
-    engine = engine_mod.Engine.from_path(base_dir, engine_mod.EngineConfig(
+    engine = Engine.from_path(base_dir, EngineConfig(
         kv_cache_bytes=4 * 1024 * 1024, max_model_len=64))
     bank = SlotBank.for_model(TINY, (8, 16, 32, 64), slots_per_class=4)
     rt = LoRARuntime(AdapterManager(TINY, bank, max_loras=8, cache_dir=str(tmp_path / "cache")))

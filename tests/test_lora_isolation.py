@@ -235,15 +235,14 @@ QUESTIONS = ["How do I reset my password?", "Can I get a refund for my order?"]
 def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
     """Demo model: french, json and terse rows mixed with base rows; each row's first 16 greedy
     tokens equal transformers+PEFT greedy for that adapter alone, and each differs from base."""
-    from tests.engine_fixtures import demo_model_file, hf_demo_model, hf_demo_tokenizer
+    import peft
 
-    gguf = demo_model_file()
-    if gguf is None:
-        pytest.skip("demo model not cached")
-    peft = pytest.importorskip("peft")
     from engine.engine import Engine, EngineConfig
     from loraplex.modelinfo import describe_model
     from loraplex.wire import AdapterRef
+    from tests.engine_fixtures import demo_model_file, hf_demo_model, hf_demo_tokenizer
+
+    gguf = demo_model_file()
 
     tok = hf_demo_tokenizer()
     prompts = []

@@ -60,7 +60,7 @@ def test_loraplex_migrate_command(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "LORAPLEX_HOME": str(home)}
     env.pop("LORAPLEX_DATABASE_URL", None)
-    run = [sys.executable, "-m", "loraplex.cli", "migrate"]
+    run = [sys.executable, "-m", "loraplex_cli", "migrate"]
     subprocess.run(run, cwd=tmp_path, env=env, check=True, capture_output=True)
     assert (home / "registry.db").is_file()
     subprocess.run([*run, "--down", "--revision", "base"], cwd=tmp_path, env=env, check=True, capture_output=True)

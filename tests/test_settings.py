@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.cli import COMMANDS
 from loraplex.config_cmd import field_docs
 from loraplex.settings import Settings, SettingsError
+from loraplex_cli.main import COMMANDS
 
 BIN = Path(sys.executable).parent / "loraplex"
 

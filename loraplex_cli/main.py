@@ -2,13 +2,14 @@
 
 Each package contributes its own subcommands through a ``register(subparsers)``
 function in its ``cli`` module; modules are imported lazily so ``--help`` is fast
-and a gateway host never imports torch.
+and a gateway host never imports torch (nor needs it installed: see ``ENGINE_COMMANDS``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -20,10 +21,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "token": ("gateway.cli", "mint a JWT for a tenant or an admin"),
     "worker": ("engine.cli", "run an engine worker"),
     "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),
-    "serve": ("loraplex.serve", "run gateway + one worker in one process on the embedded default"),
-    "demo": ("loraplex.serve", "seed demo tenants/adapters and run the embedded system"),
+    "serve": ("loraplex_cli.serve", "run gateway + one worker in one process on the embedded default"),
+    "demo": ("loraplex_cli.serve", "seed demo tenants/adapters and run the embedded system"),
     "config": ("loraplex.config_cmd", "print every setting (LORAPLEX_* variable) and its effective value"),
 }
+
+ENGINE_COMMANDS = frozenset({"worker", "serve", "demo"})
+"""Commands that run the engine: they need the ``engine`` extra (``pip install 'loraplex[engine]'``)."""
+ENGINE_MODULES = ("torch", "safetensors")
+"""What the ``engine`` extra installs that the plain install does not."""
+
+
+def missing_engine_modules() -> list[str]:
+    """The ``engine`` extra's modules this interpreter cannot import."""
+    return [name for name in ENGINE_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -62,8 +73,9 @@ def _main(argv: list[str] | None) -> int:
     # Import only the module that owns the command; it registers its commands.
     importlib.import_module(COMMANDS[argv[0]][0]).register(sub)
     args = parser.parse_args(argv)
+    missing = missing_engine_modules() if argv[0] in ENGINE_COMMANDS else []
+    if missing:
+        print(f"error: `loraplex {argv[0]}` runs the engine, which this install lacks ({', '.join(missing)} "
+              "not installed): install loraplex[engine] (pip install 'loraplex[engine]')", file=sys.stderr)
+        return 1
     return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

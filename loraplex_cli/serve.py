@@ -27,7 +27,7 @@ from typing import Any
 from loraplex.devsecrets import refusal
 from loraplex.settings import Settings, get_settings
 
-log = logging.getLogger("loraplex.serve")
+log = logging.getLogger("loraplex_cli.serve")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 
