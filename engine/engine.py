@@ -18,7 +18,7 @@ LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
 and optionally ``release(seq)`` when a sequence leaves) and
 ``engine.scheduler.policy`` (adapter-aware admission). With ``lora_runtime`` unset the
 worker API refuses requests naming an adapter. ``Engine.from_settings`` plugs in both
-(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission.FairAdmission`` as
+(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission_policy.FairAdmission`` as
 the policy (priority, tenant fairness, adapter residency and aging).
 """
 
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from engine.batch import BatchContext, build_batch
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
+from engine.step_batch import BatchContext, build_batch
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
 
@@ -172,14 +172,14 @@ class Engine:
         if settings.max_loras > 0:
             engine.enable_lora(settings)
         else:
-            from engine.admission import FairAdmission
+            from engine.admission_policy import FairAdmission
 
             engine.scheduler.policy = FairAdmission(None)
         return engine
 
     def enable_lora(self, settings: Any, **manager_kw: Any) -> None:
         """Build the adapter manager + runtime from settings and plug them in."""
-        from engine.admission import FairAdmission
+        from engine.admission_policy import FairAdmission
         from engine.lora.manager import AdapterManager
         from engine.lora.runtime import LoRARuntime
         from loraplex.modelinfo import describe_model
