@@ -13,7 +13,6 @@ tensor (Llama-3 scaling as llama.cpp stores it) is returned as frequency factors
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -228,6 +227,3 @@ def load_weights(path: str | Path) -> ModelWeights:
         return load_hf_dir(p)
     raise FileNotFoundError(f"{p} is neither a .gguf file nor a Hugging Face directory with config.json")
 
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
