@@ -50,12 +50,13 @@ from engine.protocol import (
 from engine.scheduler import QueueFullError
 from engine.sequence import SeqEvent
 from engine.worker_auth import WorkerSecretMiddleware
+from loraplex.settings import Settings
 from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
 
 
-def default_worker_id(settings: Any) -> str:
+def default_worker_id(settings: Settings) -> str:
     return settings.worker_id or f"{socket.gethostname()}-{settings.worker_port}"
 
 
@@ -86,7 +87,7 @@ def _error(status: int, message: str, code: str | None = None, type: str = "inva
 
 
 class WorkerState:
-    def __init__(self, settings: Any, engine: Engine | None) -> None:
+    def __init__(self, settings: Settings, engine: Engine | None) -> None:
         self.settings = settings
         self.engine = engine
         self.owns_engine = engine is None
@@ -121,7 +122,7 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def create_worker_app(settings: Any, engine: Engine | None = None, *, residency: Any = None,
+def create_worker_app(settings: Settings, engine: Engine | None = None, *, residency: Any = None,
                       report: bool = True, warm_start: bool = True) -> Starlette:
     """The worker ASGI app. Without ``engine`` the lifespan loads one from ``settings``.
 

@@ -41,6 +41,7 @@ from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
 from engine.step_batch import BatchContext, build_batch
+from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
 
@@ -154,7 +155,7 @@ class Engine:
         return cls(model, tok, config, model_path=path)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Engine:
+    def from_settings(cls, settings: Settings) -> Engine:
         """Load the model ``settings.model`` names (the demo model when empty)."""
         from engine.fetch_demo import fetch_demo
         from loraplex.modelinfo import describe_model
@@ -177,7 +178,7 @@ class Engine:
             engine.scheduler.policy = FairAdmission(None)
         return engine
 
-    def enable_lora(self, settings: Any, **manager_kw: Any) -> None:
+    def enable_lora(self, settings: Settings, **manager_kw: Any) -> None:
         """Build the adapter manager + runtime from settings and plug them in."""
         from engine.admission_policy import FairAdmission
         from engine.lora.manager import AdapterManager
