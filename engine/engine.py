@@ -112,7 +112,7 @@ class Engine:
         self.config = config
         self.model_path = str(model_path) if model_path else ""
         cfg = model.cfg
-        limit = cfg.max_position_embeddings
+        limit = cfg.context_length
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         self.cache = KVCache.from_bytes(cfg, config.kv_cache_bytes, config.kv_block_size, model.device,
                                         model.dtype)
@@ -146,7 +146,7 @@ class Engine:
             tune_cpu_allocator()
         weights = load_weights(path)
         cfg = weights.config
-        limit = cfg.max_position_embeddings
+        limit = cfg.context_length
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
                              native_kernels=config.native_kernels)
