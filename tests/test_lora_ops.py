@@ -204,23 +204,6 @@ def test_slot_bank_padding_clear_and_limits():
         LoRABatch.build(bank, [4])
 
 
-def test_for_sequences_expands_per_token():
-    shapes = {"q_proj": (8, 8)}
-    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=2)
-    g = torch.Generator().manual_seed(2)
-    bank.write(0, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0))
-    bank.write(1, _random_weights(g, 1, shapes, 4, ("q_proj",), 3.0))
-    seq = LoRABatch.for_sequences(bank, [1, -1, 0], [3, 1, 2])
-    assert seq.token_slots.tolist() == [1, 1, 1, -1, 0, 0]
-    x, out0 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
-    a, b = out0.clone(), out0.clone()
-    seq.apply(0, "q_proj", x, a)
-    LoRABatch.build(bank, [1, 1, 1, -1, 0, 0]).apply(0, "q_proj", x, b)
-    assert torch.equal(a, b)
-    with pytest.raises(ValueError):
-        LoRABatch.for_sequences(bank, [0], [1, 2])
-
-
 @pytest.mark.parametrize("path", ["segmented", "padded", None])
 @pytest.mark.parametrize("layout", ["runs", "interleaved"])
 def test_out_may_be_a_column_slice_of_a_fused_output(path, layout):
