@@ -169,7 +169,7 @@ class Engine:
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)
         engine = cls.from_path(path, config)
-        engine.info = describe_model(path, name=settings.model_name or None)
+        engine.info = describe_model(path, name=settings.model_name or None, shape=engine.model.cfg)
         if settings.max_loras > 0:
             engine.enable_lora(settings)
         else:
@@ -186,7 +186,7 @@ class Engine:
         from loraplex.modelinfo import describe_model
 
         if self.info is None:
-            self.info = describe_model(self.model_path, name=settings.model_name or None)
+            self.info = describe_model(self.model_path, name=settings.model_name or None, shape=self.model.cfg)
         manager = AdapterManager.from_settings(settings, self.info, dtype=self.model.dtype,
                                                device=self.model.device, **manager_kw)
         self.lora_runtime = LoRARuntime(manager, native=self.config.native_kernels)

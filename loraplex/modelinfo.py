@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -146,15 +146,19 @@ def revision_of(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()[:16]
 
 
-def describe_model(path: str | Path, name: str | None = None, revision: str | None = None) -> ModelInfo:
-    """Read dimensions from ``config.json`` or GGUF metadata; hash the files for the revision."""
+def describe_model(path: str | Path, name: str | None = None, revision: str | None = None,
+                   shape: ModelShape | None = None) -> ModelInfo:
+    """Read dimensions from ``config.json`` or GGUF metadata (or take ``shape``, already read from
+    the same files); hash the files for the revision."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
+    gguf = p.is_file() and p.suffix == ".gguf"
+    default_name = p.name.removesuffix(".gguf").split(".")[0] if gguf else p.name
+    if shape is not None:
+        dims = {f.name: getattr(shape, f.name) for f in fields(ModelShape)}
+    elif gguf:
         from gguf import GGUFReader
 
         dims = gguf_shape(gguf_getter(GGUFReader(str(p))))
-        default_name = p.name.removesuffix(".gguf").split(".")[0]
     else:
         dims = hf_shape(json.loads((p / "config.json").read_text()))
-        default_name = p.name
     return ModelInfo(name=name or default_name, revision=revision or revision_of(p), **dims)

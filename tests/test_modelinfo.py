@@ -46,6 +46,7 @@ def test_hf_directory_reads_the_same_both_ways(tmp_path, kind):
     info, cfg = describe_model(path), ModelConfig.from_hf_dir(path)
     assert _shape(info) == _shape(cfg)
     assert info.architecture == kind and info.to_dict()["revision"] == info.revision
+    assert describe_model(path, shape=cfg) == info, "the engine's description of its model is the registry's"
 
 
 @pytest.mark.slow
