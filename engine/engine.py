@@ -16,7 +16,9 @@ engine thread with a ``SeqEvent`` per sampled token (and one final event).
 LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
 ``prepare_batch(ctx: BatchContext) -> None`` that sets ``ctx.lora`` before each forward,
 and optionally ``release(seq)`` when a sequence leaves) and
-``engine.scheduler.policy`` (adapter-aware admission). With ``lora_runtime`` unset the
+``engine.scheduler.policy`` (adapter-aware admission, which must admit adapter sequences
+through the runtime's ``admit``: that is where a sequence's slot is taken, and a step
+fails the rows of a sequence that arrives without one). With ``lora_runtime`` unset the
 worker API refuses requests naming an adapter. ``Engine.from_settings`` plugs in both
 (``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission_policy.FairAdmission`` as
 the policy (priority, tenant fairness, adapter residency and aging).
