@@ -1,4 +1,4 @@
-"""Batched LoRA op on CPU: gather-bmm vs segmented vs padded-bmm vs the C kernel vs a per-row loop.
+"""Batched LoRA op on CPU: segmented vs padded-bmm vs the C kernel vs a per-row loop.
 
 Demo-model shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 heads, 3 kv heads,
 head_dim 64), rank 16, float32. For each (tokens, distinct adapters, layout) the time of
@@ -29,13 +29,11 @@ from pathlib import Path
 import torch
 
 from engine.lora.ops import (
-    GATHER_MAX_TOKENS_PER_ADAPTER,
     NATIVE_MAX_TOKENS_PER_ADAPTER,
     PADDED_MAX_TOKENS_PER_ADAPTER,
     PADDED_MIN_ADAPTERS,
     SegmentPlan,
     choose_path,
-    lora_gather,
     lora_native,
     lora_padded,
     lora_reference,
@@ -65,7 +63,7 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
     rows: list[dict] = []
     seen: set[tuple[int, int, str]] = set()
     native = native_usable(torch.empty(0))
-    header = (f"{'tokens':>6} {'adapters':>8} {'layout':>11} | {'base mm':>9} {'gather':>9} {'segmented':>9} "
+    header = (f"{'tokens':>6} {'adapters':>8} {'layout':>11} | {'base mm':>9} {'segmented':>9} "
               f"{'padded':>9} {'native':>9} {'loop':>9} | {'pick':>9} {'best':>9} {'pick/base':>9}")
     print(f"LoRA op per projection (mean of 7), rank {r}, float32, {threads} threads, median times in us")
     print(header)
@@ -83,7 +81,7 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                 else:
                     slots = torch.sort(torch.arange(tokens) % distinct).values
                 plan = SegmentPlan.build(slots)
-                t = {"base": 0.0, "gather": 0.0, "segmented": 0.0, "padded": 0.0, "native": 0.0, "loop": 0.0}
+                t = {"base": 0.0, "segmented": 0.0, "padded": 0.0, "native": 0.0, "loop": 0.0}
                 cap = max(8, distinct)  # a bank of max_loras=8 slots per class, grown for 32 adapters
                 for p in PROJECTIONS:
                     a, b, sc, w = stacks[p]
@@ -91,7 +89,6 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                     x = torch.randn(tokens, w.shape[1], generator=g)
                     y = torch.zeros(tokens, w.shape[0])
                     t["base"] += timeit(partial(torch.mm, x, w.T), min_time)
-                    t["gather"] += timeit(partial(lora_gather, y, x, a, b, sc, plan), min_time)
                     t["segmented"] += timeit(partial(lora_segmented, y, x, a, b, sc, plan), min_time)
                     t["padded"] += timeit(partial(lora_padded, y, x, a, b, sc, plan), min_time)
                     if native:
@@ -99,15 +96,15 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                     t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), min_time)
                 us = {k: v / len(PROJECTIONS) * 1e6 for k, v in t.items()}
                 pick = choose_path(plan, cap, native=native)
-                candidates = ("gather", "segmented", "padded", "native") if native else ("gather", "segmented", "padded")
+                candidates = ("segmented", "padded", "native") if native else ("segmented", "padded")
                 best = min(candidates, key=lambda k: us[k])
                 row = {"threads": threads, "tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
-                       "base_mm_us": us["base"], "gather_us": us["gather"], "segmented_us": us["segmented"],
+                       "base_mm_us": us["base"], "segmented_us": us["segmented"],
                        "padded_us": us["padded"], "native_us": us["native"] if native else None,
                        "loop_us": us["loop"], "pick": pick, "best": best,
                        "pick_over_best": us[pick] / us[best]}
                 rows.append(row)
-                print(f"{tokens:>6} {distinct:>8} {layout:>11} | {us['base']:>9.1f} {us['gather']:>9.1f} "
+                print(f"{tokens:>6} {distinct:>8} {layout:>11} | {us['base']:>9.1f} "
                       f"{us['segmented']:>9.1f} {us['padded']:>9.1f} {us['native']:>9.1f} {us['loop']:>9.1f} | "
                       f"{pick:>9} {best:>9} "
                       f"{us[pick] / us['base']:>9.2f}")
@@ -193,8 +190,7 @@ def main() -> None:
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other work shares this machine)")
     print(f"heuristic (engine.lora.ops.choose_path): native (C kernel, when built) when segments <= "
           f"{NATIVE_MAX_TOKENS_PER_ADAPTER} tokens; padded when >= {PADDED_MIN_ADAPTERS} adapters, "
-          f"segments <= {PADDED_MAX_TOKENS_PER_ADAPTER} tokens and padding <= 2x; gather when tokens <= "
-          f"{GATHER_MAX_TOKENS_PER_ADAPTER} x adapters; else segmented")
+          f"segments <= {PADDED_MAX_TOKENS_PER_ADAPTER} tokens and padding <= 2x; else segmented")
     print(f"worst pick/best ratio {worst['pick_over_best']:.2f} (threads {worst['threads']}, tokens "
           f"{worst['tokens']}, adapters {worst['distinct']}, {worst['layout']})")
     out = Path(args.out)

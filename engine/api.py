@@ -47,15 +47,17 @@ from engine.protocol import (
     stream_chunk,
     usage_chunk,
 )
+from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
-from engine.sequence import SeqEvent
+from engine.sequence import Sequence
 from engine.worker_auth import WorkerSecretMiddleware
+from loraplex.settings import Settings
 from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
 
 
-def default_worker_id(settings: Any) -> str:
+def default_worker_id(settings: Settings) -> str:
     return settings.worker_id or f"{socket.gethostname()}-{settings.worker_port}"
 
 
@@ -86,7 +88,9 @@ def _error(status: int, message: str, code: str | None = None, type: str = "inva
 
 
 class WorkerState:
-    def __init__(self, settings: Any, engine: Engine | None) -> None:
+    """What the worker's routes share: settings, the engine (once loaded), metrics, names."""
+
+    def __init__(self, settings: Settings, engine: Engine | None) -> None:
         self.settings = settings
         self.engine = engine
         self.owns_engine = engine is None
@@ -101,6 +105,10 @@ class WorkerState:
         engine.metrics = self.metrics
         info = engine.info
         self.model_name = self.settings.model_name or (info.name if info else "") or "base"
+
+    def request_done(self, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.request_done(outcome)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -121,114 +129,70 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def create_worker_app(settings: Any, engine: Engine | None = None, *, residency: Any = None,
-                      report: bool = True, warm_start: bool = True) -> Starlette:
-    """The worker ASGI app. Without ``engine`` the lifespan loads one from ``settings``.
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
 
-    With LoRA on, the lifespan first runs the warm start (``engine.warmstart``:
-    ``preload_adapters``/``pin_adapters``, or the top ``preload_top_n`` adapters by traffic).
 
-    The lifespan starts the engine thread (if not running) and the residency reporter
-    (``report=False`` to skip it); an engine the app loaded itself is stopped on shutdown.
-    """
-    state = WorkerState(settings, engine)
-    if engine is not None:
-        state.attach(engine)
+class Generation:
+    """One generation request inside the engine: answered whole (:meth:`complete`) or as SSE
+    (:meth:`stream`). A client that goes away aborts the sequence (its KV blocks free at once)."""
 
-    async def generate(request: Request, kind: str) -> Response:
-        eng = state.engine
-        if eng is None:
-            return _error(503, "the worker is still loading its model", code="loading", type="server_error")
-        try:
-            body = parse_json(await _read_body(request, settings.max_body_bytes))
-            req = parse_request(body, kind, eng.tokenizer, eng.max_model_len, state.model_name)
-        except RequestError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
-        if req.ext.adapter is not None and eng.lora_runtime is None:
-            return _error(400, "this worker has no LoRA support; it serves the base model only",
-                          code="adapter_not_supported")
-        headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base"}
+    def __init__(self, state: WorkerState, engine: Engine, req: GenerationRequest, seq: Sequence,
+                 events: RequestEvents) -> None:
+        self.state, self.engine, self.req, self.seq, self.events = state, engine, req, seq, events
+        self.created = now()
+        self.headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base"}
         if req.ext.request_id:
-            headers[HDR_REQUEST_ID] = req.ext.request_id
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+            self.headers[HDR_REQUEST_ID] = req.ext.request_id
 
-        def listener(ev: SeqEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # loop already closed
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
+    def streaming_response(self) -> StreamingResponse:
+        return StreamingResponse(self.stream(), media_type="text/event-stream",
+                                 headers={**self.headers, "Cache-Control": "no-cache"})
 
-        try:
-            seq = eng.add_request(req.prompt_ids, req.params, adapter=req.ext.adapter, tenant=req.ext.tenant,
-                                  priority=req.ext.priority, request_id=req.ext.request_id, listener=listener)
-        except QueueFullError as exc:
-            if state.metrics:
-                state.metrics.request_done("queue_full")
-            return _error(503, str(exc), code="queue_full", type="server_error", headers={"Retry-After": "1"})
-        except PromptTooLongError as exc:
-            return _error(400, str(exc), code="context_length_exceeded")
-        except ValueError as exc:
-            return _error(400, str(exc), code="invalid_value")
-        created = now()
-        if req.stream:
-            return StreamingResponse(_stream(eng, seq, req, queue, created), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
-        return await _complete(request, eng, seq, req, queue, created, headers)
+    def _abort(self) -> None:
+        self.engine.abort(self.seq)
+        self.state.request_done("client_gone")
 
-    async def _complete(request: Request, eng: Engine, seq: Any, req: GenerationRequest,
-                        queue: asyncio.Queue[SeqEvent], created: int, headers: dict[str, str]) -> Response:
-        async def wait_done() -> SeqEvent:
-            while True:
-                ev = await queue.get()
-                if ev.finished:
-                    return ev
-
-        async def wait_disconnect() -> None:
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        done = asyncio.ensure_future(wait_done())
-        gone = asyncio.ensure_future(wait_disconnect())
+    async def complete(self, request: Request) -> Response:
+        done = asyncio.ensure_future(self.events.finished())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not done.done():
                 done.cancel()
-                eng.abort(seq)
-                if state.metrics:
-                    state.metrics.request_done("client_gone")
+                self._abort()
         if not done.done() or done.cancelled():
             return Response(status_code=499)
         ev = done.result()
         if ev.finish_reason == "error":
-            if state.metrics:
-                state.metrics.request_done("error")
+            self.state.request_done("error")
             return _error(503, ev.error or "generation failed", code=ev.error_code or "engine_error",
-                          type="server_error", headers=headers)
-        if state.metrics:
-            state.metrics.request_done("ok")
-        text = seq.output_text
-        return JSONResponse(full_response(req, text, ev.finish_reason, len(seq.output_ids), created),
-                            headers=headers)
+                          type="server_error", headers=self.headers)
+        self.state.request_done("ok")
+        body = full_response(self.req, self.seq.output_text, ev.finish_reason, len(self.seq.output_ids),
+                             self.created)
+        return JSONResponse(body, headers=self.headers)
 
-    async def _stream(eng: Engine, seq: Any, req: GenerationRequest, queue: asyncio.Queue[SeqEvent],
-                      created: int) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncIterator[bytes]:
+        req, created = self.req, self.created
         finished = False
         generated = 0
         try:
             if req.kind == "chat":
                 yield _sse(stream_chunk(req, created, "", None, first=True))
             while True:
-                ev = await queue.get()
+                ev = await self.events.next()
                 generated += len(ev.new_token_ids)
                 if ev.finish_reason == "error":
                     yield _sse(error_body(ev.error or "generation failed", type="server_error",
                                           code=ev.error_code or "engine_error"))
                     finished = True
-                    if state.metrics:
-                        state.metrics.request_done("error")
+                    self.state.request_done("error")
                     break
                 if ev.text_delta:
                     yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated))
@@ -237,24 +201,77 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
                     yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason,
                                             completion_tokens=generated))
                     if req.include_usage:
-                        yield _sse(usage_chunk(req, created, len(seq.output_ids)))
-                    if state.metrics:
-                        state.metrics.request_done("ok")
+                        yield _sse(usage_chunk(req, created, len(self.seq.output_ids)))
+                    self.state.request_done("ok")
                     break
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:  # client went away (generator closed or cancelled)
-                eng.abort(seq)
-                if state.metrics:
-                    state.metrics.request_done("client_gone")
+                self._abort()
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
 
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat")
+class WorkerRoutes:
+    """The worker's public routes over one :class:`WorkerState`."""
 
-    async def health(request: Request) -> Response:
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        """Parse and check the request, queue it in the engine, answer whole or streamed."""
+        eng = self.state.engine
+        if eng is None:
+            return _error(503, "the worker is still loading its model", code="loading", type="server_error")
+        req = await self._parse(request, eng, kind)
+        if isinstance(req, Response):
+            return req
+        gen = self._queue(eng, req)
+        if isinstance(gen, Response):
+            return gen
+        return gen.streaming_response() if req.stream else await gen.complete(request)
+
+    async def _parse(self, request: Request, eng: Engine, kind: str) -> GenerationRequest | Response:
+        try:
+            body = parse_json(await _read_body(request, self.state.settings.max_body_bytes))
+            req = parse_request(body, kind, eng.tokenizer, eng.max_model_len, self.state.model_name)
+        except RequestError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+        if req.ext.adapter is not None and eng.lora_runtime is None:
+            return _error(400, "this worker has no LoRA support; it serves the base model only",
+                          code="adapter_not_supported")
+        return req
+
+    def _queue(self, eng: Engine, req: GenerationRequest) -> Generation | Response:
+        events = RequestEvents()
+        try:
+            seq = eng.add_request(req.prompt_ids, req.params, adapter=req.ext.adapter, tenant=req.ext.tenant,
+                                  priority=req.ext.priority, request_id=req.ext.request_id,
+                                  listener=events.listener)
+        except QueueFullError as exc:
+            self.state.request_done("queue_full")
+            return _error(503, str(exc), code="queue_full", type="server_error", headers={"Retry-After": "1"})
+        except PromptTooLongError as exc:
+            return _error(400, str(exc), code="context_length_exceeded")
+        except ValueError as exc:
+            return _error(400, str(exc), code="invalid_value")
+        return Generation(self.state, eng, req, seq, events)
+
+    async def health(self, request: Request) -> Response:
+        state = self.state
         eng = state.engine
         if eng is None:
             status = "error" if state.loading_error else "loading"
@@ -273,44 +290,35 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
             body["error"] = fault
         return JSONResponse(body, status_code=503 if fault else 200)
 
-    async def metrics(request: Request) -> Response:
-        if state.metrics is None:
+    async def metrics(self, request: Request) -> Response:
+        if self.state.metrics is None:
             return Response(b"", media_type="text/plain; version=0.0.4")
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
+        state = self.state
         data = [{"id": state.model_name, "object": "model", "owned_by": "loraplex"}] if state.engine else []
         return JSONResponse({"object": "list", "data": data})
 
+
+class WorkerLifespan:
+    """Startup: load the engine (unless given), start its thread, warm start, residency reports.
+    Shutdown in reverse; an engine the app loaded itself is closed, one it started is stopped."""
+
+    def __init__(self, state: WorkerState, *, residency: Any, report: bool, warm_start: bool) -> None:
+        self.state = state
+        self.residency = residency
+        self.report = report
+        self.warm_start = warm_start
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if state.engine is None:
-            try:
-                state.attach(await asyncio.to_thread(Engine.from_settings, settings))
-            except Exception as exc:
-                state.loading_error = str(exc)
-                raise
-        eng = state.engine
-        assert eng is not None
+    async def __call__(self, app: Starlette) -> AsyncIterator[None]:
+        eng = await self._load()
         started_here = not eng.running_thread
         eng.start()
-        if warm_start:
-            from engine.warmstart import warm_start as run_warm_start
-
-            try:
-                app.state.warm_start = await run_warm_start(eng, settings)
-            except Exception as exc:  # bad preload entries must not keep the worker down
-                log.error("warm start failed: %s", exc)
-        task = None
-        closer = None
-        if report:
-            from engine.reporter import report_forever, residency_store
-
-            store = residency
-            if store is None:
-                store, closer = residency_store(settings)
-            task = asyncio.create_task(report_forever(eng, store, state.worker_id,
-                                                      settings.resolved_worker_url(), settings))
+        if self.warm_start:
+            app.state.warm_start = await self._warm(eng)
+        task, closer = self._start_reporter(eng)
         try:
             yield
         finally:
@@ -321,30 +329,72 @@ def create_worker_app(settings: Any, engine: Engine | None = None, *, residency:
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await closer.aclose()
-            if state.owns_engine:
+            if self.state.owns_engine:
                 await asyncio.to_thread(eng.close)
             elif started_here:
                 await asyncio.to_thread(eng.stop)
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        *internal_routes(state),
-    ]
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 500)
-        detail = getattr(exc, "detail", None) or "not found"
-        return _error(status, str(detail), code="not_found" if status == 404 else None)
+    async def _load(self) -> Engine:
+        state = self.state
+        if state.engine is None:
+            try:
+                state.attach(await asyncio.to_thread(Engine.from_settings, state.settings))
+            except Exception as exc:
+                state.loading_error = str(exc)
+                raise
+        assert state.engine is not None
+        return state.engine
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in %s", request.url.path)
-        return _error(500, "internal worker error", code="internal_error", type="server_error")
+    async def _warm(self, eng: Engine) -> Any:
+        from engine.warmstart import warm_start as run_warm_start
 
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+        try:
+            return await run_warm_start(eng, self.state.settings)
+        except Exception as exc:  # bad preload entries must not keep the worker down
+            log.error("warm start failed: %s", exc)
+            return None
+
+    def _start_reporter(self, eng: Engine) -> tuple[asyncio.Task[None] | None, Any]:
+        if not self.report:
+            return None, None
+        from engine.reporter import report_forever, residency_store
+
+        settings = self.state.settings
+        store, closer = self.residency, None
+        if store is None:
+            store, closer = residency_store(settings)
+        task = asyncio.create_task(report_forever(eng, store, self.state.worker_id,
+                                                  settings.resolved_worker_url(), settings))
+        return task, closer
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "not found"
+    return _error(status, str(detail), code="not_found" if status == 404 else None)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s", request.url.path)
+    return _error(500, "internal worker error", code="internal_error", type="server_error")
+
+
+def create_worker_app(settings: Settings, engine: Engine | None = None, *, residency: Any = None,
+                      report: bool = True, warm_start: bool = True) -> Starlette:
+    """The worker ASGI app. Without ``engine`` the lifespan loads one from ``settings``.
+
+    With LoRA on, the lifespan first runs the warm start (``engine.warmstart``:
+    ``preload_adapters``/``pin_adapters``, or the top ``preload_top_n`` adapters by traffic).
+
+    The lifespan starts the engine thread (if not running) and the residency reporter
+    (``report=False`` to skip it); an engine the app loaded itself is stopped on shutdown.
+    """
+    state = WorkerState(settings, engine)
+    if engine is not None:
+        state.attach(engine)
+    app = Starlette(routes=[*WorkerRoutes(state).routes(), *internal_routes(state)],
+                    lifespan=WorkerLifespan(state, residency=residency, report=report, warm_start=warm_start),
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.worker = state
     app.add_middleware(WorkerHeaderMiddleware, worker_id=state.worker_id)
     app.add_middleware(WorkerSecretMiddleware, secret=settings.worker_secret)  # outermost: first to run

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import BatchContext
 from engine.kv_cache import KVCache
 from engine.native import DecodeAttention
+from engine.step_batch import BatchContext
 
 NEG_INF = float("-inf")
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.modelinfo import ModelShape, gguf_shape, hf_shape
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -20,32 +22,17 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class ModelConfig(ModelShape):
+    """The shared :class:`~loraplex.modelinfo.ModelShape` plus what running the model needs."""
+
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
@@ -57,15 +44,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
-        arch = str(cfg.get("model_type", "llama")).lower()
+        shape = hf_shape(cfg)
+        arch = shape["architecture"]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(f"model_type {arch!r} is not supported "
                                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
         eos: list[int] = []
         for src in (gen or {}, cfg):
             val = src.get("eos_token_id")
@@ -87,22 +73,13 @@ class ModelConfig:
                 scaling = None
             elif rtype not in ("llama3", "linear"):
                 raise UnsupportedModelError(f"rope scaling {rtype!r} is not supported")
-        bias = bool(cfg.get("attention_bias", arch == "qwen2"))
         return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            **shape,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias,
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             hidden_act="silu",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos),
@@ -110,31 +87,18 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_fields(cls, get: Any, tensor_names: set[str]) -> ModelConfig:
-        """``get(key, default)`` reads one GGUF metadata value."""
+        """``get(key, default)`` reads one GGUF metadata value (``loraplex.modelinfo.gguf_getter``)."""
         arch = str(get("general.architecture"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported")
-        heads = int(get(f"{arch}.attention.head_count"))
-        hidden = int(get(f"{arch}.embedding_length"))
-        vocab = get(f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = get("tokenizer.ggml.tokens.__len__")
         eos = get("tokenizer.ggml.eos_token_id")
         eot = get("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(int(x) for x in (eos, eot) if x is not None)
         return cls(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get(f"{arch}.feed_forward_length")),
-            num_layers=int(get(f"{arch}.block_count")),
-            num_heads=heads,
-            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(get(f"{arch}.attention.key_length", hidden // heads)),
+            **gguf_shape(get),
             rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=_gguf_rope_scaling(get, arch),
-            max_position_embeddings=int(get(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=get("tokenizer.ggml.bos_token_id"),

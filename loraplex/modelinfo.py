@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,11 @@ PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_pr
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    revision: str
+class ModelShape:
+    """A decoder's architecture numbers: the one description the registry checks adapters
+    against and the engine builds its model from (``engine.config.ModelConfig`` adds only
+    what running it needs)."""
+
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -29,13 +31,17 @@ class ModelInfo:
     vocab_size: int
     context_length: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of one decoder-layer projection."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
+        q, kv = self.q_size, self.kv_size
         shapes = {
             "q_proj": (self.hidden_size, q),
             "k_proj": (self.hidden_size, kv),
@@ -48,6 +54,69 @@ class ModelInfo:
         if module not in shapes:
             raise KeyError(f"unknown projection {module!r}; known: {', '.join(PROJECTIONS)}")
         return shapes[module]
+
+
+@dataclass(frozen=True)
+class ModelInfo(ModelShape):
+    """A base model as the registry records it: its shape, a name and a content revision."""
+
+    name: str
+    revision: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hf_shape(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelShape`` fields of a Hugging Face ``config.json``."""
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return {
+        "architecture": str(cfg.get("model_type") or "llama").lower(),
+        "hidden_size": hidden,
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // heads),
+        "vocab_size": int(cfg["vocab_size"]),
+        "context_length": int(cfg.get("max_position_embeddings", 2048)),
+    }
+
+
+def gguf_getter(reader: Any) -> Any:
+    """``get(key, default)`` over a ``gguf.GGUFReader``'s metadata; the pseudo-key
+    ``tokenizer.ggml.tokens.__len__`` is the vocabulary's length."""
+
+    def get(key: str, default: Any = None) -> Any:
+        if key == "tokenizer.ggml.tokens.__len__":
+            f = reader.fields.get("tokenizer.ggml.tokens")
+            return default if f is None else len(f.data)
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    return get
+
+
+def gguf_shape(get: Any) -> dict[str, Any]:
+    """The ``ModelShape`` fields of GGUF metadata (``get`` from :func:`gguf_getter`)."""
+    arch = str(get("general.architecture"))
+    heads = int(get(f"{arch}.attention.head_count"))
+    hidden = int(get(f"{arch}.embedding_length"))
+    vocab = get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = get("tokenizer.ggml.tokens.__len__")
+    return {
+        "architecture": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
+        "num_layers": int(get(f"{arch}.block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(get(f"{arch}.attention.key_length", hidden // heads)),
+        "vocab_size": int(vocab),
+        "context_length": int(get(f"{arch}.context_length", 2048)),
+    }
 
 
 def model_files(path: str | Path) -> list[Path]:
@@ -74,59 +143,19 @@ def revision_of(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()[:16]
 
 
-def describe_model(path: str | Path, name: str | None = None, revision: str | None = None) -> ModelInfo:
-    """Read dimensions from ``config.json`` or GGUF metadata; hash the files for the revision."""
+def describe_model(path: str | Path, name: str | None = None, revision: str | None = None,
+                   shape: ModelShape | None = None) -> ModelInfo:
+    """Read dimensions from ``config.json`` or GGUF metadata (or take ``shape``, already read from
+    the same files); hash the files for the revision."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        dims = _gguf_dims(p)
-        default_name = p.name.removesuffix(".gguf").split(".")[0]
+    gguf = p.is_file() and p.suffix == ".gguf"
+    default_name = p.name.removesuffix(".gguf").split(".")[0] if gguf else p.name
+    if shape is not None:
+        dims = {f.name: getattr(shape, f.name) for f in fields(ModelShape)}
+    elif gguf:
+        from gguf import GGUFReader
+
+        dims = gguf_shape(gguf_getter(GGUFReader(str(p))))
     else:
-        dims = _hf_dims(p)
-        default_name = p.name
+        dims = hf_shape(json.loads((p / "config.json").read_text()))
     return ModelInfo(name=name or default_name, revision=revision or revision_of(p), **dims)
-
-
-def _hf_dims(path: Path) -> dict[str, Any]:
-    cfg = json.loads((path / "config.json").read_text())
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    archs = cfg.get("architectures") or [cfg.get("model_type", "llama")]
-    return {
-        "architecture": str(cfg.get("model_type") or archs[0]).lower(),
-        "hidden_size": hidden,
-        "intermediate_size": int(cfg["intermediate_size"]),
-        "num_layers": int(cfg["num_hidden_layers"]),
-        "num_heads": heads,
-        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
-        "head_dim": int(cfg.get("head_dim") or hidden // heads),
-        "vocab_size": int(cfg["vocab_size"]),
-        "context_length": int(cfg.get("max_position_embeddings", 2048)),
-    }
-
-
-def _gguf_dims(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-
-    def get(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = get("general.architecture")
-    heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    vocab = get(f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
-        "architecture": str(arch),
-        "hidden_size": hidden,
-        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
-        "num_layers": int(get(f"{arch}.block_count")),
-        "num_heads": heads,
-        "num_kv_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(get(f"{arch}.attention.key_length", hidden // heads)),
-        "vocab_size": int(vocab),
-        "context_length": int(get(f"{arch}.context_length", 2048)),
-    }

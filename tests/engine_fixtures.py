@@ -122,8 +122,8 @@ def hf_demo_tokenizer() -> Any:
 
 def teacher_forced_logits(engine: Any, ids: list[int], prefill_len: int) -> torch.Tensor:
     """Our logits at positions ``prefill_len-1 .. len(ids)-1``: one prefill, then decode steps."""
-    from engine.batch import build_batch
     from engine.sequence import SamplingParams, Sequence
+    from engine.step_batch import build_batch
 
     seq = Sequence(list(ids[:prefill_len]), SamplingParams(temperature=0.0))
     alloc = engine.cache.allocator

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from engine.admission import FairAdmission
+from engine.admission_policy import FairAdmission
 from engine.api import create_worker_app
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import BlockAllocator

@@ -1,4 +1,4 @@
-"""Batched LoRA op: gather == segmented == per-row definition; base rows untouched."""
+"""Batched LoRA op: every path == the per-row definition; base rows untouched."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
     expect = y0.clone()
     lora_reference(expect, x, a, b, scale, slots)
     plan = SegmentPlan.build(slots)
-    for path in ("gather", "segmented", "padded", "reference", None):
+    for path in ("segmented", "padded", "reference", None):
         y = y0.clone()
         lora_apply(y, x, a, b, scale, plan, path=path)
         torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
@@ -87,7 +87,7 @@ def test_plan_runs_and_segments():
     assert torch.equal(y, torch.ones(2, 3))
 
 
-def test_choose_path_heuristic(monkeypatch):
+def test_choose_path_heuristic():
     decode = SegmentPlan.build(torch.arange(8))
     prefill = SegmentPlan.build(torch.zeros(128, dtype=torch.int64))
     assert choose_path(decode, 8) == "padded"
@@ -95,8 +95,6 @@ def test_choose_path_heuristic(monkeypatch):
     assert choose_path(SegmentPlan.build(torch.tensor([0, 0, 1, 1, 1])), 2) == "padded"
     assert choose_path(SegmentPlan.build(torch.tensor([0] * 40 + [1])), 2) == "segmented"  # long segment
     assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4) == "segmented"  # one adapter
-    monkeypatch.setattr("engine.lora.ops.GATHER_MAX_TOKENS_PER_ADAPTER", 2.0)
-    assert choose_path(decode, 8) == "gather" and choose_path(prefill, 8) == "segmented"
     # With the C kernel: decode-like batches (short segments) go native, prefill stays segmented.
     assert choose_path(decode, 8, native=True) == "native"
     assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4, native=True) == "native"
@@ -132,7 +130,7 @@ def _random_weights(g, layers, shapes, rank, projs, scale):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 96])
-@pytest.mark.parametrize("path", ["gather", "segmented", "padded", None])
+@pytest.mark.parametrize("path", ["segmented", "padded", None])
 def test_batch_across_rank_classes(tokens, path):
     g = torch.Generator().manual_seed(tokens)
     shapes = {"q_proj": (32, 48), "v_proj": (32, 16), "down_proj": (40, 32)}
@@ -206,24 +204,7 @@ def test_slot_bank_padding_clear_and_limits():
         LoRABatch.build(bank, [4])
 
 
-def test_for_sequences_expands_per_token():
-    shapes = {"q_proj": (8, 8)}
-    bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=2)
-    g = torch.Generator().manual_seed(2)
-    bank.write(0, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0))
-    bank.write(1, _random_weights(g, 1, shapes, 4, ("q_proj",), 3.0))
-    seq = LoRABatch.for_sequences(bank, [1, -1, 0], [3, 1, 2])
-    assert seq.token_slots.tolist() == [1, 1, 1, -1, 0, 0]
-    x, out0 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
-    a, b = out0.clone(), out0.clone()
-    seq.apply(0, "q_proj", x, a)
-    LoRABatch.build(bank, [1, 1, 1, -1, 0, 0]).apply(0, "q_proj", x, b)
-    assert torch.equal(a, b)
-    with pytest.raises(ValueError):
-        LoRABatch.for_sequences(bank, [0], [1, 2])
-
-
-@pytest.mark.parametrize("path", ["gather", "segmented", "padded", None])
+@pytest.mark.parametrize("path", ["segmented", "padded", None])
 @pytest.mark.parametrize("layout", ["runs", "interleaved"])
 def test_out_may_be_a_column_slice_of_a_fused_output(path, layout):
     """The model passes q/k/v and gate/up outputs as column views of one fused matmul."""
@@ -283,7 +264,7 @@ def test_native_flag_keeps_decode_batches_on_torch(monkeypatch):
         assert calls == [1]
 
 
-@pytest.mark.parametrize("path", ["gather", "padded", None])
+@pytest.mark.parametrize("path", ["segmented", "padded", None])
 @pytest.mark.parametrize("native", [True, False])
 def test_apply_many_equals_one_projection_at_a_time(path, native):
     """q/k/v of one input in one call (one native kernel call on CPU) == each on its own;

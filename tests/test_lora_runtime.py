@@ -1,4 +1,4 @@
-"""LoRARuntime: admission takes slots, prepare_batch maps token rows to slots, release frees them."""
+"""LoRARuntime: admission takes slots, prepare_batch maps token rows to them, release frees them."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from engine.lora.manager import AdapterManager
+from engine.lora.manager import AdapterLoadError, AdapterManager
 from engine.lora.runtime import LoRARuntime
 from engine.lora.slots import SlotBank
 from loraplex.wire import AdapterRef
@@ -83,8 +84,13 @@ def test_prepare_batch_maps_rows_to_slots(tmp_path):
     a = ref_for(make_adapter(tmp_path / "a", 1), "a")
     b = ref_for(make_adapter(tmp_path / "b", 2, rank=16), "b")
     seqs = [Seq(1, a), Seq(2, None), Seq(3, b)]
+    for s in seqs:
+        rt.prefetch(s)
+    for r in (a, b):
+        wait_ready(rt, r)
+    assert all(rt.admit(s, []) for s in seqs)
     ctx = SimpleNamespace(seqs=seqs, token_seq=torch.tensor([0, 0, 0, 1, 2, 2]), lora="unset", seq_slots=None)
-    rt.prepare_batch(ctx)  # not admitted through the policy: acquired (blocking) here
+    rt.prepare_batch(ctx)
     sa, sb = rt.manager.slot_of(a), rt.manager.slot_of(b)
     assert ctx.seq_slots.tolist() == [sa, -1, sb]
     assert ctx.lora.token_slots.tolist() == [sa, sa, sa, -1, sb, sb]
@@ -99,4 +105,20 @@ def test_prepare_batch_maps_rows_to_slots(tmp_path):
     for s in seqs:
         rt.release(s)
     assert rt.manager.state(a).users == 0 and rt.manager.state(b).users == 0
+    rt.manager.close()
+
+
+def test_prepare_batch_never_acquires_a_slot(tmp_path):
+    """Admission is the only place a slot is taken: a sequence that skipped it fails (its adapter
+    named, so only that adapter's rows fail) and no slot user is added."""
+    rt = runtime(tmp_path)
+    a = ref_for(make_adapter(tmp_path / "a", 1), "a")
+    rt.manager.prefetch(a)
+    wait_ready(rt, a)
+    ctx = SimpleNamespace(seqs=[Seq(1, None), Seq(2, a)], token_seq=torch.tensor([0, 1]), lora="unset",
+                          seq_slots=None)
+    with pytest.raises(AdapterLoadError) as err:
+        rt.prepare_batch(ctx)
+    assert err.value.adapter_id == a.id and "without its adapter slot" in str(err.value)
+    assert rt.manager.state(a).users == 0 and rt.held() == {}
     rt.manager.close()

@@ -76,16 +76,6 @@ class LoRABatch:
                 passes.append(_ClassPass(c, plan, chosen, native, active))
         return cls(bank, slots, passes)
 
-    @classmethod
-    def for_sequences(cls, bank: SlotBank, seq_slots: Sequence[int], seq_tokens: Sequence[int], *,
-                      path: str | None = None) -> LoRABatch:
-        """Per-sequence slot ids (``-1``: base model) and token counts, in batch token order."""
-        if len(seq_slots) != len(seq_tokens):
-            raise ValueError("seq_slots and seq_tokens differ in length")
-        slots = torch.repeat_interleave(torch.as_tensor(list(seq_slots), dtype=torch.int64),
-                                        torch.as_tensor(list(seq_tokens), dtype=torch.int64))
-        return cls.build(bank, slots, path=path)
-
     @property
     def empty(self) -> bool:
         """True when no token of the step uses an adapter."""

@@ -6,7 +6,7 @@ For every token ``i`` with ``slot[i] >= 0`` (``-1`` is a base row, left bit-for-
 
 with ``x [T, in]``, ``y [T, out]`` (updated in place), ``A [S, r, in]``, ``B [S, out, r]``,
 ``scale [S]``. :func:`lora_apply` is the one entry point: Triton on CUDA, else the CPU path
-(``segmented``, ``padded``, ``native``, ``gather``; ``reference`` is the definition) that
+(``segmented``, ``padded``, ``native``; ``reference`` is the definition) that
 :func:`choose_path` picks from measured thresholds (docs/DESIGN.md, "Batched LoRA").
 """
 
@@ -20,15 +20,7 @@ import torch
 
 from engine.native import lora_rows_kernel
 
-Path = Literal["gather", "segmented", "padded", "native"]
-
-GATHER_MAX_TOKENS_PER_ADAPTER = 0.0
-"""CPU dispatch threshold: gather while LoRA tokens per distinct adapter stay at or below this.
-
-Measured by ``bench/lora_ops.py`` (demo shapes, rank 16, float32, tokens 1-128, 1-32
-adapters, interleaved and contiguous): gather lost to segmented at every shape, by 1.3x
-(1 token) to 20x+ (128 tokens, 1 adapter): it copies ``r x (in + out)`` weights per token.
-So 0: the CPU never picks it; ``path="gather"`` stays available (it mirrors BGMV)."""
+Path = Literal["segmented", "padded", "native"]
 
 PADDED_MAX_TOKENS_PER_ADAPTER = 16
 """Padded-bmm is considered while the largest segment has at most this many tokens ..."""
@@ -166,8 +158,6 @@ def choose_path(plan: SegmentPlan, capacity: int | None = None, native: bool = F
         return "segmented"
     if native and plan.max_segment <= NATIVE_MAX_TOKENS_PER_ADAPTER:
         return "native"
-    if n <= GATHER_MAX_TOKENS_PER_ADAPTER * d:
-        return "gather"
     cap = capacity if capacity is not None else plan.seg_slots[-1] + 1
     m = plan.max_segment
     groups = cap if cap <= 2 * d else d
@@ -182,22 +172,6 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             y[i] += (x[i] @ a[s].T) @ b[s].T * scale[s]
-
-
-def lora_gather(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                scale: torch.Tensor, plan: SegmentPlan) -> None:
-    """Gather A/B per LoRA token, shrink and expand with ``bmm``, scatter-add into ``y``."""
-    if plan.num_lora_tokens == 0:
-        return
-    rows, sl = plan.rows, plan.row_slots
-    xs = x.index_select(0, rows).unsqueeze(2)                             # [n, in, 1]
-    t = torch.bmm(a.index_select(0, sl), xs)                              # [n, r, 1]
-    t = t * scale.index_select(0, sl).view(-1, 1, 1)
-    d = torch.bmm(b.index_select(0, sl), t).squeeze(2)                    # [n, out]
-    if plan.num_lora_tokens == plan.num_tokens and plan.runs is not None and len(plan.runs) == 1:
-        y.add_(d)  # every token, one adapter: rows == arange(T)
-    else:
-        y.index_add_(0, rows, d)
 
 
 def lora_segmented(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -272,7 +246,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                scale: torch.Tensor, plan: SegmentPlan, path: str | None = None, native: bool = True) -> None:
     """``y[i] += (x[i] @ A[s].T) @ B[s].T * scale[s]`` for ``s = slot[i] >= 0``, in place.
 
-    ``path`` forces ``"gather"``, ``"segmented"``, ``"padded"``, ``"native"``, ``"triton"`` or
+    ``path`` forces ``"segmented"``, ``"padded"``, ``"native"``, ``"triton"`` or
     ``"reference"``; None dispatches: CUDA tensors with Triton -> Triton; otherwise
     :func:`choose_path` (``native=False`` keeps it off the C kernel).
     """
@@ -287,8 +261,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         lora_native(y, x, a, b, scale, plan)
     elif path == "padded":
         lora_padded(y, x, a, b, scale, plan)
-    elif path == "gather":
-        lora_gather(y, x, a, b, scale, plan)
     elif path == "segmented":
         lora_segmented(y, x, a, b, scale, plan)
     elif path == "triton":

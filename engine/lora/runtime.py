@@ -9,8 +9,9 @@ It implements the engine's hooks (see ``engine.engine`` / ``engine.model``):
   sequence's adapter is never evicted and resident adapters are naturally preferred when
   active adapters outnumber slots. A sequence whose adapter failed to load is not admitted;
   ``failure(seq)`` gives the reason so the engine can finish it with an error.
-* ``prepare_batch(ctx)``: sets ``ctx.seq_slots`` and ``ctx.lora`` (a
-  :class:`~engine.lora.batch.LoRABatch`, or None for a base-only step).
+* ``prepare_batch(ctx)``: sets ``ctx.seq_slots`` (the slots admission took; it never
+  acquires one itself) and ``ctx.lora`` (a :class:`~engine.lora.batch.LoRABatch`, or None
+  for a base-only step).
 * ``release(seq)``: drops the sequence's slot user when it finishes or is aborted.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.lora.batch import LoRABatch
-from engine.lora.manager import AdapterLoadError, AdapterManager, SlotsExhausted
+from engine.lora.manager import AdapterLoadError, AdapterManager
 
 
 class LoRARuntime:
@@ -68,26 +69,23 @@ class LoRARuntime:
             return self._failed.get(seq.seq_id)
 
     # --- per step ----------------------------------------------------------------------------
-    def slot_for(self, seq: Any) -> int:
-        """The sequence's slot (``-1`` for the base model); acquires (blocking) if not admitted.
-        Raises :class:`AdapterLoadError` (naming the adapter) when that fails."""
+    def slot_of(self, seq: Any) -> int:
+        """The slot admission gave the sequence (``-1`` for the base model). A sequence on an
+        adapter that was not admitted here raises :class:`AdapterLoadError` (naming the
+        adapter), which fails that adapter's rows, not the step: slots are taken only by
+        :meth:`admit`."""
         ref = seq.adapter
         if ref is None:
             return -1
         with self._lock:
             held = self._held.get(seq.seq_id)
-        if held is not None:
-            return held[1]
-        try:
-            [slot] = self.manager.acquire_slots([ref])
-        except SlotsExhausted as exc:  # fails this adapter's rows, not the step
-            raise AdapterLoadError(ref.id, str(exc)) from exc
-        with self._lock:
-            self._held[seq.seq_id] = (ref, slot)
-        return slot
+        if held is None:
+            raise AdapterLoadError(ref.id, "the sequence joined a batch without its adapter slot "
+                                           "(admission did not go through the LoRA runtime)")
+        return held[1]
 
     def prepare_batch(self, ctx: Any) -> None:
-        seq_slots = torch.tensor([self.slot_for(s) for s in ctx.seqs], dtype=torch.int64)
+        seq_slots = torch.tensor([self.slot_of(s) for s in ctx.seqs], dtype=torch.int64)
         ctx.seq_slots = seq_slots
         token_slots = seq_slots[ctx.token_seq.cpu()] if seq_slots.numel() else seq_slots
         batch = LoRABatch.build(self.manager.bank, token_slots, native=self.native)

@@ -21,11 +21,12 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.lora.peft import read_files
 from loraplex.digest import digest_contents, digest_directory
 from loraplex.peft_config import ADAPTER_FILES
+from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -133,7 +134,7 @@ class SourcePolicy:
                 raise ValueError(f"adapter source {prefix!r}: only file://, http:// and https:// are supported")
 
     @classmethod
-    def from_settings(cls, settings: Any) -> SourcePolicy:
+    def from_settings(cls, settings: Settings) -> SourcePolicy:
         return cls(settings.resolved_adapter_sources())
 
     def check(self, uri: str) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.admission import FairAdmission
+from engine.admission_policy import FairAdmission
 from engine.kv_cache import BlockAllocator
 from engine.lora.manager import AdapterManager
 from engine.lora.runtime import LoRARuntime
