@@ -12,6 +12,7 @@ from loraplex.settings import Settings
 from loraplex.tokens import mint
 from loraplex.wire import PRIORITY_CLASSES
 from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TENANTS = {
     "acme": {"priority": "high", "bindings": {
@@ -31,7 +32,7 @@ class Env:
         self.snaps = MutableSnapshots(make_snapshot(tenants))
         self.app = create_app(self.settings, snapshots=self.snaps, limiter=LocalLimiter(),
                               residency=MemoryResidency(),
-                              http_client=httpx.AsyncClient(transport=mock_worker_transport(self.sent)),
+                              http_client=worker_client(mock_worker_transport(self.sent)),
                               mount_admin=False)
 
     def headers(self, tenant: str = "acme") -> dict[str, str]:
