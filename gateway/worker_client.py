@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 import aiohttp
+from yarl import URL
 
 from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
 
@@ -95,6 +96,8 @@ class WorkerClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._headers = {"content-type": "application/json", HDR_WORKER_SECRET: worker_secret}
+        self._urls: dict[str, URL] = {}
+        """Parsed once per target (a handful of workers x routes)."""
 
     def _current(self) -> aiohttp.ClientSession:
         session = self._session
@@ -104,6 +107,7 @@ class WorkerClient:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=True)
             session = self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self.timeout, auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # nothing a worker sets may follow another request
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
         return session
 
@@ -127,9 +131,14 @@ class WorkerClient:
                        deadline: aiohttp.ClientTimeout | None) -> WorkerResponse:
         """The one place a request leaves the gateway (the seam a test double replaces)."""
         session = self._current()
+        target = self._urls.get(url)
+        if target is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            target = self._urls[url] = URL(url)
         for attempt in (0, 1):
             try:
-                resp = await session.request(method, url, data=body, headers=headers, allow_redirects=False,
+                resp = await session.request(method, target, data=body, headers=headers, allow_redirects=False,
                                               timeout=deadline or self.timeout)
             except aiohttp.ServerDisconnectedError:
                 if attempt == 0:
