@@ -2,9 +2,10 @@
 
 The two hot routes (``/v1/chat/completions``, ``/v1/completions``) are raw ASGI
 handlers (no Request/Response objects), dispatched before Starlette's middleware and
-router: auth (cached JWT verification) -> body
-(size-capped) -> validation -> resolution -> limits (reserve before admission) ->
-routing -> proxy -> settle, one access-log line and metrics. The rest (``/v1/models``,
+router. ``Gateway.completions`` runs one request as named stages over a ``_Call``:
+auth -> ``_parse`` (size-capped body, validation) -> ``_resolve`` -> ``_plan`` ->
+``_payload`` -> ``_limit`` (reserve before admission) -> route -> ``_forward``
+(``_relay`` or ``_answer``) -> ``_finish`` (settle, one access-log line, metrics). The rest (``/v1/models``,
 health, readiness, the registry admin API under ``/admin``) are ordinary Starlette
 routes; ``/metrics`` is a separate app (``app.metrics_app``) for the internal metrics port.
 """
@@ -105,7 +106,7 @@ class Gateway:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _plan(self, req: Any, base_model: str, tokens_per_min: int) -> Reservation:
+    async def _plan(self, req: ValidRequest, base_model: str, tokens_per_min: int) -> Reservation:
         """What to reserve (``gateway.validate.reserve``) with the exact prompt count when the
         base model's tokenizer is known, else the byte-based bound."""
         fields = req.fields
