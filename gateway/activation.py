@@ -29,11 +29,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import orjson
 
 from gateway.router import Router
+from gateway.worker_client import WorkerBroke, WorkerClient, WorkerUnreachable
 from loraplex.settings import Settings
-from loraplex.wire import HDR_WORKER_SECRET, AdapterRef
+from loraplex.wire import AdapterRef
 from registry.errors import Invalid, Unavailable
 
 log = logging.getLogger("loraplex.gateway.activation")
@@ -87,12 +88,8 @@ def _eval_set(raw: Any) -> tuple[list[tuple[str, re.Pattern[str]]], float] | Non
     return cases, float(threshold)
 
 
-_BEFORE_ANSWER = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-"""Transport failures that mean the worker never took the probe: the next worker may try."""
-
-
 class ActivationGate:
-    def __init__(self, settings: Settings, router: Router, client: httpx.AsyncClient, *,
+    def __init__(self, settings: Settings, router: Router, client: WorkerClient, *,
                  probes: tuple[str, ...] = DEFAULT_PROBES, max_tokens: int = 32, timeout_s: float = 300.0) -> None:
         self.settings = settings
         self.router = router
@@ -112,7 +109,7 @@ class ActivationGate:
         ref = AdapterRef(id=adapter["id"], name=f"{adapter['name']}@{adapter['version']}", uri=adapter["uri"],
                          sha256=adapter.get("sha256"), rank=int(adapter.get("rank") or 0))
         prompts = list(self.probes) + ([p for p, _ in evaluation[0]] if evaluation else [])
-        body = {"adapter": ref.to_dict(), "prompts": prompts, "max_tokens": self.max_tokens}
+        body = orjson.dumps({"adapter": ref.to_dict(), "prompts": prompts, "max_tokens": self.max_tokens})
         workers = await self.router.route(adapter["base_model"], ref.id)
         if not workers:
             raise NoVerifier(f"no live worker serves base model {adapter['base_model']!r}; cannot verify "
@@ -121,41 +118,40 @@ class ActivationGate:
         for worker in workers:
             t0 = time.monotonic()
             try:
-                r = await self.client.post(worker.url + "/internal/adapters/probe", json=body,
-                                           headers={HDR_WORKER_SECRET: self.settings.worker_secret},
-                                           timeout=self.timeout_s)
-            except _BEFORE_ANSWER as exc:
+                answer = await self.client.call("POST", worker.url + "/internal/adapters/probe", body=body,
+                                                timeout_s=self.timeout_s)
+            except WorkerUnreachable as exc:  # it never took the probe: the next worker may try
                 self.router.mark_failed(worker)
-                last_error = f"worker {worker.id}: {type(exc).__name__}"
+                last_error = f"worker {worker.id}: {exc}"
                 continue
-            except httpx.HTTPError as exc:  # it took the probe and broke off (crashed, hung)
+            except WorkerBroke as exc:  # it took the probe and broke off (crashed, hung)
                 self.router.mark_failed(worker)
-                return _failed(worker.id, f"worker {worker.id} broke off during the probe ({type(exc).__name__})",
-                               error={"message": str(exc) or type(exc).__name__})
-            return self._verdict(worker.id, r, prompts, evaluation, time.monotonic() - t0)
+                return _failed(worker.id, f"worker {worker.id} broke off during the probe ({exc})",
+                               error={"message": str(exc)})
+            return self._verdict(worker.id, *answer, prompts, evaluation, time.monotonic() - t0)
         raise NoVerifier(f"could not verify the adapter: {last_error}")
 
-    def _verdict(self, worker_id: str, r: httpx.Response, prompts: list[str],
+    def _verdict(self, worker_id: str, status: int, raw: bytes, prompts: list[str],
                  evaluation: tuple[list[tuple[str, re.Pattern[str]]], float] | None, seconds: float) -> GateResult:
-        """What one worker's answer to the probe says about the adapter."""
-        error = {"status": r.status_code, "code": _code(r), "message": _message(r)}
-        if r.status_code == 422:  # the worker could not load the adapter
+        """What one worker's answer (``status``, body ``raw``) to the probe says about the adapter."""
+        error = {"status": status, "code": _code(raw), "message": _message(raw)}
+        if status == 422:  # the worker could not load the adapter
             return _failed(worker_id, f"load failed: {error['message'] or 'the worker could not load the adapter'}",
                            error=error)
-        if r.status_code == 503 and error["code"] == "queue_full":
+        if status == 503 and error["code"] == "queue_full":
             raise NoVerifier(f"worker {worker_id} is too busy to run the probe; retry: {error['message']}",
                              code="worker_busy")
-        if r.status_code == 400:  # an eval prompt the worker cannot take (too long, template)
+        if status == 400:  # an eval prompt the worker cannot take (too long, template)
             raise GateError(f"the worker refused the probe prompts: {error['message']}", param="eval")
-        if 400 < r.status_code < 500:  # secret, routes: the worker's set-up, not the adapter
-            raise NoVerifier(f"worker {worker_id} refused the probe (HTTP {r.status_code}: {error['message']}); "
+        if 400 < status < 500:  # secret, routes: the worker's set-up, not the adapter
+            raise NoVerifier(f"worker {worker_id} refused the probe (HTTP {status}: {error['message']}); "
                              f"check its worker secret and LoRA settings", code="verifier_refused")
-        if r.status_code != 200:
+        if status != 200:
             code = f" {error['code']}" if error["code"] else ""
-            return _failed(worker_id, f"the engine failed during the probe (HTTP {r.status_code}{code}: "
+            return _failed(worker_id, f"the engine failed during the probe (HTTP {status}{code}: "
                                       f"{error['message']})", error=error)
         try:
-            data = r.json()
+            data = orjson.loads(raw)
             results = data["results"]
             texts = [(str(x.get("base") or ""), str(x.get("adapter") or "")) for x in results]
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -214,16 +210,16 @@ def _failed(worker_id: str, reason: str, *, error: dict[str, Any] | None = None)
     return GateResult(False, reason, verification)
 
 
-def _code(r: httpx.Response) -> str | None:
+def _code(raw: bytes) -> str | None:
     try:
-        code = r.json()["error"]["code"]
+        code = orjson.loads(raw)["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
     return str(code) if code is not None else None
 
 
-def _message(r: httpx.Response) -> str:
+def _message(raw: bytes) -> str:
     try:
-        return str(r.json()["error"]["message"])
+        return str(orjson.loads(raw)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return r.text[:200]
+        return raw[:200].decode("utf-8", "replace")

@@ -2,9 +2,10 @@
 
 The two hot routes (``/v1/chat/completions``, ``/v1/completions``) are raw ASGI
 handlers (no Request/Response objects), dispatched before Starlette's middleware and
-router: auth (cached JWT verification) -> body
-(size-capped) -> validation -> resolution -> limits (reserve before admission) ->
-routing -> proxy -> settle, one access-log line and metrics. The rest (``/v1/models``,
+router. ``Gateway.completions`` runs one request as named stages over a ``_Call``:
+auth -> ``_parse`` (size-capped body, validation) -> ``_resolve`` -> ``_plan`` ->
+``_payload`` -> ``_limit`` (reserve before admission) -> route -> ``_forward``
+(``_relay`` or ``_answer``) -> ``_finish`` (settle, one access-log line, metrics). The rest (``/v1/models``,
 health, readiness, the registry admin API under ``/admin``) are ordinary Starlette
 routes; ``/metrics`` is a separate app (``app.metrics_app``) for the internal metrics port.
 """
@@ -20,7 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,17 +31,25 @@ from gateway.auth import Authenticator
 from gateway.errors import GatewayError, send_error
 from gateway.metrics import GatewayMetrics, metrics_app
 from gateway.prompt_tokens import PromptCounter, PromptError
-from gateway.proxy import StreamResult, Upstream, read_rest, relay_sse, sse_error, usage_of
+from gateway.proxy import Opened, StreamResult, Upstream, read_rest, relay_sse, sse_error, usage_of
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
-from gateway.resolve import Resolver
-from gateway.router import Router
+from gateway.resolve import Resolution, Resolver
+from gateway.router import Router, Worker
 from gateway.traffic import AdapterTraffic
-from gateway.transport import H11Transport
-from gateway.validate import Reservation, estimate, reserve, validate
+from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
+from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
-from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, PRIORITY_CLASSES, error_body
-from registry.snapshot import RegistrySnapshot
+from loraplex.wire import (
+    EXT_KEY,
+    HDR_ADAPTER,
+    HDR_REQUEST_ID,
+    HDR_WORKER,
+    PRIORITY_CLASSES,
+    WorkerRequestExt,
+    error_body,
+)
+from registry.snapshot import RegistrySnapshot, TenantView
 
 log = logging.getLogger("loraplex.gateway")
 HDR_FALLBACK = "x-loraplex-fallback"
@@ -58,7 +66,7 @@ class Gateway:
     """Everything the request path needs, built once per app."""
 
     def __init__(self, settings: Settings, snapshots: SnapshotSource, limiter: Limiter, router: Router,
-                 client: httpx.AsyncClient) -> None:
+                 client: WorkerClient) -> None:
         self.settings = settings
         self.snapshots = snapshots
         self.limiter = limiter
@@ -68,9 +76,9 @@ class Gateway:
         self.resolver = Resolver()
         self.metrics = GatewayMetrics()
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
-                                 on_failure=self.metrics.upstream_failure, worker_secret=settings.worker_secret)
+                                 on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
-        self.prompts = PromptCounter(router, client, settings.worker_secret)
+        self.prompts = PromptCounter(router, client)
         self._limits: dict[tuple[int, int, int], Limits] = {}
         """One ``Limits`` per distinct set of tenant limits (built once, not per request)."""
         self.log_enabled = True
@@ -98,7 +106,7 @@ class Gateway:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _plan(self, req: Any, base_model: str, tokens_per_min: int) -> Reservation:
+    async def _plan(self, req: ValidRequest, base_model: str, tokens_per_min: int) -> Reservation:
         """What to reserve (``gateway.validate.reserve``) with the exact prompt count when the
         base model's tokenizer is known, else the byte-based bound."""
         fields = req.fields
@@ -114,204 +122,258 @@ class Gateway:
                        default_max_tokens=s.default_max_tokens)
 
     async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
-        t0 = time.perf_counter()
-        authorization = None
-        declared = None
+        """One completion request: ``_serve`` runs the stages; every way it can end is answered
+        here, and ``_finish`` settles and logs it."""
+        call = _Call(scope["headers"], chat)
+        try:
+            if scope["method"] != "POST":
+                raise GatewayError(405, "use POST", code="method_not_allowed")
+            await self._serve(call, receive, send)
+        except GatewayError as err:
+            call.status = err.status
+            if not call.started:
+                await send_error(send, err, call.headers)
+        except _ClientGone:
+            call.status = 499
+        except asyncio.CancelledError:
+            await self._cancelled(call, send)
+        except Exception:
+            log.exception("request %s failed", call.request_id)
+            call.status = 500
+            if not call.started:
+                await send_error(send, GatewayError(500, "internal error", code="internal_error"), call.headers)
+        finally:
+            self._finish(call)
+
+    async def _serve(self, call: _Call, receive: Any, send: Any) -> None:
+        """The stages in order: auth, read and validate, resolve, plan, limit, route, forward."""
+        snapshot = self._snapshot()
+        tenant = self.auth.tenant(call.authorization, snapshot)
+        call.tenant = tenant.slug
+        req = self._parse(await self._read_body(receive, call.declared), call.chat)
+        call.alias = req.model
+        call.streaming = req.stream
+        res = self._resolve(call, snapshot, tenant, req)
+        plan = call.plan = await self._plan(req, res.base_model, tenant.tokens_per_min)
+        payload = self._payload(req, res, tenant, plan, call.request_id)
+        await self._limit(call, tenant, plan.tokens)
+        if self.traffic is not None and res.wire is not None:
+            self.traffic.record(res.wire)
+        adapter_id = res.adapter.id if res.adapter else None
+        workers = self._route_now(res.base_model, adapter_id) or await self.router.route(res.base_model, adapter_id)
+        await self._forward(call, receive, send, req, workers, payload)
+
+    def _snapshot(self) -> RegistrySnapshot:
+        try:
+            return self.snapshots.current
+        except Exception:
+            raise GatewayError(503, "The registry is not available yet; try again shortly.",
+                               code="registry_unavailable") from None
+
+    def _parse(self, raw: bytes, chat: bool) -> ValidRequest:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+        return validate(data, chat=chat, max_tokens_cap=self.settings.max_tokens_cap)
+
+    def _resolve(self, call: _Call, snapshot: RegistrySnapshot, tenant: TenantView, req: ValidRequest) -> Resolution:
+        res = self.resolver.resolve(snapshot, tenant, req.model, req.user or call.request_id)
+        call.label = res.label
+        call.headers[HDR_ADAPTER] = res.label
+        if res.fallback:
+            call.headers[HDR_FALLBACK] = "binding-disabled"
+        return res
+
+    def _payload(self, req: ValidRequest, res: Resolution, tenant: TenantView, plan: Reservation,
+                 request_id: str) -> bytes:
+        """The body the worker gets: the client's, with the planned ``max_tokens``, usage asked for
+        when streamed, and the gateway's ``WorkerRequestExt``."""
+        body = req.body
+        body["max_tokens"] = plan.max_tokens  # the one field every worker reads the same way
+        body.pop("max_completion_tokens", None)
+        if req.stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        body[EXT_KEY] = WorkerRequestExt(adapter=res.adapter, tenant=tenant.slug, request_id=request_id,
+                                         priority=PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]))
+        try:
+            return orjson.dumps(body)  # dataclasses encode natively, as ``to_dict`` has them
+        except orjson.JSONEncodeError as exc:
+            raise _unencodable(body, exc) from None
+
+    async def _limit(self, call: _Call, tenant: TenantView, tokens: int) -> None:
+        """Reserve ``tokens`` and a request slot for the tenant, or refuse with 429 (503: no limiter)."""
+        key = (tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent)
+        limits = self._limits.get(key)
+        if limits is None:
+            if len(self._limits) >= 10_000:
+                self._limits.clear()
+            limits = self._limits[key] = Limits(*key)
+        decision = await self.limiter.acquire(tenant.slug, limits, tokens, self.lease_ttl_s)
+        call.headers.update(decision.headers)
+        if not decision.allowed:
+            self.metrics.limited(tenant.slug, decision.reason)
+            if decision.status == 503:
+                raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
+                                   code="ratelimiter_unavailable")
+            raise GatewayError(429, limit_message(decision.reason),
+                               code="request_too_large" if decision.reason == "too_large" else "rate_limit_exceeded")
+        call.lease = decision.lease
+
+    def _route_now(self, base_model: str, adapter_id: str | None) -> list[Worker] | None:
+        """Workers to try, best first, from the live set as it is; None when a refresh is due
+        or none is known (then ``router.route`` refreshes first)."""
+        router = self.router
+        return None if router.due() else router.choose(base_model, adapter_id)
+
+    async def _forward(self, call: _Call, receive: Any, send: Any, req: ValidRequest, workers: list[Worker],
+                       payload: bytes) -> None:
+        """Send to the first worker that answers and pass its answer on, under the request's guard."""
+        guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper)
+        try:
+            call.upstream = _SENT
+            try:
+                opened = await self.upstream.open(workers, call.path, payload, call.request_id,
+                                                  whole=not req.stream)
+            except GatewayError:
+                call.upstream = _NOT_SENT  # no worker took it
+                raise
+            call.upstream = opened.response.status
+            call.worker = opened.worker.id
+            call.headers[HDR_WORKER] = call.worker
+            try:
+                if req.stream and opened.response.status == 200:
+                    await self._relay(call, send, req, opened)
+                else:
+                    await self._answer(call, send, opened)
+            finally:
+                self.upstream.done(opened)
+        finally:
+            guard.stop()
+
+    async def _relay(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
+        """A streamed answer, event by event; a stream that breaks ends with an error event (502)."""
+        call.status = 200
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
+        call.started = True
+        result = call.streamed = StreamResult()
+        await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
+                        strip_chunk_usage=not req.fields.continuous_usage)
+        call.usage = result.usage
+        if result.first_token_at is not None:
+            self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
+        if result.error or result.worker_error:
+            call.status = 502
+            self.metrics.upstream_failure(call.worker)
+        call.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _answer(self, call: _Call, send: Any, opened: Opened) -> None:
+        """A whole answer (or the worker's error): passed on as it is, a worker's 5xx as our 502."""
+        content = opened.first if opened.chunks is None else await read_rest(opened)
+        status = call.status = opened.response.status
+        if status == 200:
+            call.usage = usage_of(content)
+        elif status >= 500:
+            status = call.status = 502
+            content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))
+        call.finished = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": _headers(call.headers, opened.response.content_type.encode("latin-1"),
+                                        length=len(content))})
+        call.started = True
+        await send({"type": "http.response.body", "body": content})
+
+    async def _cancelled(self, call: _Call, send: Any) -> None:
+        """Cancelled: by the guard (the deadline passed: 504, the client left: 499) or by the
+        server (its shutdown grace ended: 503). Answered, the request ends like any other."""
+        task = asyncio.current_task()
+        guard = call.guard
+        if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
+            call.status = 503
+            log.warning("request %s cut short by the server's shutdown", call.request_id)
+            if call.started and not call.finished:
+                await send({"type": "http.response.body", "body": sse_error(
+                    "the gateway is shutting down", "shutting_down"), "more_body": False})
+            elif not call.started:
+                await send_error(send, GatewayError(503, "The gateway is shutting down; retry the request.",
+                                                    code="shutting_down"), call.headers)
+            if task is not None and task.cancelling():
+                task.uncancel()
+            return
+        task.uncancel()
+        if not guard.expired:
+            call.status = 499
+            return
+        call.status = 504
+        if call.started and not call.finished:
+            await send({"type": "http.response.body", "body": sse_error("the request deadline passed", "timeout"),
+                        "more_body": False})
+        elif not call.started:
+            await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"), call.headers)
+
+    def _finish(self, call: _Call) -> None:
+        """Settle the reservation with what the request is charged, then metrics and the access log."""
+        pt, ct = processed(call.plan, call.upstream, call.usage, call.streamed, call.streaming)
+        if call.lease is not None:
+            try:
+                self.limiter.settle_nowait(call.lease, pt + ct)
+            except Exception:
+                log.exception("settling the reservation of %s failed", call.request_id)
+        elapsed = time.perf_counter() - call.t0
+        self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
+        if self.log_enabled and access_log.isEnabledFor(logging.INFO):
+            now = time.time()
+            _access_records.emit(orjson.dumps({
+                "ts": round(now, 3), "request_id": call.request_id, "tenant": call.tenant, "alias": call.alias,
+                "adapter": call.label, "worker": call.worker, "prompt_tokens": pt, "completion_tokens": ct,
+                "status": call.status, "latency_ms": round(elapsed * 1000, 3), "stream": call.streaming,
+            }).decode(), now)
+
+
+class _Call:
+    """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
+
+    __slots__ = ("alias", "authorization", "chat", "declared", "finished", "guard", "headers", "label", "lease",
+                 "path", "plan", "request_id", "started", "status", "streamed", "streaming", "t0", "tenant",
+                 "upstream", "usage", "worker")
+
+    def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
+        self.t0 = time.perf_counter()
+        self.chat = chat
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        self.authorization: str | None = None
+        self.declared: int | None = None
         request_id = None
-        for k, v in scope["headers"]:
+        for k, v in raw_headers:
             if k == b"authorization":
-                authorization = v.decode("latin-1")
+                self.authorization = v.decode("latin-1")
             elif k == b"content-length":
                 try:
-                    declared = int(v)
+                    self.declared = int(v)
                 except ValueError:
-                    declared = None
+                    self.declared = None
             elif k == b"x-request-id":
                 rid = v.decode("latin-1")
                 if 0 < len(rid) <= 128 and rid.isprintable():
                     request_id = rid
-        request_id = request_id or _request_id()
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        st = _State()
-        base_headers = {HDR_REQUEST_ID: request_id}
-        tenant_slug = ""
-        alias = ""
-        label = ""
-        lease = None
-        plan: Reservation | None = None
-        upstream = _NOT_SENT
-        streamed: StreamResult | None = None
-        usage: dict[str, Any] | None = None
-        status = 500
-        worker_id = ""
-        streaming = False
-        guard: _Guard | None = None
-        try:
-            if scope["method"] != "POST":
-                raise GatewayError(405, "use POST", code="method_not_allowed")
-            try:
-                snapshot = self.snapshots.current
-            except Exception:
-                raise GatewayError(503, "The registry is not available yet; try again shortly.",
-                                   code="registry_unavailable") from None
-            tenant = self.auth.tenant(authorization, snapshot)
-            tenant_slug = tenant.slug
-            raw = await self._read_body(receive, declared)
-            try:
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
-            s = self.settings
-            req = validate(data, chat=chat, max_tokens_cap=s.max_tokens_cap)
-            alias = req.model
-            streaming = req.stream
-            res = self.resolver.resolve(snapshot, tenant, req.model, req.user or request_id)
-            label = res.label
-            base_headers[HDR_ADAPTER] = res.label
-            if res.fallback:
-                base_headers[HDR_FALLBACK] = "binding-disabled"
-            plan = await self._plan(req, res.base_model, tenant.tokens_per_min)
-            body = req.body
-            body["max_tokens"] = plan.max_tokens  # the one field every worker reads the same way
-            body.pop("max_completion_tokens", None)
-            if req.stream:
-                body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-            body[EXT_KEY] = {
-                "adapter": res.wire, "tenant": tenant.slug,
-                "priority": PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
-                "request_id": request_id,
-            }
-            try:
-                payload = orjson.dumps(body)
-            except orjson.JSONEncodeError as exc:
-                raise _unencodable(body, exc) from None
-            key = (tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent)
-            limits = self._limits.get(key)
-            if limits is None:
-                if len(self._limits) >= 10_000:
-                    self._limits.clear()
-                limits = self._limits[key] = Limits(*key)
-            decision = await self.limiter.acquire(tenant.slug, limits, plan.tokens, self.lease_ttl_s)
-            base_headers.update(decision.headers)
-            if not decision.allowed:
-                self.metrics.limited(tenant.slug, decision.reason)
-                if decision.status == 503:
-                    raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
-                                       code="ratelimiter_unavailable")
-                raise GatewayError(429, limit_message(decision.reason),
-                                   code="request_too_large" if decision.reason == "too_large"
-                                   else "rate_limit_exceeded")
-            lease = decision.lease
-            if self.traffic is not None and res.wire is not None:
-                self.traffic.record(res.wire)
-            router = self.router
-            adapter_id = res.adapter.id if res.adapter else None
-            workers = None if router.due() else router.choose(res.base_model, adapter_id)
-            if not workers:  # due, or none known: route refreshes (at once when none is usable)
-                workers = await router.route(res.base_model, adapter_id)
-            guard = _Guard(receive, st, s.request_timeout_s, self.sweeper)
-            try:
-                upstream = _SENT
-                try:
-                    opened = await self.upstream.open(workers, path, payload, request_id, whole=not req.stream)
-                except GatewayError:
-                    upstream = _NOT_SENT  # no worker took it
-                    raise
-                upstream = opened.response.status_code
-                worker_id = opened.worker.id
-                base_headers[HDR_WORKER] = worker_id
-                try:
-                    if req.stream and opened.response.status_code == 200:
-                        status = 200
-                        await send({"type": "http.response.start", "status": 200,
-                                    "headers": _headers(base_headers, b"text/event-stream", extra=_SSE)})
-                        st.started = True
-                        result = streamed = StreamResult()
-                        await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
-                                        strip_chunk_usage=not req.fields.continuous_usage)
-                        usage = result.usage
-                        if result.first_token_at is not None:
-                            self.metrics.first_token(tenant_slug, label, result.first_token_at - t0)
-                        if result.error or result.worker_error:
-                            status = 502
-                            self.metrics.upstream_failure(worker_id)
-                        st.finished = True
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    else:
-                        content = opened.first if opened.chunks is None else await read_rest(opened)
-                        status = opened.response.status_code
-                        if status == 200:
-                            usage = usage_of(content)
-                        elif status >= 500:
-                            status = 502
-                            content = orjson.dumps(error_body("the worker failed to answer", "upstream_error",
-                                                              "upstream_error"))
-                        resp = opened.response
-                        ctype = getattr(resp, "content_type", None) or resp.headers.get("content-type",
-                                                                                         "application/json")
-                        st.finished = True
-                        await send({"type": "http.response.start", "status": status,
-                                    "headers": _headers(base_headers, ctype.encode("latin-1"),
-                                                        length=len(content))})
-                        st.started = True
-                        await send({"type": "http.response.body", "body": content})
-                finally:
-                    await self.upstream.done(opened)
-            finally:
-                guard.stop()
-        except GatewayError as err:
-            status = err.status
-            if not st.started:
-                await send_error(send, err, base_headers)
-        except _ClientGone:
-            status = 499
-        except asyncio.CancelledError:
-            # Ours (the deadline passed, the client left) or the server's (its shutdown grace ended).
-            task = asyncio.current_task()
-            if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
-                status = 503
-                log.warning("request %s cut short by the server's shutdown", request_id)
-                if st.started and not st.finished:
-                    await send({"type": "http.response.body", "body": sse_error(
-                        "the gateway is shutting down", "shutting_down"), "more_body": False})
-                elif not st.started:
-                    await send_error(send, GatewayError(503, "The gateway is shutting down; retry the request.",
-                                                        code="shutting_down"), base_headers)
-                if task is not None and task.cancelling():
-                    task.uncancel()  # answered: the request ends here, like any other
-                return
-            task.uncancel()
-            if guard.expired:
-                status = 504
-                if st.started and not st.finished:
-                    await send({"type": "http.response.body", "body": sse_error("the request deadline passed",
-                                                                                "timeout"), "more_body": False})
-                elif not st.started:
-                    await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"),
-                                     base_headers)
-            else:
-                status = 499
-        except Exception:
-            log.exception("request %s failed", request_id)
-            status = 500
-            if not st.started:
-                await send_error(send, GatewayError(500, "internal error", code="internal_error"), base_headers)
-        finally:
-            pt, ct = processed(plan, upstream, usage, streamed, streaming)
-            if lease is not None:
-                try:
-                    self.limiter.settle_nowait(lease, pt + ct)
-                except Exception:
-                    log.exception("settling the reservation of %s failed", request_id)
-            elapsed = time.perf_counter() - t0
-            self.metrics.observe(tenant_slug, label, status, elapsed, pt, ct)
-            if self.log_enabled and access_log.isEnabledFor(logging.INFO):
-                now = time.time()
-                _access_records.emit(orjson.dumps({
-                    "ts": round(now, 3), "request_id": request_id, "tenant": tenant_slug, "alias": alias,
-                    "adapter": label, "worker": worker_id, "prompt_tokens": pt, "completion_tokens": ct,
-                    "status": status, "latency_ms": round(elapsed * 1000, 3), "stream": streaming,
-                }).decode(), now)
+        self.request_id: str = request_id or _request_id()
+        self.headers: dict[str, str] = {HDR_REQUEST_ID: self.request_id}
+        """Response headers so far."""
+        self.tenant = self.alias = self.label = self.worker = ""
+        self.lease: Any = None
+        self.plan: Reservation | None = None
+        self.upstream = _NOT_SENT
+        self.streamed: StreamResult | None = None
+        self.usage: dict[str, Any] | None = None
+        self.status = 500
+        self.streaming = False
+        self.guard: _Guard | None = None
+        self.started = False
+        """The response head went out (an error after it can only end the body)."""
+        self.finished = False
+        """The last body byte is going out (a disconnect after it is no reason to cancel)."""
 
 
 _NOT_SENT = 0
@@ -438,14 +500,6 @@ class _ClientGone(Exception):
     """The client disconnected while sending its request."""
 
 
-class _State:
-    __slots__ = ("finished", "started")
-
-    def __init__(self) -> None:
-        self.started = False
-        self.finished = False
-
-
 WATCH_AFTER_S = 0.02
 """A request starts watching its deadline and its client's disconnect after running this long."""
 SWEEP_S = 0.01
@@ -464,7 +518,7 @@ class _Guard:
     __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired", "loop",
                  "started", "stopped")
 
-    def __init__(self, receive: Any, state: _State, timeout_s: float, sweeper: _Sweeper) -> None:
+    def __init__(self, receive: Any, state: _Call, timeout_s: float, sweeper: _Sweeper) -> None:
         self.loop = loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._receive = receive
@@ -591,12 +645,11 @@ def _default_snapshots(settings: Settings) -> Any:
         return FileSnapshotSource(settings.registry_snapshot_file)
     from registry.cache import SnapshotCache  # the live registry (lazy: keeps startup light)
 
-    factory = getattr(SnapshotCache, "from_settings", None)
-    return factory(settings) if factory else SnapshotCache(settings)
+    return SnapshotCache(settings)
 
 
 def _admin_app(settings: Settings, router: Router,
-               client: httpx.AsyncClient) -> tuple[Any, Any] | tuple[None, None]:
+               client: WorkerClient) -> tuple[Any, Any] | tuple[None, None]:
     """The registry admin API (``registry.admin_api``) behind the activation gate, and its service."""
     try:
         from registry.admin_api import admin_app
@@ -611,7 +664,7 @@ def _admin_app(settings: Settings, router: Router,
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
-               residency: ResidencyStore | None = None, http_client: httpx.AsyncClient | None = None,
+               residency: ResidencyStore | None = None, http_client: WorkerClient | None = None,
                mount_admin: bool = True) -> GatewayApp:
     """The gateway app. Anything not passed is built from ``settings``:
 
@@ -620,8 +673,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     * ``limiter``: ``RedisLimiter`` (with a local fallback) when ``redis_url`` is set,
       else the in-process ``LocalLimiter``;
     * ``residency``: ``RedisResidency`` when ``redis_url`` is set, else the process table;
-    * ``http_client``: one pooled ``httpx.AsyncClient`` for every upstream call (over the lean
-      keep-alive ``H11Transport``).
+    * ``http_client``: the ``WorkerClient`` (pooled aiohttp) for every call to a worker.
 
     Components passed in are started/stopped by their owner, except the snapshot source,
     whose optional ``start()``/``stop()`` the app calls in its lifespan.
@@ -637,10 +689,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         residency = RedisResidency(redis, settings.redis_prefix) if redis is not None else process_residency()
     own_client = http_client is None
     if http_client is None:
-        http_client = httpx.AsyncClient(
-            transport=H11Transport(connect_timeout=2.0, keepalive_expiry=30.0),
-            timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), trust_env=False,
-        )
+        http_client = WorkerClient(settings.worker_secret)
     router = Router(residency, candidates=settings.route_candidates, load_factor=settings.route_load_factor,
                     static_urls=settings.worker_urls,
                     cooldown_s=max(2.0, settings.worker_report_ttl_s))
@@ -713,7 +762,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             if stop is not None:
                 await stop()
             if own_client:
-                await http_client.aclose()
+                await http_client.close()
             if own_limiter:
                 await limiter.close()
             if redis is not None:
@@ -736,7 +785,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     app.state.gateway = gw
 
     def refresh_gauges() -> None:
-        gw.metrics.inflight.set(sum(w.inflight for w in router.workers()))
+        gw.metrics.inflight.set(router.inflight())
 
     app.metrics_app = metrics_app(gw.metrics, refresh_gauges)
     return app

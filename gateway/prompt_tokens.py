@@ -17,13 +17,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-import httpx
 import orjson
 
 from gateway.router import Router
+from gateway.worker_client import WorkerClient
 from loraplex.openai_request import OpenAIRequest
 from loraplex.tokenizer import ChatTemplateError, TextTokenizer
-from loraplex.wire import HDR_WORKER_SECRET
 
 log = logging.getLogger("loraplex.gateway.prompt_tokens")
 
@@ -53,12 +52,11 @@ class _Entry:
 class PromptCounter:
     """Tokenizers per base model, fetched from workers; ``count`` per request."""
 
-    def __init__(self, router: Router, client: httpx.AsyncClient, secret: str, *, retry_s: float = 5.0,
+    def __init__(self, router: Router, client: WorkerClient, *, retry_s: float = 5.0,
                  check_s: float = 1.0, fetch_wait_s: float = 2.0) -> None:
         self.router = router
         self.fetch_wait_s = fetch_wait_s
         self.client = client
-        self.secret = secret
         self.retry_s = retry_s
         self.check_s = check_s
         self._entries: dict[str, _Entry] = {}
@@ -99,12 +97,11 @@ class PromptCounter:
         workers.sort(key=lambda w: w.base_model != base_model)  # reporting workers of the base first
         for w in workers:
             try:
-                r = await asyncio.wait_for(self.client.get(w.url + TOKENIZER_PATH,
-                                                           headers={HDR_WORKER_SECRET: self.secret}),
-                                           FETCH_TIMEOUT_S)
-                if r.status_code != 200:
+                status, raw = await asyncio.wait_for(
+                    self.client.call("GET", w.url + TOKENIZER_PATH, timeout_s=FETCH_TIMEOUT_S), FETCH_TIMEOUT_S)
+                if status != 200:
                     continue
-                data = orjson.loads(r.content)
+                data = orjson.loads(raw)
                 if data.get("base_model") != base_model:
                     continue
                 tok = await asyncio.to_thread(TextTokenizer.from_dict, data["tokenizer"])

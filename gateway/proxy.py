@@ -1,11 +1,11 @@
-"""Forwarding to engine workers over one pooled ``httpx.AsyncClient``.
+"""Forwarding to engine workers over the gateway's one ``WorkerClient``.
 
-``Upstream.open`` tries the routed workers in order until one answers: a connection
-error, a 503, a 401/403 (the worker refused this gateway's worker secret: logged, never
+``Upstream.open`` tries the routed workers in order until one answers: a worker that cannot
+be reached, a 503, a 401/403 (the worker refused this gateway's worker secret: logged, never
 passed to the client), or a response that breaks before its first byte moves on to the next
 candidate (connection failures also mark the worker failed in the router). Nothing has
-reached the client at that point, so a retry is invisible to it. Every request carries
-the worker secret (``x-loraplex-worker-secret``): workers refuse requests without it.
+reached the client at that point, so a retry is invisible to it. A 503 that blames the
+adapter itself is not retried: another worker would fail the same way.
 
 ``relay_sse`` passes a worker's SSE stream through event by event without buffering
 the response; it picks the usage chunk out (and drops it when the client did not ask
@@ -22,34 +22,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import orjson
 
 from gateway.errors import GatewayError
 from gateway.router import Router, Worker
-from gateway.transport import H11Transport, RawResponse
-from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET, error_body
+from gateway.worker_client import WorkerBroke, WorkerClient, WorkerResponse, WorkerUnreachable
+from loraplex.wire import error_body
 
 log = logging.getLogger("loraplex.gateway.proxy")
-
-_JSON = {"content-type": "application/json"}
-
-
-def _head(worker_secret: str) -> bytes:
-    """The start of the headers the gateway sends with a request (the request id follows)."""
-    if "\r" in worker_secret or "\n" in worker_secret:
-        raise ValueError("the worker secret must not contain line breaks")
-    return (b"content-type: application/json\r\n" + HDR_WORKER_SECRET.encode() + b": " + worker_secret.encode()
-            + b"\r\n" + HDR_REQUEST_ID.encode() + b": ")
 
 
 @dataclass(slots=True)
 class Opened:
     worker: Worker
-    response: Any
-    """``httpx.Response`` or the fast transport's ``RawResponse`` (same surface)."""
+    response: WorkerResponse
     first: bytes
     """First body chunk (already read, so a failure before it could still be retried), or
     the whole body when it was opened with ``whole``."""
@@ -58,94 +45,67 @@ class Opened:
 
 
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, router: Router, max_attempts: int = 4,
-                 on_failure: Any = None, *, worker_secret: str) -> None:
+    def __init__(self, client: WorkerClient, router: Router, max_attempts: int = 4,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.client = client
-        self._head = _head(worker_secret)
-        self._secret = worker_secret.encode()
         self.on_failure = on_failure
         self.router = router
         self.max_attempts = max_attempts
-        transport = getattr(client, "_transport", None)
-        self.fast = transport if isinstance(transport, H11Transport) else None
-        self._targets: dict[str, tuple[str, int, str]] = {}
-
-    def _target(self, base_url: str) -> tuple[str, int, str]:
-        hit = self._targets.get(base_url)
-        if hit is None:
-            u = urlsplit(base_url)
-            hit = (u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/"))
-            self._targets[base_url] = hit
-        return hit
-
-    def _send(self, worker: Worker, path: str, payload: bytes, request_id: str) -> Awaitable[Any]:
-        """The worker's response (headers read, body not yet): over the fast transport when the
-        client has one, else through httpx. Returns the awaitable itself (no frame of its own)."""
-        if self.fast is not None and worker.url.startswith("http://"):
-            host, port, prefix = self._target(worker.url)
-            extra = self._head + request_id.encode("latin-1") + b"\r\n"
-            return self.fast.post(host, port, prefix + path, extra, payload)
-        req = self.client.build_request("POST", worker.url + path, content=payload,
-                                        headers={"content-type": "application/json", HDR_REQUEST_ID: request_id,
-                                                 HDR_WORKER_SECRET: self._secret})
-        return self.client.send(req, stream=True)
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
                    whole: bool = False) -> Opened:
         """The first worker that answers, with the first chunk of its body read (``whole``: all
-        of it, for answers that are not streamed)."""
+        of it, for answers that are not streamed). The worker counts as loaded (``router.acquire``)
+        until ``done``."""
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
         last = "no worker answered"
         load_failure = None
+        router = self.router
         for worker in workers[: self.max_attempts]:
-            worker.inflight += 1
-            resp: Any = None
+            router.acquire(worker)
+            resp: WorkerResponse | None = None
             try:
-                resp = await self._send(worker, path, payload, request_id)
-                if resp.status_code == 503:
-                    body = await resp.aread()
-                    await resp.aclose()
+                resp = await self.client.post(worker.url + path, payload, request_id)
+                status = resp.status
+                if status == 503 or status == 401 or status == 403:
+                    body = await resp.read()
+                    resp.close()
                     resp = None
-                    worker.inflight -= 1
-                    failed = _adapter_failure(body)
-                    if failed is not None:
-                        load_failure = failed
+                    router.release(worker)
+                    if status != 503:
+                        # Not the client's fault: this gateway's worker secret is not the worker's.
+                        log.error("worker %s refused the worker secret (set the same LORAPLEX_WORKER_SECRET "
+                                  "on gateways and workers)", worker.id)
+                        last = f"worker {worker.id} refused the worker secret"
+                        continue
+                    load_failure = _adapter_failure(body)
+                    if load_failure is not None:
                         break  # the adapter itself failed: another worker would fail the same way
                     last = f"worker {worker.id} is overloaded"
                     continue
-                if resp.status_code in (401, 403):
-                    # Not the client's fault: this gateway's worker secret is not the worker's.
-                    await resp.aread()
-                    await resp.aclose()
-                    resp = None
-                    worker.inflight -= 1
-                    log.error("worker %s refused the worker secret (set the same LORAPLEX_WORKER_SECRET "
-                              "on gateways and workers)", worker.id)
-                    last = f"worker {worker.id} refused the worker secret"
-                    continue
                 if whole:
-                    return Opened(worker, resp, await resp.aread(), None)
-                chunks = resp.aiter_bytes()
+                    return Opened(worker, resp, await resp.read(), None)
+                chunks = resp.chunks()
                 first = b""
                 async for chunk in chunks:
                     if chunk:
                         first = chunk
                         break
                 return Opened(worker, resp, first, chunks)
-            except httpx.TransportError as exc:
-                worker.inflight -= 1
+            except (WorkerUnreachable, WorkerBroke) as exc:
+                router.release(worker)
                 if resp is not None:
-                    await resp.aclose()
-                last = f"worker {worker.id}: {type(exc).__name__}"
-                self.router.mark_failed(worker)
+                    resp.close()
+                last = f"worker {worker.id}: {exc}"
+                router.mark_failed(worker)
                 if self.on_failure is not None:
                     self.on_failure(worker.id)
             except BaseException:
-                worker.inflight -= 1
+                router.release(worker)
                 if resp is not None:
-                    await resp.aclose()
+                    resp.close()
                 raise
         if load_failure is not None:
             code, message = load_failure
@@ -155,13 +115,10 @@ class Upstream:
         raise GatewayError(503, "No worker could serve this request right now.", code="no_worker",
                            headers={"retry-after": "1"})
 
-    async def done(self, opened: Opened) -> None:
-        opened.worker.inflight -= 1
-        resp = opened.response
-        if isinstance(resp, RawResponse):
-            resp.close()
-        else:
-            await resp.aclose()
+    def done(self, opened: Opened) -> None:
+        """The request is over: the worker's load drops and the connection is released."""
+        self.router.release(opened.worker)
+        opened.response.close()
 
 
 ADAPTER_FAILURES = (b"adapter_load_failed", b"non_finite_output", b"adapter_error")
@@ -297,8 +254,8 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
         if opened.chunks is not None:
             async for chunk in opened.chunks:
                 await push(chunk)
-    except httpx.HTTPError as exc:
-        result.error = f"the worker stream broke: {type(exc).__name__}"
+    except WorkerBroke as exc:
+        result.error = f"the worker stream broke: {exc}"
     if result.error is None and not result.done:
         result.error = "the worker stream ended early"
     if result.error is not None:

@@ -40,7 +40,7 @@ class Worker:
     reported_load: int
     report_ts: float
     inflight: int = 0
-    """Requests this gateway replica has in flight on the worker."""
+    """Requests this gateway replica has in flight on the worker (``Router.acquire``/``release``)."""
     base_revision: str = ""
 
     @property
@@ -127,6 +127,19 @@ class Router:
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
+
+    # -- load of this replica ------------------------------------------------------------------
+
+    def acquire(self, worker: Worker) -> None:
+        """Count a request this replica sends to ``worker`` (part of its load until ``release``)."""
+        worker.inflight += 1
+
+    def release(self, worker: Worker) -> None:
+        worker.inflight -= 1
+
+    def inflight(self) -> int:
+        """Requests this replica has in flight on all its workers."""
+        return sum(w.inflight for w in self._workers.values())
 
     # -- failures -------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from loraplex.wire import HDR_WORKER_SECRET, WorkerReport
 from registry.admin_api import admin_app
 from registry.service import RegistryService
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
+from tests.worker_double import worker_client
 
 
 class FakeWorker:
@@ -77,7 +78,7 @@ async def env(tmp_path):
     await residency.publish(WorkerReport(worker_id="w1", url="http://w1", base_model=TINY.name,
                                          base_revision=TINY.revision), ttl_s=60)
     router = Router(residency)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(worker.handler))
+    client = worker_client(httpx.MockTransport(worker.handler))
     app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings,
                                                           gate=ActivationGate(settings, router, client)))])
     api = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/admin",
@@ -94,7 +95,7 @@ async def env(tmp_path):
 
     yield settings, service, worker, residency, api, register
     await api.aclose()
-    await client.aclose()
+    await client.close()
     await service.close()
 
 

@@ -19,6 +19,7 @@ from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint, mint_admin
 from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TENANTS = {
     "acme": {"bindings": {"support": {"active": ("sup", 1)}}},
@@ -33,7 +34,7 @@ def _settings(**kw) -> Settings:
 
 def _app(settings: Settings, snapshots: MutableSnapshots | None = None):
     snaps = snapshots or MutableSnapshots(make_snapshot(TENANTS))
-    client = httpx.AsyncClient(transport=mock_worker_transport())
+    client = worker_client(mock_worker_transport())
     return create_app(settings, snapshots=snaps, limiter=LocalLimiter(), residency=MemoryResidency(),
                       http_client=client, mount_admin=False)
 

@@ -21,6 +21,7 @@ import uvicorn
 from gateway.http_edge import MAX_HEAD_BYTES, gateway_config
 from loraplex.settings import Settings
 from tests.stub_worker import free_port
+from tests.worker_double import worker_client
 
 
 class Events:
@@ -503,7 +504,7 @@ def test_metrics_are_served_on_the_internal_port_only():
     settings = Settings(gateway_host="127.0.0.1", gateway_port=free_port(), gateway_metrics_port=free_port(),
                         worker_urls=("http://worker",), gateway_shutdown_grace_s=1.0)
     app = create_app(settings, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
-                     residency=MemoryResidency(), http_client=httpx.AsyncClient(transport=mock_worker_transport()),
+                     residency=MemoryResidency(), http_client=worker_client(mock_worker_transport()),
                      mount_admin=False)
     servers = gateway_servers(app, settings, log_level="critical")
     thread = threading.Thread(target=asyncio.run, args=(serve_all(servers),), daemon=True)

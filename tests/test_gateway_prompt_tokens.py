@@ -21,6 +21,7 @@ from loraplex.tokens import mint
 from loraplex.wire import HDR_WORKER, HDR_WORKER_SECRET
 from tests.engine_fixtures import make_tiny_model
 from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TPM = 100_000
 BINDING = {"bindings": {"support": {"active": ("sup", 1)}}}
@@ -57,7 +58,7 @@ def _system(engine, tmp_path):
     transport = _Counting(httpx.ASGITransport(app=worker))
     s = Settings(worker_urls=("http://worker",))
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
-                     residency=MemoryResidency(), http_client=httpx.AsyncClient(transport=transport),
+                     residency=MemoryResidency(), http_client=worker_client(transport),
                      mount_admin=False)
     return s, app, worker, transport
 
@@ -130,7 +131,7 @@ async def test_without_a_tokenizer_the_bound_reserves_but_never_refuses():
     record: list[dict] = []
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot({"small": {"tokens_per_min": 300, **BINDING}})),
                      limiter=LocalLimiter(), residency=MemoryResidency(),
-                     http_client=httpx.AsyncClient(transport=mock_worker_transport(record)), mount_admin=False)
+                     http_client=worker_client(mock_worker_transport(record)), mount_admin=False)
     body = {"model": "support", "messages": [{"role": "user", "content": "x" * 1000}]}
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:

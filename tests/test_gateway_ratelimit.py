@@ -19,6 +19,7 @@ from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
 from tests.stub_worker import MutableSnapshots, free_port, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 
 @pytest.fixture
@@ -198,7 +199,7 @@ def _gateway(redis_url, redis_prefix, tenants, *, sent=None, delay: float = 0.0)
                 await asyncio.sleep(delay)
             return await inner.handle_async_request(request)
 
-    app = create_app(s, snapshots=snaps, residency=MemoryResidency(), http_client=httpx.AsyncClient(transport=Slow()),
+    app = create_app(s, snapshots=snaps, residency=MemoryResidency(), http_client=worker_client(Slow()),
                      mount_admin=False)
     return s, snaps, app
 
@@ -280,7 +281,7 @@ async def test_gateway_survives_redis_outage_and_recovers(redis_url, redis_prefi
                  redis_prefix=redis_prefix, ratelimit_fail_mode=mode)
     tenants = {"acme": {"requests_per_min": 10, "bindings": {"support": {"active": ("sup", 1)}}}}
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot(tenants)), residency=MemoryResidency(),
-                     http_client=httpx.AsyncClient(transport=mock_worker_transport()), mount_admin=False)
+                     http_client=worker_client(mock_worker_transport()), mount_admin=False)
     h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
     body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     key = f"{redis_prefix}:rl:acme"

@@ -17,6 +17,7 @@ from loraplex.tokens import mint, mint_admin
 from registry.service import RegistryService
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
 from tests.stub_worker import mock_worker_transport
+from tests.worker_double import worker_client
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ async def test_admin_changes_reach_the_request_path_within_2s(seeded):
     settings, ids = seeded
     sent: list[dict] = []
     app = create_app(settings, limiter=LocalLimiter(), residency=MemoryResidency(),
-                     http_client=httpx.AsyncClient(transport=mock_worker_transport(sent)))
+                     http_client=worker_client(mock_worker_transport(sent)))
     user = {"authorization": f"Bearer {mint(settings, 'u', tenant='acme')}"}
     admin = {"authorization": f"Bearer {mint_admin(settings)}"}
     body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -10,8 +10,9 @@ from gateway.resolve import Resolver, canary_bucket
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
-from loraplex.wire import PRIORITY_CLASSES
+from loraplex.wire import PRIORITY_CLASSES, WorkerRequestExt
 from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TENANTS = {
     "acme": {"priority": "high", "bindings": {
@@ -31,7 +32,7 @@ class Env:
         self.snaps = MutableSnapshots(make_snapshot(tenants))
         self.app = create_app(self.settings, snapshots=self.snaps, limiter=LocalLimiter(),
                               residency=MemoryResidency(),
-                              http_client=httpx.AsyncClient(transport=mock_worker_transport(self.sent)),
+                              http_client=worker_client(mock_worker_transport(self.sent)),
                               mount_admin=False)
 
     def headers(self, tenant: str = "acme") -> dict[str, str]:
@@ -64,6 +65,8 @@ async def test_alias_resolves_to_adapter_and_ext_is_forwarded():
         assert ext["priority"] == PRIORITY_CLASSES["high"]
         assert ext["request_id"] == r.headers["x-request-id"]
         assert env.sent[-1]["user"] == "end-user-1"
+        # exactly what the worker's reading of the extension gives back (one codec both ways)
+        assert WorkerRequestExt.from_dict(ext).to_dict() == ext
 
 
 async def test_base_model_name_answers_with_base():

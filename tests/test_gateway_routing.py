@@ -18,6 +18,7 @@ from loraplex.settings import Settings
 from loraplex.tokens import mint
 from loraplex.wire import WorkerReport
 from tests.stub_worker import MutableSnapshots, StubProcess, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}, "sales": {"active": ("sales", 1)}}}}
 
@@ -174,19 +175,19 @@ async def test_inflight_survives_refresh():
     await res.publish(_report("w1"), 5)
     router = Router(res, refresh_s=0.0)
     w = (await router.route("smol", None))[0]
-    w.inflight += 1  # a request in flight holds this object
+    router.acquire(w)  # a request in flight holds this object
     await res.publish(_report("w1", device=["a"]), 5)
     await router.refresh()
     again = (await router.route("smol", "a"))[0]
     assert again is w and again.inflight == 1 and "a" in again.device
-    w.inflight -= 1
-    assert again.load == 0
+    router.release(w)
+    assert again.load == 0 and router.inflight() == 0
 
 
 def _app_without_workers(res: MemoryResidency, snapshots: MutableSnapshots | None = None):  # type: ignore[no-untyped-def]
     s = Settings()
     app = create_app(s, snapshots=snapshots or MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
-                     residency=res, http_client=httpx.AsyncClient(transport=mock_worker_transport()),
+                     residency=res, http_client=worker_client(mock_worker_transport()),
                      mount_admin=False)
     return s, app
 

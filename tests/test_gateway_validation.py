@@ -16,6 +16,7 @@ from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
 from tests.stub_worker import MutableSnapshots, make_snapshot, mock_worker_transport
+from tests.worker_double import worker_client
 
 TENANTS = {"acme": {"bindings": {"support": {"active": ("sup", 1)}}}}
 MSG = [{"role": "user", "content": "hi"}]
@@ -23,7 +24,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 def _app(**kw):
     s = Settings(worker_urls=("http://worker",), max_body_bytes=4096, **kw)
-    client = httpx.AsyncClient(transport=mock_worker_transport())
+    client = worker_client(mock_worker_transport())
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
                      residency=MemoryResidency(), http_client=client, mount_admin=False)
     return app, {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}

@@ -29,6 +29,7 @@ from tests.stub_worker import (
     make_snapshot,
     mock_worker_transport,
 )
+from tests.worker_double import worker_client
 
 SECRET = "worker-auth-test-secret-0123456789"
 FOREIGN = {"adapter": {"id": "globex-json-v3", "name": "json@3", "uri": "file:///etc", "sha256": None, "rank": 8},
@@ -211,7 +212,7 @@ def test_gateway_sends_the_secret_over_its_fast_transport(stream):
 async def test_gateway_sends_the_secret_through_httpx():
     sent: list[dict] = []
     settings = Settings(worker_urls=("http://w1",), worker_secret=SECRET)
-    app = _gateway(settings, http_client=httpx.AsyncClient(transport=mock_worker_transport(sent, secret=SECRET)))
+    app = _gateway(settings, http_client=worker_client(mock_worker_transport(sent, secret=SECRET), secret=SECRET))
     h = {"authorization": f"Bearer {mint(settings, 'u', tenant='acme')}"}
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:

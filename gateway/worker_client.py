@@ -1,0 +1,162 @@
+"""The gateway's one HTTP client to its workers: a pooled aiohttp session.
+
+Every call to a worker (completions, the activation probe, the tokenizer fetch) goes
+through ``WorkerClient``, which sends the worker secret, keeps connections alive and
+raises two errors only: ``WorkerUnreachable`` (nothing was sent: the next worker may
+try) and ``WorkerBroke`` (the exchange broke or timed out after it started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+import aiohttp
+from yarl import URL
+
+from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
+
+CONNECT_TIMEOUT_S = 2.0
+KEEPALIVE_S = 4.0
+"""Idle connections are dropped before the worker's own keep-alive timeout (uvicorn: 5 s)."""
+
+
+class WorkerUnreachable(Exception):
+    """The worker could not be connected to: the request never reached it."""
+
+
+class WorkerBroke(Exception):
+    """The exchange with the worker broke off (or timed out) after it was sent."""
+
+
+class WorkerResponse(Protocol):
+    """A worker's answer, headers read and body not yet."""
+
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+class Exchange:
+    """``WorkerResponse`` over an aiohttp response."""
+
+    __slots__ = ("_resp", "content_type", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("content-type", "application/json")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WorkerBroke(_why(exc)) from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (each SSE write of the worker as soon as it lands)."""
+        content = self._resp.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    return
+                yield data
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WorkerBroke(_why(exc)) from None
+
+    def close(self) -> None:
+        """Back to the pool when read to its end; else the connection closes, so the worker
+        sees the disconnect and frees its slot."""
+        resp = self._resp
+        if resp.content.at_eof():
+            resp.release()
+        else:
+            resp.close()
+
+
+class WorkerClient:
+    """One aiohttp session per event loop (made on first use: the app may be built outside one)."""
+
+    def __init__(self, worker_secret: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
+        if "\r" in worker_secret or "\n" in worker_secret:
+            raise ValueError("the worker secret must not contain line breaks")
+        self.secret = worker_secret
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+        """Connecting only: a completion's deadline is the gateway's (``gateway.app._Guard``)."""
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._headers = {"content-type": "application/json", HDR_WORKER_SECRET: worker_secret}
+        self._urls: dict[str, URL] = {}
+        """Parsed once per target (a handful of workers x routes)."""
+
+    def _current(self) -> aiohttp.ClientSession:
+        session = self._session
+        loop = asyncio.get_running_loop()
+        if session is None or session.closed or self._loop is not loop:
+            self._loop = loop
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=True)
+            session = self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self.timeout, auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # nothing a worker sets may follow another request
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+        return session
+
+    async def post(self, url: str, body: bytes, request_id: str) -> WorkerResponse:
+        """POST a JSON body; the response with its headers read."""
+        headers = self._headers | {HDR_REQUEST_ID: request_id}
+        return await self.exchange("POST", url, body, headers, None)
+
+    async def call(self, method: str, url: str, *, body: bytes | None = None,
+                   timeout_s: float | None = None) -> tuple[int, bytes]:
+        """A whole exchange (control calls: probe, tokenizer): (status, body)."""
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
+                                                                        sock_connect=self.connect_timeout_s)
+        resp = await self.exchange(method, url, body, self._headers, timeout)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.close()
+
+    async def exchange(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str],
+                       deadline: aiohttp.ClientTimeout | None) -> WorkerResponse:
+        """The one place a request leaves the gateway (the seam a test double replaces)."""
+        session = self._current()
+        target = self._urls.get(url)
+        if target is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            target = self._urls[url] = URL(url)
+        for attempt in (0, 1):
+            try:
+                resp = await session.request(method, target, data=body, headers=headers, allow_redirects=False,
+                                              timeout=deadline or self.timeout)
+            except aiohttp.ServerDisconnectedError:
+                if attempt == 0:
+                    continue  # a pooled connection the worker had just closed: once more, fresh
+                raise WorkerBroke("the worker closed the connection without answering") from None
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                raise WorkerUnreachable(_why(exc)) from None
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise WorkerBroke(_why(exc)) from None
+            return Exchange(resp)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
