@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 from typing import TextIO
@@ -45,6 +46,20 @@ class BufferedLines(logging.Handler):
         super().close()
 
 
+GC_GEN0_THRESHOLD = 50_000
+"""Allocations between young-generation collections (Python's default: 700). A request makes
+a few hundred objects (the HTTP client's futures, responses, buffers): at the default the
+collector runs every few requests and costs about a tenth of the gateway's CPU."""
+
+
+def tune_gc() -> None:
+    """Startup objects (modules, the app) are moved out of the collector's view and young
+    collections made rarer: the request path keeps its cycles few and short-lived."""
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 def _gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.http_edge import gateway_servers, serve_all
@@ -71,6 +86,7 @@ def _gateway(args: argparse.Namespace) -> int:
         access.propagate = False
     app = create_app(settings)
     servers = gateway_servers(app, settings)
+    tune_gc()
     try:
         import uvloop
     except ImportError:

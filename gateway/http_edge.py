@@ -25,6 +25,41 @@ class _HeadTooLarge(Exception):
     """The request line and headers are over ``MAX_HEAD_BYTES``."""
 
 
+class StepWrites:
+    """A transport whose writes of one event-loop step leave as one: uvicorn writes a response's
+    head and body separately, which costs a ``send`` and a TCP segment each. Every write and
+    close of the connection (uvicorn's and the edge's) goes through here, so their order holds."""
+
+    __slots__ = ("_buf", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._buf: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._buf is None:
+            self._buf = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._buf.append(data)
+
+    def flush(self) -> None:
+        buf, self._buf = self._buf, None
+        if buf and not self._transport.is_closing():
+            self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` with head/body deadlines and a head size cap."""
 
@@ -57,7 +92,7 @@ class EdgeProtocol(HttpToolsProtocol):
     # -- connection -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(StepWrites(transport, self.loop))  # type: ignore[arg-type]
         self._since = self.loop.time()
         self._arm()
 

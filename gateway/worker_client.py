@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 import aiohttp
+from multidict import CIMultiDict
 from yarl import URL
 
 from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
@@ -95,7 +96,11 @@ class WorkerClient:
         self.keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._headers = {"content-type": "application/json", HDR_WORKER_SECRET: worker_secret}
+        self._headers = CIMultiDict({
+            "content-type": "application/json", HDR_WORKER_SECRET: worker_secret,
+            # Given, so aiohttp adds none of its own (its skip list costs more than the headers).
+            "accept": "*/*", "accept-encoding": "identity", "user-agent": "loraplex-gateway"})
+        """Sent with every call (``post`` adds the request id to a copy)."""
         self._urls: dict[str, URL] = {}
         """Parsed once per target (a handful of workers x routes)."""
 
@@ -107,13 +112,13 @@ class WorkerClient:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=True)
             session = self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self.timeout, auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),  # nothing a worker sets may follow another request
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+                cookie_jar=aiohttp.DummyCookieJar())  # nothing a worker sets may follow another request
         return session
 
     async def post(self, url: str, body: bytes, request_id: str) -> WorkerResponse:
         """POST a JSON body; the response with its headers read."""
-        headers = self._headers | {HDR_REQUEST_ID: request_id}
+        headers = self._headers.copy()
+        headers[HDR_REQUEST_ID] = request_id
         return await self.exchange("POST", url, body, headers, None)
 
     async def call(self, method: str, url: str, *, body: bytes | None = None,
