@@ -256,12 +256,12 @@ class _Call:
     call on the call and on each argument, and under load dozens of settlements and several
     acquires share one call of a few arguments."""
 
-    __slots__ = ("const", "keys", "parts", "script", "waiters")
+    __slots__ = ("head", "parts", "script", "waiters")
 
-    def __init__(self, script: Script, keys: list[str], const: list[Any]) -> None:
+    def __init__(self, script: Script, head: tuple[bytes, ...]) -> None:
         self.script = script
-        self.keys = keys
-        self.const = const
+        self.head = head
+        """``EVALSHA sha numkeys keys... const...``, encoded."""
         self.parts: list[str] = []
         self.waiters: list[asyncio.Future[Any]] = []
         """One future per caller that waits: a caller that gives up cancels its own only."""
@@ -300,6 +300,8 @@ class _StepPipeline:
         self._queue: list[_Call] = []
         self._open: dict[tuple[Any, ...], _Call] = {}
         """Calls still taking company (until the queue is sent)."""
+        self._heads: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
+        """Encoded command heads by script, keys and leading arguments (redis-py encodes bytes for free)."""
         self._sender: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -313,7 +315,13 @@ class _StepPipeline:
         key = (script.sha, *keys, *const)
         call = self._open.get(key)
         if call is None or len(call.parts) >= MAX_BATCH:
-            call = self._open[key] = _Call(script, keys, const)
+            head = self._heads.get(key)
+            if head is None:
+                if len(self._heads) >= 10_000:
+                    self._heads.clear()
+                head = self._heads[key] = (b"EVALSHA", script.sha.encode(), b"%d" % len(keys),
+                                           *(k.encode() for k in keys), *(str(c).encode() for c in const))
+            call = self._open[key] = _Call(script, head)
             self._queue.append(call)
         call.parts.append(part)
         fut = None
@@ -368,8 +376,7 @@ class _StepPipeline:
             call.resolve(reply)
 
     async def _execute(self, calls: list[_Call]) -> list[Any]:
-        return await self._execute_commands([("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.const,
-                                              " ".join(c.parts)) for c in calls])
+        return await self._execute_commands([(*c.head, " ".join(c.parts).encode()) for c in calls])
 
     async def _execute_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)

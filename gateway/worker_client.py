@@ -107,7 +107,7 @@ class WorkerClient:
     def _current(self) -> aiohttp.ClientSession:
         session = self._session
         loop = asyncio.get_running_loop()
-        if session is None or session.closed or self._loop is not loop:
+        if session is None or self._loop is not loop:  # ``close`` drops the session
             self._loop = loop
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=True)
             session = self._session = aiohttp.ClientSession(
