@@ -453,9 +453,21 @@ class _AccessRecords:
 _access_records = _AccessRecords(access_log)
 
 
+_HEADER_NAMES: dict[str, bytes] = {}
+"""Response header names, encoded once (a few dozen: ours and the limiter's)."""
+
+
+def _header_name(name: str) -> bytes:
+    raw = name.encode("latin-1")
+    if len(_HEADER_NAMES) < 1024:
+        _HEADER_NAMES[name] = raw
+    return raw
+
+
 def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
              extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
-    out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items()]
+    names = _HEADER_NAMES
+    out = [(names.get(k) or _header_name(k), v.encode("latin-1")) for k, v in h.items()]
     out.append((b"content-type", ctype))
     if length is not None:
         out.append((b"content-length", str(length).encode()))

@@ -9,7 +9,7 @@ try) and ``WorkerBroke`` (the exchange broke or timed out after it started).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -115,11 +115,12 @@ class WorkerClient:
                 cookie_jar=aiohttp.DummyCookieJar())  # nothing a worker sets may follow another request
         return session
 
-    async def post(self, url: str, body: bytes, request_id: str) -> WorkerResponse:
-        """POST a JSON body; the response with its headers read."""
+    def post(self, url: str, body: bytes, request_id: str) -> Awaitable[WorkerResponse]:
+        """POST a JSON body; (awaited) the response with its headers read. A plain function:
+        the awaiting request's coroutine chain is a frame shorter on every resume."""
         headers = self._headers.copy()
         headers[HDR_REQUEST_ID] = request_id
-        return await self.exchange("POST", url, body, headers, None)
+        return self.exchange("POST", url, body, headers, None)
 
     async def call(self, method: str, url: str, *, body: bytes | None = None,
                    timeout_s: float | None = None) -> tuple[int, bytes]:
