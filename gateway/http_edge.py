@@ -2,7 +2,8 @@
 
 ``EdgeProtocol`` adds head and body deadlines (408), 431 for heads over ``MAX_HEAD_BYTES`` and
 protocol refusals in the OpenAI error shape (docs/DESIGN.md, "Edge"); ``gateway_servers``
-builds the public server and the internal metrics server.
+builds the public server and the internal metrics server. It subclasses uvicorn's protocol
+class and reads its per-request state, so pyproject.toml pins uvicorn's minor version.
 """
 
 from __future__ import annotations
