@@ -151,16 +151,17 @@ async def run_to_text(engine: Any, prompt_ids: list[int], params: SamplingParams
 def internal_routes(state: Any) -> list[Route]:
     settings = state.settings
 
-    def guarded(handler: Any) -> Any:
+    def guarded(handler: Any, *, lora: bool = True) -> Any:
+        """The secret checked and the engine loaded (and LoRA on, for ``lora`` routes) before ``handler``."""
         async def endpoint(request: Request) -> Response:
             try:
                 check_worker_secret(request.headers.get(HDR_WORKER_SECRET), settings.worker_secret)
                 eng = state.engine
                 if eng is None:
                     raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
-                if eng.lora_runtime is None:
+                if lora and eng.lora_runtime is None:
                     raise ControlError(404, "LoRA is disabled on this worker (max_loras=0)", "lora_disabled")
-                return await handler(request, eng, eng.lora_runtime.manager)
+                return await handler(request, eng, eng.lora_runtime.manager if lora else None)
             except (ControlError, SecretRefused) as exc:
                 return exc.response()
         return endpoint
@@ -168,14 +169,7 @@ def internal_routes(state: Any) -> list[Route]:
     served: list[bytes] = []
     """The tokenizer answer, built once (a few MB of JSON)."""
 
-    async def tokenizer(request: Request) -> Response:
-        try:
-            check_worker_secret(request.headers.get(HDR_WORKER_SECRET), settings.worker_secret)
-            eng = state.engine
-            if eng is None:
-                raise ControlError(503, "the worker is still loading its model", "loading", "server_error")
-        except (ControlError, SecretRefused) as exc:
-            return exc.response()
+    async def tokenizer(request: Request, eng: Any, manager: Any) -> Response:
         if not served:
             info = eng.info
             data = {"base_model": info.name if info else state.model_name,
@@ -256,7 +250,7 @@ def internal_routes(state: Any) -> list[Route]:
         return JSONResponse({"results": results, "adapter_load_ms": round(load_ms, 3)})
 
     return [
-        Route("/internal/tokenizer", tokenizer, methods=["GET"]),
+        Route("/internal/tokenizer", guarded(tokenizer, lora=False), methods=["GET"]),
         Route("/internal/adapters", guarded(list_adapters), methods=["GET"]),
         Route("/internal/adapters/load", guarded(load), methods=["POST"]),
         Route("/internal/adapters/unload", guarded(unload), methods=["POST"]),
