@@ -1,4 +1,4 @@
-"""``loraplex worker`` and ``loraplex fetch-demo``."""
+"""``loraplex worker``, ``loraplex fetch-demo`` and ``loraplex export-hf``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,20 @@ def _fetch_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from engine.export_hf import ExportError, export_hf
+    from engine.fetch_demo import FetchError, fetch_demo
+
+    try:
+        model = args.model or fetch_demo()
+        export_hf(model, args.out, dtype=args.dtype)
+    except (ExportError, FetchError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(args.out)
+    return 0
+
+
 def register(subparsers: Any) -> None:
     w = subparsers.add_parser("worker", help="run an engine worker (OpenAI-shaped API over one base model)")
     w.add_argument("--model", help="HF directory or .gguf file (default: LORAPLEX_MODEL, else the demo model)")
@@ -70,3 +84,8 @@ def register(subparsers: Any) -> None:
     w.set_defaults(handler=_worker)
     f = subparsers.add_parser("fetch-demo", help="fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)")
     f.set_defaults(handler=_fetch_demo)
+    e = subparsers.add_parser("export-hf", help="write a base model as a Hugging Face directory (for vLLM, transformers)")
+    e.add_argument("model", nargs="?", help=".gguf file or HF directory (default: the demo model)")
+    e.add_argument("out", help="new directory to write config.json, model.safetensors and tokenizer files into")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    e.set_defaults(handler=_export_hf)

@@ -21,12 +21,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "token": ("gateway.cli", "mint a JWT for a tenant or an admin"),
     "worker": ("engine.cli", "run an engine worker"),
     "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),
+    "export-hf": ("engine.cli", "write a base model (GGUF or HF) as a Hugging Face directory for vLLM/transformers"),
     "serve": ("loraplex_cli.serve", "run gateway + one worker in one process on the embedded default"),
     "demo": ("loraplex_cli.serve", "seed demo tenants/adapters and run the embedded system"),
     "config": ("loraplex.config_cmd", "print every setting (LORAPLEX_* variable) and its effective value"),
 }
 
-ENGINE_COMMANDS = frozenset({"worker", "serve", "demo"})
+ENGINE_COMMANDS = frozenset({"worker", "serve", "demo", "export-hf"})
 """Commands that run the engine: they need the ``engine`` extra (``pip install 'loraplex[engine]'``)."""
 ENGINE_MODULES = ("torch", "safetensors")
 """What the ``engine`` extra installs that the plain install does not."""
