@@ -1,0 +1,293 @@
+"""The adapter supply chain on top of the registry: uploads into the adapter store, and retention
+(garbage collection of versions no binding has used for a while). docs/DESIGN.md, "Adapter supply chain".
+
+An upload is one operation: the body streams into a temporary object (size-capped), admission runs
+on exactly those bytes, the files are stored content-addressed (``sha256/{digest}/``) and the version
+is registered with one audit row. A refusal at any step leaves the store and the registry as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import String, cast, or_, select
+
+from loraplex.adapter_store import (
+    CONTENT_PREFIX,
+    UPLOAD_PREFIX,
+    AdapterStore,
+    StoreError,
+    TooLarge,
+    version_keys,
+    version_prefix,
+)
+from loraplex.peft_config import ADAPTER_FILES
+from registry.admission import AdmissionError, admit_contents
+from registry.errors import Invalid, RegistryError, Unavailable
+from registry.models import AdapterVersion, AuditEntry, Binding
+from registry.service import RegistryService, _audit_view, adapter_dict
+
+log = logging.getLogger("loraplex.registry.supply")
+
+GC_REASON = "garbage-collected: its files were deleted from the adapter store"
+STALE_UPLOAD_S = 3600.0
+"""A temporary upload object this old belongs to an upload that died; gc deletes it."""
+
+
+class UploadTooLarge(Invalid):
+    status = 413
+    default_code = "upload_too_large"
+
+
+class SupplyChain:
+    def __init__(self, service: RegistryService, store: AdapterStore | None = None) -> None:
+        self.service = service
+        self._store = store
+
+    @property
+    def store(self) -> AdapterStore:
+        if self._store is None:
+            try:
+                self._store = self.service.adapter_store
+            except ValueError as exc:
+                raise Unavailable(f"the adapter store is misconfigured: {exc}", code="store_misconfigured") \
+                    from None
+        return self._store
+
+    # --- upload ----------------------------------------------------------------------------
+
+    async def upload(self, name: str, base_model: str, body: AsyncIterable[bytes], *, config_bytes: int,
+                     owner: str | None = None, version: int | None = None, actor: str = "admin") -> dict:
+        """Store and register the version whose files arrive in ``body``: ``adapter_config.json``
+        (its first ``config_bytes`` bytes), then ``adapter_model.safetensors``."""
+        settings = self.service.settings
+        cap = settings.max_adapter_bytes
+        if isinstance(config_bytes, bool) or not isinstance(config_bytes, int) or not 0 < config_bytes <= cap:
+            raise Invalid(f"config_bytes must be the size of adapter_config.json (1 to {cap}), got {config_bytes!r}",
+                          param="config_bytes")
+        base = await self.service.base_model_info(base_model)  # 404 before a byte is stored
+        store = self.store
+        tmp = f"{UPLOAD_PREFIX}{uuid.uuid4().hex}"
+        try:
+            try:
+                size = await store.put(tmp, _capped(body, cap))
+            except TooLarge:
+                raise UploadTooLarge(f"the upload is larger than the cap of {cap} bytes "
+                                     f"(LORAPLEX_MAX_ADAPTER_BYTES)", param="body") from None
+            except StoreError as exc:
+                raise Unavailable(f"the adapter store could not take the upload: {exc}",
+                                  code="store_unavailable") from None
+            if size <= config_bytes:
+                raise Invalid(f"the upload is {size} bytes: no room for adapter_model.safetensors after a "
+                              f"{config_bytes}-byte adapter_config.json", code="missing_file", param="body")
+            try:
+                data = await store.read(tmp, cap)
+            except StoreError as exc:
+                raise Unavailable(f"the adapter store lost the upload: {exc}", code="store_unavailable") from None
+        finally:
+            await _quietly(store.delete([tmp]))
+        contents = {ADAPTER_FILES[0]: data[:config_bytes], ADAPTER_FILES[1]: data[config_bytes:]}
+        del data
+        try:
+            admitted = await asyncio.to_thread(admit_contents, contents, base, settings, uri="upload")
+        except AdmissionError as exc:
+            log.info("upload of %s refused: %s", name, exc)
+            raise Invalid(f"adapter refused: {exc.message}", code=exc.code, param="body") from None
+        prefix = version_prefix(admitted.sha256)
+        uri = store.uri_for(prefix)
+        admitted = _with_uri(admitted, uri)
+        keys = version_keys(prefix)
+        existed = await self._present(keys)
+        if not existed:
+            await self._put_version(prefix, contents)
+
+        async def ensure_stored() -> None:
+            # Inside the registry write (writers are serialised): a concurrent refused upload of the
+            # same bytes may have removed the shared files after this one stored them.
+            if not await self._present(keys):
+                await self._put_version(prefix, contents)
+
+        try:
+            return await self.service.register_adapter(name, uri, base_model, version=version, owner=owner,
+                                                       actor=actor, admitted=admitted, in_tx=ensure_stored)
+        except RegistryError:
+            if not existed:
+                await self._drop_if_unused(prefix, admitted.sha256)
+            raise
+
+    async def _present(self, keys: list[str]) -> bool:
+        try:
+            listed = {o.key for o in await self.store.list(keys[0].rsplit("/", 1)[0] + "/")}
+        except StoreError as exc:
+            raise Unavailable(f"the adapter store is unavailable: {exc}", code="store_unavailable") from None
+        return all(k in listed for k in keys)
+
+    async def _put_version(self, prefix: str, contents: dict[str, bytes]) -> None:
+        try:
+            for name in ADAPTER_FILES:
+                await self.store.put(prefix + name, contents[name])
+        except StoreError as exc:
+            await _quietly(self.store.delete(version_keys(prefix)))
+            raise Unavailable(f"the adapter store could not take the upload: {exc}", code="store_unavailable") \
+                from None
+
+    async def _drop_if_unused(self, prefix: str, digest: str) -> None:
+        """Undo a refused upload's files unless a version records them, deciding and deleting under
+        the registry's writer lock so a concurrent registration of the same bytes cannot interleave."""
+        async def op(tx: Any) -> None:
+            used = (await tx.session.execute(select(AdapterVersion.id).where(
+                AdapterVersion.uri == self.store.uri_for(prefix)).limit(1))).first()
+            if used is None:
+                await _quietly(self.store.delete(version_keys(prefix)))
+
+        try:
+            await self.service._write("upload-cleanup", op)
+        except RegistryError as exc:
+            log.warning("could not clean up the refused upload %s: %s", digest, exc)
+
+    # --- retention -------------------------------------------------------------------------
+
+    async def gc(self, *, apply: bool = False, retention_s: float | None = None, actor: str = "admin") -> dict:
+        """Versions no binding (active, previous, canary) has referenced for ``retention_s`` whose
+        files are in the store: listed (dry run), or with ``apply`` disabled with an audit row each
+        and their files deleted. A version in use is never touched."""
+        settings = self.service.settings
+        retention = settings.adapter_retention_s if retention_s is None else retention_s
+        if isinstance(retention, bool) or not isinstance(retention, int | float) or retention < 0:
+            raise Invalid("retention_s must be a non-negative number", param="retention_s")
+        store = self.store
+        now = datetime.now(UTC)
+        cutoff = now - timedelta(seconds=retention)
+        plan = await self.service._read(lambda s: _candidates(s, store, cutoff))
+        stale_uploads: list[str] = []
+        try:
+            stale_uploads = [o.key for o in await store.list(UPLOAD_PREFIX)
+                             if (now - o.modified).total_seconds() > STALE_UPLOAD_S]
+        except StoreError as exc:
+            raise Unavailable(f"the adapter store is unavailable: {exc}", code="store_unavailable") from None
+        result = {"apply": apply, "retention_s": retention, "cutoff": cutoff.isoformat(),
+                  "versions": [_plan_row(v, last) for v, last in plan], "stale_uploads": stale_uploads,
+                  "deleted": []}
+        if not apply or (not plan and not stale_uploads):
+            return result
+        ids = [v.id for v, _ in plan]
+
+        async def op(tx: Any) -> list[AdapterVersion]:
+            rows = (await tx.session.execute(select(AdapterVersion).where(AdapterVersion.id.in_(ids))
+                                             .with_for_update())).scalars().all()
+            in_use = await _in_use(tx.session, ids)
+            chosen = []
+            for row in rows:
+                if row.id in in_use:  # bound since the plan was made: never touched
+                    continue
+                before = adapter_dict(row)
+                if row.status_reason != GC_REASON or row.status != "disabled":
+                    row.status, row.status_reason = "disabled", GC_REASON
+                    await tx.session.flush()
+                tx.audit("adapter.gc", f"adapter:{row.id}", _audit_view(before),
+                         _audit_view(adapter_dict(row)) | {"deleted": version_keys_of(store, row.uri)})
+                chosen.append(row)
+            return chosen
+
+        collected = await self.service._write(actor, op) if ids else []
+        keep = await self.service._read(lambda s: _uris_kept(s, {r.uri for r in collected}))
+        for row in collected:
+            if row.uri in keep:  # another live version records the same content
+                continue
+            keys = version_keys_of(store, row.uri)
+            try:
+                await store.delete(keys)
+            except StoreError as exc:
+                raise Unavailable(f"the versions were retired but the store refused the deletion (run gc "
+                                  f"again): {exc}", code="store_unavailable") from None
+            result["deleted"].append({"id": row.id, "label": row.label, "uri": row.uri})
+        if stale_uploads:
+            await _quietly(store.delete(stale_uploads))
+        return result
+
+
+def version_keys_of(store: AdapterStore, uri: str) -> list[str]:
+    key = store.key_of(uri.rstrip("/") + "/")
+    return version_keys(key) if key is not None else []
+
+
+def _plan_row(v: AdapterVersion, last: datetime) -> dict[str, Any]:
+    return {"id": v.id, "label": v.label, "status": v.status, "uri": v.uri, "size_bytes": v.size_bytes,
+            "last_referenced": last.isoformat()}
+
+
+async def _in_use(session: Any, ids: list[str]) -> set[str]:
+    rows = (await session.execute(select(Binding.active_id, Binding.previous_id, Binding.canary_id).where(
+        or_(Binding.active_id.in_(ids), Binding.previous_id.in_(ids), Binding.canary_id.in_(ids)))
+        .with_for_update())).all()
+    return {i for r in rows for i in r if i}
+
+
+async def _candidates(session: Any, store: AdapterStore,
+                      cutoff: datetime) -> list[tuple[AdapterVersion, datetime]]:
+    """Versions in the store, in no binding, whose last reference (creation, or the last binding
+    change naming them) is before ``cutoff``."""
+    versions = (await session.execute(select(AdapterVersion).order_by(AdapterVersion.name,
+                                                                      AdapterVersion.version))).scalars().all()
+    in_use = await _in_use(session, [v.id for v in versions]) if versions else set()
+    out = []
+    for v in versions:
+        if v.id in in_use or store.key_of(v.uri.rstrip("/") + "/") is None:
+            continue
+        if not v.uri.rstrip("/").rsplit("/", 1)[0].endswith(CONTENT_PREFIX.rstrip("/")):
+            continue  # only content-addressed versions: other URIs are the training pipeline's
+        last = _aware(v.created_at)
+        mentions = (await session.execute(select(AuditEntry.at).where(
+            AuditEntry.action.like("binding.%"),
+            or_(cast(AuditEntry.before, String).contains(v.id), cast(AuditEntry.after, String).contains(v.id)))
+            .order_by(AuditEntry.at.desc()).limit(1))).scalar_one_or_none()
+        if mentions is not None:
+            last = max(last, _aware(mentions))
+        if last < cutoff:
+            out.append((v, last))
+    return out
+
+
+async def _uris_kept(session: Any, uris: set[str]) -> set[str]:
+    if not uris:
+        return set()
+    rows = await session.execute(select(AdapterVersion.uri).where(
+        AdapterVersion.uri.in_(uris), or_(AdapterVersion.status != "disabled",
+                                          AdapterVersion.status_reason.is_(None),
+                                          AdapterVersion.status_reason != GC_REASON)))
+    return {r.uri for r in rows}
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _with_uri(admitted: Any, uri: str) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(admitted, uri=uri)
+
+
+async def _capped(body: AsyncIterable[bytes], cap: int) -> AsyncIterator[bytes]:
+    total = 0
+    async for chunk in body:
+        total += len(chunk)
+        if total > cap:
+            raise TooLarge(f"over {cap} bytes")
+        if chunk:
+            yield chunk
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except (StoreError, OSError) as exc:
+        log.warning("adapter store cleanup failed: %s", exc)
+
+
+__all__ = ["GC_REASON", "SupplyChain", "UploadTooLarge"]

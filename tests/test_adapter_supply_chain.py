@@ -1,0 +1,284 @@
+"""The adapter supply chain against a real S3 API server (moto's standalone server on loopback):
+adapter stores, register by store URI, worker fetch into the disk tier with the sha256 checked
+(corrupt object, store down), the base-revision refusal at load, upload through the admin API
+(size cap, refusals leave nothing behind) and retention (gc)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from engine.lora.manager import AdapterManager
+from engine.lora.slots import SlotBank
+from engine.lora.sources import SourcePolicy, SourceRegistry, StoreSource
+from loraplex.adapter_store import DirectoryStore, ObjectStore, StoreError, version_prefix
+from loraplex.digest import digest_directory
+from loraplex.peft_config import ADAPTER_FILES
+from loraplex.tokens import mint_admin
+from loraplex.wire import AdapterRef
+from registry.admin_api import admin_app
+from registry.service import RegistryService
+from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
+
+MOTO_START_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 API server on a free loopback port; the session fails (never skips) if it cannot start."""
+    exe = Path(sys.executable).parent / "moto_server"
+    port = _free_port()
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + MOTO_START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"moto_server exited with {proc.returncode}: "
+                            f"{proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            try:
+                httpx.get(url + "/", timeout=2.0)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not answer on {url} within {MOTO_START_S:.0f} s")
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def bucket(s3_endpoint, monkeypatch):
+    """A fresh bucket; the standard AWS_* environment points the client at the local server."""
+    for key, value in {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                       "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(key, value)
+    name = f"adapters-{uuid.uuid4().hex[:12]}"
+    r = httpx.put(f"{s3_endpoint}/{name}", timeout=10.0)
+    assert r.status_code == 200, r.text
+    return f"s3://{name}/catalogue"
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {n: (d / n).read_bytes() for n in ADAPTER_FILES}
+
+
+async def _put_version(store, d: Path) -> tuple[str, str]:
+    digest = digest_directory(d)
+    prefix = version_prefix(digest)
+    for name, data in _files(d).items():
+        await store.put(prefix + name, data)
+    return store.uri_for(prefix), digest
+
+
+@pytest.mark.parametrize("kind", ["directory", "s3"])
+async def test_store_put_read_list_delete(kind, tmp_path, request):
+    if kind == "s3":
+        store = ObjectStore(request.getfixturevalue("bucket"), timeout_s=10, retries=1)
+    else:
+        store = DirectoryStore(tmp_path / "store")
+
+    async def chunks():
+        for part in (b"ab", b"", b"cd"):
+            yield part
+
+    assert await store.put("sha256/x/a", b"hello") == 5
+    assert await store.put("sha256/x/b", chunks()) == 4
+    assert await store.read("sha256/x/b", 100) == b"abcd"
+    assert store.read_sync("sha256/x/a", 100) == b"hello"
+    assert [o.key for o in await store.list("sha256/")] == ["sha256/x/a", "sha256/x/b"]
+    assert store.key_of(store.uri_for("sha256/x/")) == "sha256/x/"
+    assert store.key_of(store.url + "../elsewhere/") is None
+    with pytest.raises(StoreError, match="larger"):
+        await store.read("sha256/x/a", 2)
+    await store.delete(["sha256/x/a", "sha256/x/b", "sha256/x/never"])
+    assert await store.list("sha256/") == []
+    with pytest.raises(StoreError) as exc:
+        await store.read("sha256/x/a", 100)
+    assert exc.value.missing
+
+
+def _manager(tmp_path: Path, store, cache: str = "cache") -> AdapterManager:
+    bank = SlotBank.for_model(TINY, (8, 16), slots_per_class=2)
+    sources = SourceRegistry([StoreSource(store)], policy=SourcePolicy([store.url]))
+    return AdapterManager(TINY, bank, max_loras=4, max_cpu_loras=8, cache_dir=str(tmp_path / cache),
+                          sources=sources, failure_ttl_s=0.0)
+
+
+def _wait(m: AdapterManager, ref: AdapterRef, timeout: float = 60.0) -> str:
+    m.prefetch(ref)
+    deadline = time.monotonic() + timeout
+    while (s := m.state(ref).state) == "loading":
+        assert time.monotonic() < deadline, "load did not finish"
+        time.sleep(0.02)
+    return s
+
+
+async def test_worker_fetches_from_s3_checks_sha256_and_survives_store_down(bucket, tmp_path):
+    store = ObjectStore(bucket, timeout_s=10, retries=1)
+    good_uri, good_sha = await _put_version(store, write_adapter(tmp_path / "good", TINY, seed=1))
+    bad_uri, bad_sha = await _put_version(store, write_adapter(tmp_path / "bad", TINY, seed=2))
+    good = AdapterRef(id="good-1", name="good@1", uri=good_uri, sha256=good_sha, base_revision=TINY.revision)
+    bad = AdapterRef(id="bad-1", name="bad@1", uri=bad_uri, sha256=bad_sha)
+    # Corrupt the stored weights after registration: only that adapter's loads fail.
+    key = store.key_of(bad_uri) + ADAPTER_FILES[1]
+    data = bytearray(await store.read(key, 1 << 20))
+    data[-1] ^= 0x01
+    await store.put(key, bytes(data))
+    m = _manager(tmp_path, store)
+    try:
+        assert _wait(m, bad) == "failed"
+        assert "sha256 mismatch" in (m.state(bad).error or "")
+        assert _wait(m, good) == "host"
+        assert m.acquire_slots([good]) and m.stats.loads["source"] == 1
+        m.release([good])
+        assert (tmp_path / "cache" / "good-1").is_dir() and not (tmp_path / "cache" / "bad-1").exists()
+        # A worker on another base revision refuses the version, naming both revisions.
+        other = AdapterRef(id="good-2", name="good@2", uri=good_uri, sha256=good_sha, base_revision="rev-zzzz")
+        assert _wait(m, other) == "failed"
+        assert "rev-zzzz" in m.state(other).error and repr(TINY.revision) in m.state(other).error
+    finally:
+        m.close()
+    # The store goes down (nothing listens on its endpoint): a new worker process sharing the disk
+    # tier still serves the cached adapter; an uncached one fails with a clear error, in bounded time.
+    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{_free_port()}"
+    down = ObjectStore(bucket, timeout_s=2, retries=0)
+    m2 = _manager(tmp_path, down)
+    try:
+        assert _wait(m2, good) == "host" and m2.stats.loads["disk"] == 1
+        t0 = time.monotonic()
+        fresh = AdapterRef(id="bad-2", name="bad@2", uri=bad_uri, sha256=bad_sha)
+        assert _wait(m2, fresh) == "failed"
+        assert "fetch of" in m2.state(fresh).error and time.monotonic() - t0 < 30
+    finally:
+        m2.close()
+
+
+@pytest.fixture
+async def admin(pg_url, tmp_path, bucket):
+    await fresh_registry(pg_url)
+    settings = make_settings(tmp_path, pg_url, adapter_store=bucket, max_adapter_bytes=64 * 1024)
+    service = RegistryService(settings)
+    await service.register_base_model(TINY)
+    app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings))])
+    headers = {"authorization": f"Bearer {mint_admin(settings, subject='ops')}"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/admin",
+                                     headers=headers, timeout=60.0) as client:
+            yield client, service
+    finally:
+        await service.close()
+
+
+def _body(d: Path) -> tuple[bytes, dict[str, str]]:
+    f = _files(d)
+    return f[ADAPTER_FILES[0]] + f[ADAPTER_FILES[1]], {"x-loraplex-config-bytes": str(len(f[ADAPTER_FILES[0]]))}
+
+
+async def test_register_by_store_uri_and_upload(admin, tmp_path, bucket):
+    client, service = admin
+    store = service.adapter_store
+    uri, sha = await _put_version(store, write_adapter(tmp_path / "a", TINY, seed=3))
+    r = await client.post("/adapters", json={"name": "support", "uri": uri, "base_model": TINY.name})
+    assert r.status_code == 201, r.text
+    assert r.json()["uri"] == uri and r.json()["sha256"] == sha and r.json()["status"] == "pending"
+    # outside the store, and a store URI with nothing there: refused with the reason
+    r = await client.post("/adapters", json={"name": "x", "uri": "s3://elsewhere/v/", "base_model": TINY.name})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "unsupported_uri"
+    r = await client.post("/adapters", json={"name": "x", "uri": store.uri_for("sha256/" + "0" * 64 + "/"),
+                                             "base_model": TINY.name})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "missing_file"
+
+    before = {o.key for o in await store.list("")}
+    body, headers = _body(write_adapter(tmp_path / "b", TINY, seed=4))
+    r = await client.post("/adapters/upload", params={"name": "upl", "base_model": TINY.name}, content=body,
+                          headers=headers)
+    assert r.status_code == 201, r.text
+    up = r.json()
+    assert up["label"] == "upl@1" and up["uri"] == store.uri_for(version_prefix(up["sha256"]))
+    assert {o.key for o in await store.list("")} - before == {version_prefix(up["sha256"]) + n
+                                                              for n in ADAPTER_FILES}
+    audit = await service.audit(target=f"adapter:{up['id']}")
+    assert [e["action"] for e in audit] == ["adapter.register"]
+
+    # Refusals leave the store and the registry as they were.
+    state = ({o.key for o in await store.list("")}, await service.version())
+    bad_body, bad_headers = _body(write_adapter(tmp_path / "c", TINY, seed=5, config={"r": 8}))
+    r = await client.post("/adapters/upload", params={"name": "bad", "base_model": TINY.name}, content=bad_body,
+                          headers=bad_headers)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "rank_mismatch", r.text
+
+    async def big():
+        for _ in range(20):
+            yield b"\0" * 8192
+
+    r = await client.post("/adapters/upload", params={"name": "big", "base_model": TINY.name}, content=big(),
+                          headers={"x-loraplex-config-bytes": "10"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "upload_too_large", r.text
+    # same bytes, a version number that exists: the shared files stay (upl@1 records them)
+    r = await client.post("/adapters/upload", params={"name": "upl", "base_model": TINY.name, "version": "1"},
+                          content=body, headers=headers)
+    assert r.status_code == 409, r.text
+    # new bytes refused by the registry: their files are removed again
+    body2, headers2 = _body(write_adapter(tmp_path / "d", TINY, seed=6))
+    r = await client.post("/adapters/upload", params={"name": "upl", "base_model": TINY.name, "version": "1"},
+                          content=body2, headers=headers2)
+    assert r.status_code == 409, r.text
+    r = await client.post("/adapters/upload", params={"name": "x", "base_model": "nope"}, content=body2,
+                          headers=headers2)
+    assert r.status_code == 404
+    assert ({o.key for o in await store.list("")}, await service.version()) == state
+
+
+async def test_gc_spares_versions_in_use(admin, tmp_path):
+    client, service = admin
+    await service.create_tenant("acme")
+    ids = []
+    for i in range(3):
+        body, headers = _body(write_adapter(tmp_path / f"v{i}", TINY, seed=10 + i))
+        r = await client.post("/adapters/upload", params={"name": "bot", "base_model": TINY.name}, content=body,
+                              headers=headers)
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+        await service.activate_adapter(ids[-1])
+    await service.bind("acme", "support", ids[1])
+    await service.bind("acme", "support", ids[2])  # v1 becomes previous: still in use
+    r = await client.post("/gc", json={"retention_s": 0})
+    plan = r.json()
+    assert r.status_code == 200 and [v["id"] for v in plan["versions"]] == [ids[0]] and plan["deleted"] == []
+    assert len(await service.adapter_store.list("sha256/")) == 6  # a dry run deletes nothing
+    r = await client.post("/gc", json={"retention_s": 3600})
+    assert r.json()["versions"] == []  # within the retention period
+    r = await client.post("/gc", json={"retention_s": 0, "apply": True})
+    assert [d["id"] for d in r.json()["deleted"]] == [ids[0]]
+    left = {o.key for o in await service.adapter_store.list("sha256/")}
+    gone = await service.get_adapter(ids[0])
+    assert len(left) == 4 and not any(k.startswith(version_prefix(gone["sha256"])) for k in left)
+    assert gone["status"] == "disabled" and "garbage-collected" in gone["status_reason"]
+    assert next(e["action"] for e in await service.audit(target=f"adapter:{ids[0]}")) == "adapter.gc"
+    r = await client.put("/tenants/acme/bindings/support", json={"adapter": ids[0]})
+    assert r.status_code == 422  # a collected version can no longer be bound
