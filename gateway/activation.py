@@ -136,7 +136,10 @@ class ActivationGate:
                 self.router.mark_failed(worker)
                 return _failed(worker.id, f"worker {worker.id} broke off during the probe ({exc})",
                                error={"message": str(exc)})
-            return self._verdict(worker.id, *answer, prompts, evaluation, time.monotonic() - t0)
+            result = self._verdict(worker.id, *answer, prompts, evaluation, time.monotonic() - t0)
+            if evaluation is not None and isinstance(result.verification.get("eval"), dict):
+                result.verification["eval"]["set"] = request["eval"]  # re-run by a base-model upgrade
+            return result
         raise NoVerifier(f"could not verify the adapter: {last_error}")
 
     def _verdict(self, worker_id: str, status: int, raw: bytes, prompts: list[str],

@@ -67,6 +67,7 @@ class Settings:
     )
     """Projections an adapter may target; admission refuses others."""
     registry_refresh_s: float = 30.0
+    """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
     adapter_store: str = ""
     """Where adapter versions are kept, content-addressed by sha256: a local directory, or object storage
     (``s3://bucket/prefix``, ``gs://...``, ``az://...``) with credentials and endpoint from the client's
@@ -77,7 +78,6 @@ class Settings:
     """Retries of a failed store request (with exponential backoff)."""
     adapter_retention_s: float = 7 * 86400.0
     """``loraplex admin gc`` deletes a version's files once no binding has referenced it for this long."""
-    """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
 
     # --- auth ----------------------------------------------------------------------------
     jwt_secret: str = DEV_JWT_SECRET

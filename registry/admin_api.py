@@ -111,6 +111,8 @@ DISABLE_ADAPTER = _obj({"reason": STR, "force": {**BOOL, "description": "also di
                                                                    "it and abort canaries on it (default: "
                                                                    "refuse while bindings use it)"}})
 FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
+UPGRADE = _obj({"to": {**STR, "description": "the new base model (registered first with base-model add)"},
+                "dry_run": {**BOOL, "description": "print the plan, change nothing"}}, ("to",))
 GC = _obj({"apply": {**BOOL, "description": "delete (default: only list what would be deleted)"},
            "retention_s": {**NUM, "description": "default: LORAPLEX_ADAPTER_RETENTION_S"}})
 BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
@@ -294,6 +296,13 @@ async def _gc(c: Call) -> Any:
                                            actor=c.actor)
 
 
+async def _base_model_upgrade(c: Call) -> Any:
+    from registry.supply import SupplyChain
+
+    return await SupplyChain(c.service).upgrade(c.path["name"], c.body["to"], dry_run=c.body.get("dry_run", False),
+                                                gate=c.gate, actor=c.actor)
+
+
 async def _audit(c: Call) -> Any:
     return _list(await c.service.audit(**{k: v for k, v in c.query.items() if v is not None}))
 
@@ -319,6 +328,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("POST", "/base-models", "registerBaseModel",
               "Register a base model from its dimensions, or from a model path on the gateway host",
               _base_model_create, BASE_MODEL_CREATE, status=201, response="BaseModel", tag="base-models"),
+    Operation("POST", "/base-models/{name}/upgrade", "upgradeBaseModel",
+              "Carry the active adapter versions of this base model over to another (re-admitted, re-gated "
+              "with their eval sets) and move the bindings whose versions pass, in one audited transaction; "
+              "dry_run: the plan only", _base_model_upgrade, UPGRADE, response="object", tag="base-models"),
     Operation("GET", "/adapters", "listAdapters", "List adapter versions", _adapters,
               query={"name": STR, "base_model": STR, "owner": STR, "status": STR}, response="[Adapter]",
               tag="adapters"),

@@ -287,6 +287,23 @@ def base_model_list(a: argparse.Namespace) -> int:
     return 0
 
 
+def base_model_upgrade(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/base-models/{a.old}/upgrade", {"to": a.new, "dry_run": a.dry_run})
+    if a.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"{'plan' if a.dry_run else 'upgrade'}: {data['from']} -> {data['to']}")
+    for v in data["versions"]:
+        state = "admitted" if v["passed"] is None else ("passes" if v["passed"] else "refused")
+        to = f" -> {v['to']['label']}" if v.get("to") else ""
+        why = f": {v['reason']}" if v.get("reason") else ""
+        print(f"  {v['from']['label']}{to}  {state}{why}  (bindings: {', '.join(v['bindings']) or '-'})")
+    for b in data["bindings"]:
+        moved = "moves" if b["moves"] else ("would move if its version passes" if b["moves"] is None else "stays")
+        print(f"  binding {b['binding']}: {moved}" + (f" ({b['reason']})" if b.get("reason") else ""))
+    return 0
+
+
 def adapter_register(a: argparse.Namespace) -> int:
     data = _request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
                                              "version": a.version, "owner": a.owner,
@@ -596,6 +613,15 @@ def register(subparsers: Any) -> None:
                 "vocab-size", "context-length"):
         p.add_argument(f"--{dim}", type=int)
     leaf(bm, "list", base_model_list, "list base models")
+    p = leaf(bm, "upgrade", base_model_upgrade, "carry adapter versions and bindings from OLD to NEW",
+             "List every active adapter version on base model OLD, re-admit each against NEW, register it as a "
+             "new version tied to NEW and run the activation gate on it with the eval set it was activated "
+             "with; then move the bindings whose versions pass, in one audited transaction (the others stay "
+             "on OLD, with the reason). --dry-run prints the plan and changes nothing. The gate probes each version on a "
+             "worker: give a --timeout that covers them all.")
+    p.add_argument("old", help="the base model the adapters were trained on")
+    p.add_argument("new", help="the new base model (register it first with base-model add)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
 
     ad = group("adapter", "register, list, activate, disable adapter versions")
     p = leaf(ad, "register", adapter_register, "register a new adapter version (admission checks run; "

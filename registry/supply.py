@@ -27,7 +27,7 @@ from loraplex.adapter_store import (
     version_prefix,
 )
 from loraplex.peft_config import ADAPTER_FILES
-from registry.admission import AdmissionError, admit_contents
+from registry.admission import AdmissionError, admit_contents, admit_uri
 from registry.errors import Invalid, RegistryError, Unavailable
 from registry.models import AdapterVersion, AuditEntry, Binding
 from registry.service import RegistryService, _audit_view, adapter_dict
@@ -209,6 +209,105 @@ class SupplyChain:
         if stale_uploads:
             await _quietly(store.delete(stale_uploads))
         return result
+
+
+    # --- base-model upgrade ------------------------------------------------------------------
+
+    async def upgrade(self, old: str, new: str, *, dry_run: bool = False, gate: Any = None,
+                      actor: str = "admin") -> dict:
+        """Carry the active adapter versions of base model ``old`` over to ``new``.
+
+        Each version is admitted again against ``new`` and registered as a new version tied to it
+        (its files are unchanged), then put through the activation gate with the eval set it was
+        activated with; bindings on ``old`` move, in one audited transaction, only where their
+        active version passed (a canary that did not pass is aborted). ``dry_run``: the plan
+        (admission against ``new`` and the bindings concerned), nothing changes."""
+        svc = self.service
+        old_base, new_base = await svc.base_model_info(old), await svc.base_model_info(new)
+        if old_base.name == new_base.name:
+            raise Invalid("OLD and NEW are the same base model", param="to")
+        versions = await svc.list_adapters(base_model=old, status="active")
+        carried = {(a["name"], a["sha256"]): a for a in await svc.list_adapters(base_model=new)}
+        bindings = [b for b in await svc.list_bindings() if b["base_model"] == old]
+        plan: list[dict[str, Any]] = []
+        for v in versions:
+            row: dict[str, Any] = {"from": {"id": v["id"], "label": v["label"]}, "to": None,
+                                   "bindings": [f"{b['tenant']}/{b['alias']}" for b in bindings
+                                                if v["id"] in _ids(b)]}
+            plan.append(row)
+            again = carried.get((v["name"], v["sha256"]))
+            if again is not None and again["status"] == "active":  # carried by an earlier run
+                row.update(to={"id": again["id"], "label": again["label"]}, passed=True, reason=None)
+                continue
+            try:
+                await admit_uri(v["uri"], new_base, svc.settings, self.store, carried_from=old_base)
+            except AdmissionError as exc:
+                row.update(passed=False, reason=f"admission against {new}: {exc.message}")
+                continue
+            row.update(passed=None if dry_run else False, reason=None)
+            if dry_run:
+                continue
+            fresh = again or await svc.register_adapter(v["name"], v["uri"], new, owner=v["owner_tenant"],
+                                                        actor=actor)
+            row["to"] = {"id": fresh["id"], "label": fresh["label"]}
+            evaluation = ((v.get("verification") or {}).get("eval") or {}).get("set")
+            if gate is None:
+                await svc.activate_adapter(fresh["id"], actor=actor, verification={
+                    "carried_from": v["label"], "gate": "none (no activation gate on this process)"})
+                row["passed"] = True
+                continue
+            base = await svc.base_model_info(new)
+            result = await gate({**fresh, "base_revision": base.revision},
+                                {"eval": evaluation} if evaluation is not None else {})
+            verification = dict(result.verification) | {"carried_from": v["label"]}
+            if result.passed:
+                await svc.activate_adapter(fresh["id"], verification=verification, actor=actor)
+                row["passed"] = True
+            else:
+                await svc.fail_adapter(fresh["id"], reason=result.reason, verification=verification, actor=actor)
+                row["reason"] = f"activation gate on {new}: {result.reason}"
+        moves = {r["from"]["id"]: r["to"]["id"] for r in plan if r.get("passed") and r.get("to")}
+        out: dict[str, Any] = {"from": old, "to": new, "dry_run": dry_run, "versions": plan, "bindings": []}
+        if dry_run:
+            out["bindings"] = [{"binding": f"{b['tenant']}/{b['alias']}", "moves": None} for b in bindings]
+            return out
+
+        async def op(tx: Any) -> list[dict[str, Any]]:
+            rows = (await tx.session.execute(select(Binding).where(Binding.base_model == old)
+                                             .order_by(Binding.tenant, Binding.alias).with_for_update())
+                    ).scalars().all()
+            report = []
+            for b in rows:
+                target = f"{b.tenant}/{b.alias}"
+                if b.active_id not in moves:
+                    report.append({"binding": target, "moves": False,
+                                   "reason": "its active version did not pass on the new base model"})
+                    continue
+                before = await svc._binding_out(tx.session, b)
+                b.base_model, b.previous_id, b.active_id = new, b.active_id, moves[b.active_id]
+                if b.canary_id is not None:
+                    if b.canary_id in moves:
+                        b.canary_id = moves[b.canary_id]
+                    else:
+                        b.canary_id, b.canary_percent = None, 0.0
+                b.updated_at = datetime.now(UTC)
+                await tx.session.flush()
+                after = await svc._binding_out(tx.session, b)
+                tx.audit("binding.upgrade", f"binding:{target}", _audit_view(before), _audit_view(after))
+                report.append({"binding": target, "moves": True, "active": after["active"]["label"]})
+            tx.audit("base_model.upgrade", f"base_model:{old}", {"base_model": old},
+                     {"base_model": new, "versions": [{"from": r["from"]["label"], "passed": bool(r.get("passed")),
+                                                       "to": (r.get("to") or {}).get("label"),
+                                                       "reason": r.get("reason")} for r in plan],
+                      "bindings": report})
+            return report
+
+        out["bindings"] = await svc._write(actor, op)
+        return out
+
+
+def _ids(b: dict[str, Any]) -> set[str]:
+    return {r["id"] for r in (b.get("active"), b.get("canary")) if r}
 
 
 def version_keys_of(store: AdapterStore, uri: str) -> list[str]:

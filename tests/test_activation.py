@@ -236,7 +236,7 @@ async def test_eval_set_threshold(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={"eval": passing})
     assert r.status_code == 200, r.text
     assert r.json()["verification"]["eval"] == {"score": 1.0, "threshold": 1.0, "cases": 2, "matched": 2,
-                                                "failed_cases": []}
+                                                "failed_cases": [], "set": passing}
     assert worker.calls[-1]["prompts"][-2:] == ["Say hi", "Name a color"]
 
     failing = {"cases": [{"prompt": "Say hi", "expect": "bonjour"}, {"prompt": "x", "expect": "answer"}],
