@@ -240,15 +240,19 @@ class SupplyChain:
                 row.update(to={"id": again["id"], "label": again["label"]}, passed=True, reason=None)
                 continue
             try:
-                await admit_uri(v["uri"], new_base, svc.settings, self.store, carried_from=old_base)
+                admitted = await admit_uri(v["uri"], new_base, svc.settings, self.store, carried_from=old_base)
             except AdmissionError as exc:
                 row.update(passed=False, reason=f"admission against {new}: {exc.message}")
+                continue
+            if admitted.sha256 != v["sha256"]:
+                row.update(passed=False, reason=f"its files at {v['uri']} changed since registration (sha256 "
+                                                f"{admitted.sha256} != {v['sha256']})")
                 continue
             row.update(passed=None if dry_run else False, reason=None)
             if dry_run:
                 continue
             fresh = again or await svc.register_adapter(v["name"], v["uri"], new, owner=v["owner_tenant"],
-                                                        actor=actor)
+                                                        actor=actor, admitted=admitted)
             row["to"] = {"id": fresh["id"], "label": fresh["label"]}
             evaluation = ((v.get("verification") or {}).get("eval") or {}).get("set")
             if gate is None:

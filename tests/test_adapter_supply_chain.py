@@ -5,6 +5,7 @@ adapter stores, register by store URI, worker fetch into the disk tier with the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from starlette.routing import Mount
 from engine.lora.manager import AdapterManager
 from engine.lora.slots import SlotBank
 from engine.lora.sources import SourcePolicy, SourceRegistry, StoreSource
+from gateway.activation import GateResult
 from loraplex.adapter_store import DirectoryStore, ObjectStore, StoreError, version_prefix
 from loraplex.digest import digest_directory
 from loraplex.peft_config import ADAPTER_FILES
@@ -282,3 +284,74 @@ async def test_gc_spares_versions_in_use(admin, tmp_path):
     assert next(e["action"] for e in await service.audit(target=f"adapter:{ids[0]}")) == "adapter.gc"
     r = await client.put("/tenants/acme/bindings/support", json={"adapter": ids[0]})
     assert r.status_code == 422  # a collected version can no longer be bound
+
+
+class Gate:
+    """The activation gate's seam: passes every version but the (name, base revision) pairs in
+    ``refuse``, recording calls."""
+
+    def __init__(self, refuse: set[tuple[str, str]]) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple[dict, dict]] = []
+
+    async def __call__(self, adapter: dict, request: dict) -> GateResult:
+        self.calls.append((adapter, request))
+        if (adapter["name"], adapter["base_revision"]) in self.refuse:
+            return GateResult(False, "eval score 0.00 is below the threshold 1.00", {"passed": False})
+        return GateResult(True, None, {"passed": True, "eval": {"score": 1.0, "set": request.get("eval")}})
+
+
+async def test_base_model_upgrade_moves_only_passing_versions(pg_url, tmp_path, bucket):
+    await fresh_registry(pg_url)
+    settings = make_settings(tmp_path, pg_url, adapter_store=bucket)
+    service = RegistryService(settings)
+    gate = Gate(refuse={("weak", "rev-cccc")})
+    new_base = dataclasses.replace(TINY, name="tiny-v2", revision="rev-cccc")
+    evalset = {"cases": [{"prompt": "hi", "expect": "hello"}], "threshold": 1.0}
+    app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings, gate=gate))])
+    headers = {"authorization": f"Bearer {mint_admin(settings, subject='ops')}"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/admin",
+                                     headers=headers, timeout=60.0) as client:
+            await service.register_base_model(TINY)
+            await service.create_tenant("acme")
+            ids = {}
+            for i, name in enumerate(("strong", "weak")):
+                uri, _ = await _put_version(service.adapter_store, write_adapter(tmp_path / name, TINY, seed=20 + i))
+                ids[name] = (await service.register_adapter(name, uri, TINY.name))["id"]
+                r = await client.post(f"/adapters/{ids[name]}/activate", json={"eval": evalset})
+                assert r.status_code == 200, r.text
+                await service.bind("acme", name, ids[name])
+            gate.calls.clear()
+            # NEW must be registered first
+            r = await client.post(f"/base-models/{TINY.name}/upgrade", json={"to": "tiny-v2"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "base_model_not_found"
+            await service.register_base_model(new_base)
+            version = await service.version()
+            r = await client.post(f"/base-models/{TINY.name}/upgrade", json={"to": "tiny-v2", "dry_run": True})
+            assert r.status_code == 200, r.text
+            plan = r.json()
+            assert [(v["from"]["label"], v["passed"], v["bindings"]) for v in plan["versions"]] == [
+                ("strong@1", None, ["acme/strong"]), ("weak@1", None, ["acme/weak"])]
+            assert await service.version() == version and gate.calls == []  # a dry run changes nothing
+
+            r = await client.post(f"/base-models/{TINY.name}/upgrade", json={"to": "tiny-v2"})
+            assert r.status_code == 200, r.text
+            done = r.json()
+            by_from = {v["from"]["label"]: v for v in done["versions"]}
+            assert by_from["strong@1"]["passed"] and by_from["strong@1"]["to"]["label"] == "strong@2"
+            assert not by_from["weak@1"]["passed"] and "eval score" in by_from["weak@1"]["reason"]
+            # each version was gated on NEW's revision with the eval set it was activated with
+            assert {a["base_revision"] for a, _ in gate.calls} == {"rev-cccc"}
+            assert all(req == {"eval": evalset} for _, req in gate.calls)
+            strong = await service.get_binding("acme", "strong")
+            assert strong["base_model"] == "tiny-v2" and strong["active"]["label"] == "strong@2"
+            assert strong["previous"]["label"] == "strong@1"
+            weak = await service.get_binding("acme", "weak")
+            assert weak["base_model"] == TINY.name and weak["active"]["label"] == "weak@1"
+            assert (await service.get_adapter("weak@2"))["status"] == "failed"
+            upgrade_audit = await service.audit(action="base_model.upgrade")
+            assert len(upgrade_audit) == 1
+            assert [e["target"] for e in await service.audit(action="binding.upgrade")] == ["binding:acme/strong"]
+    finally:
+        await service.close()
