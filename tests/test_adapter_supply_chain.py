@@ -30,9 +30,12 @@ from loraplex.tokens import mint_admin
 from loraplex.wire import AdapterRef
 from registry.admin_api import admin_app
 from registry.service import RegistryService
+from tests.e2e_cluster import Cluster
+from tests.engine_fixtures import demo_model_file
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
 
 MOTO_START_S = 90.0
+DEMO = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 
 
 def _free_port() -> int:
@@ -355,3 +358,49 @@ async def test_base_model_upgrade_moves_only_passing_versions(pg_url, tmp_path, 
             assert [e["target"] for e in await service.audit(action="binding.upgrade")] == ["binding:acme/strong"]
     finally:
         await service.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bucket, tmp_path):
+    """Real processes: ``loraplex admin adapter upload`` into S3, the activation gate and then traffic
+    on a worker that has never seen the adapter (it fetches it from the store into its disk tier)."""
+    home = tmp_path / "e2e"
+    home.mkdir()
+    c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
+                redis_prefix=f"loraplex-sc-{uuid.uuid4().hex[:8]}", model=str(demo_model_file()),
+                extra_env={"LORAPLEX_ADAPTER_STORE": bucket, "LORAPLEX_GATEWAY_SHUTDOWN_GRACE_S": "3"})
+    try:
+        c.migrate()
+        c.add_worker("w1")
+        c.add_gateway("g1")
+        c.wait_ready()
+        base = c.admin("POST", "/base-models", {"path": c.model})["name"]
+        c.admin("POST", "/tenants", {"slug": "acme"})
+        up = c.cli("adapter", "upload", str(DEMO / "french"), "acme-french", "--base-model", base,
+                   "--owner", "acme", "--progress")
+        assert up.returncode == 0, up.stderr + up.stdout
+        assert "upload [" in up.stderr and "uploaded acme-french@1" in up.stdout
+        ad = c.admin("GET", "/adapters/acme-french@1")
+        assert ad["uri"].startswith(bucket + "/sha256/") and ad["status"] == "pending"
+        assert not list((home / "adapter-cache").glob("*/adapter_model.safetensors"))
+        ad = c.admin("POST", f"/adapters/{ad['id']}/activate", {})
+        assert ad["status"] == "active", ad
+        c.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-french@1"})
+        time.sleep(1.5)  # the gateway sees the registry version
+        r = httpx.post(c.gateways[0].url + "/v1/chat/completions", timeout=120.0,
+                       headers={"Authorization": f"Bearer {c.token('acme')}"},
+                       json={"model": "assistant", "max_tokens": 8, "temperature": 0,
+                             "messages": [{"role": "user", "content": "What is the capital of Italy?"}]})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-loraplex-adapter"] == "acme-french@1" and r.json()["choices"][0]["message"]["content"]
+        assert (home / "adapter-cache" / ad["id"] / "adapter_model.safetensors").is_file()
+        # a refused upload (unknown base model) leaves nothing behind
+        bad = c.cli("adapter", "upload", str(DEMO / "json"), "x", "--base-model", "nope")
+        assert bad.returncode == 1 and "nope" in bad.stderr
+    except BaseException:
+        for p in c.workers + c.gateways:
+            print(f"--- {p.name} ---\n{p.tail()}")
+        raise
+    finally:
+        c.stop(grace_s=15.0)
