@@ -5,11 +5,13 @@ adapter stores, register by store URI, worker fetch into the disk tier with the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -181,6 +183,44 @@ async def test_worker_fetches_from_s3_checks_sha256_and_survives_store_down(buck
         assert "fetch of" in m2.state(fresh).error and time.monotonic() - t0 < 30
     finally:
         m2.close()
+
+
+def test_a_stalled_store_fails_the_load_after_the_timeout(tmp_path, monkeypatch):
+    """A store that accepts connections and never answers: the fetch gives up after the timeout
+    and fails that adapter's load with the reason; the loader thread is free again."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(key, value)
+    m = _manager(tmp_path, ObjectStore("s3://stalled/p", timeout_s=1, retries=0))
+    try:
+        ref = AdapterRef(id="s-1", name="s@1", uri="s3://stalled/p/sha256/" + "a" * 64 + "/", sha256="a" * 64)
+        t0 = time.monotonic()
+        assert _wait(m, ref, timeout=60) == "failed"
+        assert "fetch of" in m.state(ref).error and time.monotonic() - t0 < 30
+    finally:
+        m.close()
+        stop.set()
+        t.join(timeout=5)
+        for conn in held:
+            conn.close()
+        listener.close()
 
 
 @pytest.fixture
@@ -370,6 +410,7 @@ def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bu
     c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
                 redis_prefix=f"loraplex-sc-{uuid.uuid4().hex[:8]}", model=str(demo_model_file()),
                 extra_env={"LORAPLEX_ADAPTER_STORE": bucket, "LORAPLEX_GATEWAY_SHUTDOWN_GRACE_S": "3"})
+    asyncio.run(fresh_registry(pg_url))  # the module's database: empty it of the other tests' rows
     try:
         c.migrate()
         c.add_worker("w1")
@@ -395,6 +436,8 @@ def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bu
         assert r.status_code == 200, r.text
         assert r.headers["x-loraplex-adapter"] == "acme-french@1" and r.json()["choices"][0]["message"]["content"]
         assert (home / "adapter-cache" / ad["id"] / "adapter_model.safetensors").is_file()
+        plan = c.cli("gc")  # the bound version is in use: nothing to collect
+        assert plan.returncode == 0 and "would delete 0 version(s)" in plan.stdout, plan.stderr + plan.stdout
         # a refused upload (unknown base model) leaves nothing behind
         bad = c.cli("adapter", "upload", str(DEMO / "json"), "x", "--base-model", "nope")
         assert bad.returncode == 1 and "nope" in bad.stderr
