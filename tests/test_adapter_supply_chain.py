@@ -223,10 +223,19 @@ def test_a_stalled_store_fails_the_load_after_the_timeout(tmp_path, monkeypatch)
         listener.close()
 
 
+@pytest.fixture(params=["postgresql+s3", "sqlite+directory"])
+def registry_and_store(request, tmp_path):
+    """PostgreSQL with the S3 store, and SQLite with the default local store."""
+    if request.param == "postgresql+s3":
+        return request.getfixturevalue("pg_url"), request.getfixturevalue("bucket")
+    return request.getfixturevalue("sqlite_url"), ""
+
+
 @pytest.fixture
-async def admin(pg_url, tmp_path, bucket):
-    await fresh_registry(pg_url)
-    settings = make_settings(tmp_path, pg_url, adapter_store=bucket, max_adapter_bytes=64 * 1024)
+async def admin(registry_and_store, tmp_path):
+    url, store = registry_and_store
+    await fresh_registry(url)
+    settings = make_settings(tmp_path, url, adapter_store=store, max_adapter_bytes=64 * 1024)
     service = RegistryService(settings)
     await service.register_base_model(TINY)
     app = Starlette(routes=[Mount("/admin", app=admin_app(service, settings))])
@@ -244,7 +253,7 @@ def _body(d: Path) -> tuple[bytes, dict[str, str]]:
     return f[ADAPTER_FILES[0]] + f[ADAPTER_FILES[1]], {"x-loraplex-config-bytes": str(len(f[ADAPTER_FILES[0]]))}
 
 
-async def test_register_by_store_uri_and_upload(admin, tmp_path, bucket):
+async def test_register_by_store_uri_and_upload(admin, tmp_path):
     client, service = admin
     store = service.adapter_store
     uri, sha = await _put_version(store, write_adapter(tmp_path / "a", TINY, seed=3))
