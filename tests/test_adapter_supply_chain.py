@@ -456,3 +456,42 @@ def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bu
         raise
     finally:
         c.stop(grace_s=15.0)
+
+
+class RacingStore(DirectoryStore):
+    """A concurrent refused upload of the same bytes removes the shared files right after this
+    upload stored them (the interleaving a refused upload's clean-up can produce)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.raced = False
+
+    async def put(self, key, data):
+        size = await super().put(key, data)
+        if key.endswith(ADAPTER_FILES[1]) and key.startswith("sha256/") and not self.raced:
+            self.raced = True
+            await self.delete([key.rsplit("/", 1)[0] + "/" + n for n in ADAPTER_FILES])
+        return size
+
+
+async def test_upload_restores_files_removed_by_a_concurrent_cleanup(sqlite_url, tmp_path):
+    from registry.supply import SupplyChain
+
+    await fresh_registry(sqlite_url)
+    settings = make_settings(tmp_path, sqlite_url)
+    service = RegistryService(settings)
+    store = RacingStore(tmp_path / "store")
+    try:
+        await service.register_base_model(TINY)
+        body, headers = _body(write_adapter(tmp_path / "a", TINY, seed=30))
+
+        async def chunks():
+            yield body
+
+        out = await SupplyChain(service, store).upload("race", TINY.name, chunks(),
+                                                       config_bytes=int(headers["x-loraplex-config-bytes"]))
+        assert store.raced
+        key = store.key_of(out["uri"])
+        assert sorted(o.key for o in await store.list(key)) == sorted(key + n for n in ADAPTER_FILES)
+    finally:
+        await service.close()
