@@ -118,6 +118,10 @@ class ActivationGate:
         # Only a worker on the version's base revision may judge it (a worker that does not report
         # its revision is asked, and refuses the load itself if it differs).
         workers = [w for w in routed if not revision or not w.base_revision or w.base_revision == revision]
+        if not workers:  # reload the live set once (a worker on the revision may just have reported)
+            await self.router.refresh()
+            routed = await self.router.route(adapter["base_model"], ref.id) or routed
+            workers = [w for w in routed if not w.base_revision or w.base_revision == revision]
         if not workers:
             seen = ", ".join(sorted({f"{w.id} at {w.base_revision!r}" for w in routed}))
             raise NoVerifier(f"no live worker serves {adapter['base_model']} at revision {revision!r} ({seen}); "

@@ -9,6 +9,7 @@ is registered with one audit row. A refusal at any step leaves the store and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
@@ -100,7 +101,7 @@ class SupplyChain:
             raise Invalid(f"adapter refused: {exc.message}", code=exc.code, param="body") from None
         prefix = version_prefix(admitted.sha256)
         uri = store.uri_for(prefix)
-        admitted = _with_uri(admitted, uri)
+        admitted = dataclasses.replace(admitted, uri=uri)
         keys = version_keys(prefix)
         existed = await self._present(keys)
         if not existed:
@@ -370,12 +371,6 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _with_uri(admitted: Any, uri: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(admitted, uri=uri)
-
-
 async def _capped(body: AsyncIterable[bytes], cap: int) -> AsyncIterator[bytes]:
     total = 0
     async for chunk in body:
@@ -391,6 +386,3 @@ async def _quietly(aw: Any) -> None:
         await aw
     except (StoreError, OSError) as exc:
         log.warning("adapter store cleanup failed: %s", exc)
-
-
-__all__ = ["GC_REASON", "SupplyChain", "UploadTooLarge"]
