@@ -26,7 +26,7 @@ from engine.lora.slots import SlotBank
 from engine.lora.sources import SourcePolicy, SourceRegistry, StoreSource
 from gateway.activation import GateResult
 from loraplex.adapter_store import DirectoryStore, ObjectStore, StoreError, version_prefix
-from loraplex.digest import digest_directory
+from loraplex.digest import digest_contents, digest_directory
 from loraplex.peft_config import ADAPTER_FILES
 from loraplex.tokens import mint_admin
 from loraplex.wire import AdapterRef
@@ -186,8 +186,9 @@ async def test_worker_fetches_from_s3_checks_sha256_and_survives_store_down(buck
 
 
 def test_a_stalled_store_fails_the_load_after_the_timeout(tmp_path, monkeypatch):
-    """A store that accepts connections and never answers: the fetch gives up after the timeout
-    and fails that adapter's load with the reason; the loader thread is free again."""
+    """A store that accepts connections and never answers: each fetch gives up after the timeout
+    and fails that adapter's load with the reason, and adapters already in the disk tier load
+    meanwhile (downloads have loader threads of their own)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -208,12 +209,29 @@ def test_a_stalled_store_fails_the_load_after_the_timeout(tmp_path, monkeypatch)
                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
         monkeypatch.setenv(key, value)
-    m = _manager(tmp_path, ObjectStore("s3://stalled/p", timeout_s=1, retries=0))
+    store = ObjectStore("s3://stalled/p", timeout_s=5, retries=0)
+    # one adapter is already in the worker's disk tier (fetched before the store stalled)
+    files = _files(write_adapter(tmp_path / "cached", TINY, seed=9))
+    digest = digest_contents(files)
+    cached = AdapterRef(id="c-1", name="c@1", uri=store.uri_for(version_prefix(digest)), sha256=digest)
+    entry = tmp_path / "cache" / "c-1"
+    entry.mkdir(parents=True)
+    for name, data in files.items():
+        (entry / name).write_bytes(data)
+    m = _manager(tmp_path, store)
     try:
-        ref = AdapterRef(id="s-1", name="s@1", uri="s3://stalled/p/sha256/" + "a" * 64 + "/", sha256="a" * 64)
+        stalled = [AdapterRef(id=f"s-{i}", name=f"s@{i}", uri=store.uri_for(f"sha256/{i:064x}/"),
+                              sha256=f"{i:064x}") for i in range(3)]
         t0 = time.monotonic()
-        assert _wait(m, ref, timeout=60) == "failed"
-        assert "fetch of" in m.state(ref).error and time.monotonic() - t0 < 30
+        for ref in stalled:  # more than the loader threads
+            m.prefetch(ref)
+        # loads from the disk tier do not wait behind the stalled downloads
+        assert _wait(m, cached, timeout=60) == "host"
+        assert [m.state(r).state for r in stalled] == ["loading"] * 3
+        for ref in stalled:
+            assert _wait(m, ref, timeout=120) == "failed"
+            assert "fetch of" in m.state(ref).error
+        assert time.monotonic() - t0 < 100
     finally:
         m.close()
         stop.set()

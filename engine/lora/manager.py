@@ -182,6 +182,9 @@ class AdapterManager:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load")
+        self._fetch_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-fetch")
+        """Loads that must download first: a stalled store holds these threads, never the ones that
+        load adapters already on local disk."""
         self._free = {c: list(bank.slot_ids(c)) for c in range(len(bank.rank_classes))}
         self._pin_host = bank.device.type == "cuda"
         self.on_load: Callable[[str, float], None] | None = None
@@ -209,6 +212,7 @@ class AdapterManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
 
     # --- queries ---------------------------------------------------------------------------
     def state(self, ref: AdapterRef | str) -> AdapterState:
@@ -268,8 +272,16 @@ class AdapterManager:
         if e.error is not None and time.monotonic() - e.failed_at < self.failure_ttl_s:
             return e
         e.error = None
-        e.future = self._pool.submit(self._load_job, e)
+        pool = self._fetch_pool if self._needs_download(ref) else self._pool
+        e.future = pool.submit(self._load_job, e)
         return e
+
+    def _needs_download(self, ref: AdapterRef) -> bool:
+        try:
+            source = self.sources.for_uri(ref.uri)
+        except AdapterFetchError:
+            return False  # refused: the load fails at once
+        return source.remote and self.disk is not None and not self.disk.has(ref)
 
     def _load_job(self, e: _Entry) -> None:
         ref = e.ref

@@ -324,6 +324,11 @@ class DiskCache:
             "h-" + hashlib.sha256(ref.id.encode()).hexdigest())
         return self.root / key
 
+    def has(self, ref: AdapterRef) -> bool:
+        """Whether a complete entry for ``ref`` is there (without marking it used)."""
+        d = self.path_for(ref)
+        return all((d / n).is_file() for n in ADAPTER_FILES)
+
     def get(self, ref: AdapterRef) -> Path | None:
         d = self.path_for(ref)
         if not all((d / n).is_file() for n in ADAPTER_FILES):
