@@ -431,7 +431,8 @@ async def test_base_model_upgrade_moves_only_passing_versions(pg_url, tmp_path, 
 @pytest.mark.slow
 def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bucket, tmp_path):
     """Real processes: ``loraplex admin adapter upload`` into S3, the activation gate and then traffic
-    on a worker that has never seen the adapter (it fetches it from the store into its disk tier)."""
+    on a worker that has never seen the adapter (it fetches it from the store into its disk tier);
+    a corrupted object fails only its own version's load, with the reason."""
     home = tmp_path / "e2e"
     home.mkdir()
     c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
@@ -463,6 +464,24 @@ def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bu
         assert r.status_code == 200, r.text
         assert r.headers["x-loraplex-adapter"] == "acme-french@1" and r.json()["choices"][0]["message"]["content"]
         assert (home / "adapter-cache" / ad["id"] / "adapter_model.safetensors").is_file()
+        # a corrupt object (changed after registration) fails that version's load with the reason;
+        # the other adapter keeps serving
+        up = c.cli("adapter", "upload", str(DEMO / "json"), "acme-json", "--base-model", base, "--owner", "acme")
+        assert up.returncode == 0, up.stderr
+        bad = c.admin("GET", "/adapters/acme-json@1")
+        store = ObjectStore(bucket, timeout_s=10, retries=1)
+        key = store.key_of(bad["uri"]) + ADAPTER_FILES[1]
+        data = bytearray(asyncio.run(store.read(key, 1 << 30)))
+        data[len(data) // 2] ^= 0x01
+        asyncio.run(store.put(key, bytes(data)))
+        r = httpx.post(f"{c.gateways[0].url}/admin/adapters/{bad['id']}/activate", json={}, timeout=120.0,
+                       headers={"Authorization": f"Bearer {mint_admin(c.settings)}"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_verification_failed", r.text
+        assert "sha256 mismatch" in r.json()["error"]["message"]
+        r = httpx.post(c.gateways[0].url + "/v1/chat/completions", timeout=120.0,
+                       headers={"Authorization": f"Bearer {c.token('acme')}"},
+                       json={"model": "assistant", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.headers["x-loraplex-adapter"] == "acme-french@1", r.text
         plan = c.cli("gc")  # the bound version is in use: nothing to collect
         assert plan.returncode == 0 and "would delete 0 version(s)" in plan.stdout, plan.stderr + plan.stdout
         # a refused upload (unknown base model) leaves nothing behind
