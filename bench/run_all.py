@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
     "engine_lora": ([], ["--quick"]),
     "lora_ops": ([], ["--threads", "1", "--min-time", "0.02"]),
     "gateway_overhead": ([], ["--seconds", "1.5", "--concurrency", "1,16"]),
+    "adapter_fetch": ([], ["--quick"]),
 }
 
 Row = tuple[str, str, str, str]  # benchmark, case, measured, target
@@ -104,11 +105,25 @@ def summarise_lora_ops(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def summarise_adapter_fetch(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for r in d["cold_load_ms"]:
+        rows.append(("adapter_fetch", f"cold load, rank {r['rank']} ({r['bytes'] / 2**20:.1f} MiB)",
+                     f"{_fmt(r['total'])} ms: fetch {_fmt(r['store fetch'])}, sha256 {_fmt(r['sha256'])}, parse "
+                     f"{_fmt(r['parse'])}, host {_fmt(r['host copy'])}, slot {_fmt(r['slot fill'])}", ""))
+    z = d["zipf"]
+    rows.append(("adapter_fetch", f"disk tier, Zipf({z['zipf_s']}), {z['adapters']} adapters, {z['disk_slots']} fit",
+                 f"hit ratio {_fmt(z['hit_ratio'], '.3f')} (ideal top-{z['disk_slots']} {_fmt(z['ideal_top_k'], '.3f')})",
+                 ""))
+    return rows
+
+
 SUMMARIES: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "engine_base": summarise_engine_base,
     "engine_lora": summarise_engine_lora,
     "lora_ops": summarise_lora_ops,
     "gateway_overhead": summarise_gateway,
+    "adapter_fetch": summarise_adapter_fetch,
 }
 
 

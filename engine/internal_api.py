@@ -89,7 +89,11 @@ def _ref(data: Any) -> AdapterRef:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ControlError(400, "adapter.rank must be a non-negative integer", "invalid_value")
     name = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else data["id"]
-    return AdapterRef(id=data["id"], name=name, uri=data["uri"], sha256=sha or None, rank=rank)
+    revision = data.get("base_revision", "")
+    if not isinstance(revision, str):
+        raise ControlError(400, "adapter.base_revision must be a string", "invalid_value")
+    return AdapterRef(id=data["id"], name=name, uri=data["uri"], sha256=sha or None, rank=rank,
+                      base_revision=revision)
 
 
 def _ref_of(body: dict[str, Any]) -> AdapterRef:

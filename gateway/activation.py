@@ -106,14 +106,26 @@ class ActivationGate:
         breaks one worker's engine is not tried on another.
         """
         evaluation = _eval_set(request.get("eval"))
+        revision = str(adapter.get("base_revision") or "")
         ref = AdapterRef(id=adapter["id"], name=f"{adapter['name']}@{adapter['version']}", uri=adapter["uri"],
-                         sha256=adapter.get("sha256"), rank=int(adapter.get("rank") or 0))
+                         sha256=adapter.get("sha256"), rank=int(adapter.get("rank") or 0), base_revision=revision)
         prompts = list(self.probes) + ([p for p, _ in evaluation[0]] if evaluation else [])
         body = orjson.dumps({"adapter": ref.to_dict(), "prompts": prompts, "max_tokens": self.max_tokens})
-        workers = await self.router.route(adapter["base_model"], ref.id)
-        if not workers:
+        routed = await self.router.route(adapter["base_model"], ref.id)
+        if not routed:
             raise NoVerifier(f"no live worker serves base model {adapter['base_model']!r}; cannot verify "
                              f"the adapter")
+        # Only a worker on the version's base revision may judge it (a worker that does not report
+        # its revision is asked, and refuses the load itself if it differs).
+        workers = [w for w in routed if not revision or not w.base_revision or w.base_revision == revision]
+        if not workers:  # reload the live set once (a worker on the revision may just have reported)
+            await self.router.refresh()
+            routed = await self.router.route(adapter["base_model"], ref.id) or routed
+            workers = [w for w in routed if not w.base_revision or w.base_revision == revision]
+        if not workers:
+            seen = ", ".join(sorted({f"{w.id} at {w.base_revision!r}" for w in routed}))
+            raise NoVerifier(f"no live worker serves {adapter['base_model']} at revision {revision!r} ({seen}); "
+                             f"cannot verify the adapter", code="no_worker_on_revision")
         last_error = "no worker answered"
         for worker in workers:
             t0 = time.monotonic()
@@ -128,7 +140,10 @@ class ActivationGate:
                 self.router.mark_failed(worker)
                 return _failed(worker.id, f"worker {worker.id} broke off during the probe ({exc})",
                                error={"message": str(exc)})
-            return self._verdict(worker.id, *answer, prompts, evaluation, time.monotonic() - t0)
+            result = self._verdict(worker.id, *answer, prompts, evaluation, time.monotonic() - t0)
+            if evaluation is not None and isinstance(result.verification.get("eval"), dict):
+                result.verification["eval"]["set"] = request["eval"]  # re-run by a base-model upgrade
+            return result
         raise NoVerifier(f"could not verify the adapter: {last_error}")
 
     def _verdict(self, worker_id: str, status: int, raw: bytes, prompts: list[str],

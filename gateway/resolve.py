@@ -44,8 +44,11 @@ class _Entry:
     refuse: bool = False
 
 
-def _ref(v: AdapterVersionView) -> AdapterRef:
-    return AdapterRef(id=v.id, name=v.label, uri=v.uri, sha256=v.sha256 or None, rank=v.rank)
+def _ref(v: AdapterVersionView, revisions: dict[str, str]) -> AdapterRef:
+    """The worker's view of a version: base model rows are immutable, so the version's base
+    revision is its base model's."""
+    return AdapterRef(id=v.id, name=v.label, uri=v.uri, sha256=v.sha256 or None, rank=v.rank,
+                      base_revision=revisions.get(v.base_model, ""))
 
 
 def canary_bucket(tenant: str, key: str) -> int:
@@ -54,7 +57,7 @@ def canary_bucket(tenant: str, key: str) -> int:
     return int.from_bytes(digest, "big") % 10_000
 
 
-def _entry(binding: BindingView, default_base: str) -> _Entry:
+def _entry(binding: BindingView, default_base: str, revisions: dict[str, str]) -> _Entry:
     base = binding.base_model or (binding.active.base_model if binding.active else "") or default_base
     alias = binding.alias
     if not binding.enabled or binding.active is None:
@@ -62,12 +65,12 @@ def _entry(binding: BindingView, default_base: str) -> _Entry:
             res = Resolution(alias, base, None, BASE_LABEL, fallback=True)
             return _Entry(alias, base, res, None, 0)
         return _Entry(alias, base, None, None, 0, refuse=True)
-    ref = _ref(binding.active)
+    ref = _ref(binding.active, revisions)
     active = Resolution(alias, base, ref, binding.active.label, wire=ref.to_dict())
     canary = None
     bp = 0
     if binding.canary is not None and binding.canary_percent > 0:
-        cref = _ref(binding.canary)
+        cref = _ref(binding.canary, revisions)
         canary = Resolution(alias, base, cref, binding.canary.label, canary=True, wire=cref.to_dict())
         bp = max(0, min(10_000, round(binding.canary_percent * 100)))
     return _Entry(alias, base, active, canary, bp)
@@ -85,11 +88,12 @@ class Resolver:
         table = self._tables.get(tenant.slug)
         if table is None:
             default_base = next(iter(snapshot.base_models), "")
+            revisions = {name: b.revision for name, b in snapshot.base_models.items()}
             table = {}
             for name in snapshot.base_models:
                 table[name] = _Entry(name, name, Resolution(name, name, None, BASE_LABEL), None, 0)
             for alias, binding in tenant.bindings.items():
-                table[alias] = _entry(binding, default_base)
+                table[alias] = _entry(binding, default_base, revisions)
             self._tables[tenant.slug] = table
         return table
 

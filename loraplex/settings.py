@@ -68,6 +68,16 @@ class Settings:
     """Projections an adapter may target; admission refuses others."""
     registry_refresh_s: float = 30.0
     """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
+    adapter_store: str = ""
+    """Where adapter versions are kept, content-addressed by sha256: a local directory, or object storage
+    (``s3://bucket/prefix``, ``gs://...``, ``az://...``) with credentials and endpoint from the client's
+    standard environment (``AWS_*``). Empty: ``{adapter_root}/store``."""
+    adapter_store_timeout_s: float = 30.0
+    """Timeout of one store request (a stalled fetch fails only the requests waiting for that adapter)."""
+    adapter_store_retries: int = 3
+    """Retries of a failed store request (with exponential backoff)."""
+    adapter_retention_s: float = 7 * 86400.0
+    """``loraplex admin gc`` deletes a version's files once no binding has referenced it for this long."""
 
     # --- auth ----------------------------------------------------------------------------
     jwt_secret: str = DEV_JWT_SECRET
@@ -208,8 +218,16 @@ class Settings:
     def resolved_adapter_root(self) -> str:
         return self.adapter_root or str(Path(self.home) / "adapters")
 
+    def resolved_adapter_store(self) -> str:
+        return self.adapter_store or str(Path(self.resolved_adapter_root()) / "store")
+
     def resolved_adapter_sources(self) -> tuple[str, ...]:
-        return self.adapter_sources or (Path(self.resolved_adapter_root()).resolve().as_uri().rstrip("/") + "/",)
+        if self.adapter_sources:
+            return self.adapter_sources
+        root = (Path(self.resolved_adapter_root()).resolve().as_uri().rstrip("/") + "/",)
+        store = self.resolved_adapter_store()
+        store = store.rstrip("/") + "/" if "://" in store else Path(store).resolve().as_uri().rstrip("/") + "/"
+        return root if store.startswith(root[0]) else (*root, store)
 
     def resolved_adapter_cache_dir(self) -> str:
         return self.adapter_cache_dir or str(Path(self.home) / "adapter-cache")

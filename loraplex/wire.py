@@ -70,6 +70,9 @@ class AdapterRef(_Codec):
     uri: str
     sha256: str | None = None
     rank: int = 0
+    base_revision: str = ""
+    """The base model revision the version was admitted against; a worker serving another revision
+    refuses to load it (empty: not checked)."""
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,10 @@ DISABLE_ADAPTER = _obj({"reason": STR, "force": {**BOOL, "description": "also di
                                                                    "it and abort canaries on it (default: "
                                                                    "refuse while bindings use it)"}})
 FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
+UPGRADE = _obj({"to": {**STR, "description": "the new base model (registered first with base-model add)"},
+                "dry_run": {**BOOL, "description": "print the plan, change nothing"}}, ("to",))
+GC = _obj({"apply": {**BOOL, "description": "delete (default: only list what would be deleted)"},
+           "retention_s": {**NUM, "description": "default: LORAPLEX_ADAPTER_RETENTION_S"}})
 BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
 CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT}, ("adapter", "percent"))
 CANARY_SET = _obj({"percent": PERCENT}, ("percent",))
@@ -213,7 +217,8 @@ async def _adapter_activate(c: Call) -> Any:
     if adapter["status"] == "active":
         return adapter
     # pending, failed (a retry) or disabled: the gate runs again on the version as it is now
-    result = await c.gate(adapter, c.body)
+    base = await c.service.base_model_info(adapter["base_model"])
+    result = await c.gate({**adapter, "base_revision": base.revision}, c.body)
     if not result.passed:
         failed = await c.service.fail_adapter(adapter["id"], reason=result.reason,
                                               verification=result.verification, actor=c.actor)
@@ -284,6 +289,20 @@ async def _binding_disable(c: Call) -> Any:
                                                on_disabled=c.body.get("on_disabled"), actor=c.actor)
 
 
+async def _gc(c: Call) -> Any:
+    from registry.supply import SupplyChain
+
+    return await SupplyChain(c.service).gc(apply=c.body.get("apply", False), retention_s=c.body.get("retention_s"),
+                                           actor=c.actor)
+
+
+async def _base_model_upgrade(c: Call) -> Any:
+    from registry.supply import SupplyChain
+
+    return await SupplyChain(c.service).upgrade(c.path["name"], c.body["to"], dry_run=c.body.get("dry_run", False),
+                                                gate=c.gate, actor=c.actor)
+
+
 async def _audit(c: Call) -> Any:
     return _list(await c.service.audit(**{k: v for k, v in c.query.items() if v is not None}))
 
@@ -309,6 +328,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("POST", "/base-models", "registerBaseModel",
               "Register a base model from its dimensions, or from a model path on the gateway host",
               _base_model_create, BASE_MODEL_CREATE, status=201, response="BaseModel", tag="base-models"),
+    Operation("POST", "/base-models/{name}/upgrade", "upgradeBaseModel",
+              "Carry the active adapter versions of this base model over to another (re-admitted, re-gated "
+              "with their eval sets) and move the bindings whose versions pass, in one audited transaction; "
+              "dry_run: the plan only", _base_model_upgrade, UPGRADE, response="object", tag="base-models"),
     Operation("GET", "/adapters", "listAdapters", "List adapter versions", _adapters,
               query={"name": STR, "base_model": STR, "owner": STR, "status": STR}, response="[Adapter]",
               tag="adapters"),
@@ -354,6 +377,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("POST", B + "/disable", "disableBinding",
               "Disable a binding (on_disabled: answer with the base model or refuse)", _binding_disable,
               BINDING_TOGGLE, response="Binding", tag="bindings"),
+    Operation("POST", "/gc", "collectGarbage",
+              "Retention: list (dry run) or, with apply, retire and delete from the adapter store the versions "
+              "no binding (active, previous, canary) has referenced for retention_s", _gc, GC, response="object",
+              tag="adapters"),
     Operation("GET", "/audit", "listAudit", "Audit trail, newest first", _audit,
               query={"actor": STR, "action": STR, "target": {**STR, "description": "exact, or a prefix ending in *"},
                      "since_version": INT, "limit": {"type": "integer", "minimum": 1, "maximum": 1000}},
@@ -548,7 +575,44 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
             return await handler(request)
         return route
 
-    app_routes = [Route("/openapi.json", openapi, methods=["GET"])]
+    async def upload(request: Request) -> Response:
+        """``POST /adapters/upload?name=&base_model=[&owner=&version=]``: the body is adapter_config.json
+        (``x-loraplex-config-bytes`` long) then adapter_model.safetensors, streamed into the store."""
+        from registry.supply import SupplyChain
+
+        try:
+            principal = verifier.verify(bearer(request.headers.get("authorization")))
+            if not principal.has_scope(settings.jwt_admin_scope):
+                return _error(403, "this token lacks the admin scope", "permission_error", "insufficient_scope")
+            q = request.query_params
+            declared = request.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > settings.max_adapter_bytes:
+                return _error(413, f"the upload is larger than the cap of {settings.max_adapter_bytes} bytes "
+                                   f"(LORAPLEX_MAX_ADAPTER_BYTES)", code="upload_too_large")
+            for key in ("name", "base_model"):
+                if not q.get(key):
+                    raise Invalid(f"query parameter {key} is required", param=key)
+            raw_cfg, raw_ver = request.headers.get("x-loraplex-config-bytes", ""), q.get("version")
+            if not raw_cfg.isdigit():
+                raise Invalid("header x-loraplex-config-bytes must give the size of adapter_config.json",
+                              param="x-loraplex-config-bytes")
+            if raw_ver is not None and not raw_ver.isdigit():
+                raise Invalid(f"version must be a positive integer, got {raw_ver!r}", param="version")
+            result = await SupplyChain(service).upload(
+                q["name"], q["base_model"], request.stream(), config_bytes=int(raw_cfg), owner=q.get("owner"),
+                version=int(raw_ver) if raw_ver is not None else None, actor=principal.subject or "admin")
+            return JSONResponse(result, status_code=201)
+        except TokenError as exc:
+            return _error(exc.status, exc.message, "authentication_error" if exc.status == 401 else
+                          "permission_error", exc.code)
+        except RegistryError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except Exception:
+            log.exception("admin upload failed")
+            return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
+
+    app_routes = [Route("/openapi.json", openapi, methods=["GET"]),
+                  Route("/adapters/upload", upload, methods=["POST"])]
     app_routes += [Route(path, dispatch(by_method), methods=list(by_method)) for path, by_method in routes.items()]
     app = Starlette(routes=app_routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.service = service

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
+from loraplex.adapter_store import OBJECT_SCHEMES, AdapterStore, StoreError, TooLarge
 from loraplex.digest import digest_contents
 from loraplex.modelinfo import PROJECTIONS
 from loraplex.peft_config import (
@@ -64,7 +65,8 @@ class AdmissionError(Exception):
 
 @dataclass(frozen=True)
 class AdmittedAdapter:
-    path: Path
+    path: Path | None
+    """The local directory it was read from (None: read from the store or an upload)."""
     uri: str
     sha256: str
     """The version digest over every file it is served from (``loraplex.digest``)."""
@@ -134,7 +136,8 @@ def _normalize(parts: tuple[str, ...]) -> list[str]:
     return out
 
 
-def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str | None = None) -> AdmittedAdapter:
+def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str | None = None, *,
+          carried_from: BaseDims | None = None) -> AdmittedAdapter:
     """Run every check; return what the registry records, or raise ``AdmissionError``.
 
     Both files are read once into memory: every check and the digest cover those bytes.
@@ -146,17 +149,31 @@ def admit(uri: str, base: BaseDims, settings: Settings, expected_revision: str |
     path = resolve_location(uri, settings)
     _check_layout(path)
     contents = _read_files(path, settings.max_adapter_bytes)
+    return admit_contents(contents, base, settings, uri=path.as_uri(), path=path, carried_from=carried_from)
+
+
+def admit_contents(contents: dict[str, bytes], base: BaseDims, settings: Settings, *, uri: str,
+                   path: Path | None = None, carried_from: BaseDims | None = None) -> AdmittedAdapter:
+    """The checks on the adapter files' bytes (read from the adapter root, an upload or the store);
+    ``uri`` is what the registry records for them. ``carried_from``: a base-model upgrade carries the
+    version over from that base, so a config naming it (and its revision) is accepted for ``base``."""
+    missing = [name for name in ADAPTER_FILES if name not in contents]
+    if missing:
+        raise AdmissionError("missing_file", f"{', '.join(missing)} is missing: only the PEFT layout "
+                             f"({CONFIG_FILE} + {WEIGHTS_FILE}) is accepted")
     size = sum(len(data) for data in contents.values())
+    if size > settings.max_adapter_bytes:
+        raise AdmissionError("too_large", f"adapter is larger than the cap of {settings.max_adapter_bytes} bytes")
     try:
         cfg = read_config(contents[CONFIG_FILE], ConfigLimits.from_settings(settings))
     except PeftConfigError as exc:
         raise AdmissionError(exc.code, exc.message) from None
-    _check_config(cfg, base, settings)
+    _check_config(cfg, base, settings, carried_from)
     weights = contents[WEIGHTS_FILE]
     header = parse_safetensors_header(weights, WEIGHTS_FILE)
     num, modules, scales = _check_tensors(header, base, cfg, settings)
     _check_values(weights, header, scales, cfg)
-    return AdmittedAdapter(path=path, uri=path.as_uri(), sha256=digest_contents(contents), size_bytes=size,
+    return AdmittedAdapter(path=path, uri=uri, sha256=digest_contents(contents), size_bytes=size,
                            rank=max(r for r, _ in scales.values()), alpha=cfg.lora_alpha, target_modules=modules, num_tensors=num,
                            config=cfg.raw)
 
@@ -202,7 +219,7 @@ def _read_files(path: Path, max_bytes: int) -> dict[str, bytes]:
     return out
 
 
-def _check_config(cfg: LoraConfig, base: BaseDims, settings: Settings) -> None:
+def _check_config(cfg: LoraConfig, base: BaseDims, settings: Settings, carried_from: BaseDims | None = None) -> None:
     """What the shared reader cannot know: the allowed modules and the registered base model."""
     if isinstance(cfg.target_modules, tuple):
         allowed = set(settings.allowed_target_modules) & set(PROJECTIONS)
@@ -210,6 +227,9 @@ def _check_config(cfg: LoraConfig, base: BaseDims, settings: Settings) -> None:
         if bad:
             raise AdmissionError("target_module_not_allowed",
                                  f"target modules {bad} are not allowed; allowed: {sorted(allowed)}")
+    if carried_from is not None and cfg.names_base(carried_from.name) and \
+            cfg.base_model_revision in (None, carried_from.revision):
+        return
     if not cfg.names_base(base.name):
         raise AdmissionError("base_model_mismatch",
                              f"adapter was trained on {cfg.base_model_name_or_path!r}, not on the base model "
@@ -375,3 +395,44 @@ def _check_values(data: bytes, header: dict[str, Any], scales: dict[tuple[int, s
                         cfg.limits)
         except PeftConfigError as exc:
             raise AdmissionError(exc.code, exc.message) from None
+
+
+async def admit_uri(uri: str, base: BaseDims, settings: Settings, store: AdapterStore,
+                    expected_revision: str | None = None, *, carried_from: BaseDims | None = None) -> AdmittedAdapter:
+    """Admission of ``uri``: a version in the adapter store is read from the store (the recorded
+    URI is the store's, ending in ``/``); anything else from a directory under the adapter root."""
+    import asyncio
+
+    key = store.key_of(uri.rstrip("/") + "/") if isinstance(uri, str) and uri else None
+    if key is None:
+        if isinstance(uri, str) and uri.split("://", 1)[0].lower() in OBJECT_SCHEMES:
+            raise AdmissionError("unsupported_uri", f"{uri!r} is not under the adapter store {store.url} "
+                                 f"(LORAPLEX_ADAPTER_STORE)")
+        return await asyncio.to_thread(lambda: admit(uri, base, settings, expected_revision,
+                                                     carried_from=carried_from))
+    if expected_revision and expected_revision != base.revision:
+        raise AdmissionError("base_revision_mismatch",
+                             f"expected base revision {expected_revision!r} but the registry has "
+                             f"{base.name} at revision {base.revision!r}")
+    contents = await read_version(store, key, settings.max_adapter_bytes)
+    return await asyncio.to_thread(lambda: admit_contents(contents, base, settings, carried_from=carried_from,
+                                                          uri=store.uri_for(key) if key else store.url))
+
+
+async def read_version(store: AdapterStore, key: str, max_bytes: int) -> dict[str, bytes]:
+    """The PEFT files under ``key`` (a prefix ending in ``/``) in ``store``, within ``max_bytes`` in all."""
+    contents: dict[str, bytes] = {}
+    remaining = max_bytes
+    for name in ADAPTER_FILES:
+        try:
+            data = await store.read(key + name, remaining)
+        except TooLarge:
+            raise AdmissionError("too_large", f"adapter is larger than the cap of {max_bytes} bytes") from None
+        except StoreError as exc:
+            if exc.missing:
+                raise AdmissionError("missing_file", f"{name} is missing at {store.url}{key}: only the PEFT "
+                                     f"layout ({CONFIG_FILE} + {WEIGHTS_FILE}) is accepted") from None
+            raise AdmissionError("store_unavailable", f"the adapter store could not be read: {exc}") from None
+        remaining -= len(data)
+        contents[name] = data
+    return contents

@@ -287,11 +287,103 @@ def base_model_list(a: argparse.Namespace) -> int:
     return 0
 
 
+def base_model_upgrade(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/base-models/{a.old}/upgrade", {"to": a.new, "dry_run": a.dry_run})
+    if a.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"{'plan' if a.dry_run else 'upgrade'}: {data['from']} -> {data['to']}")
+    for v in data["versions"]:
+        state = "admitted" if v["passed"] is None else ("passes" if v["passed"] else "refused")
+        to = f" -> {v['to']['label']}" if v.get("to") else ""
+        why = f": {v['reason']}" if v.get("reason") else ""
+        print(f"  {v['from']['label']}{to}  {state}{why}  (bindings: {', '.join(v['bindings']) or '-'})")
+    for b in data["bindings"]:
+        moved = "moves" if b["moves"] else ("would move if its version passes" if b["moves"] is None else "stays")
+        print(f"  binding {b['binding']}: {moved}" + (f" ({b['reason']})" if b.get("reason") else ""))
+    return 0
+
+
 def adapter_register(a: argparse.Namespace) -> int:
     data = _request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
                                              "version": a.version, "owner": a.owner,
                                              "expected_revision": a.expected_revision})
     _show(a, "adapter", data, f"registered {data['label']} (id {data['id']}), status {data['status']}")
+    return 0
+
+
+def adapter_upload(a: argparse.Namespace) -> int:
+    """Stream DIR's two PEFT files to the admin API with a progress bar on stderr."""
+    import os
+    from pathlib import Path
+
+    import httpx
+
+    from loraplex.peft_config import ADAPTER_FILES
+    from loraplex.settings import get_settings
+    from loraplex.tokens import mint_admin
+
+    paths = [Path(a.dir) / name for name in ADAPTER_FILES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"error: {', '.join(missing)} not found: upload takes a PEFT directory "
+              f"({' + '.join(ADAPTER_FILES)})", file=sys.stderr)
+        return EXIT_REFUSED
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    show = (not a.json and sys.stderr.isatty()) or a.progress
+
+    def chunks():  # type: ignore[no-untyped-def]
+        sent = 0
+        for path in paths:
+            with open(path, "rb") as fh:
+                while block := fh.read(1 << 20):
+                    sent += len(block)
+                    if show:
+                        done = sent * 30 // max(total, 1)
+                        print(f"\rupload [{'#' * done}{'.' * (30 - done)}] {sent / 2**20:8.1f}/"
+                              f"{total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
+                    yield block
+        if show:
+            print(file=sys.stderr)
+
+    settings = get_settings()
+    base = (a.url or settings.resolved_admin_url()).rstrip("/") + "/admin"
+    token = a.token or settings.admin_token or mint_admin(settings, subject="cli")
+    params = {k: v for k, v in {"name": a.name, "base_model": a.base_model, "owner": a.owner,
+                                "version": a.version}.items() if v is not None}
+    try:
+        with httpx.Client(base_url=base, timeout=a.timeout, trust_env=False) as client:
+            r = client.post("/adapters/upload", params=params, content=chunks(),
+                            headers={"authorization": f"Bearer {token}", "content-length": str(total),
+                                     "x-loraplex-config-bytes": str(sizes[0])})
+    except httpx.HTTPError as exc:
+        raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
+    try:
+        data = r.json()
+    except ValueError:
+        data = None
+    if r.status_code >= 400:
+        err = (data or {}).get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict):
+            raise AdminError(r.status_code, str(err.get("message")), err.get("code"), data)
+        raise AdminError(r.status_code, r.text[:500] or r.reason_phrase)
+    _show(a, "adapter", data, f"uploaded {data['label']} (id {data['id']}) to {data['uri']}, status {data['status']}")
+    return 0
+
+
+def gc(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/gc", {"apply": a.apply, "retention_s": a.retention})
+    if a.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    verb = "deleted" if a.apply else "would delete"
+    rows = data["versions"]
+    for v in rows:
+        print(f"{v['label']:<40} {v['size_bytes']:>12} bytes  last referenced {v['last_referenced'][:19]}  {v['uri']}")
+    print(f"{verb} {len(data['deleted']) if a.apply else len(rows)} version(s) unreferenced since "
+          f"{data['cutoff'][:19]} and {len(data['stale_uploads'])} stale upload(s)"
+          + ("" if a.apply else "; run with --apply to delete"))
     return 0
 
 
@@ -521,6 +613,15 @@ def register(subparsers: Any) -> None:
                 "vocab-size", "context-length"):
         p.add_argument(f"--{dim}", type=int)
     leaf(bm, "list", base_model_list, "list base models")
+    p = leaf(bm, "upgrade", base_model_upgrade, "carry adapter versions and bindings from OLD to NEW",
+             "List every active adapter version on base model OLD, re-admit each against NEW, register it as a "
+             "new version tied to NEW and run the activation gate on it with the eval set it was activated "
+             "with; then move the bindings whose versions pass, in one audited transaction (the others stay "
+             "on OLD, with the reason). --dry-run prints the plan and changes nothing. The gate probes each version on a "
+             "worker: give a --timeout that covers them all.")
+    p.add_argument("old", help="the base model the adapters were trained on")
+    p.add_argument("new", help="the new base model (register it first with base-model add)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
 
     ad = group("adapter", "register, list, activate, disable adapter versions")
     p = leaf(ad, "register", adapter_register, "register a new adapter version (admission checks run; "
@@ -536,6 +637,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--version", type=int, help="version number (default: the next one)")
     p.add_argument("--owner", help="owning tenant (default: shared by all tenants)")
     p.add_argument("--expected-revision", help="refuse unless the registry's base model has this revision")
+    p = leaf(ad, "upload", adapter_upload, "upload a PEFT directory into the adapter store and register it",
+             "Stream DIR's adapter_config.json and adapter_model.safetensors to the gateway (size-capped by "
+             "LORAPLEX_MAX_ADAPTER_BYTES), which runs admission on the uploaded bytes, stores them "
+             "content-addressed (sha256) in the adapter store (LORAPLEX_ADAPTER_STORE) and registers the "
+             "version as pending, with one audit row. A refusal leaves nothing behind.")
+    p.add_argument("dir", help="local PEFT directory")
+    p.add_argument("name", help="adapter name (versions are numbered per name)")
+    p.add_argument("--base-model", required=True, help="base model name the adapter was trained on")
+    p.add_argument("--owner", help="owning tenant (default: shared by all tenants)")
+    p.add_argument("--version", type=int, help="version number (default: the next one)")
+    p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no terminal")
     p = leaf(ad, "list", adapter_list, "list adapter versions")
     p.add_argument("--name")
     p.add_argument("--base-model")
@@ -620,6 +732,13 @@ def register(subparsers: Any) -> None:
                            help="while disabled: answer with the base model or refuse (default refuse; "
                                 "applies to this disable only, whatever was chosen before)")
 
+    p = leaf(groups, "gc", gc, "retention: delete versions no binding has used for a while from the store "
+             "(dry run unless --apply)",
+             "List the adapter versions in the store that no binding (active, previous or canary) has "
+             "referenced for the retention period (LORAPLEX_ADAPTER_RETENTION_S); with --apply, retire them "
+             "(disabled, one audit row each) and delete their files. A version in use is never touched.")
+    p.add_argument("--apply", action="store_true", help="delete (default: only print the plan)")
+    p.add_argument("--retention", type=float, metavar="SECONDS", help="override the retention period")
     p = leaf(groups, "audit", audit, "show the audit trail, newest first")
     p.add_argument("--actor")
     p.add_argument("--action", help="e.g. binding.rollback, tenant.limits")

@@ -28,10 +28,11 @@ from sqlalchemy.exc import (
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
+from loraplex.adapter_store import AdapterStore, open_store
 from loraplex.modelinfo import ModelInfo, describe_model
 from loraplex.settings import Settings
 from loraplex.wire import PRIORITY_CLASSES
-from registry.admission import AdmissionError, admit
+from registry.admission import AdmissionError, AdmittedAdapter, admit_uri
 from registry.changes import ChangeBus
 from registry.db import make_engine, resolve_url, session_factory
 from registry.errors import Conflict, Invalid, NotFound, RegistryError, Unavailable
@@ -184,6 +185,7 @@ class RegistryService:
         self.engine = engine or make_engine(self.database_url)
         self.sessions = session_factory(self.engine)
         self.bus = bus or ChangeBus(settings, self.database_url)
+        self._adapter_store: AdapterStore | None = None
 
     async def close(self) -> None:
         await self.bus.close()
@@ -448,10 +450,21 @@ class RegistryService:
 
     # --- adapters ------------------------------------------------------------------------------------
 
+    @property
+    def adapter_store(self) -> AdapterStore:
+        """The configured adapter store (``LORAPLEX_ADAPTER_STORE``), opened on first use."""
+        if self._adapter_store is None:
+            self._adapter_store = open_store(self.settings)
+        return self._adapter_store
+
     async def register_adapter(self, name: str, uri: str, base_model: str, *, version: int | None = None,
                                owner: str | None = None, expected_revision: str | None = None,
-                               actor: str = "admin") -> dict:
-        """Admit the artifact (outside the transaction), then record it as ``pending``."""
+                               actor: str = "admin", admitted: AdmittedAdapter | None = None,
+                               in_tx: Callable[[], Awaitable[None]] | None = None) -> dict:
+        """Admit the artifact (outside the transaction), then record it as ``pending``.
+
+        ``admitted``: already admitted (an upload); ``in_tx`` runs inside the write transaction
+        before it commits (an upload makes sure its stored files are still there)."""
         name = _name(name, "name")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                     or not 1 <= version <= MAX_LIMIT):
@@ -466,10 +479,16 @@ class RegistryService:
         if owner is not None:
             await self._read(lambda s: self._tenant(s, owner))
         try:
-            admitted = await asyncio.to_thread(admit, uri, base, self.settings, expected_revision)
+            if admitted is None:
+                admitted = await admit_uri(uri, base, self.settings, self.adapter_store, expected_revision)
         except AdmissionError as exc:
             log.info("adapter %s refused: %s", name, exc)
+            if exc.code == "store_unavailable":
+                raise Unavailable(exc.message, code=exc.code) from None
             raise Invalid(f"adapter refused: {exc.message}", code=exc.code, param="uri") from None
+        except ValueError as exc:  # LORAPLEX_ADAPTER_STORE is malformed
+            raise Unavailable(f"the adapter store is misconfigured: {exc}", code="store_misconfigured") from None
+        assert admitted is not None
 
         async def op(tx: _Tx) -> dict:
             current = await tx.session.get(BaseModelRow, base.name)
@@ -498,6 +517,8 @@ class RegistryService:
                 status_reason=None, verification=None, created_at=utcnow())
             tx.session.add(row)
             await tx.session.flush()
+            if in_tx is not None:
+                await in_tx()
             out = adapter_dict(row)
             tx.audit("adapter.register", f"adapter:{row.id}", None, _audit_view(out))
             return out

@@ -140,9 +140,21 @@ class Cluster:
                 raise TimeoutError(f"{proc.name} not ready after {timeout}s:\n{proc.tail()}")
             time.sleep(0.5)
 
-    def stop(self) -> None:
-        for proc in self.gateways + self.workers:
-            proc.kill(signal.SIGTERM) if proc.alive() else None
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every process, then SIGKILL whatever has not exited after ``grace_s``: one
+        process slow to shut down never leaves the others running."""
+        procs = [p for p in self.gateways + self.workers if p.alive()]
+        for proc in procs:
+            try:
+                os.killpg(proc.popen.pid, signal.SIGTERM)  # type: ignore[union-attr]
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                proc.kill(signal.SIGKILL)
 
     # --- clients -----------------------------------------------------------------------------------
     def token(self, tenant: str) -> str:

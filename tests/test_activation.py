@@ -236,7 +236,7 @@ async def test_eval_set_threshold(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={"eval": passing})
     assert r.status_code == 200, r.text
     assert r.json()["verification"]["eval"] == {"score": 1.0, "threshold": 1.0, "cases": 2, "matched": 2,
-                                                "failed_cases": []}
+                                                "failed_cases": [], "set": passing}
     assert worker.calls[-1]["prompts"][-2:] == ["Say hi", "Name a color"]
 
     failing = {"cases": [{"prompt": "Say hi", "expect": "bonjour"}, {"prompt": "x", "expect": "answer"}],
@@ -280,3 +280,19 @@ async def test_no_worker_is_503_and_nothing_recorded(env):
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_worker"
     assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+
+
+async def test_gate_probes_only_on_workers_at_the_versions_base_revision(env):
+    _, service, worker, residency, api, register = env
+    await residency.publish(WorkerReport(worker_id="w1", url="http://w1", base_model=TINY.name,
+                                         base_revision="rev-other"), ttl_s=60)
+    ad = await register()
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker_on_revision", r.text
+    assert "rev-other" in r.json()["error"]["message"] and worker.calls == []
+    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    await residency.publish(WorkerReport(worker_id="w2", url="http://w2", base_model=TINY.name,
+                                         base_revision=TINY.revision), ttl_s=60)
+    r = await api.post(f"/adapters/{ad['id']}/activate", json={})
+    assert r.status_code == 200, r.text
+    assert worker.hosts == ["w2"] and worker.calls[-1]["adapter"]["base_revision"] == TINY.revision

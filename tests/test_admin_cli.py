@@ -306,3 +306,42 @@ def test_output_to_a_closed_pipe_ends_quietly(server):
         r = _closed_stdout([*cli, *argv], env)
         assert r.returncode == 141, (argv, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, (argv, r.stderr)
+
+
+def test_admin_cli_upload_upgrade_and_gc(server, capsys, tmp_path):
+    """Upload into the default local store, a base-model upgrade (plan, then run) and gc."""
+    settings, _, gate = server
+    assert run_json(capsys, "tenant", "create", "acme")["slug"] == "acme"
+    run_json(capsys, "base-model", "add", "--name", TINY.name, "--revision", TINY.revision, "--architecture",
+             "llama", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "2", "--num-heads", "4",
+             "--num-kv-heads", "2", "--head-dim", "8", "--vocab-size", "100")
+    code, out, err = run(capsys, "adapter", "upload", str(write_adapter(tmp_path / "src", TINY, seed=7)), "bot",
+                         "--base-model", TINY.name, "--owner", "acme", "--progress")
+    assert code == 0 and "uploaded bot@1" in out and "upload [" in err, err
+    stored = Path(settings.resolved_adapter_store())
+    assert len(list(stored.glob("sha256/*/adapter_model.safetensors"))) == 1
+    code, _, err = run(capsys, "adapter", "upload", str(tmp_path / "nowhere"), "x", "--base-model", TINY.name)
+    assert code == 1 and "not found" in err
+    run_json(capsys, "adapter", "activate", "bot@1")
+    run_json(capsys, "bind", "acme", "support", "bot@1")
+
+    run_json(capsys, "base-model", "add", "--name", "tiny-v2", "--revision", "rev-v2", "--architecture",
+             "llama", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "2", "--num-heads", "4",
+             "--num-kv-heads", "2", "--head-dim", "8", "--vocab-size", "100")
+    code, out, _ = run(capsys, "base-model", "upgrade", TINY.name, "tiny-v2", "--dry-run")
+    assert code == 0 and "plan: tiny -> tiny-v2" in out and "bot@1  admitted" in out and "acme/support" in out
+    assert run_json(capsys, "binding", "show", "acme", "support")["base_model"] == TINY.name
+    code, out, _ = run(capsys, "base-model", "upgrade", TINY.name, "tiny-v2")
+    assert code == 0 and "bot@1 -> bot@2  passes" in out and "binding acme/support: moves" in out
+    b = run_json(capsys, "binding", "show", "acme", "support")
+    assert (b["base_model"], b["active"]["label"], b["previous"]["label"]) == ("tiny-v2", "bot@2", "bot@1")
+    assert len(gate.requests) == 2  # bot@1's activation, then bot@2's on the new base
+
+    code, out, _ = run(capsys, "gc", "--retention", "0")  # bot@1 is previous: in use
+    assert code == 0 and "would delete 0 version(s)" in out
+    run_json(capsys, "binding", "delete", "acme", "support")
+    code, out, _ = run(capsys, "gc", "--retention", "0")
+    assert code == 0 and "bot@1" in out and "bot@2" in out and "would delete 2 version(s)" in out
+    code, out, _ = run(capsys, "gc", "--retention", "0", "--apply")
+    assert code == 0 and "deleted 2 version(s)" in out
+    assert not list(stored.glob("sha256/*/*"))  # both versions recorded the same files

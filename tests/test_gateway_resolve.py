@@ -60,7 +60,7 @@ async def test_alias_resolves_to_adapter_and_ext_is_forwarded():
         assert r.headers["x-loraplex-adapter"] == "sup@1"
         ext = env.sent[-1]["loraplex"]
         assert ext["adapter"] == {"id": "sup-v1", "name": "sup@1", "uri": "file:///adapters/sup/1",
-                                  "sha256": "0" * 64, "rank": 8}
+                                  "sha256": "0" * 64, "rank": 8, "base_revision": "r1"}
         assert ext["tenant"] == "acme"
         assert ext["priority"] == PRIORITY_CLASSES["high"]
         assert ext["request_id"] == r.headers["x-request-id"]

@@ -149,7 +149,7 @@ def test_redirects_are_not_followed(tmp_path, store, recorder):
 
 
 def test_bad_source_settings_fail_at_start(tmp_path):
-    for bad in ("relative/dir", "s3://bucket/", "http://u:p@host/"):
+    for bad in ("relative/dir", "ftp://host/x/", "s3://key@bucket/", "s3://bucket/a?b", "http://u:p@host/"):
         with pytest.raises(ValueError):
             SourcePolicy([bad])
 

@@ -45,8 +45,10 @@ from engine.lora.sources import (
     LocalSource,
     SourcePolicy,
     SourceRegistry,
+    StoreSource,
     read_verified,
 )
+from loraplex.adapter_store import OBJECT_SCHEMES, open_store
 from loraplex.modelinfo import ModelInfo
 from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
@@ -180,6 +182,9 @@ class AdapterManager:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load")
+        self._fetch_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-fetch")
+        """Loads that must download first: a stalled store holds these threads, never the ones that
+        load adapters already on local disk."""
         self._free = {c: list(bank.slot_ids(c)) for c in range(len(bank.rank_classes))}
         self._pin_host = bank.device.type == "cuda"
         self.on_load: Callable[[str, float], None] | None = None
@@ -195,16 +200,19 @@ class AdapterManager:
         classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
             settings.max_lora_rank,)
         bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device)
+        fetchers: list[Any] = [LocalSource(), HttpSource(max_bytes=settings.max_adapter_bytes)]
+        if settings.resolved_adapter_store().split("://", 1)[0].lower() in OBJECT_SCHEMES:
+            fetchers.append(StoreSource(open_store(settings), max_bytes=settings.max_adapter_bytes))
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
                    cache_max_bytes=settings.adapter_cache_max_bytes,
                    sources=kw.pop("sources", None) or SourceRegistry(
-                       [LocalSource(), HttpSource(max_bytes=settings.max_adapter_bytes)],
-                       policy=SourcePolicy.from_settings(settings)),
+                       fetchers, policy=SourcePolicy.from_settings(settings)),
                    limits=ConfigLimits.from_settings(settings), **kw)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
 
     # --- queries ---------------------------------------------------------------------------
     def state(self, ref: AdapterRef | str) -> AdapterState:
@@ -264,8 +272,16 @@ class AdapterManager:
         if e.error is not None and time.monotonic() - e.failed_at < self.failure_ttl_s:
             return e
         e.error = None
-        e.future = self._pool.submit(self._load_job, e)
+        pool = self._fetch_pool if self._needs_download(ref) else self._pool
+        e.future = pool.submit(self._load_job, e)
         return e
+
+    def _needs_download(self, ref: AdapterRef) -> bool:
+        try:
+            source = self.sources.for_uri(ref.uri)
+        except AdapterFetchError:
+            return False  # refused: the load fails at once
+        return source.remote and self.disk is not None and not self.disk.has(ref)
 
     def _load_job(self, e: _Entry) -> None:
         ref = e.ref
@@ -294,6 +310,10 @@ class AdapterManager:
 
     def _read(self, ref: AdapterRef) -> tuple[LoRAWeights, str, float]:
         t0 = time.perf_counter()
+        if ref.base_revision and ref.base_revision != self.model.revision:
+            raise AdapterFetchError(f"adapter {ref.name or ref.id} was registered for base revision "
+                                    f"{ref.base_revision!r}; this worker serves {self.model.name} at revision "
+                                    f"{self.model.revision!r}")
         source = self.sources.for_uri(ref.uri)
         if not source.remote:
             return self._read_dir(ref, source.fetch(ref, None)), "disk", time.perf_counter() - t0

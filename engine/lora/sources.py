@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.lora.peft import read_files
+from loraplex.adapter_store import OBJECT_SCHEMES, AdapterStore, StoreError
 from loraplex.digest import digest_contents, digest_directory
 from loraplex.peft_config import ADAPTER_FILES
 from loraplex.settings import Settings
@@ -108,6 +109,35 @@ class HttpSource:
         return dest
 
 
+class StoreSource:
+    """The configured object store (``s3://``, ``gs://``, ``az://``): GETs the version's files with the
+    store client's timeout and retries. Only URIs under the store root are fetched (the store's
+    credentials are not handed to other buckets)."""
+
+    remote = True
+
+    def __init__(self, store: AdapterStore, *, max_bytes: int = 512 * 1024 * 1024) -> None:
+        self.store = store
+        self.schemes = (uri_scheme(store.url),)
+        self.max_bytes = max_bytes
+
+    def fetch(self, ref: AdapterRef, dest: Path | None) -> Path:
+        if dest is None:
+            raise AdapterFetchError("remote adapter sources need a download directory")
+        key = self.store.key_of(ref.uri.rstrip("/") + "/")
+        if key is None:
+            raise AdapterFetchError(f"adapter uri {ref.uri!r} is not under the adapter store {self.store.url}")
+        remaining = self.max_bytes
+        for name in ADAPTER_FILES:
+            try:
+                data = self.store.read_sync(key + name, remaining)
+            except StoreError as exc:
+                raise AdapterFetchError(f"fetch of {ref.uri} failed: {exc}") from None
+            remaining -= len(data)
+            (dest / name).write_bytes(data)
+        return dest
+
+
 class SourcePolicy:
     """The URI prefixes adapters may be fetched from.
 
@@ -121,6 +151,7 @@ class SourcePolicy:
         self.prefixes = tuple(p for p in prefixes if p)
         self._dirs: list[str] = []
         self._urls: list[tuple[str, str, int, str]] = []
+        self._objects: list[str] = []
         for prefix in self.prefixes:
             scheme = uri_scheme(prefix)
             if scheme in ("", "file"):
@@ -130,8 +161,11 @@ class SourcePolicy:
                 self._dirs.append(str(path))
             elif scheme in DEFAULT_PORTS:
                 self._urls.append(_url_parts(prefix, prefix=True))
+            elif scheme in OBJECT_SCHEMES:
+                self._objects.append(_object_prefix(prefix, prefix=True))
             else:
-                raise ValueError(f"adapter source {prefix!r}: only file://, http:// and https:// are supported")
+                raise ValueError(f"adapter source {prefix!r}: only file://, http(s)://, s3://, gs:// and az:// "
+                                 f"are supported")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SourcePolicy:
@@ -153,6 +187,9 @@ class SourcePolicy:
                 got = _url_parts(uri, prefix=False)
                 return any(got[:3] == want[:3] and (got[3].rstrip("/") + "/").startswith(want[3])
                            for want in self._urls)
+            if scheme in OBJECT_SCHEMES:
+                obj = _object_prefix(uri, prefix=True)
+                return any(obj.startswith(want) for want in self._objects)
         except (AdapterFetchError, ValueError, OSError):
             return False
         return False
@@ -160,6 +197,18 @@ class SourcePolicy:
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _object_prefix(uri: str, *, prefix: bool) -> str:
+    """``scheme://bucket/path`` of an object-store URI, refusing userinfo, queries and dot segments."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username is not None or "@" in parts.netloc or parts.query or parts.fragment or not parts.netloc:
+        raise ValueError(f"{uri!r}: expected scheme://bucket/path without userinfo, query or fragment")
+    decoded = urllib.parse.unquote(parts.path)
+    if "\\" in decoded or any(seg in (".", "..") for seg in decoded.split("/")):
+        raise ValueError(f"{uri!r}: dot segments are not allowed in adapter URIs")
+    path = parts.path.rstrip("/") + "/" if prefix else parts.path
+    return f"{parts.scheme.lower()}://{parts.netloc}{path if path.startswith('/') else '/' + path}"
 
 
 def _url_parts(url: str, *, prefix: bool) -> tuple[str, str, int, str]:
@@ -274,6 +323,11 @@ class DiskCache:
         key = ref.id if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", ref.id) else (
             "h-" + hashlib.sha256(ref.id.encode()).hexdigest())
         return self.root / key
+
+    def has(self, ref: AdapterRef) -> bool:
+        """Whether a complete entry for ``ref`` is there (without marking it used)."""
+        d = self.path_for(ref)
+        return all((d / n).is_file() for n in ADAPTER_FILES)
 
     def get(self, ref: AdapterRef) -> Path | None:
         d = self.path_for(ref)
