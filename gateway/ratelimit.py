@@ -415,7 +415,7 @@ def _own_connection(redis: Any) -> Any:
     timeout: the pipeline's ``timeout_s`` bounds each round trip already, and with a socket
     timeout redis-py wraps every send in ``asyncio.wait_for`` (a task each on Python 3.11) and
     every read in a timeout context, which cost more CPU than the rest of the round trip
-    (docs/DESIGN.md, "Rate limits"). A connection error or a cut-short round trip disconnects
+    (docs/DESIGN.md, "Gateway"). A connection error or a cut-short round trip disconnects
     it; the next round trip connects again."""
     pool = redis.connection_pool
     return pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
