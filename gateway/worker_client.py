@@ -142,7 +142,7 @@ class WorkerClient:
 
         aiohttp's request, connector and response used directly, as ``ClientSession.request``
         does after its per-request set-up (timeouts, cookies, redirects, tracing, middlewares),
-        none of which a call to a worker uses: that set-up was about a third of the client's
+        none of which a call to a worker uses: that set-up was about a fifth of the client's
         CPU per request (docs/DESIGN.md, "Gateway"). pyproject.toml pins aiohttp's minor version."""
         session = self._current()
         target = self._urls.get(url)
