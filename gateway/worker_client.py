@@ -133,8 +133,8 @@ class WorkerClient:
                     return resp.status, await resp.read()
                 finally:
                     resp.close()
-        except TimeoutError:
-            raise WorkerBroke(f"no answer within {timeout_s:g} s") from None
+        except TimeoutError:  # ``timeout_s`` expired (the exchange maps its own timeouts)
+            raise WorkerBroke(f"no answer within {timeout_s or 0:g} s") from None
 
     async def exchange(self, method: str, url: str, body: bytes | None,
                        headers: Mapping[str, str]) -> WorkerResponse:
