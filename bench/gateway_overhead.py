@@ -22,7 +22,8 @@ each run).
 Comparison (non-streamed, ``--compare-concurrency``, ``--repeats`` rounds in alternation,
 each side with its own stub worker, measured direct and through the proxy in every round):
 
-* ``--baseline REF`` (or ``LORAPLEX_BENCH_BASELINE``): ``git archive REF`` into a temporary
+* ``--baseline REF``, repeatable (or ``LORAPLEX_BENCH_BASELINE``, comma-separated; the first is
+  the bar's reference): ``git archive REF`` into a temporary
   directory and run that version's gateway with this venv's interpreter (``PYTHONPATH`` = the
   export) and its own registry. Versions older than the worker secret send none: its stub runs
   with ``--no-secret-check``.
@@ -66,6 +67,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -477,7 +479,7 @@ def run_comparison(sides: list[Side], concurrency: int, seconds: float, repeats:
             "runs": runs}
 
 
-def print_comparison(cmp: dict, now: str, baseline: str | None, litellm: str | None) -> dict:
+def print_comparison(cmp: dict, now: str, baselines: list[str], litellm: str | None) -> dict:
     sides = cmp["sides"]
     print(f"\nnon-streamed, concurrency {cmp['concurrency']}, {cmp['repeats']} x {cmp['seconds_per_run']:g} s per side")
     hdr = (f"{'side':<26} | {'req/s':>8} | {'+p50 ms':>8} | {'+p99 ms':>8} | {'CPU ms/req':>10} | {'non-200':>7}")
@@ -486,11 +488,15 @@ def print_comparison(cmp: dict, now: str, baseline: str | None, litellm: str | N
     for name, s in sides.items():
         print(f"{name:<26} | {s['rps']:>8.0f} | {s['added_p50_ms']:>8.2f} | {s['added_p99_ms']:>8.2f} |"
               f" {s['cpu_ms_per_req']:>10.3f} | {s['non_200']:>7}")
-    ratios: dict[str, float] = {}
+    ratios: dict[str, Any] = {}
     cpu_now = sides[now]["cpu_ms_per_req"]
-    if baseline:
-        ratios["cpu_now_over_baseline"] = cpu_now / sides[baseline]["cpu_ms_per_req"]
-        print(f"CPU per request, {now} / {baseline}: {ratios['cpu_now_over_baseline']:.2f}x (bar: <= 1.5x)")
+    for i, baseline in enumerate(baselines):
+        ratio = cpu_now / sides[baseline]["cpu_ms_per_req"]
+        if i == 0:
+            ratios["cpu_now_over_baseline"] = ratio
+        ratios.setdefault("cpu_now_over_each_baseline", {})[baseline] = ratio
+        bar = " (bar: <= 1.5x)" if i == 0 else ""
+        print(f"CPU per request, {now} / {baseline}: {ratio:.2f}x{bar}")
     if litellm:
         ratios["cpu_litellm_over_now"] = sides[litellm]["cpu_ms_per_req"] / cpu_now
         print(f"CPU per request, {litellm} / {now}: {ratios['cpu_litellm_over_now']:.0f}x (bar: >= 40x)")
@@ -505,14 +511,17 @@ def main() -> int:
     ap.add_argument("--no-access-log", action="store_true",
                     help="turn the per-request log line off (default: on, written to /dev/null)")
     ap.add_argument("--skip-matrix", action="store_true", help="only the comparison (needs --baseline/--litellm)")
-    ap.add_argument("--baseline", default=os.environ.get("LORAPLEX_BENCH_BASELINE", ""),
-                    help="git ref whose gateway is measured beside this tree's (e.g. 4946e5a)")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="git ref whose gateway is measured beside this tree's (e.g. 4946e5a); repeat it to "
+                         "measure several (the first is the bar's reference)")
     ap.add_argument("--litellm", default=os.environ.get("LITELLM_PYTHON", ""),
                     help="python of a venv with litellm[proxy]; its proxy is measured beside ours")
     ap.add_argument("--compare-concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="comparison rounds over every side")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    if not args.baseline and os.environ.get("LORAPLEX_BENCH_BASELINE"):
+        args.baseline = os.environ["LORAPLEX_BENCH_BASELINE"].split(",")
     if args.skip_matrix and not (args.baseline or args.litellm):
         ap.error("--skip-matrix needs --baseline or --litellm")
 
@@ -532,19 +541,21 @@ def main() -> int:
         now.info = {"commit": head, "uncommitted_changes": bool(dirty)}
         if not args.skip_matrix:
             results = run_matrix(now, levels, args.seconds, args.procs)
-        baseline = litellm = None
-        if args.baseline:
-            ref = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True,
+        baselines: list[Side] = []
+        litellm = None
+        for name in args.baseline:
+            ref = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", name], check=True,
                                  capture_output=True, text=True).stdout.strip()
             tree = export_tree(ref, tmp / f"baseline-{ref}")
             baseline = start_loraplex(f"loraplex {ref}", "baseline", tree, tmp, secret_check=False,
                                       access_log=not args.no_access_log)
-            baseline.info = {"ref": args.baseline, "commit": ref}
+            baseline.info = {"ref": name, "commit": ref}
             sides.append(baseline)
+            baselines.append(baseline)
         if args.litellm:
             litellm = start_litellm(args.litellm, tmp)
             sides.append(litellm)
-        if baseline or litellm:
+        if baselines or litellm:
             comparison = run_comparison(sides, args.compare_concurrency, args.seconds, args.repeats, args.procs)
     finally:
         for side in sides:
@@ -564,7 +575,7 @@ def main() -> int:
                   f" {row['added_p50_ms']:>7.2f} {row['added_p99_ms']:>7.2f} | {g['gateway_cpu_ms_per_req']:>13.3f}"
                   f" | {d['non_200'] + g['non_200']:>7}")
     if comparison is not None:
-        comparison["ratios"] = print_comparison(comparison, sides[0].name, baseline.name if baseline else None,
+        comparison["ratios"] = print_comparison(comparison, sides[0].name, [b.name for b in baselines],
                                                 litellm.name if litellm else None)
     out = {"benchmark": "gateway_overhead", "seconds_per_run": args.seconds, "loadgen_procs": args.procs,
            "cpus": os.cpu_count(), "python": platform.python_version(), "access_log": not args.no_access_log,

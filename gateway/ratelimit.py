@@ -16,7 +16,7 @@ per-minute limit). Concurrency slots are lease ids in a sorted set scored by exp
 pruned on every acquire, so a gateway that dies holding slots loses them by itself.
 
 ``RedisLimiter`` keeps the state in Redis and does each step in one atomic Lua script,
-sent through ``redis.asyncio``: the calls of one event-loop step go out as one pipeline; when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
+sent through ``redis.asyncio``: the calls of one event-loop step go out in one round trip; when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
 ``open``) or refuses with 503 (fail mode ``closed``), and goes back to Redis when it
 answers again. ``LocalLimiter`` alone is the embedded default (no ``redis_url``).
 A limit of 0 means unlimited.
@@ -277,8 +277,8 @@ class _Call:
 
 
 class _StepPipeline:
-    """Sends the script calls made in one event-loop step as one redis-py pipeline
-    (``transaction=False``: one round trip), calls of one script with the same keys and
+    """Sends the script calls made in one event-loop step in one round trip on a redis-py
+    connection of its own (``_own_connection``), calls of one script with the same keys and
     leading arguments joined into one (``_Call``).
 
     One pipeline is in flight at a time and calls queued meanwhile go in the next, so Redis
@@ -294,9 +294,15 @@ class _StepPipeline:
         self.scripts = scripts
         self.timeout_s = timeout_s
         self.on_failure = on_failure
-        from redis.exceptions import NoScriptError  # lazy: the embedded gateway never loads redis
+        from redis.exceptions import (  # lazy: the embedded gateway never loads redis
+            NoScriptError,
+            ResponseError,
+        )
 
         self._noscript = NoScriptError
+        self._response_error = ResponseError
+        self._conn: Any = None
+        """The pipeline's own connection (``_own_connection``), made on first use."""
         self._queue: list[_Call] = []
         self._open: dict[tuple[Any, ...], _Call] = {}
         """Calls still taking company (until the queue is sent)."""
@@ -379,10 +385,19 @@ class _StepPipeline:
         return await self._execute_commands([(*c.head, " ".join(c.parts).encode()) for c in calls])
 
     async def _execute_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        pipe = self.redis.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        return await pipe.execute(raise_on_error=False)
+        """One round trip: ``commands`` written at once, their replies read in order (an error
+        reply in its place, like a pipeline's ``raise_on_error=False``)."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = _own_connection(self.redis)
+        await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await conn.read_response())
+            except self._response_error as exc:
+                replies.append(exc)
+        return replies
 
     async def close(self) -> None:
         """Send what is still queued (settlements waiting for company) and wait for it."""
@@ -390,6 +405,20 @@ class _StepPipeline:
             self._kick(0.0)
         if self._sender is not None:
             await asyncio.shield(self._sender)
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await conn.disconnect()
+
+
+def _own_connection(redis: Any) -> Any:
+    """A connection of the pipeline's own, with the settings of ``redis``'s pool but no socket
+    timeout: the pipeline's ``timeout_s`` bounds each round trip already, and with a socket
+    timeout redis-py wraps every send in ``asyncio.wait_for`` (a task each on Python 3.11) and
+    every read in a timeout context, which cost more CPU than the rest of the round trip
+    (docs/DESIGN.md, "Gateway"). A connection error or a cut-short round trip disconnects
+    it; the next round trip connects again."""
+    pool = redis.connection_pool
+    return pool.connection_class(**{**pool.connection_kwargs, "socket_timeout": None})
 
 
 class RedisLimiter:

@@ -1,4 +1,4 @@
-"""The gateway's one HTTP client to its workers: a pooled aiohttp session.
+"""The gateway's one HTTP client to its workers: aiohttp's requests over a pooled session's connector.
 
 Every call to a worker (completions, the activation probe, the tokenizer fetch) goes
 through ``WorkerClient``, which sends the worker secret, keeps connections alive and
@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
 
 import aiohttp
+from aiohttp.helpers import TimerNoop
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -120,40 +121,66 @@ class WorkerClient:
         the awaiting request's coroutine chain is a frame shorter on every resume."""
         headers = self._headers.copy()
         headers[HDR_REQUEST_ID] = request_id
-        return self.exchange("POST", url, body, headers, None)
+        return self.exchange("POST", url, body, headers)
 
     async def call(self, method: str, url: str, *, body: bytes | None = None,
                    timeout_s: float | None = None) -> tuple[int, bytes]:
         """A whole exchange (control calls: probe, tokenizer): (status, body)."""
-        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s,
-                                                                        sock_connect=self.connect_timeout_s)
-        resp = await self.exchange(method, url, body, self._headers, timeout)
         try:
-            return resp.status, await resp.read()
-        finally:
-            resp.close()
+            async with asyncio.timeout(timeout_s):
+                resp = await self.exchange(method, url, body, self._headers)
+                try:
+                    return resp.status, await resp.read()
+                finally:
+                    resp.close()
+        except TimeoutError:  # ``timeout_s`` expired (the exchange maps its own timeouts)
+            raise WorkerBroke(f"no answer within {timeout_s or 0:g} s") from None
 
-    async def exchange(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str],
-                       deadline: aiohttp.ClientTimeout | None) -> WorkerResponse:
-        """The one place a request leaves the gateway (the seam a test double replaces)."""
+    async def exchange(self, method: str, url: str, body: bytes | None,
+                       headers: Mapping[str, str]) -> WorkerResponse:
+        """The one place a request leaves the gateway (the seam a test double replaces).
+
+        aiohttp's request, connector and response used directly, as ``ClientSession.request``
+        does after its per-request set-up (timeouts, cookies, redirects, tracing, middlewares),
+        none of which a call to a worker uses: that set-up was about a fifth of the client's
+        CPU per request (docs/DESIGN.md, "Gateway"). pyproject.toml pins aiohttp's minor version."""
         session = self._current()
         target = self._urls.get(url)
         if target is None:
             if len(self._urls) >= 4096:
                 self._urls.clear()
             target = self._urls[url] = URL(url)
+        connector = session.connector
+        assert connector is not None
         for attempt in (0, 1):
+            req = aiohttp.ClientRequest(method, target, headers=headers, data=body, loop=self._loop,
+                                        session=session, timer=_NO_TIMER)
             try:
-                resp = await session.request(method, target, data=body, headers=headers, allow_redirects=False,
-                                              timeout=deadline or self.timeout)
+                conn = await connector.connect(req, traces=[], timeout=self.timeout)
+            except (aiohttp.ClientConnectorError, TimeoutError) as exc:  # sock_connect expired: TimeoutError
+                raise WorkerUnreachable(_why(exc)) from None
+            except aiohttp.ClientError as exc:
+                raise WorkerBroke(_why(exc)) from None
+            assert conn.protocol is not None
+            conn.protocol.set_response_params(timer=_NO_TIMER, auto_decompress=False)
+            try:
+                resp = await req.send(conn)
+                try:
+                    await resp.start(conn)
+                except BaseException:
+                    resp.close()
+                    raise
             except aiohttp.ServerDisconnectedError:
+                conn.close()
                 if attempt == 0:
                     continue  # a pooled connection the worker had just closed: once more, fresh
                 raise WorkerBroke("the worker closed the connection without answering") from None
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                raise WorkerUnreachable(_why(exc)) from None
             except (aiohttp.ClientError, TimeoutError) as exc:
+                conn.close()
                 raise WorkerBroke(_why(exc)) from None
+            except BaseException:
+                conn.close()
+                raise
             return Exchange(resp)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -161,6 +188,10 @@ class WorkerClient:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+_NO_TIMER = TimerNoop()
+"""No per-request timer: a completion's deadline is the gateway's, a control call's ``call``'s."""
 
 
 def _why(exc: BaseException) -> str:

@@ -173,6 +173,7 @@ async def test_redis_outage_falls_back_to_local_and_recovers(redis_url, redis_pr
         await lim.settle(d.lease, 50)  # a lease taken during the outage settles locally
         await lim.settle(d2.lease, 50)
     finally:
+        await lim.close()
         await r.aclose()
         with contextlib.suppress(Exception):
             await proxy.stop()
@@ -365,34 +366,26 @@ async def test_settlements_not_waited_for_turn_to_the_fallback_when_redis_fails(
             await proxy.stop()
 
 
-class CountingRedis:
-    """A ``redis.asyncio`` client that counts the pipelines sent through it (round trips)
-    and how many were in flight at once at most."""
+class RoundTrips:
+    """Counts the round trips a limiter's pipeline makes to Redis and how many were in flight
+    at once at most."""
 
-    def __init__(self, redis) -> None:
-        self.redis = redis
-        self.pipelines = 0
+    def __init__(self, pipe) -> None:
+        self.count = 0
         self.in_flight = 0
         self.most_in_flight = 0
+        execute = pipe._execute_commands
 
-    def register_script(self, script):
-        return self.redis.register_script(script)
-
-    def pipeline(self, transaction=True):
-        self.pipelines += 1
-        pipe = self.redis.pipeline(transaction=transaction)
-        execute = pipe.execute
-
-        async def counted(**kw):
+        async def counted(commands):
+            self.count += 1
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
-                return await execute(**kw)
+                return await execute(commands)
             finally:
                 self.in_flight -= 1
 
-        pipe.execute = counted
-        return pipe
+        pipe._execute_commands = counted
 
 
 async def test_gateway_client_parses_with_hiredis(redis_url):
@@ -409,20 +402,20 @@ async def test_gateway_client_parses_with_hiredis(redis_url):
 
 
 async def test_calls_of_one_step_share_one_round_trip_and_settlements_go_first(redis_url, redis_prefix):
-    r = aioredis.from_url(redis_url)
-    counting = CountingRedis(r)
-    lim = RedisLimiter(counting, redis_prefix)
+    r = aioredis.from_url(redis_url, socket_timeout=0.5)
+    lim = RedisLimiter(r, redis_prefix)
+    counting = RoundTrips(lim._pipe)
     limits = Limits(tokens_per_min=1000, max_concurrent=3)
     try:
         got = await asyncio.gather(*[lim.acquire(t, limits, 100, 30) for t in ("a", "a", "a", "b")])
-        assert all(d.allowed for d in got) and counting.pipelines == 1
+        assert all(d.allowed for d in got) and counting.count == 1
         # Settlements wait for company: they ride along with the next acquire, ahead of it.
         for d in got[:3]:
             lim.settle_nowait(d.lease, 10)
         await asyncio.sleep(0)
-        assert counting.pipelines == 1
+        assert counting.count == 1
         d = await lim.acquire("a", limits, 100, 30)
-        assert counting.pipelines == 2
+        assert counting.count == 2
         assert d.allowed and int(d.headers["x-ratelimit-remaining-tokens"]) == 1000 - 3 * 10 - 100
         # Calls made while a pipeline is in flight go in the next one, in order.
         first = asyncio.ensure_future(lim.acquire("a", limits, 100, 30))
@@ -432,13 +425,13 @@ async def test_calls_of_one_step_share_one_round_trip_and_settlements_go_first(r
         lim.settle_nowait(d.lease, 10)
         second = asyncio.ensure_future(lim.acquire("a", limits, 100, 30))
         a, b = await first, await second
-        assert counting.pipelines == 4
+        assert counting.count == 4
         assert int(a.headers["x-ratelimit-remaining-tokens"]) == 1000 - 3 * 10 - 2 * 100
         assert int(b.headers["x-ratelimit-remaining-tokens"]) == 1000 - 4 * 10 - 2 * 100  # d's refund first
         # A settlement nobody waits for goes out by itself within ``settle_delay_s``.
         lim.settle_nowait(a.lease, 0)
         await asyncio.sleep(lim.settle_delay_s + 0.05)
-        assert counting.pipelines == 5
+        assert counting.count == 5
         assert await r.zcard(f"{redis_prefix}:rl:a:c") == 1
         # A burst over many loop steps: never two pipelines at once (Redis runs them in order).
         leases = []
@@ -451,8 +444,41 @@ async def test_calls_of_one_step_share_one_round_trip_and_settlements_go_first(r
             leases.append(d.lease)
 
         await asyncio.gather(*[request(n % 7) for n in range(50)])
-        assert len(leases) == 50 and counting.most_in_flight == 1 and 5 < counting.pipelines < 50
+        assert len(leases) == 50 and counting.most_in_flight == 1 and 5 < counting.count < 50
     finally:
+        await lim.close()
+        await r.aclose()
+
+
+async def test_round_trips_skip_the_socket_timeout_and_keep_the_clients_database(redis_url, redis_prefix,
+                                                                                 monkeypatch):
+    # With a socket timeout redis-py wraps every send in ``asyncio.wait_for``: the pipeline's
+    # own connection has none (its round trips have their own deadline) and the pool's other
+    # settings, here the database.
+    r = aioredis.from_url(redis_url.rsplit("/", 1)[0] + "/3", socket_timeout=0.5)
+    lim = RedisLimiter(r, redis_prefix)
+    waits = []
+    wait_for = asyncio.wait_for
+
+    def counted(aw, timeout):
+        waits.append(timeout)
+        return wait_for(aw, timeout)
+
+    try:
+        monkeypatch.setattr(asyncio, "wait_for", counted)
+        for _ in range(3):
+            d = await lim.acquire("acme", Limits(requests_per_min=100), 1, 30)
+            assert d.allowed and d.lease.backend is lim
+            await lim.settle(d.lease, 1)
+        monkeypatch.undo()
+        assert not waits and lim._pipe._conn.socket_timeout is None
+        assert await r.exists(f"{redis_prefix}:rl:acme")
+        db0 = aioredis.from_url(redis_url)
+        assert not await db0.exists(f"{redis_prefix}:rl:acme")
+        await db0.aclose()
+    finally:
+        monkeypatch.undo()
+        await r.delete(f"{redis_prefix}:rl:acme", f"{redis_prefix}:rl:acme:c")
         await lim.close()
         await r.aclose()
 

@@ -174,3 +174,20 @@ async def test_failures_are_unreachable_or_broke():
         with pytest.raises(WorkerBroke):
             await client.post(srv.url + "/", b"{}", "r")
     await client.close()
+
+
+async def test_a_control_call_that_gets_no_answer_times_out_as_broke():
+    async def silent(srv, reader, writer):
+        await srv.read_request(reader)
+        await asyncio.sleep(10)
+
+    client = WorkerClient(DEV_WORKER_SECRET)
+    try:
+        async with RawServer(silent) as srv:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(WorkerBroke, match=r"no answer within 0\.3 s"):
+                await client.call("GET", srv.url + "/probe", timeout_s=0.3)
+            assert loop.time() - t0 < 5.0 and len(srv.heads) == 1
+    finally:
+        await client.close()

@@ -5,7 +5,6 @@ building, retries and error handling run unchanged, only the bytes stay in the p
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 import httpx
 
@@ -37,8 +36,7 @@ class TransportWorkerClient(WorkerClient):
         super().__init__(secret)
         self.client = httpx.AsyncClient(transport=transport)
 
-    async def exchange(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str],
-                       deadline: Any) -> WorkerResponse:
+    async def exchange(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str]) -> WorkerResponse:
         try:
             r = await self.client.request(method, url, content=body, headers=dict(headers))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
