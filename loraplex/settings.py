@@ -67,7 +67,14 @@ class Settings:
     )
     """Projections an adapter may target; admission refuses others."""
     registry_refresh_s: float = 30.0
-    """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
+    """Safety-net refresh of the reader-side snapshot (changes are pushed sooner); a delta from the
+    audit log, so cheap at any registry size."""
+    registry_stall_s: float = 15.0
+    """A snapshot load fails when the database sends nothing for this long (there is no limit on a
+    load that keeps receiving rows: a large registry is never cut off by design)."""
+    registry_max_staleness_s: float = 0.0
+    """Readiness fails while the held snapshot has not been confirmed current for this long
+    (refreshes failing); 0 disables the check. Requests are still served from it."""
 
     # --- auth ----------------------------------------------------------------------------
     jwt_secret: str = DEV_JWT_SECRET

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AdapterVersionView:
     id: str
     """Stable version id: the routing key and the engine's cache key."""
@@ -28,7 +28,7 @@ class AdapterVersionView:
         return f"{self.name}@{self.version}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BindingView:
     alias: str
     active: AdapterVersionView | None
@@ -40,7 +40,7 @@ class BindingView:
     base_model: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TenantView:
     slug: str
     status: str
@@ -55,14 +55,14 @@ class TenantView:
         return self.status == "active"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BaseModelView:
     name: str
     revision: str
     architecture: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RegistrySnapshot:
     version: int
     tenants: dict[str, TenantView] = field(default_factory=dict)

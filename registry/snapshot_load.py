@@ -1,0 +1,196 @@
+"""Reading a ``RegistrySnapshot`` from the database: a full load, or a delta on a held snapshot.
+
+Both run inside one REPEATABLE READ transaction (a consistent picture at one version) and
+read only the columns the snapshot holds (no JSON columns: decoding them was most of the cost).
+
+* ``load_full``: tenants, bindings and the adapter versions a binding routes to (active or
+  canary), streamed in partitions from a server-side cursor; the loop gets a turn between
+  partitions, so request handling never waits for a whole registry to be built.
+* ``load_delta``: the audit log since the held version names what changed; only those tenants
+  (and the tenants whose bindings route to a changed adapter version) are read again. Every
+  other ``TenantView`` is shared with the held snapshot. Returns None when the audit log
+  cannot account for every version in between (a gap): the caller then loads in full.
+
+Neither has a fixed time limit: a load fails only when the database sends nothing for
+``stall_s`` seconds, so a large registry is never cut off by design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Select, or_, select, union
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, RegistryState, Tenant
+from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, RegistrySnapshot, TenantView
+
+PARTITION = 500
+"""Rows per partition of the full load (the loop gets a turn after each)."""
+DELTA_MAX_TARGETS = 2000
+"""More changed rows than this since the held version: a full load is cheaper than a delta."""
+IN_CHUNK = 1000
+"""Keys per ``IN (...)`` list (SQLite allows 32766 bound parameters, asyncpg 32767)."""
+
+_TENANT_COLS = (Tenant.slug, Tenant.status, Tenant.requests_per_min, Tenant.tokens_per_min,
+                Tenant.max_concurrent, Tenant.priority)
+_BINDING_COLS = (Binding.tenant, Binding.alias, Binding.active_id, Binding.canary_id, Binding.canary_percent,
+                 Binding.enabled, Binding.on_disabled, Binding.base_model)
+_VERSION_COLS = (AdapterVersion.id, AdapterVersion.name, AdapterVersion.version, AdapterVersion.base_model,
+                 AdapterVersion.uri, AdapterVersion.sha256, AdapterVersion.rank, AdapterVersion.alpha,
+                 AdapterVersion.status)
+_EMPTY: dict[str, BindingView] = {}
+"""Shared by every tenant without bindings (snapshot views are never mutated)."""
+
+_intern = sys.intern
+
+
+class LoadStalled(TimeoutError):
+    """The database sent nothing for ``stall_s`` seconds during a snapshot load."""
+
+
+async def _rows(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> AsyncIterator[Sequence[Any]]:
+    """Partitions of ``stmt``'s rows from a server-side cursor; each must arrive within ``stall_s``."""
+    try:
+        async with asyncio.timeout(stall_s):
+            result = await conn.stream(stmt.execution_options(yield_per=PARTITION))
+        parts = result.partitions(PARTITION).__aiter__()
+        while True:
+            async with asyncio.timeout(stall_s):
+                try:
+                    part = await parts.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield part
+    except TimeoutError:
+        raise LoadStalled(f"the registry database sent no rows for {stall_s:g} s") from None
+
+
+async def _all(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> list[Any]:
+    try:
+        async with asyncio.timeout(stall_s):
+            return list(await conn.execute(stmt))
+    except TimeoutError:
+        raise LoadStalled(f"the registry database did not answer for {stall_s:g} s") from None
+
+
+def _version_view(r: Any) -> AdapterVersionView:
+    return AdapterVersionView(id=r[0], name=_intern(r[1]), version=r[2], base_model=_intern(r[3]), uri=r[4],
+                              sha256=r[5], rank=r[6], alpha=float(r[7]), status=_intern(r[8]))
+
+
+def _binding_view(r: Any, versions: dict[str, AdapterVersionView]) -> BindingView:
+    canary = versions.get(r[3]) if r[3] else None
+    return BindingView(alias=_intern(r[1]), active=versions.get(r[2]), canary=canary,
+                       canary_percent=float(r[4]) if canary else 0.0, enabled=bool(r[5]),
+                       on_disabled=_intern(r[6]), base_model=_intern(r[7]))  # type: ignore[arg-type]
+
+
+def _tenant_view(r: Any, bindings: dict[str, BindingView] | None) -> TenantView:
+    return TenantView(slug=r[0], status=_intern(r[1]), requests_per_min=r[2], tokens_per_min=r[3],
+                      max_concurrent=r[4], priority=_intern(r[5]), bindings=bindings or _EMPTY)
+
+
+async def _version(conn: AsyncConnection, stall_s: float) -> int:
+    rows = await _all(conn, select(RegistryState.version).where(RegistryState.id == 1), stall_s)
+    return int(rows[0][0])
+
+
+async def _base_models(conn: AsyncConnection, stall_s: float) -> dict[str, BaseModelView]:
+    rows = await _all(conn, select(BaseModelRow.name, BaseModelRow.revision, BaseModelRow.architecture), stall_s)
+    return {r[0]: BaseModelView(name=r[0], revision=r[1], architecture=r[2]) for r in rows}
+
+
+async def load_full(conn: AsyncConnection, stall_s: float = 15.0) -> RegistrySnapshot:
+    """The whole registry at one version (run inside a REPEATABLE READ transaction)."""
+    version = await _version(conn, stall_s)
+    routed = union(select(Binding.active_id.label("id")),
+                   select(Binding.canary_id.label("id")).where(Binding.canary_id.is_not(None))).subquery()
+    versions: dict[str, AdapterVersionView] = {}
+    async for part in _rows(conn, select(*_VERSION_COLS).where(AdapterVersion.id.in_(select(routed.c.id))),
+                            stall_s):
+        for r in part:
+            versions[r[0]] = _version_view(r)
+        await asyncio.sleep(0)
+    bindings: dict[str, dict[str, BindingView]] = {}
+    async for part in _rows(conn, select(*_BINDING_COLS), stall_s):
+        for r in part:
+            by_alias = bindings.get(r[0])
+            if by_alias is None:
+                by_alias = bindings[r[0]] = {}
+            by_alias[_intern(r[1])] = _binding_view(r, versions)
+        await asyncio.sleep(0)
+    tenants: dict[str, TenantView] = {}
+    async for part in _rows(conn, select(*_TENANT_COLS), stall_s):
+        for r in part:
+            tenants[r[0]] = _tenant_view(r, bindings.get(r[0]))
+        await asyncio.sleep(0)
+    return RegistrySnapshot(version=version, tenants=tenants, base_models=await _base_models(conn, stall_s))
+
+
+def _chunks(keys: Iterable[str]) -> Iterable[list[str]]:
+    batch = sorted(keys)
+    for i in range(0, len(batch), IN_CHUNK):
+        yield batch[i:i + IN_CHUNK]
+
+
+async def load_delta(conn: AsyncConnection, held: RegistrySnapshot,
+                     stall_s: float = 15.0) -> RegistrySnapshot | None:
+    """``held`` brought up to the current version, or None when only a full load can (a gap)."""
+    version = await _version(conn, stall_s)
+    if version == held.version:
+        return held
+    if version < held.version:
+        return None  # the registry went back in time (restored or recreated): start over
+    changes = await _all(conn, select(AuditEntry.registry_version, AuditEntry.target)
+                         .where(AuditEntry.registry_version > held.version,
+                                AuditEntry.registry_version <= version)
+                         .limit(DELTA_MAX_TARGETS + 1), stall_s)
+    if len(changes) > DELTA_MAX_TARGETS or {r[0] for r in changes} != set(range(held.version + 1, version + 1)):
+        return None
+    tenants: set[str] = set()
+    adapters: set[str] = set()
+    base_models = False
+    for _, target in changes:
+        kind, _, key = target.partition(":")
+        if kind == "tenant":
+            tenants.add(key)
+        elif kind == "binding":
+            tenants.add(key.partition("/")[0])
+        elif kind == "adapter":
+            adapters.add(key)
+        elif kind == "base_model":
+            base_models = True
+        else:
+            return None  # a change this reader does not know how to apply
+    for ids in _chunks(adapters):  # a changed version shows in every binding routing to it
+        rows = await _all(conn, select(Binding.tenant).distinct()
+                          .where(or_(Binding.active_id.in_(ids), Binding.canary_id.in_(ids))), stall_s)
+        tenants.update(r[0] for r in rows)
+    out = dict(held.tenants)
+    for slugs in _chunks(tenants):
+        await _reread(conn, slugs, out, stall_s)
+    return RegistrySnapshot(version=version, tenants=out,
+                            base_models=await _base_models(conn, stall_s) if base_models else held.base_models)
+
+
+async def _reread(conn: AsyncConnection, slugs: list[str], out: dict[str, TenantView], stall_s: float) -> None:
+    brows = await _all(conn, select(*_BINDING_COLS).where(Binding.tenant.in_(slugs)), stall_s)
+    ids = {r[2] for r in brows} | {r[3] for r in brows if r[3]}
+    versions: dict[str, AdapterVersionView] = {}
+    for chunk in _chunks(ids):
+        for r in await _all(conn, select(*_VERSION_COLS).where(AdapterVersion.id.in_(chunk)), stall_s):
+            versions[r[0]] = _version_view(r)
+    bindings: dict[str, dict[str, BindingView]] = {}
+    for r in brows:
+        bindings.setdefault(r[0], {})[_intern(r[1])] = _binding_view(r, versions)
+    found = {r[0]: r for r in await _all(conn, select(*_TENANT_COLS).where(Tenant.slug.in_(slugs)), stall_s)}
+    for slug in slugs:
+        row = found.get(slug)
+        if row is None:
+            out.pop(slug, None)
+        else:
+            out[slug] = _tenant_view(row, bindings.get(slug))
