@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -411,6 +413,7 @@ def canary_set(a: argparse.Namespace) -> int:
             except AdminError as exc:
                 if exc.status != 412 or attempt == CONDITIONAL_TRIES - 1:
                     raise
+                time.sleep(random.uniform(0, 0.02 * (attempt + 1)))  # let the other writer finish
     _show(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
     return 0
 
