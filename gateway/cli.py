@@ -85,6 +85,8 @@ def _gateway(args: argparse.Namespace) -> int:
         access.addHandler(BufferedLines(sys.stderr))
         access.propagate = False
     app = create_app(settings)
+    if hasattr(app.gateway.snapshots, "freeze_gc"):  # the live registry: its snapshot out of the GC's walk too
+        app.gateway.snapshots.freeze_gc = True
     servers = gateway_servers(app, settings)
     tune_gc()
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 
@@ -65,6 +66,11 @@ class SnapshotCache:
         """Successful loads by kind (a delta with no change counts too)."""
         self.last_load_s = 0.0
         """Seconds the last successful load took."""
+        self.freeze_gc = False
+        """After each full load, move every tracked object out of the cyclic collector's view
+        (``gc.freeze``). For a serving process: snapshot views hold no cycles (refcounting frees
+        them when replaced), and otherwise every full collection walks every tenant (0.2-0.9 s
+        at 100k tenants, a stall of every request). Off by default: it is process-wide."""
 
     @property
     def current(self) -> RegistrySnapshot:
@@ -176,6 +182,8 @@ class SnapshotCache:
                          len(snap.tenants), self.last_load_s)
             if held is None or snap.version >= held.version:
                 self._current = snap
+            if kind == "full" and self.freeze_gc:
+                gc.freeze()
             async with self._changed:
                 self._changed.notify_all()
             return self.current
