@@ -22,8 +22,9 @@ import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Select, or_, select, union
+from sqlalchemy import Select, and_, bindparam, or_, select, union
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.orm import aliased
 
 from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, RegistryState, Tenant
 from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, RegistrySnapshot, TenantView
@@ -69,10 +70,11 @@ async def _rows(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> Asy
         raise LoadStalled(f"the registry database sent no rows for {stall_s:g} s") from None
 
 
-async def _all(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> list[Any]:
+async def _all(conn: AsyncConnection, stmt: Select[Any], stall_s: float,
+               params: dict[str, Any] | None = None) -> list[Any]:
     try:
         async with asyncio.timeout(stall_s):
-            return list(await conn.execute(stmt))
+            return list(await conn.execute(stmt, params))
     except TimeoutError:
         raise LoadStalled(f"the registry database did not answer for {stall_s:g} s") from None
 
@@ -139,17 +141,18 @@ def _chunks(keys: Iterable[str]) -> Iterable[list[str]]:
 
 async def load_delta(conn: AsyncConnection, held: RegistrySnapshot,
                      stall_s: float = 15.0) -> RegistrySnapshot | None:
-    """``held`` brought up to the current version, or None when only a full load can (a gap)."""
-    version = await _version(conn, stall_s)
+    """``held`` brought up to the current version, or None when only a full load can (a gap).
+
+    A change to one tenant costs two queries: the version with the audit rows since ``held``,
+    and the tenant with its bindings and their versions."""
+    rows = await _all(conn, _CHANGES, stall_s, {"held": held.version})
+    version = int(rows[0][0])
     if version == held.version:
         return held
     if version < held.version:
         return None  # the registry went back in time (restored or recreated): start over
-    changes = await _all(conn, select(AuditEntry.registry_version, AuditEntry.target)
-                         .where(AuditEntry.registry_version > held.version,
-                                AuditEntry.registry_version <= version)
-                         .limit(DELTA_MAX_TARGETS + 1), stall_s)
-    if len(changes) > DELTA_MAX_TARGETS or {r[0] for r in changes} != set(range(held.version + 1, version + 1)):
+    changes = [(r[1], r[2]) for r in rows if r[1] is not None]
+    if len(rows) > DELTA_MAX_TARGETS or {r[0] for r in changes} != set(range(held.version + 1, version + 1)):
         return None
     tenants: set[str] = set()
     adapters: set[str] = set()
@@ -177,19 +180,41 @@ async def load_delta(conn: AsyncConnection, held: RegistrySnapshot,
                             base_models=await _base_models(conn, stall_s) if base_models else held.base_models)
 
 
+_ACTIVE = aliased(AdapterVersion)
+_CANARY = aliased(AdapterVersion)
+_REREAD_COLS = (*_TENANT_COLS, *_BINDING_COLS, *(getattr(_ACTIVE, c.key) for c in _VERSION_COLS),
+                *(getattr(_CANARY, c.key) for c in _VERSION_COLS))
+_T, _B, _V = len(_TENANT_COLS), len(_BINDING_COLS), len(_VERSION_COLS)
+# Built once: composing a statement of this many columns costs more CPU than running it.
+_REREAD = (select(*_REREAD_COLS).select_from(Tenant)
+           .outerjoin(Binding, Binding.tenant == Tenant.slug)
+           .outerjoin(_ACTIVE, _ACTIVE.id == Binding.active_id)
+           .outerjoin(_CANARY, _CANARY.id == Binding.canary_id)
+           .where(Tenant.slug.in_(bindparam("slugs", expanding=True))))
+_CHANGES = (select(RegistryState.version, AuditEntry.registry_version, AuditEntry.target)
+            .select_from(RegistryState)
+            .outerjoin(AuditEntry, and_(AuditEntry.registry_version > bindparam("held"),
+                                        AuditEntry.registry_version <= RegistryState.version))
+            .where(RegistryState.id == 1).limit(DELTA_MAX_TARGETS + 1))
+
+
 async def _reread(conn: AsyncConnection, slugs: list[str], out: dict[str, TenantView], stall_s: float) -> None:
-    brows = await _all(conn, select(*_BINDING_COLS).where(Binding.tenant.in_(slugs)), stall_s)
-    ids = {r[2] for r in brows} | {r[3] for r in brows if r[3]}
+    """Tenants ``slugs`` as they are now (one query: tenant x binding x active x canary)."""
+    rows = await _all(conn, _REREAD, stall_s, {"slugs": slugs})
     versions: dict[str, AdapterVersionView] = {}
-    for chunk in _chunks(ids):
-        for r in await _all(conn, select(*_VERSION_COLS).where(AdapterVersion.id.in_(chunk)), stall_s):
-            versions[r[0]] = _version_view(r)
+    tenants: dict[str, Any] = {}
     bindings: dict[str, dict[str, BindingView]] = {}
-    for r in brows:
-        bindings.setdefault(r[0], {})[_intern(r[1])] = _binding_view(r, versions)
-    found = {r[0]: r for r in await _all(conn, select(*_TENANT_COLS).where(Tenant.slug.in_(slugs)), stall_s)}
+    for r in rows:
+        tenants[r[0]] = r
+        b = r[_T:_T + _B]
+        if b[1] is None:  # a tenant without bindings
+            continue
+        for v in (r[_T + _B:_T + _B + _V], r[_T + _B + _V:]):
+            if v[0] is not None and v[0] not in versions:
+                versions[v[0]] = _version_view(v)
+        bindings.setdefault(r[0], {})[_intern(b[1])] = _binding_view(b, versions)
     for slug in slugs:
-        row = found.get(slug)
+        row = tenants.get(slug)
         if row is None:
             out.pop(slug, None)
         else:
