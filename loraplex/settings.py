@@ -137,6 +137,13 @@ class Settings:
     """A worker that has not reported for this long leaves the ring."""
     worker_urls: tuple[str, ...] = ()
     """Static worker list (besides the ones that report themselves)."""
+    gateway_mount_admin: bool = True
+    """Serve the registry admin API under ``/admin`` on the gateway (the embedded default). Set false
+    where ``loraplex admin-api`` serves it in a process of its own, off the request path's loop."""
+    admin_api_host: str = "127.0.0.1"
+    """Listen address of ``loraplex admin-api``."""
+    admin_api_port: int = 8001
+    """Listen port of ``loraplex admin-api``."""
     admin_url: str = ""
     """Where ``loraplex admin`` sends requests. Empty: ``http://{gateway_host}:{gateway_port}``."""
     admin_token: str = ""

@@ -335,3 +335,29 @@ async def test_pool_exhaustion_is_503_with_retry_after(pg_url, tmp_path):
     finally:
         await svc.close()
         await engine.dispose()
+
+
+async def test_admin_api_in_a_process_of_its_own(pg_url, tmp_path):
+    """``loraplex admin-api``'s app: the same /admin routes with their headers, readiness on the
+    database; a gateway told not to mount the admin API answers 404 there."""
+    from gateway.admin_server import admin_server_app
+
+    await fresh_registry(pg_url)
+    settings = make_settings(tmp_path, pg_url, gateway_mount_admin=False)
+    app = admin_server_app(settings)
+    headers = {"authorization": f"Bearer {mint_admin(settings)}"}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://admin", headers=headers) as c:
+        r = await c.post("/admin/tenants", json={"slug": "acme"})
+        assert r.status_code == 201 and r.headers["etag"] == '"1"'
+        version = int(r.headers["x-registry-version"])
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json()["registry_version"] == version
+        r = await c.post("/admin/tenants/acme/disable", headers={"if-match": '"7"'})
+        assert r.status_code == 412 and r.headers["etag"] == '"1"'
+    gw = create_app(settings, limiter=LocalLimiter(), residency=MemoryResidency(),
+                    http_client=worker_client(mock_worker_transport([])), mount_admin=settings.gateway_mount_admin)
+    async with gw.router.lifespan_context(gw), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gw), base_url="http://gw", headers=headers) as c:
+        assert (await c.get("/admin/tenants")).status_code == 404
+        assert (await c.get("/readyz")).status_code == 200
