@@ -19,6 +19,7 @@ per binding (active and previous, each with a verification JSON as a real regist
 
     python bench/control_plane.py                       # 1k and 10k tenants
     python bench/control_plane.py --sizes 100000 --seconds 15
+    python bench/control_plane.py --admin-api           # writes to `loraplex admin-api` (own process)
 
 Prints one table and writes ``bench/results/control_plane.json``. The PostgreSQL server runs
 on the same machine as the gateways and this client: the figures include their contention.
@@ -177,18 +178,20 @@ async def measure_load(url: str, n: int) -> dict[str, Any]:
 
 
 class Gateway:
-    def __init__(self, name: str, url: str, home: Path, secret: str) -> None:
+    def __init__(self, name: str, url: str, home: Path, secret: str, command: str = "gateway",
+                 mount_admin: bool = True) -> None:
         self.name = name
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "LORAPLEX_DATABASE_URL": url, "LORAPLEX_HOME": str(home / name),
+        env = {"LORAPLEX_GATEWAY_MOUNT_ADMIN": "true" if mount_admin else "false", **os.environ, "LORAPLEX_DATABASE_URL": url, "LORAPLEX_HOME": str(home / name),
                "LORAPLEX_JWT_SECRET": secret, "LORAPLEX_WORKER_SECRET": secret, "LORAPLEX_REDIS_URL": "",
                "LORAPLEX_GATEWAY_METRICS_PORT": str(free_port()), "LORAPLEX_LOG_LEVEL": "WARNING",
                "LORAPLEX_WORKER_URLS": "http://127.0.0.1:9", "LORAPLEX_ADAPTER_ROOT": str(home / "adapters")}
         self.log = open(home / f"{name}.log", "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "loraplex_cli", "gateway", "--port", str(self.port),
-                                      "--no-access-log"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        extra = ["--no-access-log"] if command == "gateway" else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraplex_cli", command, "--port", str(self.port), *extra],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.ready_s: float | None = None
 
     async def wait_ready(self, client: Any, limit_s: float) -> float:
@@ -275,6 +278,8 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     url = await create_database(n)
     result: dict[str, Any] = {"tenants": n, "bindings": n + n // 2, "versions": 2 * (n + n // 2)}
     gws: list[Gateway] = []
+    procs: list[Gateway] = []
+    result["admin_api"] = "own process" if args.admin_api else "mounted in gateway A"
     try:
         result |= await measure_load(url, n)
         print(f"  full load {result['load_s']:.2f} s, {result['bytes_per_tenant']:.0f} B/tenant held", flush=True)
@@ -284,8 +289,14 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         (home / "adapters").mkdir()
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-            gws = [Gateway("a", url, home, secret), Gateway("b", url, home, secret)]
+            gws = [Gateway("a", url, home, secret, mount_admin=not args.admin_api),
+                   Gateway("b", url, home, secret, mount_admin=not args.admin_api)]
             ready = await asyncio.gather(*(g.wait_ready(client, args.ready_timeout) for g in gws))
+            writer = gws[0]
+            if args.admin_api:  # the admin API in a process of its own: writes leave the gateways' loops
+                writer = Gateway("admin", url, home, secret, command="admin-api")
+                await writer.wait_ready(client, args.ready_timeout)
+                procs.append(writer)
             result["startup_to_ready_s"] = ready
             result["gateway_rss_mb"] = [rss_mb(g.proc.pid) for g in gws]
             print(f"  ready after {', '.join(f'{r:.1f}' for r in ready)} s; RSS "
@@ -302,7 +313,7 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 bg += [asyncio.create_task(models_client(client, g, user, lat, stop)) for g in gws]
                 await asyncio.sleep(0.5)
                 lat.clear()
-                await write_stream(client, gws[0], admin, n, rate, args.seconds, writes)
+                await write_stream(client, writer, admin, n, rate, args.seconds, writes)
                 await asyncio.sleep(2.0)  # the last changes propagate
                 stop.set()
                 await asyncio.gather(*bg)
@@ -329,7 +340,7 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                       f"/v1/models p50/p99 {row['models_p50_ms']:.1f}/{row['models_p99_ms']:.1f} ms", flush=True)
             result["gateway_rss_after_mb"] = [rss_mb(g.proc.pid) for g in gws]
     finally:
-        for g in gws:
+        for g in gws + procs:
             g.stop()
         await drop_database(url)
     return result
@@ -340,13 +351,13 @@ def _s(x: float | None) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| tenants | full load | held snapshot per tenant | start-up to ready (A, B) | writes/s | admin write "
+    lines = ["| tenants | admin API | full load | held snapshot per tenant | start-up to ready (A, B) | writes/s | admin write "
              "p50 / p99, ok | rollback visible on both p50 / max | `/v1/models` p50 / p99 / max |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for rate, row in r["rates"].items():
             lines.append(
-                f"| {r['tenants']:,} | {r['load_s']:.2f} s | {r['bytes_per_tenant'] / 1024:.2f} KB | "
+                f"| {r['tenants']:,} | {r['admin_api']} | {r['load_s']:.2f} s | {r['bytes_per_tenant'] / 1024:.2f} KB | "
                 f"{' / '.join(f'{x:.1f}' for x in r['startup_to_ready_s'])} s | {rate} | "
                 f"{row['write_p50_s'] * 1000:.0f} / {row['write_p99_s'] * 1000:.0f} ms, "
                 f"{row['writes_ok']} of {row['writes']} | "
@@ -361,6 +372,8 @@ def main() -> int:
     ap.add_argument("--rates", default="5,20", help="admin writes per second, comma-separated")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each write stream")
     ap.add_argument("--ready-timeout", type=float, default=180.0)
+    ap.add_argument("--admin-api", action="store_true",
+                    help="send the writes to `loraplex admin-api` (a third process) instead of gateway A's /admin")
     ap.add_argument("--quick", action="store_true", help="1k tenants, 5 writes/s for 4 s")
     args = ap.parse_args()
     if args.quick:
