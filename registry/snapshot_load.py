@@ -27,7 +27,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.orm import aliased
 
 from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, RegistryState, Tenant
-from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, RegistrySnapshot, TenantView
+from registry.snapshot import (
+    AdapterVersionView,
+    BaseModelView,
+    BindingView,
+    RegistrySnapshot,
+    TenantMap,
+    TenantView,
+)
 
 PARTITION = 500
 """Rows per partition of the full load (the loop gets a turn after each)."""
@@ -130,7 +137,8 @@ async def load_full(conn: AsyncConnection, stall_s: float = 15.0) -> RegistrySna
         for r in part:
             tenants[r[0]] = _tenant_view(r, bindings.get(r[0]))
         await asyncio.sleep(0)
-    return RegistrySnapshot(version=version, tenants=tenants, base_models=await _base_models(conn, stall_s))
+    return RegistrySnapshot(version=version, tenants=TenantMap(tenants),
+                            base_models=await _base_models(conn, stall_s))
 
 
 def _chunks(keys: Iterable[str]) -> Iterable[list[str]]:
@@ -173,10 +181,11 @@ async def load_delta(conn: AsyncConnection, held: RegistrySnapshot,
         rows = await _all(conn, select(Binding.tenant).distinct()
                           .where(or_(Binding.active_id.in_(ids), Binding.canary_id.in_(ids))), stall_s)
         tenants.update(r[0] for r in rows)
-    out = dict(held.tenants)
+    changed: dict[str, TenantView | None] = {}
     for slugs in _chunks(tenants):
-        await _reread(conn, slugs, out, stall_s)
-    return RegistrySnapshot(version=version, tenants=out,
+        await _reread(conn, slugs, changed, stall_s)
+    held_tenants = held.tenants if isinstance(held.tenants, TenantMap) else TenantMap(held.tenants)
+    return RegistrySnapshot(version=version, tenants=held_tenants.replace(changed),
                             base_models=await _base_models(conn, stall_s) if base_models else held.base_models)
 
 
@@ -198,8 +207,9 @@ _CHANGES = (select(RegistryState.version, AuditEntry.registry_version, AuditEntr
             .where(RegistryState.id == 1).limit(DELTA_MAX_TARGETS + 1))
 
 
-async def _reread(conn: AsyncConnection, slugs: list[str], out: dict[str, TenantView], stall_s: float) -> None:
-    """Tenants ``slugs`` as they are now (one query: tenant x binding x active x canary)."""
+async def _reread(conn: AsyncConnection, slugs: list[str], out: dict[str, TenantView | None],
+                  stall_s: float) -> None:
+    """Tenants ``slugs`` as they are now, None where gone (one query: tenant x binding x active x canary)."""
     rows = await _all(conn, _REREAD, stall_s, {"slugs": slugs})
     versions: dict[str, AdapterVersionView] = {}
     tenants: dict[str, Any] = {}
@@ -215,7 +225,4 @@ async def _reread(conn: AsyncConnection, slugs: list[str], out: dict[str, Tenant
         bindings.setdefault(r[0], {})[_intern(b[1])] = _binding_view(b, versions)
     for slug in slugs:
         row = tenants.get(slug)
-        if row is None:
-            out.pop(slug, None)
-        else:
-            out[slug] = _tenant_view(row, bindings.get(slug))
+        out[slug] = None if row is None else _tenant_view(row, bindings.get(slug))

@@ -25,6 +25,7 @@ from registry.db import make_engine
 from registry.errors import PreconditionFailed
 from registry.migrate import upgrade_async
 from registry.service import RegistryService
+from registry.snapshot import TenantMap, TenantView
 from registry.snapshot_load import load_full
 from tests.conftest import PG_ADMIN_URL
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
@@ -52,6 +53,22 @@ async def _seed(svc: RegistryService) -> list[str]:
 async def _full(svc: RegistryService):
     async with svc.engine.connect() as conn, conn.begin():
         return await load_full(conn)
+
+
+def test_tenant_map_replace_shares_untouched_shards():
+    def tenant(slug: str, rpm: int = 1) -> TenantView:
+        return TenantView(slug=slug, status="active", requests_per_min=rpm, tokens_per_min=1, max_concurrent=1,
+                          priority="normal")
+
+    old = TenantMap({f"t{i}": tenant(f"t{i}") for i in range(2000)})
+    new = old.replace({"t5": None, "t6": tenant("t6", 9), "fresh": tenant("fresh")})
+    assert len(old) == 2000 and "t5" in old and old["t6"].requests_per_min == 1  # old is unchanged
+    assert len(new) == 2000 and "t5" not in new and new["t6"].requests_per_min == 9 and new.get("fresh")
+    assert new.get("nobody") is None and "nobody" not in new
+    assert new == {k: v for k, v in new.items()} and new != old and TenantMap() == {}
+    shared = sum(a is b for a, b in zip(old._shards, new._shards, strict=True))
+    assert shared >= TenantMap.SHARDS - 3  # only the shards of the three changed slugs were copied
+    assert sorted(new) == sorted({*old} - {"t5"} | {"fresh"})
 
 
 async def _random_op(svc: RegistryService, rng: random.Random, ids: list[str]) -> bool:
