@@ -222,7 +222,7 @@ async def test_never_ready_without_a_complete_snapshot(tmp_path):
                 await svc.create_tenant("t0")
             finally:
                 await svc.close()
-            for _ in range(200):  # the refresher retries with backoff (at most 5 s apart)
+            for _ in range(600):  # the refresher retries with backoff (at most 5 s apart)
                 if cache.ready and "t0" in cache.current.tenants:
                     break
                 await asyncio.sleep(0.05)
