@@ -706,12 +706,13 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                     static_urls=settings.worker_urls,
                     cooldown_s=max(2.0, settings.worker_report_ttl_s))
     gw = Gateway(settings, snapshots, limiter, router, http_client)
+    gw.metrics.observe_snapshots(snapshots)
     if redis is not None:
         gw.traffic = AdapterTraffic(redis, settings.redis_prefix)
 
     async def models(request: Request) -> Response:
         try:
-            snapshot = gw.snapshots.current
+            snapshot = gw._snapshot()
             tenant = gw.auth.tenant(request.headers.get("authorization"), snapshot)
         except GatewayError as err:
             return Response(err.body(), status_code=err.status, media_type="application/json")
@@ -726,9 +727,12 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         """Ready = this replica can serve its API (a registry snapshot is loaded). Workers are
         reported, not required: during a worker outage the admin API stays in the Service."""
         snap = None
+        check = getattr(gw.snapshots, "readiness_problem", None)  # the live cache: loaded, not too stale
         try:
-            snap = gw.snapshots.current
-            problem = None if snap is not None else "no registry snapshot yet"
+            problem = check() if check is not None else None
+            if problem is None:
+                snap = gw.snapshots.current
+                problem = None if snap is not None else "no registry snapshot yet"
         except Exception as exc:
             problem = f"registry snapshot unavailable: {type(exc).__name__}"
         if problem:

@@ -7,7 +7,7 @@ import asyncio
 import gc
 import logging
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from loraplex.devsecrets import refusal
 from loraplex.settings import Settings
@@ -84,7 +84,9 @@ def _gateway(args: argparse.Namespace) -> int:
         # a write per request would cost more CPU than the rest of the request path.
         access.addHandler(BufferedLines(sys.stderr))
         access.propagate = False
-    app = create_app(settings)
+    app = create_app(settings, mount_admin=settings.gateway_mount_admin)
+    if hasattr(app.gateway.snapshots, "freeze_gc"):  # the live registry: its snapshot out of the GC's walk too
+        app.gateway.snapshots.freeze_gc = True
     servers = gateway_servers(app, settings)
     tune_gc()
     try:
@@ -93,6 +95,28 @@ def _gateway(args: argparse.Namespace) -> int:
         asyncio.run(serve_all(servers))
     else:
         uvloop.run(serve_all(servers))
+    return 0
+
+
+def _admin_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.admin_server import admin_server_app
+
+    overrides: dict[str, Any] = {}
+    if args.host:
+        overrides["admin_api_host"] = args.host
+    if args.port:
+        overrides["admin_api_port"] = args.port
+    settings = Settings.from_env(**overrides)
+    problem = refusal(settings, {"LORAPLEX_ADMIN_API_HOST / --host": settings.admin_api_host},
+                      ("jwt_secret", "worker_secret"))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    uvicorn.run(admin_server_app(settings), host=settings.admin_api_host, port=settings.admin_api_port,
+                log_level="warning", access_log=False)
     return 0
 
 
@@ -117,6 +141,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=0, help="listen port (default: LORAPLEX_GATEWAY_PORT)")
     g.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
     g.set_defaults(handler=_gateway)
+    a = sub.add_parser("admin-api", help="run the registry admin API in a process of its own (/admin/...)")
+    a.add_argument("--host", default="", help="listen address (default: LORAPLEX_ADMIN_API_HOST)")
+    a.add_argument("--port", type=int, default=0, help="listen port (default: LORAPLEX_ADMIN_API_PORT)")
+    a.set_defaults(handler=_admin_api)
     t = sub.add_parser("token", help="mint a JWT for a tenant or an admin (HS256, LORAPLEX_JWT_SECRET)")
     t.add_argument("--tenant", default="", help="tenant slug the token belongs to")
     t.add_argument("--admin", action="store_true", help="an admin token (admin scope)")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 OTHER = "other"
@@ -81,6 +81,37 @@ class _RequestCollector:
         yield from (requests, tokens, errors, latency)
 
 
+class _SnapshotCollector:
+    """The registry snapshot this replica serves from (``registry.cache.SnapshotCache``)."""
+
+    def __init__(self) -> None:
+        self.source: Any = None
+
+    def collect(self) -> Iterator[Metric]:
+        src = self.source
+        if src is None or not hasattr(src, "failures"):
+            return
+        ready = bool(src.ready)
+        yield GaugeMetricFamily("loraplex_registry_snapshot_ready", "1 once a complete registry snapshot is held",
+                                value=1 if ready else 0)
+        if ready:
+            yield GaugeMetricFamily("loraplex_registry_snapshot_version", "Registry version of the held snapshot",
+                                    value=src.current.version)
+            yield GaugeMetricFamily("loraplex_registry_snapshot_age_seconds",
+                                    "Seconds since the held snapshot was last confirmed current", value=src.age_s)
+            yield GaugeMetricFamily("loraplex_registry_snapshot_tenants", "Tenants in the held snapshot",
+                                    value=len(src.current.tenants))
+        yield GaugeMetricFamily("loraplex_registry_snapshot_load_seconds", "Duration of the last successful load",
+                                value=src.last_load_s)
+        yield CounterMetricFamily("loraplex_registry_refresh_failures", "Snapshot refreshes that failed",
+                                  value=src.failures)
+        loads = CounterMetricFamily("loraplex_registry_snapshot_loads", "Successful snapshot loads by kind",
+                                    labels=["kind"])
+        for kind, n in src.loads.items():
+            loads.add_metric([kind], n)
+        yield loads
+
+
 class GatewayMetrics:
     def __init__(self, max_tenants: int = 200, max_adapters: int = 500, max_workers: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -99,6 +130,8 @@ class GatewayMetrics:
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
+        self._snapshots = _SnapshotCollector()
+        r.register(self._snapshots)  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
 
     def _labels(self, tenant: str, adapter: str, status: int) -> tuple[_Series, str]:
@@ -133,6 +166,10 @@ class GatewayMetrics:
 
     def limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.tenant_cap(tenant), reason).inc()
+
+    def observe_snapshots(self, source: Any) -> None:
+        """Report this snapshot source's version, age, loads and failures (when it has them)."""
+        self._snapshots.source = source
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

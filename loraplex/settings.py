@@ -67,7 +67,8 @@ class Settings:
     )
     """Projections an adapter may target; admission refuses others."""
     registry_refresh_s: float = 30.0
-    """Safety-net full refresh of the reader-side snapshot (changes are pushed sooner)."""
+    """Safety-net refresh of the reader-side snapshot (changes are pushed sooner); a delta from the
+    audit log, so cheap at any registry size."""
     adapter_store: str = ""
     """Where adapter versions are kept, content-addressed by sha256: a local directory, or object storage
     (``s3://bucket/prefix``, ``gs://...``, ``az://...``) with credentials and endpoint from the client's
@@ -78,6 +79,12 @@ class Settings:
     """Retries of a failed store request (with exponential backoff)."""
     adapter_retention_s: float = 7 * 86400.0
     """``loraplex admin gc`` deletes a version's files once no binding has referenced it for this long."""
+    registry_stall_s: float = 15.0
+    """A snapshot load fails when the database sends nothing for this long (there is no limit on a
+    load that keeps receiving rows: a large registry is never cut off by design)."""
+    registry_max_staleness_s: float = 0.0
+    """Readiness fails while the held snapshot has not been confirmed current for this long
+    (refreshes failing); 0 disables the check. Requests are still served from it."""
 
     # --- auth ----------------------------------------------------------------------------
     jwt_secret: str = DEV_JWT_SECRET
@@ -140,6 +147,13 @@ class Settings:
     """A worker that has not reported for this long leaves the ring."""
     worker_urls: tuple[str, ...] = ()
     """Static worker list (besides the ones that report themselves)."""
+    gateway_mount_admin: bool = True
+    """Serve the registry admin API under ``/admin`` on the gateway (the embedded default). Set false
+    where ``loraplex admin-api`` serves it in a process of its own, off the request path's loop."""
+    admin_api_host: str = "127.0.0.1"
+    """Listen address of ``loraplex admin-api``."""
+    admin_api_port: int = 8001
+    """Listen port of ``loraplex admin-api``."""
     admin_url: str = ""
     """Where ``loraplex admin`` sends requests. Empty: ``http://{gateway_host}:{gateway_port}``."""
     admin_token: str = ""

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("registry.cli", "operate the registry: tenants, adapters, bindings, canaries, limits, audit"),
     "migrate": ("registry.cli", "apply the registry schema migrations (alembic upgrade head)"),
     "gateway": ("gateway.cli", "run the OpenAI-compatible gateway (uvicorn)"),
+    "admin-api": ("gateway.cli", "run the registry admin API in a process of its own"),
     "token": ("gateway.cli", "mint a JWT for a tenant or an admin"),
     "worker": ("engine.cli", "run an engine worker"),
     "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),

@@ -24,8 +24,8 @@ from starlette.routing import Route
 from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
-from registry.errors import Invalid, RegistryError
-from registry.service import DIMENSIONS, RegistryService
+from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
+from registry.service import COMMITTED, DIMENSIONS, RegistryService
 
 log = logging.getLogger("loraplex.registry.admin")
 
@@ -52,6 +52,8 @@ class Call:
     query: dict[str, Any]
     actor: str
     gate: ActivationGate | None = None
+    if_match: int | None = None
+    """The row_version the caller read (``If-Match`` or the body's ``row_version``): a conditional write."""
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,12 @@ ON_DISABLED = {"type": "string", "enum": ["base", "refuse"],
                "description": "a disabled binding answers with the base model ('base') or refuses ('refuse')"}
 PERCENT = {"type": "number", "exclusiveMinimum": 0, "maximum": 100}
 ADAPTER_REF = {"type": "string", "description": "adapter version id (uuid) or name@version"}
+ROW_VERSION = {"type": "integer", "minimum": 0,
+               "description": "change only if the row is still at this row_version (else 412); same as If-Match"}
 
 LIMITS = {"requests_per_min": INT, "tokens_per_min": INT, "max_concurrent": INT, "priority": PRIORITY}
 TENANT_CREATE = _obj({"slug": STR, **LIMITS}, ("slug",))
-TENANT_LIMITS = _obj(LIMITS)
+TENANT_LIMITS = _obj({**LIMITS, "row_version": ROW_VERSION})
 BASE_MODEL_CREATE = {
     "oneOf": [
         _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS}},
@@ -106,24 +110,29 @@ ADAPTER_CREATE = _obj({
 ACTIVATE = _obj({
     "verification": {**OBJ, "description": "results to record (only without an activation gate)"},
     "eval": {**OBJ, "description": "evaluation set for the gate: {cases: [{prompt, expect (regex)}], threshold}"},
+    "row_version": ROW_VERSION,
 })
 DISABLE_ADAPTER = _obj({"reason": STR, "force": {**BOOL, "description": "also disable the bindings active on "
                                                                    "it and abort canaries on it (default: "
-                                                                   "refuse while bindings use it)"}})
-FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ}, ("reason",))
+                                                                   "refuse while bindings use it)"},
+                           "row_version": ROW_VERSION})
+FAIL_ADAPTER = _obj({"reason": STR, "verification": OBJ, "row_version": ROW_VERSION}, ("reason",))
 UPGRADE = _obj({"to": {**STR, "description": "the new base model (registered first with base-model add)"},
                 "dry_run": {**BOOL, "description": "print the plan, change nothing"}}, ("to",))
 GC = _obj({"apply": {**BOOL, "description": "delete (default: only list what would be deleted)"},
            "retention_s": {**NUM, "description": "default: LORAPLEX_ADAPTER_RETENTION_S"}})
-BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED}, ("adapter",))
-CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT}, ("adapter", "percent"))
-CANARY_SET = _obj({"percent": PERCENT}, ("percent",))
+BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED, "row_version": ROW_VERSION}, ("adapter",))
+CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT, "row_version": ROW_VERSION},
+                    ("adapter", "percent"))
+CANARY_SET = _obj({"percent": PERCENT, "row_version": ROW_VERSION}, ("percent",))
 BINDING_TOGGLE = _obj({"on_disabled": {**ON_DISABLED, "description": "while disabled: answer with the base "
                                                                     "model ('base') or refuse ('refuse'); "
-                                                                    "a disable without it refuses"}})
+                                                                    "a disable without it refuses"},
+                        "row_version": ROW_VERSION})
 
 RESPONSES: dict[str, dict[str, Any]] = {
-    "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "created_at": STR, "updated_at": STR}),
+    "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "row_version": INT, "created_at": STR,
+                    "updated_at": STR}),
     "BaseModel": _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS},
                        "created_at": STR}),
     "Adapter": _obj({"id": STR, "name": STR, "version": POS, "label": STR, "base_model": STR, "uri": STR,
@@ -131,7 +140,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
                      "target_modules": {"type": "array", "items": STR}, "owner_tenant": {"type": ["string", "null"]},
                      "status": {"type": "string", "enum": ["pending", "active", "disabled", "failed"]},
                      "status_reason": {"type": ["string", "null"]}, "verification": {"type": ["object", "null"]},
-                     "created_at": STR,
+                     "row_version": INT, "created_at": STR,
                      "detached": {"type": "array", "description": "bindings a forced disable changed",
                                   "items": _obj({"tenant": STR, "alias": STR, "role": STR})}}),
     "Binding": _obj({"tenant": STR, "alias": STR, "base_model": STR, "active": {"$ref": "#/components/schemas/AdapterRef"},
@@ -171,15 +180,15 @@ async def _tenant_get(c: Call) -> Any:
 
 
 async def _tenant_disable(c: Call) -> Any:
-    return await c.service.disable_tenant(c.path["slug"], actor=c.actor)
+    return await c.service.disable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)
 
 
 async def _tenant_enable(c: Call) -> Any:
-    return await c.service.enable_tenant(c.path["slug"], actor=c.actor)
+    return await c.service.enable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)
 
 
 async def _tenant_limits(c: Call) -> Any:
-    return await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body)
+    return await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body, if_match=c.if_match)
 
 
 async def _base_models(c: Call) -> Any:
@@ -210,10 +219,13 @@ async def _adapter_get(c: Call) -> Any:
 async def _adapter_activate(c: Call) -> Any:
     if c.gate is None:
         return await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"),
-                                                actor=c.actor)
+                                                actor=c.actor, if_match=c.if_match)
     if "verification" in c.body:
         raise Invalid("verification is recorded by the activation gate, not given", param="verification")
     adapter = await c.service.get_adapter(c.path["ref"])
+    if c.if_match is not None and adapter["row_version"] != c.if_match:  # before the gate's work
+        raise PreconditionFailed(f"adapter {adapter['label']} changed since it was read: it is at row_version "
+                                 f"{adapter['row_version']}, not {c.if_match}", adapter["row_version"])
     if adapter["status"] == "active":
         return adapter
     # pending, failed (a retry) or disabled: the gate runs again on the version as it is now
@@ -221,24 +233,28 @@ async def _adapter_activate(c: Call) -> Any:
     result = await c.gate({**adapter, "base_revision": base.revision}, c.body)
     if not result.passed:
         failed = await c.service.fail_adapter(adapter["id"], reason=result.reason,
-                                              verification=result.verification, actor=c.actor)
+                                              verification=result.verification, actor=c.actor,
+                                              if_match=adapter["row_version"])
         raise Invalid(f"activation refused: {result.reason}", code="adapter_verification_failed",
                       extra={"adapter": failed})
-    return await c.service.activate_adapter(adapter["id"], verification=result.verification, actor=c.actor)
+    return await c.service.activate_adapter(adapter["id"], verification=result.verification, actor=c.actor,
+                                            if_match=adapter["row_version"])
 
 
 async def _adapter_disable(c: Call) -> Any:
     return await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"),
-                                           force=c.body.get("force", False), actor=c.actor)
+                                           force=c.body.get("force", False), actor=c.actor,
+                                           if_match=c.if_match)
 
 
 async def _adapter_enable(c: Call) -> Any:
-    return await c.service.enable_adapter(c.path["ref"], actor=c.actor)
+    return await c.service.enable_adapter(c.path["ref"], actor=c.actor, if_match=c.if_match)
 
 
 async def _adapter_fail(c: Call) -> Any:
     return await c.service.fail_adapter(c.path["ref"], reason=c.body["reason"],
-                                        verification=c.body.get("verification"), actor=c.actor)
+                                        verification=c.body.get("verification"), actor=c.actor,
+                                        if_match=c.if_match)
 
 
 async def _bindings(c: Call) -> Any:
@@ -251,42 +267,44 @@ async def _binding_get(c: Call) -> Any:
 
 async def _bind(c: Call) -> Any:
     return await c.service.bind(c.path["slug"], c.path["alias"], c.body["adapter"],
-                                on_disabled=c.body.get("on_disabled"), actor=c.actor)
+                                on_disabled=c.body.get("on_disabled"), actor=c.actor, if_match=c.if_match)
 
 
 async def _unbind(c: Call) -> Any:
-    return await c.service.unbind(c.path["slug"], c.path["alias"], actor=c.actor)
+    return await c.service.unbind(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
 
 
 async def _rollback(c: Call) -> Any:
-    return await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor)
+    return await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
 
 
 async def _canary_start(c: Call) -> Any:
     return await c.service.canary_start(c.path["slug"], c.path["alias"], c.body["adapter"], c.body["percent"],
-                                        actor=c.actor)
+                                        actor=c.actor, if_match=c.if_match)
 
 
 async def _canary_set(c: Call) -> Any:
-    return await c.service.canary_set(c.path["slug"], c.path["alias"], c.body["percent"], actor=c.actor)
+    return await c.service.canary_set(c.path["slug"], c.path["alias"], c.body["percent"], actor=c.actor, if_match=c.if_match)
 
 
 async def _canary_promote(c: Call) -> Any:
-    return await c.service.canary_promote(c.path["slug"], c.path["alias"], actor=c.actor)
+    return await c.service.canary_promote(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
 
 
 async def _canary_abort(c: Call) -> Any:
-    return await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor)
+    return await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
 
 
 async def _binding_enable(c: Call) -> Any:
     return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], True,
-                                               on_disabled=c.body.get("on_disabled"), actor=c.actor)
+                                               on_disabled=c.body.get("on_disabled"), actor=c.actor,
+                                               if_match=c.if_match)
 
 
 async def _binding_disable(c: Call) -> Any:
     return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], False,
-                                               on_disabled=c.body.get("on_disabled"), actor=c.actor)
+                                               on_disabled=c.body.get("on_disabled"), actor=c.actor,
+                                               if_match=c.if_match)
 
 
 async def _gc(c: Call) -> Any:
@@ -432,6 +450,21 @@ def validate(body: Any, schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _if_match(request: Request, body: dict[str, Any], op: Operation) -> int | None:
+    """The precondition of a conditional write: ``If-Match`` or the body's ``row_version``."""
+    header = request.headers.get("if-match")
+    field = body.pop("row_version", None)
+    if header is None:
+        return field
+    if op.method == "GET" or op.status == 201:
+        raise Invalid(f"If-Match is not supported on {op.method} {op.path}", code="invalid_if_match",
+                      param="If-Match")
+    value = parse_if_match(header)
+    if field is not None and value is not None and field != value:
+        raise Invalid("If-Match and row_version disagree", code="invalid_if_match", param="row_version")
+    return value if value is not None else field
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -472,7 +505,7 @@ def openapi_document() -> dict[str, Any]:
             "operationId": op.op_id, "summary": op.summary, "tags": [op.tag], "parameters": params,
             "responses": {str(op.status): {"description": "success",
                                            "content": {"application/json": {"schema": schema}}},
-                          **{str(s): error for s in (400, 401, 403, 404, 409, 422, 503)}},
+                          **{str(s): error for s in (400, 401, 403, 404, 409, 412, 422, 503)}},
         }
         if op.body is not None:
             entry["requestBody"] = {"required": True, "content": {"application/json": {"schema": op.body}}}
@@ -529,9 +562,18 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
                 elif raw.strip() and raw.strip() not in (b"{}", b"null"):
                     raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
                 query = _parse_query(request, op.query)
-                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate)
+                if_match = _if_match(request, body, op)
+                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate,
+                            if_match)
+                COMMITTED.set(None)
                 result = await op.handler(call)
-                return JSONResponse(result, status_code=op.status)
+                resp = JSONResponse(result, status_code=op.status)
+                if isinstance(result, dict) and isinstance(result.get("row_version"), int):
+                    resp.headers["etag"] = etag(result["row_version"])
+                committed = COMMITTED.get()
+                if committed is not None:
+                    resp.headers["x-registry-version"] = str(committed)
+                return resp
             except TokenError as exc:
                 kind = "authentication_error" if exc.status == 401 else "permission_error"
                 headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
@@ -540,7 +582,7 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
                     resp.headers.update(headers)
                 return resp
             except RegistryError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
             except Exception:
                 log.exception("admin %s %s failed", op.method, op.path)
                 return _error(500, "internal error in the registry admin API", "server_error", "internal_error")

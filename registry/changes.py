@@ -168,8 +168,9 @@ class Subscription:
                 self.queue.put_nowait(RESYNC)  # we may have missed announcements while away
                 delay = 0.2
                 while not lost.is_set():
-                    try:
-                        await asyncio.wait_for(lost.wait(), timeout=5.0)
+                    try:  # asyncio.timeout, not wait_for: wait_for can swallow a cancel on 3.11
+                        async with asyncio.timeout(5.0):
+                            await lost.wait()
                     except TimeoutError:
                         await conn.fetchval("SELECT 1", timeout=5)  # detect a silently dead link
             except asyncio.CancelledError:

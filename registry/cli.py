@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -481,8 +483,29 @@ def canary_start(a: argparse.Namespace) -> int:
     return 0
 
 
+CONDITIONAL_TRIES = 10
+"""Read-modify-write attempts of a relative change before giving up (each 412 means a concurrent write)."""
+
+
 def canary_set(a: argparse.Namespace) -> int:
-    data = _request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
+    if (a.percent is None) == (a.by is None):
+        print("error: give either PERCENT or --by DELTA", file=sys.stderr)
+        return 2
+    if a.by is None:
+        data = _request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
+    else:  # relative: read, compute, write only if nobody changed it in between (else read again)
+        for attempt in range(CONDITIONAL_TRIES):
+            cur = _request(a, "GET", _b(a, ""))
+            if cur["canary"] is None:
+                raise AdminError(409, f"{a.tenant}/{a.alias} has no canary", "no_canary")
+            percent = min(100.0, max(0.0, cur["canary_percent"] + a.by))
+            try:
+                data = _request(a, "PATCH", _b(a, "/canary"), {"percent": percent, "row_version": cur["row_version"]})
+                break
+            except AdminError as exc:
+                if exc.status != 412 or attempt == CONDITIONAL_TRIES - 1:
+                    raise
+                time.sleep(random.uniform(0, 0.02 * (attempt + 1)))  # let the other writer finish
     _show(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
     return 0
 
@@ -703,10 +726,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("alias")
     p.add_argument("adapter", help="id or NAME@VERSION (active, same base model)")
     p.add_argument("--percent", type=_percent_arg, required=True, help="share of requests, 0 < P <= 100")
-    p = leaf(c, "set", canary_set, "change the canary percent")
+    p = leaf(c, "set", canary_set, "change the canary percent (to PERCENT, or --by a signed step)")
     p.add_argument("tenant")
     p.add_argument("alias")
-    p.add_argument("percent", type=_percent_arg, help="share of requests, 0 < P <= 100")
+    p.add_argument("percent", type=_percent_arg, nargs="?", help="share of requests, 0 < P <= 100")
+    p.add_argument("--by", type=_percent_arg, help="change the current percent by this much (e.g. +5 or -10); "
+                   "a conditional write, retried when another write came in between")
     for name, fn, text in (("promote", canary_promote, "make the canary the active version"),
                            ("abort", canary_abort, "stop the canary")):
         p = leaf(c, name, fn, text)

@@ -24,6 +24,11 @@ class RegistryError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param) | self.extra
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries (``Retry-After``, ``ETag``)."""
+        return {}
+
 
 class NotFound(RegistryError):
     status = 404
@@ -44,9 +49,52 @@ class Invalid(RegistryError):
     default_code = "invalid_value"
 
 
+class PreconditionFailed(RegistryError):
+    """A conditional write (``If-Match`` / ``row_version``) found the row at another version."""
+
+    status = 412
+    default_code = "precondition_failed"
+
+    def __init__(self, message: str, row_version: int | None) -> None:
+        super().__init__(message, param="row_version", extra={"row_version": row_version})
+        self.row_version = row_version
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"etag": etag(self.row_version)} if self.row_version is not None else {}
+
+
 class Unavailable(RegistryError):
-    """The registry database cannot be reached; the write did not happen."""
+    """The registry database cannot be reached (or is busy); the write did not happen."""
 
     status = 503
     type = "service_unavailable_error"
     default_code = "registry_unavailable"
+
+    def __init__(self, message: str, code: str | None = None, *, retry_after: int = 2) -> None:
+        super().__init__(message, code)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after)}
+
+
+def etag(row_version: int) -> str:
+    """A row's ``ETag``: its ``row_version`` as a strong entity tag."""
+    return f'"{row_version}"'
+
+
+def parse_if_match(value: str) -> int | None:
+    """``If-Match: "7"`` (or ``7``, ``W/"7"``) -> 7; ``*`` -> None (any existing row)."""
+    tags = [t.strip() for t in value.split(",") if t.strip()]
+    if tags == ["*"]:
+        return None
+    if len(tags) != 1:
+        raise Invalid("If-Match takes one row_version (the ETag of the row as read)", code="invalid_if_match",
+                      param="If-Match")
+    tag = tags[0].removeprefix("W/").strip('"')
+    if not tag.isdigit():
+        raise Invalid(f"If-Match must be a row_version ETag such as '\"3\"', got {value!r}",
+                      code="invalid_if_match", param="If-Match")
+    return int(tag)

@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -100,6 +101,10 @@ class Tenant(Base):
     priority: Mapped[str] = mapped_column(String(16), nullable=False, default="normal")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default=text("1"))
+    """Bumped on every change of this tenant (its ``ETag``; ``If-Match`` checks it)."""
+
+    __mapper_args__ = {"version_id_col": row_version}
 
 
 class AdapterVersion(Base):
@@ -127,6 +132,10 @@ class AdapterVersion(Base):
     status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     verification: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default=text("1"))
+    """Bumped on every change of this version's row (its ``ETag``; ``If-Match`` checks it)."""
+
+    __mapper_args__ = {"version_id_col": row_version}
 
     @property
     def label(self) -> str:
@@ -149,7 +158,7 @@ class Binding(Base):
     base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"), nullable=False)
     active_id: Mapped[str] = mapped_column(ForeignKey("adapter_versions.id"), nullable=False, index=True)
     previous_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True)
-    canary_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True)
+    canary_id: Mapped[str | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True, index=True)
     canary_percent: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     enabled: Mapped[bool] = mapped_column(Boolean, nullable=False, default=True)
     on_disabled: Mapped[str] = mapped_column(String(16), nullable=False, default="refuse")
@@ -168,7 +177,7 @@ class AuditEntry(Base):
     __table_args__ = (Index("ix_audit_log_target", "target"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    registry_version: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    registry_version: Mapped[int] = mapped_column(BigInteger, nullable=False, index=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     actor: Mapped[str] = mapped_column(String(200), nullable=False)
     action: Mapped[str] = mapped_column(String(64), nullable=False, index=True)

@@ -8,15 +8,17 @@ Results are JSON-able dicts (what the admin API returns).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.exc import (
     DataError,
     DBAPIError,
@@ -25,6 +27,7 @@ from sqlalchemy.exc import (
     OperationalError,
     ProgrammingError,
 )
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -35,7 +38,7 @@ from loraplex.wire import PRIORITY_CLASSES
 from registry.admission import AdmissionError, AdmittedAdapter, admit_uri
 from registry.changes import ChangeBus
 from registry.db import make_engine, resolve_url, session_factory
-from registry.errors import Conflict, Invalid, NotFound, RegistryError, Unavailable
+from registry.errors import Conflict, Invalid, NotFound, PreconditionFailed, RegistryError, Unavailable
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -53,6 +56,9 @@ SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,199}$")
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 MAX_LIMIT = 2**31 - 1
+COMMITTED: ContextVar[int | None] = ContextVar("loraplex_registry_committed", default=None)
+"""The registry version the caller's last write committed as (the admin API answers it as
+``X-Registry-Version``: a reader whose snapshot version is at least this serves the change)."""
 DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "vocab_size", "context_length")
 
@@ -77,6 +83,13 @@ class _Tx:
               after: dict[str, Any] | None) -> None:
         self.changes.append(_Change(action, target, before, after))
 
+    async def serialize(self, key: str) -> None:
+        """Hold a lock on ``key`` until this transaction ends, so writers naming the same key take
+        turns (writers no longer queue on one registry-wide lock). SQLite has one writer at a time."""
+        if self.session.bind.dialect.name == "postgresql":
+            await self.session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+                                       {"key": key})
+
 
 # --- row -> JSON ------------------------------------------------------------------------------
 
@@ -90,7 +103,7 @@ def _iso(value: datetime | None) -> str | None:
 def tenant_dict(t: Tenant) -> dict[str, Any]:
     return {"slug": t.slug, "status": t.status, "requests_per_min": t.requests_per_min,
             "tokens_per_min": t.tokens_per_min, "max_concurrent": t.max_concurrent, "priority": t.priority,
-            "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
+            "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
 
 
 def base_model_dict(b: BaseModelRow) -> dict[str, Any]:
@@ -104,7 +117,8 @@ def adapter_dict(a: AdapterVersion) -> dict[str, Any]:
     return {"id": a.id, "name": a.name, "version": a.version, "label": a.label, "base_model": a.base_model,
             "uri": a.uri, "sha256": a.sha256, "size_bytes": a.size_bytes, "rank": a.rank, "alpha": a.alpha,
             "target_modules": list(a.target_modules), "owner_tenant": a.owner_tenant, "status": a.status,
-            "status_reason": a.status_reason, "verification": a.verification, "created_at": _iso(a.created_at)}
+            "status_reason": a.status_reason, "verification": a.verification, "row_version": a.row_version,
+            "created_at": _iso(a.created_at)}
 
 
 def binding_dict(b: Binding, labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -132,6 +146,18 @@ def _audit_view(d: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- validation ------------------------------------------------------------------------------
+
+def _match(row_version: int | None, if_match: int | None, what: str) -> None:
+    """A conditional write: refuse (412) unless the row is at the version the caller read."""
+    if if_match is None:
+        return
+    if isinstance(if_match, bool) or not isinstance(if_match, int):
+        raise Invalid(f"row_version must be an integer, got {if_match!r}", param="row_version")
+    if row_version != if_match:
+        found = "does not exist" if row_version is None else f"is at row_version {row_version}"
+        raise PreconditionFailed(f"{what} changed since it was read: it {found}, not {if_match}; read it "
+                                 f"again and retry", row_version)
+
 
 def _slug(value: Any, param: str = "tenant") -> str:
     if not isinstance(value, str) or not SLUG.match(value):
@@ -195,39 +221,62 @@ class RegistryService:
     # --- transaction plumbing ----------------------------------------------------------------
 
     async def _write(self, actor: str, op: Callable[[_Tx], Awaitable[T]]) -> T:
-        """Run ``op`` in one write transaction: bump version, op, audit rows, announce."""
+        """Run ``op`` in one write transaction, then bump the version, write its audit rows and
+        announce it in one statement (``_commit_version``), and commit.
+
+        ``op`` locks only the rows it changes; the one registry-wide row (the version) is locked
+        by that last statement and held for the commit alone, so writers to different rows do not
+        queue behind each other's work, and versions commit in order (readers rely on it).
+        SQLite has one writer at a time anyway: there the bump comes first, so the transaction
+        holds the write lock from its first statement (a read first could not be upgraded to a
+        write while another writer waits: "database is locked").
+        """
         try:
             async with self.sessions() as session, session.begin():
-                version = (await session.execute(
-                    update(RegistryState).where(RegistryState.id == 1)
-                    .values(version=RegistryState.version + 1, updated_at=utcnow())
-                    .returning(RegistryState.version))).scalar_one()
-                tx = _Tx(session, version)
+                tx = _Tx(session, 0 if self.bus.postgres else await self._bump(session))
                 result = await op(tx)
                 if not tx.changes:
                     raise _NoChange(result)
-                for change in tx.changes:
-                    await self._write_audit(session, version, actor, change)
-                await self.bus.announce_in_tx(session, version)
+                version = tx.version = await self._commit_version(session, actor, tx)
         except _NoChange as nc:
             return nc.result  # type: ignore[no-any-return]
         except RegistryError:
             raise
         except StaleDataError:
-            raise Conflict("the binding changed concurrently; retry", code="concurrent_update") from None
+            raise Conflict("the row changed concurrently; retry", code="concurrent_update") from None
         except IntegrityError as exc:
             raise Conflict(f"the change conflicts with existing registry rows: {_short(exc)}") from None
         except DataError as exc:
             raise Invalid(f"a value does not fit the registry schema: {_short(exc)}") from None
+        except PoolTimeout as exc:
+            raise _busy(exc, "nothing was changed") from None
         except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
             raise _unavailable(exc, "nothing was changed") from None
+        COMMITTED.set(version)
         await self.bus.announce_committed(version)
         return result
 
-    async def _write_audit(self, session: AsyncSession, version: int, actor: str, change: _Change) -> None:
-        session.add(AuditEntry(registry_version=version, actor=(actor or "unknown")[:200], action=change.action,
-                               target=change.target, before=change.before, after=change.after, at=utcnow()))
+    async def _commit_version(self, session: AsyncSession, actor: str, tx: _Tx) -> int:
+        """Record ``tx.changes`` under a new registry version: on PostgreSQL the bump, the audit
+        rows and the NOTIFY are one round trip; on SQLite the version was bumped at the start.
+        Returns the new version."""
+        actor = (actor or "unknown")[:200]
+        if self.bus.postgres:
+            rows = json.dumps([{"action": c.action, "target": c.target, "before": c.before, "after": c.after}
+                               for c in tx.changes], default=str)
+            return int((await session.execute(_COMMIT_PG, {"changes": rows, "actor": actor, "at": utcnow(),
+                                                           "channel": self.bus.channel})).scalar_one())
+        session.add_all([AuditEntry(registry_version=tx.version, actor=actor, action=c.action, target=c.target,
+                                    before=c.before, after=c.after, at=utcnow()) for c in tx.changes])
         await session.flush()
+        return tx.version
+
+    @staticmethod
+    async def _bump(session: AsyncSession) -> int:
+        return int((await session.execute(
+            update(RegistryState).where(RegistryState.id == 1)
+            .values(version=RegistryState.version + 1, updated_at=utcnow())
+            .returning(RegistryState.version))).scalar_one())
 
     async def _read(self, op: Callable[[AsyncSession], Awaitable[T]]) -> T:
         try:
@@ -235,6 +284,8 @@ class RegistryService:
                 return await op(session)
         except RegistryError:
             raise
+        except PoolTimeout as exc:
+            raise _busy(exc, "nothing was read") from None
         except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
             raise _unavailable(exc, "try again") from None
 
@@ -321,12 +372,14 @@ class RegistryService:
 
         return await self._write(actor, op)
 
-    async def set_tenant_status(self, slug: str, status: str, *, actor: str = "admin") -> dict:
+    async def set_tenant_status(self, slug: str, status: str, *, actor: str = "admin",
+                                if_match: int | None = None) -> dict:
         if status not in ("active", "disabled"):
             raise Invalid(f"status must be 'active' or 'disabled', got {status!r}", param="status")
 
         async def op(tx: _Tx) -> dict:
             row = await self._tenant(tx.session, slug, lock=True)
+            _match(row.row_version, if_match, f"tenant {slug!r}")
             before = tenant_dict(row)
             if row.status == status:
                 return before
@@ -339,15 +392,16 @@ class RegistryService:
 
         return await self._write(actor, op)
 
-    async def disable_tenant(self, slug: str, *, actor: str = "admin") -> dict:
-        return await self.set_tenant_status(slug, "disabled", actor=actor)
+    async def disable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+        return await self.set_tenant_status(slug, "disabled", actor=actor, if_match=if_match)
 
-    async def enable_tenant(self, slug: str, *, actor: str = "admin") -> dict:
-        return await self.set_tenant_status(slug, "active", actor=actor)
+    async def enable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+        return await self.set_tenant_status(slug, "active", actor=actor, if_match=if_match)
 
     async def set_tenant_limits(self, slug: str, *, requests_per_min: int | None = None,
                                 tokens_per_min: int | None = None, max_concurrent: int | None = None,
-                                priority: str | None = None, actor: str = "admin") -> dict:
+                                priority: str | None = None, actor: str = "admin",
+                                if_match: int | None = None) -> dict:
         changes: dict[str, Any] = {}
         for key, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
                            ("max_concurrent", max_concurrent)):
@@ -361,6 +415,7 @@ class RegistryService:
 
         async def op(tx: _Tx) -> dict:
             row = await self._tenant(tx.session, slug, lock=True)
+            _match(row.row_version, if_match, f"tenant {slug!r}")
             before = tenant_dict(row)
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return before
@@ -518,6 +573,7 @@ class RegistryService:
             tx.session.add(row)
             await tx.session.flush()
             if in_tx is not None:
+                await tx.serialize(uri)  # against a concurrent clean-up of the same stored files
                 await in_tx()
             out = adapter_dict(row)
             tx.audit("adapter.register", f"adapter:{row.id}", None, _audit_view(out))
@@ -527,7 +583,8 @@ class RegistryService:
 
     async def _set_adapter_status(self, ref: str, status: str, action: str, actor: str, *,
                                   reason: str | None, verification: dict[str, Any] | None,
-                                  allowed_from: tuple[str, ...], force: bool = True) -> dict:
+                                  allowed_from: tuple[str, ...], force: bool = True,
+                                  if_match: int | None = None) -> dict:
         """Move a version to ``status``. Leaving ``active`` touches the bindings that use it:
         without ``force`` that is refused (409 ``adapter_in_use``, naming them)."""
         if verification is not None and not isinstance(verification, dict):
@@ -539,6 +596,7 @@ class RegistryService:
 
         async def op(tx: _Tx) -> dict:
             row = await self._adapter(tx.session, ref, lock=True)
+            _match(row.row_version, if_match, f"adapter {row.label}")
             before = adapter_dict(row)
             if row.status == status and verification is None and reason is None:
                 return before
@@ -595,26 +653,27 @@ class RegistryService:
                                                                              f"is {adapter.status}"})
 
     async def activate_adapter(self, ref: str, *, verification: dict[str, Any] | None = None,
-                               actor: str = "admin") -> dict:
+                               actor: str = "admin", if_match: int | None = None) -> dict:
         """Make a version active (pending, disabled, or failed: a failed activation may be retried)."""
         return await self._set_adapter_status(ref, "active", "adapter.activate", actor, reason=None,
                                               verification=verification,
-                                              allowed_from=("pending", "disabled", "failed"))
+                                              allowed_from=("pending", "disabled", "failed"), if_match=if_match)
 
     async def disable_adapter(self, ref: str, *, reason: str | None = None, force: bool = False,
-                              actor: str = "admin") -> dict:
+                              actor: str = "admin", if_match: int | None = None) -> dict:
         """Disable a version. Bindings that route to it (active, canary) refuse this with 409
         ``adapter_in_use`` unless ``force``: then it aborts those canaries and disables those
         bindings (each audited) and lists them under ``detached``."""
         return await self._set_adapter_status(ref, "disabled", "adapter.disable", actor, reason=reason,
                                               verification=None, allowed_from=("pending", "active", "failed"),
-                                              force=force)
+                                              force=force, if_match=if_match)
 
-    async def enable_adapter(self, ref: str, *, actor: str = "admin") -> dict:
+    async def enable_adapter(self, ref: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
         """Re-enable a disabled version that had passed activation (``adapter.enable``). The
         bindings its disabling switched off stay off until enabled one by one."""
         async def op(tx: _Tx) -> dict:
             row = await self._adapter(tx.session, ref, lock=True)
+            _match(row.row_version, if_match, f"adapter {row.label}")
             before = adapter_dict(row)
             if row.status == "active":
                 return before
@@ -647,11 +706,12 @@ class RegistryService:
         return None
 
     async def fail_adapter(self, ref: str, *, reason: str, verification: dict[str, Any] | None = None,
-                           actor: str = "admin") -> dict:
+                           actor: str = "admin", if_match: int | None = None) -> dict:
         """Mark a version failed: the activation gate refused it (pending, failed again on a retry, or
         disabled and re-verified)."""
         return await self._set_adapter_status(ref, "failed", "adapter.fail", actor, reason=reason,
-                                              verification=verification, allowed_from=("pending", "disabled"))
+                                              verification=verification, allowed_from=("pending", "disabled"),
+                                              if_match=if_match)
 
     async def get_adapter(self, ref: str) -> dict:
         return adapter_dict(await self._read(lambda s: self._adapter(s, ref)))
@@ -675,13 +735,14 @@ class RegistryService:
     # --- bindings ------------------------------------------------------------------------------------
 
     async def _binding_op(self, tenant: str, alias: str, action: str, actor: str,
-                          mutate: Callable[[_Tx, Binding], Awaitable[bool]]) -> dict:
+                          mutate: Callable[[_Tx, Binding], Awaitable[bool]], if_match: int | None = None) -> dict:
         _slug(tenant)
         _name(alias, "alias")
 
         async def op(tx: _Tx) -> dict:
             await self._tenant(tx.session, tenant)
             b = await self._binding(tx.session, tenant, alias)
+            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
             before = await self._binding_out(tx.session, b)
             if not await mutate(tx, b):
                 return before
@@ -694,7 +755,7 @@ class RegistryService:
         return await self._write(actor, op)
 
     async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
-                   actor: str = "admin") -> dict:
+                   actor: str = "admin", if_match: int | None = None) -> dict:
         """Point ``alias`` at an active adapter version (create, or re-point: current -> previous)."""
         _slug(tenant)
         _name(alias, "alias")
@@ -706,6 +767,7 @@ class RegistryService:
             new = await self._adapter(tx.session, adapter)
             b = (await tx.session.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)
                                           .with_for_update())).scalar_one_or_none()
+            _match(b.row_version if b is not None else None, if_match, f"binding {tenant}/{alias}")
             now = utcnow()
             if b is None:
                 self._check_bindable(tenant, new, None)
@@ -735,7 +797,8 @@ class RegistryService:
 
         return await self._write(actor, op)
 
-    async def rollback(self, tenant: str, alias: str, *, actor: str = "admin") -> dict:
+    async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
+                       if_match: int | None = None) -> dict:
         """Swap active and previous in one step (a second rollback rolls forward again)."""
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if b.previous_id is None:
@@ -747,10 +810,10 @@ class RegistryService:
                 b.canary_id, b.canary_percent = None, 0.0
             return True
 
-        return await self._binding_op(tenant, alias, "binding.rollback", actor, mutate)
+        return await self._binding_op(tenant, alias, "binding.rollback", actor, mutate, if_match)
 
     async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
-                           actor: str = "admin") -> dict:
+                           actor: str = "admin", if_match: int | None = None) -> dict:
         pct = _percent(percent)
 
         async def mutate(tx: _Tx, b: Binding) -> bool:
@@ -767,9 +830,10 @@ class RegistryService:
             b.canary_id, b.canary_percent = new.id, pct
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_start", actor, mutate)
+        return await self._binding_op(tenant, alias, "binding.canary_start", actor, mutate, if_match)
 
-    async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin") -> dict:
+    async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
+                         if_match: int | None = None) -> dict:
         pct = _percent(percent)
 
         async def mutate(tx: _Tx, b: Binding) -> bool:
@@ -780,9 +844,10 @@ class RegistryService:
             b.canary_percent = pct
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate)
+        return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate, if_match)
 
-    async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin") -> dict:
+    async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
+                       if_match: int | None = None) -> dict:
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
@@ -792,19 +857,21 @@ class RegistryService:
             b.canary_id, b.canary_percent = None, 0.0
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate)
+        return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate, if_match)
 
-    async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin") -> dict:
+    async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
+                       if_match: int | None = None) -> dict:
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
             b.canary_id, b.canary_percent = None, 0.0
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_abort", actor, mutate)
+        return await self._binding_op(tenant, alias, "binding.canary_abort", actor, mutate, if_match)
 
     async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
-                                  on_disabled: str | None = None, actor: str = "admin") -> dict:
+                                  on_disabled: str | None = None, actor: str = "admin",
+                                  if_match: int | None = None) -> dict:
         if not isinstance(enabled, bool):
             raise Invalid("enabled must be a boolean", param="enabled")
         if on_disabled is not None:
@@ -826,9 +893,9 @@ class RegistryService:
             return True
 
         return await self._binding_op(tenant, alias, "binding.enable" if enabled else "binding.disable",
-                                      actor, mutate)
+                                      actor, mutate, if_match)
 
-    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin") -> dict:
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
         """Remove an alias: the tenant's requests for it get 404 from then on."""
         _slug(tenant)
         _name(alias, "alias")
@@ -836,6 +903,7 @@ class RegistryService:
         async def op(tx: _Tx) -> dict:
             await self._tenant(tx.session, tenant)
             b = await self._binding(tx.session, tenant, alias)
+            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
             before = await self._binding_out(tx.session, b)
             await tx.session.delete(b)
             await tx.session.flush()
@@ -902,10 +970,33 @@ class RegistryService:
         return await self._read(op)
 
 
+_COMMIT_PG = text("""
+WITH v AS (
+    UPDATE registry_state SET version = version + 1, updated_at = :at WHERE id = 1 RETURNING version
+), a AS (
+    INSERT INTO audit_log (registry_version, at, actor, action, target, before, after)
+    SELECT v.version, :at, :actor, c.action, c.target, c.before, c.after
+    FROM v, ROWS FROM (json_to_recordset(CAST(:changes AS json))
+                       AS (action text, target text, before json, after json)) WITH ORDINALITY AS c
+    ORDER BY c.ordinality
+)
+SELECT v.version, pg_notify(:channel, v.version::text) FROM v
+""")
+"""The version bump, the audit rows and the change announcement (delivered on commit) in one
+statement: the version row stays locked for this round trip and the commit only."""
+
+
 class _NoChange(Exception):
     def __init__(self, result: Any) -> None:
         super().__init__("no change")
         self.result = result
+
+
+def _busy(exc: BaseException, tail: str) -> RegistryError:
+    """Every pooled database connection is in use (``sqlalchemy.exc.TimeoutError``): retry soon."""
+    log.warning("registry connection pool exhausted: %s", _short(exc))
+    return Unavailable(f"the registry is busy (all database connections in use); {tail}; retry shortly",
+                       code="registry_busy", retry_after=1)
 
 
 def _unavailable(exc: BaseException, tail: str) -> RegistryError:

@@ -6,11 +6,12 @@ A ``RegistrySnapshot`` is an immutable, fully materialised picture of the regist
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AdapterVersionView:
     id: str
     """Stable version id: the routing key and the engine's cache key."""
@@ -28,7 +29,7 @@ class AdapterVersionView:
         return f"{self.name}@{self.version}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BindingView:
     alias: str
     active: AdapterVersionView | None
@@ -40,7 +41,7 @@ class BindingView:
     base_model: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TenantView:
     slug: str
     status: str
@@ -55,15 +56,71 @@ class TenantView:
         return self.status == "active"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BaseModelView:
     name: str
     revision: str
     architecture: str
 
 
-@dataclass(frozen=True)
+class TenantMap(Mapping[str, TenantView]):
+    """Tenants by slug, immutable, in ``SHARDS`` dicts: ``replace`` copies only the shards it
+    touches, so a snapshot one change newer shares all but ~N/256 entries with the last one
+    (a plain dict copy of 100k tenants costs ~4 ms per change, per reader)."""
+
+    SHARDS = 256
+    __slots__ = ("_len", "_shards")
+
+    def __init__(self, items: Mapping[str, TenantView] | Iterable[tuple[str, TenantView]] = ()) -> None:
+        shards: list[dict[str, TenantView]] = [{} for _ in range(self.SHARDS)]
+        for slug, tenant in (items.items() if isinstance(items, Mapping) else items):
+            shards[hash(slug) & (self.SHARDS - 1)][slug] = tenant
+        self._shards = shards
+        self._len = sum(map(len, shards))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._shards[hash(key) & (self.SHARDS - 1)].get(key, default)
+
+    def __getitem__(self, key: str) -> TenantView:
+        return self._shards[hash(key) & (self.SHARDS - 1)][key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._shards[hash(key) & (self.SHARDS - 1)]
+
+    def __iter__(self) -> Iterator[str]:
+        for shard in self._shards:
+            yield from shard
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"TenantMap({self._len} tenants)"
+
+    def replace(self, changed: Mapping[str, TenantView | None]) -> TenantMap:
+        """A new map with ``changed`` applied (None removes the tenant); untouched shards shared."""
+        shards = list(self._shards)
+        copied: set[int] = set()
+        size = self._len
+        for slug, tenant in changed.items():
+            i = hash(slug) & (self.SHARDS - 1)
+            if i not in copied:
+                shards[i] = dict(shards[i])
+                copied.add(i)
+            size -= slug in shards[i]
+            if tenant is None:
+                shards[i].pop(slug, None)
+            else:
+                shards[i][slug] = tenant
+                size += 1
+        out = TenantMap.__new__(TenantMap)
+        out._shards, out._len = shards, size
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class RegistrySnapshot:
     version: int
-    tenants: dict[str, TenantView] = field(default_factory=dict)
+    tenants: Mapping[str, TenantView] = field(default_factory=dict)
+    """A ``TenantMap`` from the live registry (any mapping from a snapshot file or a test)."""
     base_models: dict[str, BaseModelView] = field(default_factory=dict)

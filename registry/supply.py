@@ -108,7 +108,7 @@ class SupplyChain:
             await self._put_version(prefix, contents)
 
         async def ensure_stored() -> None:
-            # Inside the registry write (writers are serialised): a concurrent refused upload of the
+            # Inside the registry write, under the files' lock: a concurrent refused upload of the
             # same bytes may have removed the shared files after this one stored them.
             if not await self._present(keys):
                 await self._put_version(prefix, contents)
@@ -139,8 +139,9 @@ class SupplyChain:
 
     async def _drop_if_unused(self, prefix: str, digest: str) -> None:
         """Undo a refused upload's files unless a version records them, deciding and deleting under
-        the registry's writer lock so a concurrent registration of the same bytes cannot interleave."""
+        the files' lock so a concurrent registration of the same bytes cannot interleave."""
         async def op(tx: Any) -> None:
+            await tx.serialize(self.store.uri_for(prefix))
             used = (await tx.session.execute(select(AdapterVersion.id).where(
                 AdapterVersion.uri == self.store.uri_for(prefix)).limit(1))).first()
             if used is None:

@@ -345,3 +345,28 @@ def test_admin_cli_upload_upgrade_and_gc(server, capsys, tmp_path):
     code, out, _ = run(capsys, "gc", "--retention", "0", "--apply")
     assert code == 0 and "deleted 2 version(s)" in out
     assert not list(stored.glob("sha256/*/*"))  # both versions recorded the same files
+
+
+def test_admin_cli_canary_set_by_is_a_conditional_write(server, capsys, tmp_path):
+    """``canary set --by`` reads, writes with the row_version it read and retries on 412: eight
+    concurrent runs move the percent by exactly eight steps."""
+    settings, _, _ = server
+    _seed(capsys, settings, tmp_path)
+    run_json(capsys, "adapter", "activate", "support@1")
+    run_json(capsys, "adapter", "activate", "support@2")
+    run_json(capsys, "bind", "acme", "support", "support@1")
+    run_json(capsys, "canary", "start", "acme", "support", "support@2", "--percent", "10")
+    assert run_json(capsys, "canary", "set", "acme", "support", "--by", "+5")["canary_percent"] == 15
+    assert run_json(capsys, "canary", "set", "acme", "support", "--by", "-3")["canary_percent"] == 12
+    code, _, err = run(capsys, "canary", "set", "acme", "support", "20", "--by", "1")
+    assert code == 2 and "either PERCENT or --by" in err
+    codes: list[int] = []
+    threads = [threading.Thread(target=lambda: codes.append(
+        main(["admin", "canary", "set", "acme", "support", "--by", "1", "--json"]))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    capsys.readouterr()
+    assert codes == [0] * 8
+    assert run_json(capsys, "binding", "show", "acme", "support")["canary_percent"] == 20

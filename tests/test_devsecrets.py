@@ -1,4 +1,4 @@
-"""Development secrets: ``gateway``, ``worker``, ``serve`` and ``demo`` refuse non-loopback binds
+"""Development secrets: ``gateway``, ``admin-api``, ``worker``, ``serve`` and ``demo`` refuse non-loopback binds
 with a built-in secret unless explicitly allowed; ``loraplex config`` names such a value."""
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def started(env):
 COMMANDS = {
     "gateway": (["gateway", "--host", "0.0.0.0", "--no-access-log"], {"LORAPLEX_JWT_SECRET", "LORAPLEX_WORKER_SECRET"}),
     "worker": (["worker", "--host", "0.0.0.0"], {"LORAPLEX_WORKER_SECRET"}),
+    "admin-api": (["admin-api", "--host", "0.0.0.0"], {"LORAPLEX_JWT_SECRET", "LORAPLEX_WORKER_SECRET"}),
     "serve": (["serve"], {"LORAPLEX_JWT_SECRET", "LORAPLEX_WORKER_SECRET"}),
     "demo": (["demo"], {"LORAPLEX_JWT_SECRET", "LORAPLEX_WORKER_SECRET"}),
 }

@@ -20,7 +20,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from registry.cache import SnapshotCache
+from registry.cache import NotLoaded, SnapshotCache
 from registry.migrate import upgrade_async
 from registry.service import RegistryService
 from tests.conftest import PG_ADMIN_URL
@@ -207,12 +207,16 @@ async def test_reader_keeps_last_snapshot_when_database_goes_away(tmp_path):
         await admin.close()
 
 
-async def test_cache_start_with_database_down_serves_empty_snapshot(tmp_path):
+async def test_cache_start_with_database_down_is_not_ready(tmp_path):
+    """Never an empty registry in place of the real one: no snapshot until a load succeeds."""
     settings = make_settings(tmp_path, "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere")
     cache = SnapshotCache(settings)
     await cache.start()
     try:
-        assert cache.current.version == 0 and not cache.healthy
+        assert not cache.ready and not cache.healthy and cache.failures >= 1
+        assert "no registry snapshot yet" in (cache.readiness_problem() or "")
+        with pytest.raises(NotLoaded):
+            _ = cache.current
     finally:
         await cache.stop()
 
