@@ -49,7 +49,13 @@ def test_cleaned_messages_are_what_the_template_renders():
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "user", "content": ""}]}, "messages"),
-    ({"messages": MSG, "stop": ["a"] * 5}, "stop"),
+    ({"messages": MSG, "stop": ["a"] * 17}, "stop"),
+    ({"messages": MSG, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": [1]}, "logit_bias"),
+    ({"messages": MSG, "logprobs": 1}, "logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": MSG, "n": 2}, "n"),
     ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
@@ -75,3 +81,28 @@ def test_stream_options_only_with_stream():
     assert not req.include_usage and not req.continuous_usage
     req = parse({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, chat=False)
     assert req.continuous_usage and not req.include_usage
+
+
+def test_logprobs_read_one_way_on_both_routes():
+    chat = parse({"messages": MSG, "logprobs": True, "top_logprobs": 3}, chat=True)
+    assert (chat.logprobs, chat.top_logprobs) == (True, 3)
+    comp = parse({"prompt": "x", "logprobs": 2}, chat=False)
+    assert (comp.logprobs, comp.top_logprobs) == (True, 2)
+    assert parse({"prompt": "x", "logprobs": 0}, chat=False).logprobs
+    assert not parse({"prompt": "x"}, chat=False).logprobs
+    with pytest.raises(FieldError) as exc:
+        parse({"prompt": "x", "logprobs": True}, chat=False)
+    assert exc.value.param == "logprobs"
+    with pytest.raises(FieldError) as exc:
+        parse({"prompt": "x", "top_logprobs": 2}, chat=False)
+    assert exc.value.param == "top_logprobs"
+
+
+def test_logit_bias_and_many_stops(tok):
+    body = {"messages": MSG, "logit_bias": {"7": -100, "3": 2.5}, "stop": [str(i) for i in range(16)],
+            "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    req = parse(body, chat=True)
+    assert req.logit_bias == ((3, 2.5), (7, -100.0)) and len(req.stop) == 16
+    params = parse_request(dict(body), "chat", tok, 4096, "m").params
+    assert params.logit_bias == req.logit_bias and params.stop == req.stop
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
