@@ -35,12 +35,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import Engine, PromptTooLongError
+from engine.grammar import GrammarError
 from engine.internal_api import internal_routes
 from engine.metrics import WorkerMetrics
 from engine.protocol import (
     GenerationRequest,
     RequestError,
     full_response,
+    logprobs_json,
     now,
     parse_json,
     parse_request,
@@ -175,13 +177,27 @@ class Generation:
                           type="server_error", headers=self.headers)
         self.state.request_done("ok")
         body = full_response(self.req, self.seq.output_text, ev.finish_reason, len(self.seq.output_ids),
-                             self.created)
+                             self.created, logprobs_json(self.req, self.seq.logprobs, self.engine.tokenizer))
         return JSONResponse(body, headers=self.headers)
 
     async def stream(self) -> AsyncIterator[bytes]:
         req, created = self.req, self.created
         finished = False
         generated = 0
+        tok = self.engine.tokenizer
+        pending: list = []  # logprob entries whose text is held back (a stop string may start there)
+        offset = 0  # completions: where the next entry's text starts
+
+        def flush() -> dict[str, Any] | None:
+            nonlocal offset
+            if not pending:
+                return None
+            out = logprobs_json(req, pending, tok, offset)
+            if out is not None and req.kind != "chat":
+                offset = out["text_offset"][-1] + len(out["tokens"][-1])
+            pending.clear()
+            return out
+
         try:
             if req.kind == "chat":
                 yield _sse(stream_chunk(req, created, "", None, first=True))
@@ -194,12 +210,15 @@ class Generation:
                     finished = True
                     self.state.request_done("error")
                     break
+                if ev.logprobs:
+                    pending.extend(ev.logprobs)
                 if ev.text_delta:
-                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated))
+                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated,
+                                            logprobs=flush()))
                 if ev.finished:
                     finished = True
                     yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason,
-                                            completion_tokens=generated))
+                                            completion_tokens=generated, logprobs=flush()))
                     if req.include_usage:
                         yield _sse(usage_chunk(req, created, len(self.seq.output_ids)))
                     self.state.request_done("ok")
@@ -253,6 +272,15 @@ class WorkerRoutes:
         if req.ext.adapter is not None and eng.lora_runtime is None:
             return _error(400, "this worker has no LoRA support; it serves the base model only",
                           code="adapter_not_supported")
+        if req.params.grammar is not None:
+            try:  # compiled off the event loop (cached: a known schema returns at once)
+                await asyncio.to_thread(eng.grammars.compile, req.params.grammar)
+            except GrammarError as exc:
+                return JSONResponse(error_body(str(exc), code="invalid_response_format", param="response_format"),
+                                    status_code=400)
+            except ImportError:
+                return _error(400, "structured outputs need xgrammar on this worker "
+                                   "(pip install 'loraplex[engine]')", code="unsupported_parameter")
         return req
 
     def _queue(self, eng: Engine, req: GenerationRequest) -> Generation | Response:

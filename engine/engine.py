@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
-from engine.sampler import sample
+from engine.sampler import sample, token_logprobs
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
+from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
 from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
@@ -125,6 +126,9 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, sorted(eos))
+        self.mask_s = 0.0
+        """Seconds spent filling grammar masks (on the grammar thread, beside the forward)."""
         self.lora_runtime: Any = None
         self.metrics: Any = None
         self.info: Any = None
@@ -196,8 +200,9 @@ class Engine:
                                               max_wait_s=settings.lora_max_wait_s)
 
     def close(self) -> None:
-        """Stop the thread and the adapter loaders."""
+        """Stop the thread, the grammar thread and the adapter loaders."""
         self.stop()
+        self.grammars.close()
         rt = self.lora_runtime
         if rt is not None:
             rt.manager.close()
@@ -215,6 +220,8 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, adapter=adapter, tenant=tenant, priority=priority,
                        request_id=request_id, listener=listener)
         seq.max_total_len = self.max_model_len
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)  # GrammarError (a ValueError): bad format
         rt = self.lora_runtime
         if adapter is None or rt is None:
             seq.extra["cache"] = "base"
@@ -270,20 +277,29 @@ class Engine:
         if not out.chunks:
             return False
         ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
+        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
+        masks = self.grammars.start_masks(sampling)  # filled while the forward runs
         try:
             if self.lora_runtime is not None:
                 self.lora_runtime.prepare_batch(ctx)
             logits = self.model.forward(ctx, self.cache)
         except Exception as exc:
+            if masks is not None:
+                masks.wait()
             self._contain_exception(ctx, exc)
             return True
-        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
         bad = self._non_finite(ctx, logits)
+        keep = None
         if bad:
             keep = [j for j, i in enumerate(ctx.sample_seqs) if i not in bad]
             logits = logits[keep]
             sampling = [sampling[j] for j in keep]
+        raw = logits
+        if masks is not None:
+            logits = masks.apply(logits, keep)
+            self.mask_s += masks.fill_s
         tokens = sample(logits, sampling)
+        logprobs = token_logprobs(raw, sampling, tokens)
         now = time.monotonic()
         with self._lock:
             if bad:
@@ -291,9 +307,9 @@ class Engine:
             for seq, n in out.chunks:
                 if not seq.is_finished:
                     seq.num_computed += n
-            for seq, tok in zip(sampling, tokens, strict=True):
+            for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
                 if not seq.is_finished:
-                    self._append_token(seq, tok, now)
+                    self._append_token(seq, tok, now, lp)
             if self.fault is not None and any(s.adapter is None for s in sampling):
                 self.fault = None  # the base model answers finitely again
         self.steps += 1
@@ -368,7 +384,7 @@ class Engine:
                 if not seq.is_finished:
                     self._finish(seq, "error", *self._describe(exc, seq))
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, tok: int, now: float, lp: TokenLogprob | None = None) -> None:
         p = seq.params
         seq.output_ids.append(tok)
         if seq.first_token_time is None:
@@ -380,9 +396,15 @@ class Engine:
             self.metrics.add_generated(1)
         reason: str | None = None
         text_ids = seq.output_ids
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
+            reason = "stop"  # the format is complete (its stop token, or none can follow)
+            if tok in self.eos_token_ids:
+                text_ids = seq.output_ids[:-1]
+                lp = None
+        elif (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
             text_ids = seq.output_ids[:-1]
+            lp = None  # its text is not in the output
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
             reason = "length"
         text = self.tokenizer.decode(text_ids)
@@ -404,8 +426,12 @@ class Engine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             self._release(seq)
+        lps = None
+        if lp is not None:
+            seq.logprobs.append(lp)
+            lps = [lp]
         if seq.listener is not None:
-            seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason))
+            seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason, logprobs=lps))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, code: str | None = None) -> None:
         seq.finish_reason = reason

@@ -176,6 +176,32 @@ def test_isolation_with_fewer_slots_than_adapters(world):
     _close(engine)
 
 
+def test_logprobs_of_every_row_equal_peft_log_softmax(world):
+    """Mixed batch, every row asking for logprobs: each greedy token's logprob and its top 5 equal
+    ``log_softmax`` of PEFT's logits for that row's adapter alone (within 1e-3)."""
+    engine = tiny_engine(world.base_dir)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=5)
+    seqs = [(name, prompt, engine.add_request(prompt, params, adapter=world.refs[name] if name else None))
+            for name, prompt in _plan(12, seed=5)]
+    run_to_completion(engine, [s for _, _, s in seqs])
+    worst = 0.0
+    for name, prompt, seq in seqs:
+        assert [e.token for e in seq.logprobs] == seq.output_ids and len(seq.output_ids) == NEW_TOKENS
+        ids = list(prompt)
+        for e in seq.logprobs:
+            ref = torch.log_softmax(world.reference.logits(name, ids).double(), dim=-1)
+            top = ref.topk(5)
+            assert [t for t, _ in e.top] == top.indices.tolist(), (name, len(ids))
+            errs = [abs(e.logprob - float(ref[e.token]))]
+            errs += [abs(lp - float(v)) for (_, lp), v in zip(e.top, top.values, strict=True)]
+            worst = max(worst, *errs)
+            ids.append(e.token)
+    assert worst < 1e-3, worst
+    _close(engine)
+
+
 # --- the test can fail ------------------------------------------------------------------------
 
 class _MutatedRuntime(LoRARuntime):
@@ -253,7 +279,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
     engine = Engine.from_path(gguf, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512))
     rt = attach_runtime(engine, describe_model(gguf), tmp_path / "cache", max_loras=4, slots_per_class=4)
     refs = {n: AdapterRef(id=f"demo-{n}", name=n, uri=(DEMO_ADAPTERS / n).as_uri()) for n in names}
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
     rows = [(n, p) for p in prompts for n in (None, *names)]  # interleaved: base, french, json, terse, base, ...
     seqs = [(n, p, engine.add_request(p, params, adapter=refs[n] if n else None)) for n, p in rows]
     run_to_completion(engine, [s for _, _, s in seqs], timeout_s=300)
@@ -266,6 +292,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
             model.load_adapter(str(DEMO_ADAPTERS / n), adapter_name=n)
         model.eval()
         ours = {(n, tuple(p)): s.output_ids for n, p, s in seqs}
+        seq_of = {(n, tuple(p)): s for n, p, s in seqs}
         for n, p, _ in seqs:
             x = torch.tensor([p])
             kw = dict(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
@@ -278,6 +305,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
                     model.set_adapter(n)
                     ref = model.generate(**kw)[0, x.shape[1]:].tolist()
             got = ours[n, tuple(p)]
+            _check_logprobs(model, n, p, got, seq_of[n, tuple(p)].logprobs)
             # EOS is suppressed by min_new_tokens in the reference: compare up to our first EOS.
             cut = next((i for i, t in enumerate(got) if t in engine.eos_token_ids), len(got))
             assert got[:cut] == ref[:cut], (n, tok.decode(got), tok.decode(ref))
@@ -285,3 +313,22 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
                 assert got != ours[None, tuple(p)], f"{n} output equals the base model's"
     finally:
         model.unload()  # give hf_demo_model() back without adapter layers
+
+
+def _check_logprobs(model: Any, adapter: str | None, prompt: list[int], out: list[int], entries: list[Any]) -> None:
+    """Our logprobs of ``out`` (and top 5) against transformers+PEFT ``log_softmax`` on the same
+    tokens (teacher-forced), within 1e-3."""
+    x = torch.tensor([prompt + out])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=x).logits[0]
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=x).logits[0]
+    ref = torch.log_softmax(logits[len(prompt) - 1:-1].double(), dim=-1)
+    assert [e.token for e in entries] == out
+    for i, e in enumerate(entries):
+        assert abs(e.logprob - float(ref[i, e.token])) < 1e-3, (adapter, i, e.logprob, float(ref[i, e.token]))
+        top = ref[i].topk(5)
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(e.top, top.values, strict=True)) < 1e-3, (adapter, i)
