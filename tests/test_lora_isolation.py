@@ -202,6 +202,96 @@ def test_logprobs_of_every_row_equal_peft_log_softmax(world):
     _close(engine)
 
 
+# --- grammar-constrained rows -----------------------------------------------------------------
+
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "bb", "ccc"]}},
+     "required": ["ok", "tag"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
+     "required": ["name"], "additionalProperties": False},
+    {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+     "required": ["xs"], "additionalProperties": False},
+]
+JSON_ADAPTERS = ["r8_all", "r16_mlp", "r64_qv"]
+
+
+@pytest.fixture(scope="module")
+def json_world(tmp_path_factory) -> World:
+    """A tiny Llama with a byte-level BPE tokenizer (JSON can be spelled) and three adapters."""
+    from tests.engine_fixtures import make_tiny_model
+
+    root = tmp_path_factory.mktemp("isolation_json")
+    base_dir = make_tiny_model(root / "base", "llama")
+    model, dirs = peft_adapters(base_dir, root / "adapters", {n: ISOLATION_SPECS[n] for n in JSON_ADAPTERS})
+    return World(base_dir, dirs, PeftReference(model), refs_for(dirs), root / "cache")
+
+
+def _greedy_under_grammar(world: World, grammars: Any, name: str | None, prompt: list[int], key: str,
+                          n: int) -> list[int]:
+    """PEFT's greedy tokens for ``name`` alone, masked by its own matcher of the same grammar."""
+    import xgrammar as xgr
+
+    m = grammars.matcher(key)
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = world.reference.logits(name, ids).clone().unsqueeze(0)
+        bitmask = xgr.allocate_token_bitmask(1, logits.shape[1])
+        m.fill_next_token_bitmask(bitmask, 0)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        t = int(logits.argmax())
+        out.append(t)
+        if not m.accept_token(t) or m.is_terminated():
+            break
+        ids.append(t)
+    return out
+
+
+def test_isolation_with_grammar_constrained_rows(json_world):
+    """Base and adapter rows, three schemas and free rows in the same steps: every raw logits row
+    equals PEFT for its adapter alone, every constrained row equals PEFT's greedy under the same
+    grammar (and is valid JSON for its schema), every free row PEFT's plain greedy."""
+    import json
+
+    import jsonschema
+
+    from engine.grammar import spec_key
+
+    world = json_world
+    engine = tiny_engine(world.base_dir)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    rec = Recorder()
+    rec.install(engine)
+    names = itertools.cycle([None, *JSON_ADAPTERS])
+    rows = []
+    for i, (_, prompt) in enumerate(_plan(16, seed=17)):
+        name = next(names)
+        schema = JSON_SCHEMAS[i % 3] if i % 4 != 3 else None
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=schema is None,
+                                grammar=spec_key("json_schema", schema) if schema else None)
+        if i == 8:  # later rows prefill while earlier ones decode
+            engine.step()
+        rows.append((name, prompt, schema, engine.add_request(prompt, params, adapter=world.refs[name] if name else None)))
+    run_to_completion(engine, [s for *_, s in rows])
+    assert max(len(s) for s in rec.step_adapters) >= 3
+    bad: list[str] = []
+    for name, prompt, schema, seq in rows:
+        for prefix, logits in rec.rows[seq.seq_id]:
+            err = rel_err(logits, world.reference.logits(name, prefix))
+            if not err < TOL:
+                bad.append(f"{name} seq {seq.seq_id} at {len(prefix)}: rel err {err:.2e}")
+        if schema is None:
+            want = world.reference.greedy(name, prompt, 40)
+        else:
+            want = _greedy_under_grammar(world, engine.grammars, name, prompt, seq.params.grammar, 40)
+            if seq.finish_reason == "stop":
+                jsonschema.validate(json.loads(seq.output_text), schema)
+        if seq.output_ids != want:
+            bad.append(f"{name} seq {seq.seq_id} (schema {schema is not None}): {seq.output_ids} != {want}")
+    assert sum(s.finish_reason == "stop" for *_, sch, s in rows if sch) >= 6
+    assert bad == []
+    _close(engine)
+
+
 # --- the test can fail ------------------------------------------------------------------------
 
 class _MutatedRuntime(LoRARuntime):
