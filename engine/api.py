@@ -54,6 +54,7 @@ from engine.scheduler import QueueFullError
 from engine.sequence import Sequence
 from engine.worker_auth import WorkerSecretMiddleware
 from loraplex.settings import Settings
+from loraplex.tool_calls import parse_output
 from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
@@ -212,12 +213,23 @@ class Generation:
                     break
                 if ev.logprobs:
                     pending.extend(ev.logprobs)
-                if ev.text_delta:
+                if ev.text_delta and req.tools is None:
                     yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated,
                                             logprobs=flush()))
                 if ev.finished:
                     finished = True
-                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason,
+                    reason = ev.finish_reason
+                    if req.tools is not None:  # the answer is parsed whole: calls or content, then the end
+                        content, calls = parse_output(self.seq.output_text, req.tools)
+                        if calls:
+                            reason = "tool_calls"
+                            yield _sse(stream_chunk(req, created, None, None, completion_tokens=generated,
+                                                    logprobs=flush(),
+                                                    tool_calls=[c.openai(i) for i, c in enumerate(calls)]))
+                        if content:
+                            yield _sse(stream_chunk(req, created, content, None, completion_tokens=generated,
+                                                    logprobs=flush()))
+                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", reason,
                                             completion_tokens=generated, logprobs=flush()))
                     if req.include_usage:
                         yield _sse(usage_chunk(req, created, len(self.seq.output_ids)))

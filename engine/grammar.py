@@ -43,10 +43,11 @@ class GrammarError(ValueError):
 
 
 def spec_key(kind: str, schema: dict[str, Any] | None) -> str:
-    """The canonical text of a format: the cache key's preimage and the SamplingParams field."""
+    """The compact text of a format: the cache key's preimage and the SamplingParams field.
+    Key order is kept: properties are generated in the order the schema declares them."""
     if kind == "json_object":
         return "json_object"
-    return "json_schema:" + json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "json_schema:" + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 class Grammars:

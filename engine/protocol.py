@@ -20,11 +20,12 @@ from engine.sequence import SamplingParams, TokenLogprob
 from loraplex.openai_request import FieldError, OpenAIRequest
 from loraplex.openai_request import parse as parse_fields
 from loraplex.tokenizer import ChatTemplateError, TextTokenizer
+from loraplex.tool_calls import ToolSpec, forced_schema, parse_output, render_prompt
 from loraplex.wire import EXT_KEY, WorkerRequestExt, error_body
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # parameter -> the values that mean "off" (anything else is refused, never silently ignored)
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 
 
@@ -49,6 +50,8 @@ class GenerationRequest:
     id: str
     continuous_usage: bool = False
     """Every stream chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
+    tools: ToolSpec | None = None
+    """Chat with callable tools: the answer is parsed for calls (``loraplex.tool_calls``)."""
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -67,9 +70,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _chat_prompt(messages: list[dict[str, str]], tok: TextTokenizer) -> list[int]:
+def _chat_prompt(messages: list[dict[str, Any]], tools: ToolSpec | None, tok: TextTokenizer) -> list[int]:
     try:
-        return tok.encode_chat(messages, add_generation_prompt=True)
+        return tok.encode(render_prompt(tok, messages, tools), add_special_tokens=False)
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), code="invalid_value", param="messages") from None
 
@@ -110,6 +113,8 @@ def _supported(body: dict[str, Any], fields: OpenAIRequest, tok: TextTokenizer) 
 
 
 def _grammar(fields: OpenAIRequest) -> str | None:
+    if fields.tools is not None and fields.tools.forced:
+        return spec_key("json_schema", forced_schema(fields.tools))
     rf = fields.response_format
     return None if rf is None else spec_key(rf.type, rf.schema)
 
@@ -125,7 +130,7 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
     _supported(body, fields, tok)
     ext = _ext(body)
     if fields.messages is not None:
-        prompt_ids = _chat_prompt(fields.messages, tok)
+        prompt_ids = _chat_prompt(fields.messages, fields.tools, tok)
     else:
         assert fields.prompt is not None
         prompt_ids = _completion_prompt(fields.prompt, tok)
@@ -154,7 +159,7 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     rid = prefix + (ext.request_id or uuid.uuid4().hex)
     return GenerationRequest(kind, fields.model or default_model, prompt_ids, params, fields.stream,
-                             fields.include_usage, ext, rid, fields.continuous_usage)
+                             fields.include_usage, ext, rid, fields.continuous_usage, fields.tools)
 
 
 # ------------------------------------------------------------------------------ responses
@@ -189,8 +194,14 @@ def logprobs_json(req: GenerationRequest, entries: list[TokenLogprob] | None, to
 def full_response(req: GenerationRequest, text: str, finish_reason: str | None, completion_tokens: int,
                   created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if req.tools is not None and finish_reason != "error":
+            content, calls = parse_output(text, req.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+                finish_reason = "tool_calls"
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -201,7 +212,8 @@ def full_response(req: GenerationRequest, text: str, finish_reason: str | None, 
 
 def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_reason: str | None,
                  first: bool = False, completion_tokens: int = 0,
-                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 logprobs: dict[str, Any] | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One chunk; ``completion_tokens``: tokens generated so far (for continuous usage)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -209,6 +221,8 @@ def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         obj = "chat.completion.chunk"

@@ -7,11 +7,13 @@ the reservation rule (docs/DESIGN.md, "Count and plan").
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError
 from loraplex.openai_request import FieldError, OpenAIRequest, parse
+from loraplex.tool_calls import DEFAULT_TOOL_PROMPT
 from loraplex.wire import EXT_KEY
 
 MESSAGE_OVERHEAD_TOKENS = 8
@@ -60,8 +62,13 @@ def _bytes(text: str) -> int:
 def estimate(fields: OpenAIRequest) -> int:
     """An upper bound of the prompt tokens without a tokenizer."""
     if fields.messages is not None:
-        return REQUEST_OVERHEAD_TOKENS + sum(_bytes(m["content"]) + MESSAGE_OVERHEAD_TOKENS
-                                             for m in fields.messages)
+        n = REQUEST_OVERHEAD_TOKENS + sum(_bytes(m["content"]) + MESSAGE_OVERHEAD_TOKENS
+                                          for m in fields.messages)
+        if fields.tools is not None or any(len(m) > 2 for m in fields.messages):  # tool turns, tool list
+            n += _bytes(json.dumps([m.get("tool_calls") for m in fields.messages], ensure_ascii=False))
+            n += 0 if fields.tools is None else _bytes(DEFAULT_TOOL_PROMPT) + sum(
+                _bytes(json.dumps(t.openai(), ensure_ascii=False)) for t in fields.tools.tools)
+        return n
     if isinstance(fields.prompt, str):
         return REQUEST_OVERHEAD_TOKENS + _bytes(fields.prompt)
     return len(fields.prompt or ())

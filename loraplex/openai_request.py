@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.tool_calls import ToolError, ToolSpec, clean_tool_message, parse_tools
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 16
 """OpenAI allows 4; more are accepted (as vLLM does)."""
@@ -54,8 +56,9 @@ class ResponseFormat:
 class OpenAIRequest:
     chat: bool
     model: str | None
-    messages: list[dict[str, str]] | None
-    """Chat: ``[{"role", "content"}]`` with text content only (what the chat template renders)."""
+    messages: list[dict[str, Any]] | None
+    """Chat: ``[{"role", "content"}]`` with text content only (what the chat template renders), plus
+    an assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id`` (``loraplex.tool_calls``)."""
     prompt: str | list[int] | None
     """Completions: the text, or the token ids."""
     stream: bool
@@ -81,6 +84,8 @@ class OpenAIRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """``(token id, bias)`` pairs, ids ascending."""
     response_format: ResponseFormat | None = None
+    tools: ToolSpec | None = None
+    """Tools the model may call (None: none, or ``tool_choice: "none"``)."""
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -128,11 +133,11 @@ def _content(content: Any, param: str) -> str:
     raise FieldError("content must be a string or a list of text parts", param)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise FieldError("'messages' must be a non-empty list", "messages")
-    clean: list[dict[str, str]] = []
+    clean: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         param = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -151,8 +156,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise FieldError("'name' must be a string", f"{param}.name")
-        clean.append({"role": role, "content": text})
-    if all(not m["content"] for m in clean):
+        cm: dict[str, Any] = {"role": role, "content": text}
+        if role == "tool" or "tool_calls" in m:
+            clean_tool_message(m, cm, param)
+        clean.append(cm)
+    if all(not m["content"] and not m.get("tool_calls") for m in clean):
         raise FieldError("every message is empty", "messages")
     return clean
 
@@ -290,6 +298,13 @@ def _sampling(body: dict[str, Any], req: OpenAIRequest) -> None:
 
 def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAIRequest:
     """Check an OpenAI body (``chat``: /v1/chat/completions, else /v1/completions)."""
+    try:
+        return _parse(body, chat=chat, max_tokens_cap=max_tokens_cap)
+    except ToolError as exc:
+        raise FieldError(exc.message, exc.param, exc.code) from None
+
+
+def _parse(body: Any, *, chat: bool, max_tokens_cap: int | None) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise FieldError("the request body must be a JSON object")
     model = body.get("model")
@@ -319,4 +334,8 @@ def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAI
                         max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user)
     if not _SAMPLING.isdisjoint(body):
         _sampling(body, req)
+    if "tools" in body or "tool_choice" in body:
+        req.tools = parse_tools(body, chat)
+        if req.tools is not None and req.tools.forced and req.response_format is not None:
+            raise FieldError("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
     return req

@@ -107,7 +107,7 @@ async def test_malformed_json_is_400(raw):
                              content=raw), 400)
 
 
-@pytest.mark.parametrize("field", ["metadata", "tools"])
+@pytest.mark.parametrize("field", ["metadata", "prediction"])
 async def test_json_nested_deeper_than_the_forwarder_encodes_is_400(field):
     # orjson parses 1024 levels but encodes 254 (the body itself counted): the gateway, which
     # re-encodes what it forwards, refuses the rest as invalid JSON, naming the field.
