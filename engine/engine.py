@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
 from engine.sampler import sample, token_logprobs
-from engine.scheduler import Scheduler
+from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
 from loraplex.settings import Settings
@@ -211,17 +211,30 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
                     tenant: str = "", priority: int = PRIORITY_CLASSES["normal"], request_id: str = "",
                     listener: Callable[[SeqEvent], None] | None = None) -> Sequence:
-        """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``."""
+        """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``.
+
+        With ``params.n`` > 1 the request is ``n`` sequences (the samples, ``index`` 0..n-1, sample
+        ``i`` seeded ``seed + i``), listed in the returned first sample's ``samples``; the others
+        start from its prompt KV blocks (``engine.scheduler``). Abort each of them to stop it."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens")
-        seq = Sequence(list(prompt_ids), params, adapter=adapter, tenant=tenant, priority=priority,
-                       request_id=request_id, listener=listener)
-        seq.max_total_len = self.max_model_len
-        if params.grammar is not None:
-            seq.matcher = self.grammars.matcher(params.grammar)  # GrammarError (a ValueError): bad format
+        seqs = []
+        for i in range(max(1, params.n)):  # sample i draws with seed + i
+            p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            s = Sequence(list(prompt_ids), p, adapter=adapter, tenant=tenant, priority=priority,
+                         request_id=request_id, listener=listener, index=i)
+            s.max_total_len = self.max_model_len
+            if params.grammar is not None:
+                s.matcher = self.grammars.matcher(params.grammar)  # GrammarError (a ValueError): bad format
+            if i:
+                s.share_from = seqs[0]
+            seqs.append(s)
+        seq = seqs[0]
+        if len(seqs) > 1:
+            seq.samples = seqs
         rt = self.lora_runtime
         if adapter is None or rt is None:
             seq.extra["cache"] = "base"
@@ -232,7 +245,13 @@ class Engine:
         if self.metrics is not None:
             self.metrics.observe_arrival(seq.extra["cache"])
         with self._wake:
-            self.scheduler.add(seq)
+            sched = self.scheduler
+            if len(seqs) > 1 and sched.num_waiting + len(seqs) > sched.max_waiting:
+                raise QueueFullError(f"the worker's waiting queue has no room for {len(seqs)} samples "
+                                     f"({sched.max_waiting} requests at most)")
+            for s in seqs:
+                s.extra["cache"] = seq.extra["cache"]
+                sched.add(s)
             self._wake.notify()
         return seq
 
@@ -276,6 +295,8 @@ class Engine:
                                      code="adapter_load_failed")
         if not out.chunks:
             return False
+        if out.copies:
+            self.cache.copy_blocks(out.copies)
         ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
         sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
         masks = self.grammars.start_masks(sampling)  # filled while the forward runs
@@ -335,7 +356,8 @@ class Engine:
         """Stop sequences whose values went non-finite; zero what they wrote (call under the lock)."""
         idx = torch.tensor(sorted(bad), dtype=torch.long, device=ctx.token_seq.device)
         slots = ctx.slot_mapping[torch.isin(ctx.token_seq, idx)]
-        blocks = [b for i in bad for b in ctx.seqs[i].block_table]  # empty once aborted mid-step
+        alloc = self.cache.allocator  # blocks shared with other samples hold their good prompt KV
+        blocks = [b for i in bad for b in ctx.seqs[i].block_table if alloc.holders(b) == 1]
         self.cache.scrub(slots, blocks)
         for i in sorted(bad):
             seq = ctx.seqs[i]

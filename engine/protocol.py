@@ -155,7 +155,7 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
                             presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
                             repetition_penalty=fields.repetition_penalty, logit_bias=fields.logit_bias,
                             logprobs=fields.logprobs, top_logprobs=fields.top_logprobs,
-                            grammar=_grammar(fields))
+                            grammar=_grammar(fields), n=fields.n)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     rid = prefix + (ext.request_id or uuid.uuid4().hex)
     return GenerationRequest(kind, fields.model or default_model, prompt_ids, params, fields.stream,
@@ -191,30 +191,34 @@ def logprobs_json(req: GenerationRequest, entries: list[TokenLogprob] | None, to
             "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
-def full_response(req: GenerationRequest, text: str, finish_reason: str | None, completion_tokens: int,
-                  created: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    if req.kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if req.tools is not None and finish_reason != "error":
-            content, calls = parse_output(text, req.tools)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
-                finish_reason = "tool_calls"
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": [choice],
+def choice(req: GenerationRequest, index: int, text: str, finish_reason: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One finished choice (``message`` for chat, ``text`` for completions); with tools, the
+    answer is parsed for calls (then ``finish_reason`` is ``tool_calls``)."""
+    if req.kind != "chat":
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if req.tools is not None and finish_reason != "error":
+        content, calls = parse_output(text, req.tools)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            finish_reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def full_response(req: GenerationRequest, choices: list[dict[str, Any]], completion_tokens: int,
+                  created: int) -> dict[str, Any]:
+    """``completion_tokens``: over all choices (the prompt counts once, as OpenAI counts ``n``)."""
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
+    return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": choices,
             "usage": usage(len(req.prompt_ids), completion_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_reason: str | None,
                  first: bool = False, completion_tokens: int = 0,
                  logprobs: dict[str, Any] | None = None,
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One chunk; ``completion_tokens``: tokens generated so far (for continuous usage)."""
+                 tool_calls: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
+    """One chunk of choice ``index``; ``completion_tokens``: generated so far (continuous usage)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if first:
@@ -223,11 +227,11 @@ def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_
             delta["content"] = text
         if tool_calls is not None:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     chunk: dict[str, Any] = {"id": req.id, "object": obj, "created": created, "model": req.model,
                              "choices": [choice]}

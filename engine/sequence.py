@@ -34,6 +34,8 @@ class SamplingParams:
     logprobs: bool = False
     """Report each sampled token's log-probability (and ``top_logprobs`` alternatives)."""
     top_logprobs: int = 0
+    n: int = 1
+    """Samples of the request (each its own sequence; see ``Engine.add_request``)."""
     grammar: str | None = None
     """The output's grammar (``engine.grammar.spec_key``): a JSON object, or one matching a schema."""
 
@@ -109,6 +111,12 @@ class Sequence:
     sent_text_len: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     matcher: Any = None
+    share_from: Sequence | None = None
+    """Sample ``i`` > 0 of a request: the first sample, whose prompt KV blocks it starts from."""
+    index: int = 0
+    """Which of the request's samples (the choice index)."""
+    samples: list[Sequence] = field(default_factory=list)
+    """On the first sample of an ``n`` > 1 request: all of them, itself first."""
     """With ``params.grammar``: this row's xgrammar ``GrammarMatcher`` (the tokens accepted so far)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With ``params.logprobs``: one entry per output token whose text is in the output."""

@@ -89,6 +89,7 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
             tokens_per_min: int, default_max_tokens: int) -> Reservation:
     """The reservation rule (module docstring); 400 when the request can never be served."""
     param = fields.max_tokens_param
+    n = fields.n
     where = "messages" if fields.chat else "prompt"
     room = max_model_len - prompt_tokens if exact and max_model_len else None
     if room is not None and room < 1:
@@ -103,8 +104,8 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
     else:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
         if tokens_per_min > 0:
-            max_tokens = max(1, min(max_tokens, tokens_per_min - prompt_tokens))
-    tokens = prompt_tokens + max_tokens
+            max_tokens = max(1, min(max_tokens, (tokens_per_min - prompt_tokens) // n))
+    tokens = prompt_tokens + n * max_tokens  # the prompt is computed once; each choice may run to max_tokens
     if tokens_per_min > 0 and tokens > tokens_per_min:
         if not exact:
             tokens = tokens_per_min  # the estimate is only a bound: never refuse on it
@@ -113,9 +114,10 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
                                     f"{tokens_per_min} tokens per minute, so it can never be served. Shorten "
                                     f"the prompt.", code="request_exceeds_token_limit", param=where)
         else:
+            each = f" for each of {n} choices" if n > 1 else ""
             raise GatewayError(400, f"The prompt has {prompt_tokens} tokens and '{param}' asks for {max_tokens} "
-                                    f"more ({tokens} in all); this tenant's limit is {tokens_per_min} tokens per "
-                                    f"minute, so it can never be served. Ask for at most "
-                                    f"{tokens_per_min - prompt_tokens} tokens.",
+                                    f"more{each} ({tokens} in all); this tenant's limit is {tokens_per_min} tokens "
+                                    f"per minute, so it can never be served. Ask for at most "
+                                    f"{(tokens_per_min - prompt_tokens) // n} tokens{each}.",
                                code="request_exceeds_token_limit", param=param)
     return Reservation(prompt_tokens, exact, max_tokens, tokens)

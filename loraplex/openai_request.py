@@ -22,6 +22,8 @@ from loraplex.tool_calls import ToolError, ToolSpec, clean_tool_message, parse_t
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES = 16
 """OpenAI allows 4; more are accepted (as vLLM does)."""
+MAX_N = 16
+"""Samples per request (``n``)."""
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 1024
@@ -68,6 +70,8 @@ class OpenAIRequest:
     max_tokens: int | None
     """The winning field's value (None: neither given)."""
     max_tokens_param: str
+    n: int = 1
+    """Choices to generate; each may take ``max_tokens`` (the gateway reserves for all)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -320,9 +324,7 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int | None) -> OpenAIReques
             raise FieldError("'stream_options' must be an object", "stream_options")
         include_usage = _bool(opts, "include_usage", "stream_options.include_usage") and stream
         continuous = _bool(opts, "continuous_usage_stats", "stream_options.continuous_usage_stats") and stream
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise FieldError(f"only n=1 is supported (got {n}); send separate requests", "n")
+    n = _int(body, "n", 1, MAX_N) or 1
     mt = _int(body, "max_tokens", 1, max_tokens_cap)
     mct = _int(body, "max_completion_tokens", 1, max_tokens_cap)
     param = "max_completion_tokens" if mct is not None else "max_tokens"
@@ -331,7 +333,7 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int | None) -> OpenAIReques
         raise FieldError("'user' must be a string", "user")
     req = OpenAIRequest(chat=chat, model=model, messages=messages, prompt=prompt, stream=stream,
                         include_usage=include_usage, continuous_usage=continuous,
-                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user)
+                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user, n=n)
     if not _SAMPLING.isdisjoint(body):
         _sampling(body, req)
     if "tools" in body or "tool_choice" in body:

@@ -99,7 +99,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
@@ -360,3 +361,28 @@ async def test_logit_bias_and_penalties_steer_the_output(client, engine):
     biased = r.json()["choices"][0]["logprobs"]
     assert biased["tokens"] == [forced] * 4 != plain["tokens"]
     assert biased["token_logprobs"][0] < plain["token_logprobs"][0]  # the model's own, unbiased logprob
+
+
+async def test_n_choices_whole_and_streamed(client):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 1.0, "seed": 9,
+            "ignore_eos": True, "n": 3, "logprobs": True}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(len(c["logprobs"]["content"]) == 5 for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 15  # summed over the choices; the prompt counted once
+    one = (await client.post("/v1/chat/completions", json={**body, "n": 1})).json()
+    assert out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert one["choices"][0]["message"] == out["choices"][0]["message"]  # sample 0 draws with the seed itself
+    chunks = await _chunks(client, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    texts = {0: "", 1: "", 2: ""}
+    ends = {}
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+            if ch["finish_reason"]:
+                ends[ch["index"]] = ch["finish_reason"]
+    assert texts == {c["index"]: c["message"]["content"] for c in out["choices"]}
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 15

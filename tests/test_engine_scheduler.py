@@ -178,3 +178,40 @@ def test_token_logprobs_come_from_the_raw_logits():
     assert lps[0].token == tokens[0] and abs(lps[0].logprob - float(ref[0].max())) < 1e-6
     assert [t for t, _ in lps[0].top] == ref[0].topk(3).indices.tolist()
     assert abs(lps[2].logprob - float(ref[2, 5])) < 1e-6 and lps[2].top == []  # before the bias
+
+
+def test_shared_blocks_return_to_the_pool_with_their_last_holder():
+    alloc = BlockAllocator(4, 4)
+    a = alloc.allocate(2)
+    alloc.share(a)
+    alloc.share(a[:1])
+    assert alloc.holders(a[0]) == 3 and alloc.num_free == 2
+    alloc.free(a)
+    assert alloc.num_free == 2 and alloc.holders(a[0]) == 2
+    alloc.free(a[:1])
+    alloc.free(a)
+    assert alloc.num_free == 4 and alloc.holders(a[0]) == 1
+    with pytest.raises(RuntimeError):
+        alloc.free(a)
+
+
+def test_samples_wait_for_the_parent_prompt_then_share_it():
+    s = _sched(blocks=16, bs=4, budget=64)
+    parent = _seq(10)
+    child = _seq(10)
+    child.share_from = parent
+    s.add(parent)
+    s.add(child)
+    out = s.schedule()
+    assert [(q, n) for q, n in out.chunks] == [(parent, 10)]  # the child waits for the prompt
+    parent.num_computed += 10
+    parent.output_ids.append(7)
+    out = s.schedule()
+    # 9 prompt tokens covered: blocks 0-1 shared, block 2 (token 8) copied; the child computes token 9 only
+    assert (child, 1) in out.chunks and child.num_computed == 9
+    assert child.block_table[:2] == parent.block_table[:2] and out.copies == [(parent.block_table[2],
+                                                                               child.block_table[2])]
+    assert s.allocator.holders(parent.block_table[0]) == 2
+    s.finish(parent)
+    s.finish(child)
+    assert s.allocator.num_free == 16

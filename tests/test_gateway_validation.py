@@ -56,7 +56,7 @@ CHAT_BAD = [
     ({"model": "support", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
     ({"model": "support", "messages": MSG, "max_tokens": True}, "max_tokens"),
     ({"model": "support", "messages": MSG, "max_tokens": 5.5}, "max_tokens"),
-    ({"model": "support", "messages": MSG, "n": 2}, "n"),
+    ({"model": "support", "messages": MSG, "n": 17}, "n"),
     ({"model": "support", "messages": MSG, "temperature": 5}, "temperature"),
     ({"model": "support", "messages": MSG, "temperature": -0.1}, "temperature"),
     ({"model": "support", "messages": MSG, "temperature": "hot"}, "temperature"),

@@ -56,7 +56,8 @@ def test_cleaned_messages_are_what_the_template_renders():
     ({"messages": MSG, "logprobs": 1}, "logprobs"),
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": MSG, "n": 2}, "n"),
+    ({"messages": MSG, "n": 17}, "n"),
+    ({"messages": MSG, "n": 2.0}, "n"),
     ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
@@ -106,3 +107,16 @@ def test_logit_bias_and_many_stops(tok):
     params = parse_request(dict(body), "chat", tok, 4096, "m").params
     assert params.logit_bias == req.logit_bias and params.stop == req.stop
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+
+
+def test_reservation_counts_every_choice():
+    gw = validate({"model": "m", "messages": MSG, "n": 4, "max_tokens": 50}, chat=True, max_tokens_cap=8192)
+    plan = reserve(gw.fields, 10, exact=True, max_model_len=4096, tokens_per_min=1000, default_max_tokens=64)
+    assert (plan.max_tokens, plan.tokens) == (50, 10 + 4 * 50)
+    gw = validate({"model": "m", "messages": MSG, "n": 4}, chat=True, max_tokens_cap=8192)
+    plan = reserve(gw.fields, 10, exact=True, max_model_len=4096, tokens_per_min=210, default_max_tokens=64)
+    assert plan.max_tokens == 50 and plan.tokens == 210  # the default shrinks to fit all choices
+    with pytest.raises(GatewayError) as exc:
+        gw = validate({"model": "m", "messages": MSG, "n": 4, "max_tokens": 60}, chat=True, max_tokens_cap=8192)
+        reserve(gw.fields, 10, exact=True, max_model_len=4096, tokens_per_min=210, default_max_tokens=64)
+    assert exc.value.code == "request_exceeds_token_limit" and "each of 4 choices" in str(exc.value)
