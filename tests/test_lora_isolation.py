@@ -202,6 +202,35 @@ def test_logprobs_of_every_row_equal_peft_log_softmax(world):
     _close(engine)
 
 
+def test_isolation_with_samples_sharing_prompt_blocks(world):
+    """n=3 requests of different adapters and base, sampled: every logits row of every sample (the
+    ones starting from their first sample's shared prompt blocks included) equals PEFT for its
+    adapter alone on that sample's own tokens."""
+    engine = tiny_engine(world.base_dir, kv_block_size=4)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    rec = Recorder()
+    rec.install(engine)
+    rows = []
+    for k, (name, prompt) in enumerate(_plan(9, seed=23)):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=100 + k, ignore_eos=True, n=3)
+        first = engine.add_request(prompt, params, adapter=world.refs[name] if name else None)
+        rows += [(name, s) for s in first.samples]
+    run_to_completion(engine, [s for _, s in rows])
+    assert len({tuple(s.output_ids) for _, s in rows}) > len(rows) // 3  # samples differ
+    assert any(s.share_from is not None and s.num_preemptions == 0 for _, s in rows)
+    bad = []
+    for name, seq in rows:
+        got = rec.rows.get(seq.seq_id, [])
+        assert len(got) == NEW_TOKENS, (name, seq.index, len(got))
+        for prefix, logits in got:
+            err = rel_err(logits, world.reference.logits(name, prefix))
+            if not err < TOL:
+                bad.append(f"{name} sample {seq.index} at {len(prefix)}: rel err {err:.2e}")
+    assert bad == []
+    assert engine.cache.allocator.num_used == 0
+    _close(engine)
+
+
 # --- grammar-constrained rows -----------------------------------------------------------------
 
 JSON_SCHEMAS = [
