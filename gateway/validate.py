@@ -83,6 +83,12 @@ class Reservation:
     """What the worker is told to generate at most."""
     tokens: int
     """What the limiter reserves."""
+    n: int = 1
+    """Choices: each may generate ``max_tokens``."""
+
+    @property
+    def completion_bound(self) -> int:
+        return self.n * self.max_tokens
 
 
 def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model_len: int | None,
@@ -120,4 +126,4 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
                                     f"per minute, so it can never be served. Ask for at most "
                                     f"{(tokens_per_min - prompt_tokens) // n} tokens{each}.",
                                code="request_exceeds_token_limit", param=param)
-    return Reservation(prompt_tokens, exact, max_tokens, tokens)
+    return Reservation(prompt_tokens, exact, max_tokens, tokens, n)
