@@ -70,6 +70,9 @@ class Grammars:
             tok = self.tokenizer
             n = tok.vocab_size
             vocab = [tok.token_bytes(i) for i in range(n)]
+            for i, added in tok.tk.get_added_tokens_decoder().items():
+                if added.special and i < n:
+                    vocab[i] = b""  # control tokens spell no text: never allowed inside the format
             info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=max(self.vocab_size, n),
                                      stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
