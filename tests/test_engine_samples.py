@@ -25,12 +25,20 @@ def _run(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> tup
     firsts = [engine.add_request(prompt, p) for p in params]
     seqs = [s for f in firsts for s in (f.samples or [f])]
     tokens = peak = 0
-    while not all(s.is_finished for s in seqs):
-        peak = max(peak, engine.cache.allocator.num_used)
-        before = sum(s.num_computed for s in seqs)
-        engine.step()
-        tokens += sum(s.num_computed for s in seqs if not s.is_finished) - before
-        peak = max(peak, engine.cache.allocator.num_used)
+    forward = engine.model.forward
+
+    def counting(ctx, cache):
+        nonlocal tokens
+        tokens += ctx.num_tokens
+        return forward(ctx, cache)
+
+    engine.model.forward = counting
+    try:
+        while not all(s.is_finished for s in seqs):
+            engine.step()
+            peak = max(peak, engine.cache.allocator.num_used)
+    finally:
+        engine.model.forward = forward
     assert engine.cache.allocator.num_used == 0
     return [s.output_ids for s in seqs], tokens, peak
 
@@ -38,11 +46,13 @@ def _run(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> tup
 def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(engine):
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     p = SamplingParams(max_tokens=12, temperature=1.0, seed=40, ignore_eos=True)
-    together, _, peak_n = _run(engine, prompt, [replace(p, n=4)])
-    separate, _, peak_sep = _run(engine, prompt, [replace(p, seed=40 + i) for i in range(4)])
+    together, tokens_n, peak_n = _run(engine, prompt, [replace(p, n=4)])
+    separate, tokens_sep, peak_sep = _run(engine, prompt, [replace(p, seed=40 + i) for i in range(4)])
     assert together == separate
     assert len({tuple(t) for t in together}) > 1  # the seed streams differ
     assert peak_n < peak_sep
+    # the prompt goes through the model once, plus its last token once per other sample
+    assert tokens_sep - tokens_n == 3 * (len(prompt) - 1)
 
 
 def test_sample_that_finishes_early_does_not_free_what_others_share(engine):
