@@ -35,12 +35,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.engine import Engine, PromptTooLongError
+from engine.grammar import GrammarError
 from engine.internal_api import internal_routes
 from engine.metrics import WorkerMetrics
 from engine.protocol import (
     GenerationRequest,
     RequestError,
+    choice,
     full_response,
+    logprobs_json,
     now,
     parse_json,
     parse_request,
@@ -49,9 +52,10 @@ from engine.protocol import (
 )
 from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
-from engine.sequence import Sequence
+from engine.sequence import SeqEvent, Sequence
 from engine.worker_auth import WorkerSecretMiddleware
 from loraplex.settings import Settings
+from loraplex.tool_calls import parse_output
 from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
@@ -143,6 +147,8 @@ class Generation:
     def __init__(self, state: WorkerState, engine: Engine, req: GenerationRequest, seq: Sequence,
                  events: RequestEvents) -> None:
         self.state, self.engine, self.req, self.seq, self.events = state, engine, req, seq, events
+        self.seqs = seq.samples or [seq]
+        """The request's samples (``n``), choice ``index`` order."""
         self.created = now()
         self.headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base"}
         if req.ext.request_id:
@@ -153,11 +159,27 @@ class Generation:
                                  headers={**self.headers, "Cache-Control": "no-cache"})
 
     def _abort(self) -> None:
-        self.engine.abort(self.seq)
+        for seq in self.seqs:
+            self.engine.abort(seq)
         self.state.request_done("client_gone")
 
+    async def _finished(self) -> SeqEvent:
+        """The first error event, else the last sample's final event."""
+        left = len(self.seqs)
+        while True:
+            ev = await self.events.next()
+            if ev.finished:
+                left -= 1
+                if ev.finish_reason == "error" or left == 0:
+                    return ev
+
+    def _fail(self, ev: SeqEvent) -> None:
+        for seq in self.seqs:  # one sample failed: the request fails, the others stop
+            self.engine.abort(seq)
+        self.state.request_done("error")
+
     async def complete(self, request: Request) -> Response:
-        done = asyncio.ensure_future(self.events.finished())
+        done = asyncio.ensure_future(self._finished())
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -170,21 +192,39 @@ class Generation:
             return Response(status_code=499)
         ev = done.result()
         if ev.finish_reason == "error":
-            self.state.request_done("error")
+            self._fail(ev)
             return _error(503, ev.error or "generation failed", code=ev.error_code or "engine_error",
                           type="server_error", headers=self.headers)
         self.state.request_done("ok")
-        body = full_response(self.req, self.seq.output_text, ev.finish_reason, len(self.seq.output_ids),
-                             self.created)
+        tok = self.engine.tokenizer
+        choices = [choice(self.req, s.index, s.output_text, s.finish_reason, logprobs_json(self.req, s.logprobs, tok))
+                   for s in self.seqs]
+        body = full_response(self.req, choices, sum(len(s.output_ids) for s in self.seqs), self.created)
         return JSONResponse(body, headers=self.headers)
 
     async def stream(self) -> AsyncIterator[bytes]:
         req, created = self.req, self.created
         finished = False
         generated = 0
+        tok = self.engine.tokenizer
+        index = {s.seq_id: s for s in self.seqs}
+        pending: dict[int, list] = {s.index: [] for s in self.seqs}  # logprobs whose text is held back
+        offset = dict.fromkeys(pending, 0)  # completions: where a choice's next entry's text starts
+        left = len(self.seqs)
+
+        def flush(i: int) -> dict[str, Any] | None:
+            if not pending[i]:
+                return None
+            out = logprobs_json(req, pending[i], tok, offset[i])
+            if out is not None and req.kind != "chat":
+                offset[i] = out["text_offset"][-1] + len(out["tokens"][-1])
+            pending[i] = []
+            return out
+
         try:
             if req.kind == "chat":
-                yield _sse(stream_chunk(req, created, "", None, first=True))
+                for s in self.seqs:
+                    yield _sse(stream_chunk(req, created, "", None, first=True, index=s.index))
             while True:
                 ev = await self.events.next()
                 generated += len(ev.new_token_ids)
@@ -192,16 +232,35 @@ class Generation:
                     yield _sse(error_body(ev.error or "generation failed", type="server_error",
                                           code=ev.error_code or "engine_error"))
                     finished = True
-                    self.state.request_done("error")
+                    self._fail(ev)
                     break
-                if ev.text_delta:
-                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated))
-                if ev.finished:
+                seq = index[ev.seq_id]
+                i = seq.index
+                if ev.logprobs:
+                    pending[i].extend(ev.logprobs)
+                if ev.text_delta and req.tools is None:
+                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated,
+                                            logprobs=flush(i), index=i))
+                if not ev.finished:
+                    continue
+                reason = ev.finish_reason
+                if req.tools is not None:  # the answer is parsed whole: calls or content, then the end
+                    content, calls = parse_output(seq.output_text, req.tools)
+                    if calls:
+                        reason = "tool_calls"
+                        yield _sse(stream_chunk(req, created, None, None, completion_tokens=generated,
+                                                logprobs=flush(i), index=i,
+                                                tool_calls=[c.openai(k) for k, c in enumerate(calls)]))
+                    if content:
+                        yield _sse(stream_chunk(req, created, content, None, completion_tokens=generated,
+                                                logprobs=flush(i), index=i))
+                yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", reason,
+                                        completion_tokens=generated, logprobs=flush(i), index=i))
+                left -= 1
+                if left == 0:
                     finished = True
-                    yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", ev.finish_reason,
-                                            completion_tokens=generated))
                     if req.include_usage:
-                        yield _sse(usage_chunk(req, created, len(self.seq.output_ids)))
+                        yield _sse(usage_chunk(req, created, sum(len(s.output_ids) for s in self.seqs)))
                     self.state.request_done("ok")
                     break
             yield b"data: [DONE]\n\n"
@@ -253,6 +312,15 @@ class WorkerRoutes:
         if req.ext.adapter is not None and eng.lora_runtime is None:
             return _error(400, "this worker has no LoRA support; it serves the base model only",
                           code="adapter_not_supported")
+        if req.params.grammar is not None:
+            try:  # compiled off the event loop (cached: a known schema returns at once)
+                await asyncio.to_thread(eng.grammars.compile, req.params.grammar)
+            except GrammarError as exc:
+                return JSONResponse(error_body(str(exc), code="invalid_response_format", param="response_format"),
+                                    status_code=400)
+            except ImportError:
+                return _error(400, "structured outputs need xgrammar on this worker "
+                                   "(pip install 'loraplex[engine]')", code="unsupported_parameter")
         return req
 
     def _queue(self, eng: Engine, req: GenerationRequest) -> Generation | Response:

@@ -30,18 +30,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
-from engine.sampler import sample
-from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence
+from engine.sampler import sample, token_logprobs
+from engine.scheduler import QueueFullError, Scheduler
+from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
 from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
@@ -125,6 +126,9 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, sorted(eos))
+        self.mask_s = 0.0
+        """Seconds spent filling grammar masks (on the grammar thread, beside the forward)."""
         self.lora_runtime: Any = None
         self.metrics: Any = None
         self.info: Any = None
@@ -196,8 +200,9 @@ class Engine:
                                               max_wait_s=settings.lora_max_wait_s)
 
     def close(self) -> None:
-        """Stop the thread and the adapter loaders."""
+        """Stop the thread, the grammar thread and the adapter loaders."""
         self.stop()
+        self.grammars.close()
         rt = self.lora_runtime
         if rt is not None:
             rt.manager.close()
@@ -206,15 +211,30 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
                     tenant: str = "", priority: int = PRIORITY_CLASSES["normal"], request_id: str = "",
                     listener: Callable[[SeqEvent], None] | None = None) -> Sequence:
-        """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``."""
+        """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``.
+
+        With ``params.n`` > 1 the request is ``n`` sequences (the samples, ``index`` 0..n-1, sample
+        ``i`` seeded ``seed + i``), listed in the returned first sample's ``samples``; the others
+        start from its prompt KV blocks (``engine.scheduler``). Abort each of them to stop it."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens")
-        seq = Sequence(list(prompt_ids), params, adapter=adapter, tenant=tenant, priority=priority,
-                       request_id=request_id, listener=listener)
-        seq.max_total_len = self.max_model_len
+        seqs = []
+        for i in range(max(1, params.n)):  # sample i draws with seed + i
+            p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            s = Sequence(list(prompt_ids), p, adapter=adapter, tenant=tenant, priority=priority,
+                         request_id=request_id, listener=listener, index=i)
+            s.max_total_len = self.max_model_len
+            if params.grammar is not None:
+                s.matcher = self.grammars.matcher(params.grammar)  # GrammarError (a ValueError): bad format
+            if i:
+                s.share_from = seqs[0]
+            seqs.append(s)
+        seq = seqs[0]
+        if len(seqs) > 1:
+            seq.samples = seqs
         rt = self.lora_runtime
         if adapter is None or rt is None:
             seq.extra["cache"] = "base"
@@ -225,7 +245,13 @@ class Engine:
         if self.metrics is not None:
             self.metrics.observe_arrival(seq.extra["cache"])
         with self._wake:
-            self.scheduler.add(seq)
+            sched = self.scheduler
+            if len(seqs) > 1 and sched.num_waiting + len(seqs) > sched.max_waiting:
+                raise QueueFullError(f"the worker's waiting queue has no room for {len(seqs)} samples "
+                                     f"({sched.max_waiting} requests at most)")
+            for s in seqs:
+                s.extra["cache"] = seq.extra["cache"]
+                sched.add(s)
             self._wake.notify()
         return seq
 
@@ -269,21 +295,32 @@ class Engine:
                                      code="adapter_load_failed")
         if not out.chunks:
             return False
+        if out.copies:
+            self.cache.copy_blocks(out.copies)
         ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
+        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
+        masks = self.grammars.start_masks(sampling)  # filled while the forward runs
         try:
             if self.lora_runtime is not None:
                 self.lora_runtime.prepare_batch(ctx)
             logits = self.model.forward(ctx, self.cache)
         except Exception as exc:
+            if masks is not None:
+                masks.wait()
             self._contain_exception(ctx, exc)
             return True
-        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
         bad = self._non_finite(ctx, logits)
+        keep = None
         if bad:
             keep = [j for j, i in enumerate(ctx.sample_seqs) if i not in bad]
             logits = logits[keep]
             sampling = [sampling[j] for j in keep]
+        raw = logits
+        if masks is not None:
+            logits = masks.apply(logits, keep)
+            self.mask_s += masks.fill_s
         tokens = sample(logits, sampling)
+        logprobs = token_logprobs(raw, sampling, tokens)
         now = time.monotonic()
         with self._lock:
             if bad:
@@ -291,9 +328,9 @@ class Engine:
             for seq, n in out.chunks:
                 if not seq.is_finished:
                     seq.num_computed += n
-            for seq, tok in zip(sampling, tokens, strict=True):
+            for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
                 if not seq.is_finished:
-                    self._append_token(seq, tok, now)
+                    self._append_token(seq, tok, now, lp)
             if self.fault is not None and any(s.adapter is None for s in sampling):
                 self.fault = None  # the base model answers finitely again
         self.steps += 1
@@ -319,7 +356,8 @@ class Engine:
         """Stop sequences whose values went non-finite; zero what they wrote (call under the lock)."""
         idx = torch.tensor(sorted(bad), dtype=torch.long, device=ctx.token_seq.device)
         slots = ctx.slot_mapping[torch.isin(ctx.token_seq, idx)]
-        blocks = [b for i in bad for b in ctx.seqs[i].block_table]  # empty once aborted mid-step
+        alloc = self.cache.allocator  # blocks shared with other samples hold their good prompt KV
+        blocks = [b for i in bad for b in ctx.seqs[i].block_table if alloc.holders(b) == 1]
         self.cache.scrub(slots, blocks)
         for i in sorted(bad):
             seq = ctx.seqs[i]
@@ -368,7 +406,7 @@ class Engine:
                 if not seq.is_finished:
                     self._finish(seq, "error", *self._describe(exc, seq))
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, tok: int, now: float, lp: TokenLogprob | None = None) -> None:
         p = seq.params
         seq.output_ids.append(tok)
         if seq.first_token_time is None:
@@ -380,9 +418,15 @@ class Engine:
             self.metrics.add_generated(1)
         reason: str | None = None
         text_ids = seq.output_ids
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
+            reason = "stop"  # the format is complete (its stop token, or none can follow)
+            if tok in self.eos_token_ids:
+                text_ids = seq.output_ids[:-1]
+                lp = None
+        elif (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
             text_ids = seq.output_ids[:-1]
+            lp = None  # its text is not in the output
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
             reason = "length"
         text = self.tokenizer.decode(text_ids)
@@ -404,8 +448,12 @@ class Engine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             self._release(seq)
+        lps = None
+        if lp is not None:
+            seq.logprobs.append(lp)
+            lps = [lp]
         if seq.listener is not None:
-            seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason))
+            seq.listener(SeqEvent(seq.seq_id, [tok], delta, reason is not None, reason, logprobs=lps))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, code: str | None = None) -> None:
         seq.finish_reason = reason

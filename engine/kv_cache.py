@@ -8,7 +8,11 @@ Keeping the slot axis second lets a step gather every sequence's context with on
 
 ``BlockAllocator`` hands out block ids; the scheduler asks it before admitting or
 extending a sequence and returns blocks when a sequence finishes, is aborted or is
-preempted. The number of blocks follows from ``kv_cache_bytes``.
+preempted. The number of blocks follows from ``kv_cache_bytes``. Blocks are refcounted:
+the samples of one request (``n`` > 1) share their prompt's full blocks (``share``), and a
+block goes back to the pool when its last holder frees it. A shared block is never written:
+a sample's first own block starts as a copy of the parent's partial block (copy on write,
+``KVCache.copy_blocks``).
 
 Reused blocks are not cleared: attention gives every position outside a sequence's
 context a weight of exactly 0 (scores masked, not added to), which is exact as long as
@@ -35,6 +39,8 @@ class BlockAllocator:
         self.block_size = block_size
         # Popped from the end: low ids are used first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._shared: dict[int, int] = {}
+        """Holders beyond the first, of blocks more than one sequence holds."""
 
     @property
     def num_free(self) -> int:
@@ -56,7 +62,26 @@ class BlockAllocator:
         out = [self._free.pop() for _ in range(n)]
         return out
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of ``blocks`` (already allocated)."""
+        for b in blocks:
+            self._shared[b] = self._shared.get(b, 0) + 1
+
+    def holders(self, block: int) -> int:
+        return 1 + self._shared.get(block, 0)
+
     def free(self, blocks: list[int]) -> None:
+        if self._shared:
+            last = []
+            for b in blocks:
+                k = self._shared.get(b)
+                if k is None:
+                    last.append(b)
+                elif k == 1:
+                    del self._shared[b]
+                else:
+                    self._shared[b] = k - 1
+            blocks = last
         self._free.extend(reversed(blocks))
         if len(self._free) > self.num_blocks:
             raise RuntimeError("KV block freed twice")
@@ -122,6 +147,18 @@ class KVCache:
                 if blocks:
                     idx = torch.tensor(blocks, dtype=torch.long, device=pool.device)
                     pool.view(self.num_kv_heads, self.num_blocks, -1).index_fill_(1, idx, 0)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy K and V of block ``src`` to ``dst`` in every layer, for each ``(src, dst)``."""
+        if not pairs:
+            return
+        dev = self.k[0].device
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=dev)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dev)
+        for layer in range(len(self.k)):
+            for pool in (self.k[layer], self.v[layer]):
+                view = pool.view(self.num_kv_heads, self.num_blocks, -1)
+                view.index_copy_(1, dst, view.index_select(1, src))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""

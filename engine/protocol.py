@@ -15,16 +15,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sequence import SamplingParams
+from engine.grammar import spec_key
+from engine.sequence import SamplingParams, TokenLogprob
 from loraplex.openai_request import FieldError, OpenAIRequest
 from loraplex.openai_request import parse as parse_fields
 from loraplex.tokenizer import ChatTemplateError, TextTokenizer
+from loraplex.tool_calls import ToolSpec, forced_schema, parse_output, render_prompt
 from loraplex.wire import EXT_KEY, WorkerRequestExt, error_body
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # parameter -> the values that mean "off" (anything else is refused, never silently ignored)
-    "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 
 
@@ -49,6 +50,8 @@ class GenerationRequest:
     id: str
     continuous_usage: bool = False
     """Every stream chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
+    tools: ToolSpec | None = None
+    """Chat with callable tools: the answer is parsed for calls (``loraplex.tool_calls``)."""
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -67,9 +70,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _chat_prompt(messages: list[dict[str, str]], tok: TextTokenizer) -> list[int]:
+def _chat_prompt(messages: list[dict[str, Any]], tools: ToolSpec | None, tok: TextTokenizer) -> list[int]:
     try:
-        return tok.encode_chat(messages, add_generation_prompt=True)
+        return tok.encode(render_prompt(tok, messages, tools), add_special_tokens=False)
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), code="invalid_value", param="messages") from None
 
@@ -95,19 +98,25 @@ def _ext(body: dict[str, Any]) -> WorkerRequestExt:
         raise RequestError(400, f"'{EXT_KEY}' is malformed: {exc}", code="invalid_value", param=EXT_KEY) from None
 
 
-def _supported(body: dict[str, Any], fields: OpenAIRequest) -> None:
+def _supported(body: dict[str, Any], fields: OpenAIRequest, tok: TextTokenizer) -> None:
     """Refuse what this engine does not implement (never silently ignored)."""
     for key, allowed in _UNSUPPORTED.items():
         v = body.get(key)
         if v is not None and v not in allowed:
             raise RequestError(400, f"'{key}' is not supported by this worker", code="unsupported_parameter",
                                param=key)
-    for key, value, off in (("presence_penalty", fields.presence_penalty, 0.0),
-                            ("frequency_penalty", fields.frequency_penalty, 0.0),
-                            ("repetition_penalty", fields.repetition_penalty, 1.0)):
-        if value != off:
-            raise RequestError(400, f"'{key}' is not supported (must be {off:g})", code="unsupported_parameter",
-                               param=key)
+    vocab = tok.vocab_size
+    for t, _ in fields.logit_bias:
+        if t >= vocab:
+            raise RequestError(400, f"'logit_bias' names token {t}; this model's token ids are in [0, {vocab})",
+                               code="invalid_value", param="logit_bias")
+
+
+def _grammar(fields: OpenAIRequest) -> str | None:
+    if fields.tools is not None and fields.tools.forced:
+        return spec_key("json_schema", forced_schema(fields.tools))
+    rf = fields.response_format
+    return None if rf is None else spec_key(rf.type, rf.schema)
 
 
 def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model_len: int,
@@ -118,10 +127,10 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
         fields = parse_fields(body, chat=kind == "chat")
     except FieldError as exc:
         raise RequestError(400, exc.message, code=exc.code, param=exc.param) from None
-    _supported(body, fields)
+    _supported(body, fields, tok)
     ext = _ext(body)
     if fields.messages is not None:
-        prompt_ids = _chat_prompt(fields.messages, tok)
+        prompt_ids = _chat_prompt(fields.messages, fields.tools, tok)
     else:
         assert fields.prompt is not None
         prompt_ids = _completion_prompt(fields.prompt, tok)
@@ -142,11 +151,15 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
                            code="context_length_exceeded", param=key)
     params = SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                             top_k=fields.top_k, seed=fields.seed, stop=fields.stop,
-                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos)
+                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
+                            presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+                            repetition_penalty=fields.repetition_penalty, logit_bias=fields.logit_bias,
+                            logprobs=fields.logprobs, top_logprobs=fields.top_logprobs,
+                            grammar=_grammar(fields), n=fields.n)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     rid = prefix + (ext.request_id or uuid.uuid4().hex)
     return GenerationRequest(kind, fields.model or default_model, prompt_ids, params, fields.stream,
-                             fields.include_usage, ext, rid, fields.continuous_usage)
+                             fields.include_usage, ext, rid, fields.continuous_usage, fields.tools)
 
 
 # ------------------------------------------------------------------------------ responses
@@ -155,32 +168,70 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def full_response(req: GenerationRequest, text: str, finish_reason: str | None, completion_tokens: int,
-                  created: int) -> dict[str, Any]:
+def _chat_entry(tok: TextTokenizer, token: int, logprob: float) -> dict[str, Any]:
+    raw = tok.token_bytes(token)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def logprobs_json(req: GenerationRequest, entries: list[TokenLogprob] | None, tok: TextTokenizer,
+                  text_offset: int = 0) -> dict[str, Any] | None:
+    """The ``logprobs`` of a choice (or of a stream chunk) in the route's OpenAI shape;
+    ``text_offset``: where the first entry's text starts in the choice's text (completions)."""
+    if not req.params.logprobs or entries is None:
+        return None
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": [choice],
+        return {"content": [{**_chat_entry(tok, e.token, e.logprob),
+                             "top_logprobs": [_chat_entry(tok, t, lp) for t, lp in e.top]} for e in entries],
+                "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(tok.token_text(e.token))
+    return {"tokens": [tok.token_text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def choice(req: GenerationRequest, index: int, text: str, finish_reason: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One finished choice (``message`` for chat, ``text`` for completions); with tools, the
+    answer is parsed for calls (then ``finish_reason`` is ``tool_calls``)."""
+    if req.kind != "chat":
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if req.tools is not None and finish_reason != "error":
+        content, calls = parse_output(text, req.tools)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            finish_reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def full_response(req: GenerationRequest, choices: list[dict[str, Any]], completion_tokens: int,
+                  created: int) -> dict[str, Any]:
+    """``completion_tokens``: over all choices (the prompt counts once, as OpenAI counts ``n``)."""
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
+    return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": choices,
             "usage": usage(len(req.prompt_ids), completion_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_reason: str | None,
-                 first: bool = False, completion_tokens: int = 0) -> dict[str, Any]:
-    """One chunk; ``completion_tokens``: tokens generated so far (for continuous usage)."""
+                 first: bool = False, completion_tokens: int = 0,
+                 logprobs: dict[str, Any] | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
+    """One chunk of choice ``index``; ``completion_tokens``: generated so far (continuous usage)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     chunk: dict[str, Any] = {"id": req.id, "object": obj, "created": created, "model": req.model,
                              "choices": [choice]}

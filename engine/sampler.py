@@ -1,5 +1,10 @@
 """Choose the next token for each sampled row: greedy, temperature, top-k, top-p, seeds.
 
+Before choosing, the rows that ask for it are transformed: repetition penalty (over prompt
+and output), presence/frequency penalties (over the output, as OpenAI defines them), then
+``logit_bias``. ``token_logprobs`` reads the log-probabilities from the logits as the model
+gave them (adapter applied, before any of these transforms), which is what OpenAI reports.
+
 All rows are processed together; only the random draw is per row, so a request with
 a ``seed`` draws from its own ``torch.Generator`` and reproduces its tokens whatever
 else shares the batch. Sampling uses the exponential race (``argmax(p / E)`` with
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprob
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -28,11 +33,59 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalties and ``logit_bias`` of the rows that ask for them (a copy; ``logits`` is kept)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    dev = logits.device
+    for i in rows:
+        seq, p, row = seqs[i], seqs[i].params, logits[i]
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(seq.all_token_ids, device=dev).unique()
+            ids = ids[ids < vocab]
+            vals = row[ids]
+            row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+            counts = torch.bincount(torch.tensor(seq.output_ids, device=dev), minlength=vocab)[:vocab].to(row.dtype)
+            row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+        if p.logit_bias:
+            pairs = [(t, b) for t, b in p.logit_bias if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=dev)
+                row.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=row.dtype, device=dev))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+    """The chosen token's log-probability and the ``top_logprobs`` best, for rows asking for them."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
+    k = max(seqs[i].params.top_logprobs for i in rows)
+    top_v: list[list[float]] = [[] for _ in rows]
+    top_i: list[list[int]] = [[] for _ in rows]
+    if k > 0:
+        v, ti = lp.topk(k, dim=-1)
+        top_v, top_i = v.tolist(), ti.tolist()
+    for j, i in enumerate(rows):
+        kk = seqs[i].params.top_logprobs
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:kk], top_v[j][:kk], strict=True)))
+    return out
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """``logits``: float32 ``[S, V]``; ``seqs``: the sequence of each row."""
+    """``logits``: float32 ``[S, V]``; ``seqs``: the sequence of each row. ``logits`` is not modified."""
     n = logits.shape[0]
     if n == 0:
         return []
+    logits = apply_penalties(logits, seqs)
     out = torch.argmax(logits, dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:

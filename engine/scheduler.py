@@ -22,6 +22,13 @@ blocking the ones behind it; one that raises fails that candidate only
 ``order(waiting, running) -> list`` (the candidates in the order to try them; default:
 priority, then arrival) and ``charge(chunks)`` (told the chunks each step serves) —
 ``engine.admission_policy.FairAdmission`` uses both for tenant fairness and adapter residency.
+
+The samples of one request (``n`` > 1) after the first carry ``share_from`` (the first
+sample): such a sample waits until its parent has computed all but the prompt's last token,
+then starts from the parent's KV: the full blocks are shared, the partial one is copied
+(``SchedulerOutput.copies``, done by the engine before the forward), and it computes only
+the last prompt token itself (its own first-token logits). If the parent is gone by then,
+the sample prefills like any request.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class SchedulerOutput:
     """Sequences that can never fit the KV pool (finished with an error)."""
     errors: list[tuple[Sequence, Exception]] = field(default_factory=list)
     """Sequences the admission policy raised for (removed; the engine fails them with the error)."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """KV blocks to copy ``(src, dst)`` before the forward (a sample's copy of its parent's block)."""
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +133,19 @@ class Scheduler:
         seq.num_preemptions += 1
         self._requeue(seq)
 
+    def _prefix(self, seq: Sequence) -> tuple[list[int], int | None, int] | None:
+        """``(full blocks to share, partial block to copy, tokens they cover)`` of the parent's
+        prompt KV, when the parent runs and has computed all but the prompt's last token."""
+        parent = seq.share_from
+        covered = len(seq.prompt_ids) - 1
+        if parent is None or parent.status is not SeqStatus.RUNNING or covered < 1 \
+                or parent.num_computed < covered or parent.prompt_ids != seq.prompt_ids:
+            return None
+        bs = self.allocator.block_size
+        full = covered // bs
+        partial = parent.block_table[full] if covered % bs else None
+        return parent.block_table[:full], partial, covered
+
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -164,6 +186,11 @@ class Scheduler:
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            prefix = None
+            if seq.share_from is not None:
+                prefix = self._prefix(seq)
+                if prefix is None and not seq.share_from.is_finished:
+                    continue  # its parent's prompt is not computed yet
             try:
                 admit = self.policy.admit(seq, chosen)
             except Exception as exc:  # fails this request, not the step
@@ -181,12 +208,17 @@ class Scheduler:
                 seq.status = SeqStatus.FINISHED
                 out.failed.append(seq)
                 continue
-            n = min(seq.remaining, budget)
-            need = alloc.blocks_for(n)
+            shared, partial, start = prefix if prefix is not None else ([], None, 0)
+            n = min(seq.num_tokens - start, budget)
+            need = alloc.blocks_for(start + n) - len(shared)
             if not alloc.can_allocate(need):
                 break  # head of line waits for blocks; nothing jumps ahead of it
             admitted.add(id(seq))
-            seq.block_table = alloc.allocate(need)
+            alloc.share(shared)
+            seq.block_table = shared + alloc.allocate(need)
+            seq.num_computed = start
+            if partial is not None:
+                out.copies.append((partial, seq.block_table[len(shared)]))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.chunks.append((seq, n))

@@ -25,6 +25,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per token present / per occurrence, over the generated tokens."""
+    repetition_penalty: float = 1.0
+    """Hugging Face's: over prompt and generated tokens, divides positive logits, multiplies negative."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    """Report each sampled token's log-probability (and ``top_logprobs`` alternatives)."""
+    top_logprobs: int = 0
+    n: int = 1
+    """Samples of the request (each its own sequence; see ``Engine.add_request``)."""
+    grammar: str | None = None
+    """The output's grammar (``engine.grammar.spec_key``): a JSON object, or one matching a schema."""
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -35,6 +53,16 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's distribution (before any sampling
+    transform), and the ``top_logprobs`` most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -49,6 +77,8 @@ class SeqEvent:
     error: str | None = None
     error_code: str | None = None
     """Machine-readable error code (``adapter_load_failed``, ``engine_error`` ...)."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``params.logprobs``: the entries of the tokens whose text is in the output."""
 
 
 _ids = itertools.count(1)
@@ -80,6 +110,16 @@ class Sequence:
     output_text: str = ""
     sent_text_len: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    matcher: Any = None
+    share_from: Sequence | None = None
+    """Sample ``i`` > 0 of a request: the first sample, whose prompt KV blocks it starts from."""
+    index: int = 0
+    """Which of the request's samples (the choice index)."""
+    samples: list[Sequence] = field(default_factory=list)
+    """On the first sample of an ``n`` > 1 request: all of them, itself first."""
+    """With ``params.grammar``: this row's xgrammar ``GrammarMatcher`` (the tokens accepted so far)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With ``params.logprobs``: one entry per output token whose text is in the output."""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

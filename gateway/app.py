@@ -391,7 +391,7 @@ def processed(plan: Reservation | None, upstream: int, usage: dict[str, Any] | N
     * a stream that ended without usage (client gone, deadline, broken): the prompt (the
       worker's count, else ours) + the completion tokens relayed;
     * a request still waiting for its worker (client gone, deadline): the prompt, plus
-      ``max_tokens`` when not streamed (what the worker generated is not known:
+      ``n`` x ``max_tokens`` when not streamed (what the worker generated is not known:
       conservatively all of it).
     """
     if usage:
@@ -404,8 +404,8 @@ def processed(plan: Reservation | None, upstream: int, usage: dict[str, Any] | N
         p = streamed.prompt_tokens
         return (p if p is not None else plan.prompt_tokens), streamed.completion_tokens
     if upstream == 200:  # answered without usage: bound by the reservation
-        return plan.prompt_tokens, plan.max_tokens
-    return plan.prompt_tokens, 0 if stream else plan.max_tokens
+        return plan.prompt_tokens, plan.completion_bound
+    return plan.prompt_tokens, 0 if stream else plan.completion_bound
 
 
 _SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]

@@ -23,6 +23,7 @@ from gateway.router import Router
 from gateway.worker_client import WorkerClient
 from loraplex.openai_request import OpenAIRequest
 from loraplex.tokenizer import ChatTemplateError, TextTokenizer
+from loraplex.tool_calls import render_prompt
 
 log = logging.getLogger("loraplex.gateway.prompt_tokens")
 
@@ -131,7 +132,7 @@ class PromptCounter:
         tok = e.tokenizer
         if req.messages is not None:
             try:
-                text = tok.render_chat(req.messages, add_generation_prompt=True)
+                text = render_prompt(tok, req.messages, req.tools)
             except ChatTemplateError as exc:
                 raise PromptError(str(exc), "messages") from None
             n = await _encode_len(tok, text, special=False)

@@ -7,11 +7,13 @@ the reservation rule (docs/DESIGN.md, "Count and plan").
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError
 from loraplex.openai_request import FieldError, OpenAIRequest, parse
+from loraplex.tool_calls import DEFAULT_TOOL_PROMPT
 from loraplex.wire import EXT_KEY
 
 MESSAGE_OVERHEAD_TOKENS = 8
@@ -60,8 +62,13 @@ def _bytes(text: str) -> int:
 def estimate(fields: OpenAIRequest) -> int:
     """An upper bound of the prompt tokens without a tokenizer."""
     if fields.messages is not None:
-        return REQUEST_OVERHEAD_TOKENS + sum(_bytes(m["content"]) + MESSAGE_OVERHEAD_TOKENS
-                                             for m in fields.messages)
+        n = REQUEST_OVERHEAD_TOKENS + sum(_bytes(m["content"]) + MESSAGE_OVERHEAD_TOKENS
+                                          for m in fields.messages)
+        if fields.tools is not None or any(len(m) > 2 for m in fields.messages):  # tool turns, tool list
+            n += _bytes(json.dumps([m.get("tool_calls") for m in fields.messages], ensure_ascii=False))
+            n += 0 if fields.tools is None else _bytes(DEFAULT_TOOL_PROMPT) + sum(
+                _bytes(json.dumps(t.openai(), ensure_ascii=False)) for t in fields.tools.tools)
+        return n
     if isinstance(fields.prompt, str):
         return REQUEST_OVERHEAD_TOKENS + _bytes(fields.prompt)
     return len(fields.prompt or ())
@@ -76,12 +83,19 @@ class Reservation:
     """What the worker is told to generate at most."""
     tokens: int
     """What the limiter reserves."""
+    n: int = 1
+    """Choices: each may generate ``max_tokens``."""
+
+    @property
+    def completion_bound(self) -> int:
+        return self.n * self.max_tokens
 
 
 def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model_len: int | None,
             tokens_per_min: int, default_max_tokens: int) -> Reservation:
     """The reservation rule (module docstring); 400 when the request can never be served."""
     param = fields.max_tokens_param
+    n = fields.n
     where = "messages" if fields.chat else "prompt"
     room = max_model_len - prompt_tokens if exact and max_model_len else None
     if room is not None and room < 1:
@@ -96,8 +110,8 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
     else:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
         if tokens_per_min > 0:
-            max_tokens = max(1, min(max_tokens, tokens_per_min - prompt_tokens))
-    tokens = prompt_tokens + max_tokens
+            max_tokens = max(1, min(max_tokens, (tokens_per_min - prompt_tokens) // n))
+    tokens = prompt_tokens + n * max_tokens  # the prompt is computed once; each choice may run to max_tokens
     if tokens_per_min > 0 and tokens > tokens_per_min:
         if not exact:
             tokens = tokens_per_min  # the estimate is only a bound: never refuse on it
@@ -106,9 +120,10 @@ def reserve(fields: OpenAIRequest, prompt_tokens: int, *, exact: bool, max_model
                                     f"{tokens_per_min} tokens per minute, so it can never be served. Shorten "
                                     f"the prompt.", code="request_exceeds_token_limit", param=where)
         else:
+            each = f" for each of {n} choices" if n > 1 else ""
             raise GatewayError(400, f"The prompt has {prompt_tokens} tokens and '{param}' asks for {max_tokens} "
-                                    f"more ({tokens} in all); this tenant's limit is {tokens_per_min} tokens per "
-                                    f"minute, so it can never be served. Ask for at most "
-                                    f"{tokens_per_min - prompt_tokens} tokens.",
+                                    f"more{each} ({tokens} in all); this tenant's limit is {tokens_per_min} tokens "
+                                    f"per minute, so it can never be served. Ask for at most "
+                                    f"{(tokens_per_min - prompt_tokens) // n} tokens{each}.",
                                code="request_exceeds_token_limit", param=param)
-    return Reservation(prompt_tokens, exact, max_tokens, tokens)
+    return Reservation(prompt_tokens, exact, max_tokens, tokens, n)

@@ -3,16 +3,34 @@
 ``parse(body, chat=...)`` returns an ``OpenAIRequest`` (with the cleaned chat messages fed to
 the chat template) or raises ``FieldError`` (message, param, code), which each side turns into
 its own 400. On both routes ``max_completion_tokens`` wins over ``max_tokens``.
+
+Logprobs are read into one form for both routes: ``logprobs`` (bool) and ``top_logprobs``
+(chat: ``top_logprobs`` 0-20, which needs ``logprobs: true``; completions: ``logprobs`` 0-5
+is the number of alternatives). ``logit_bias`` maps token ids (JSON object keys) to a bias
+in [-100, 100]; whether an id is in the vocabulary is the worker's check.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.tool_calls import ToolError, ToolSpec, clean_tool_message, parse_tools
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCES = 16
+"""OpenAI allows 4; more are accepted (as vLLM does)."""
+MAX_N = 16
+"""Samples per request (``n``)."""
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 1024
+"""Entries in ``logit_bias``."""
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class FieldError(ValueError):
@@ -25,12 +43,24 @@ class FieldError(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """``response_format`` of type ``json_object`` or ``json_schema`` (``text`` reads as None)."""
+
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    """None for ``json_object`` and for a ``json_schema`` without a schema (any JSON object)."""
+    strict: bool | None = None
+
+
 @dataclass(slots=True)
 class OpenAIRequest:
     chat: bool
     model: str | None
-    messages: list[dict[str, str]] | None
-    """Chat: ``[{"role", "content"}]`` with text content only (what the chat template renders)."""
+    messages: list[dict[str, Any]] | None
+    """Chat: ``[{"role", "content"}]`` with text content only (what the chat template renders), plus
+    an assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id`` (``loraplex.tool_calls``)."""
     prompt: str | list[int] | None
     """Completions: the text, or the token ids."""
     stream: bool
@@ -40,6 +70,8 @@ class OpenAIRequest:
     max_tokens: int | None
     """The winning field's value (None: neither given)."""
     max_tokens_param: str
+    n: int = 1
+    """Choices to generate; each may take ``max_tokens`` (the gateway reserves for all)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -51,6 +83,13 @@ class OpenAIRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     user: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs, ids ascending."""
+    response_format: ResponseFormat | None = None
+    tools: ToolSpec | None = None
+    """Tools the model may call (None: none, or ``tool_choice: "none"``)."""
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -98,11 +137,11 @@ def _content(content: Any, param: str) -> str:
     raise FieldError("content must be a string or a list of text parts", param)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise FieldError("'messages' must be a non-empty list", "messages")
-    clean: list[dict[str, str]] = []
+    clean: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         param = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -121,8 +160,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise FieldError("'name' must be a string", f"{param}.name")
-        clean.append({"role": role, "content": text})
-    if all(not m["content"] for m in clean):
+        cm: dict[str, Any] = {"role": role, "content": text}
+        if role == "tool" or "tool_calls" in m:
+            clean_tool_message(m, cm, param)
+        clean.append(cm)
+    if all(not m["content"] and not m.get("tool_calls") for m in clean):
         raise FieldError("every message is empty", "messages")
     return clean
 
@@ -158,8 +200,83 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 _SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                       "top_k", "seed", "logprobs", "top_logprobs", "stop", "stop_token_ids", "ignore_eos"})
+                       "top_k", "seed", "logprobs", "top_logprobs", "stop", "stop_token_ids", "ignore_eos",
+                       "logit_bias", "response_format"})
 """Optional fields most requests leave out (checked only when one is present)."""
+
+
+def _logprobs(body: dict[str, Any], req: OpenAIRequest) -> None:
+    logprobs = body.get("logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if req.chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise FieldError("'logprobs' must be a boolean", "logprobs")
+        if top and not logprobs:
+            raise FieldError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        req.logprobs = bool(logprobs)
+        req.top_logprobs = top or 0
+        return
+    if top is not None:
+        raise FieldError("'top_logprobs' is a chat field; completions take 'logprobs': <int>", "top_logprobs")
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise FieldError(f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+    req.logprobs = True
+    req.top_logprobs = logprobs
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise FieldError("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise FieldError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, v in bias.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+            raise FieldError(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise FieldError(f"'logit_bias' value for token {key} must be a number in [-100, 100]", "logit_bias")
+        out[int(key)] = float(v)
+    return tuple(sorted(out.items()))
+
+
+def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise FieldError("'response_format' must be an object", "response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise FieldError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                         "response_format.type")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise FieldError("'response_format.json_schema' must be an object with 'name' and 'schema'",
+                         "response_format.json_schema")
+    name = js.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise FieldError("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
+                         "response_format.json_schema.name")
+    schema = js.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise FieldError("'response_format.json_schema.schema' must be a JSON Schema object",
+                         "response_format.json_schema.schema")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise FieldError("'response_format.json_schema.strict' must be a boolean",
+                         "response_format.json_schema.strict")
+    if not schema:
+        return ResponseFormat("json_object", name=name, strict=strict)
+    return ResponseFormat("json_schema", name=name, schema=schema, strict=strict)
 
 
 def _sampling(body: dict[str, Any], req: OpenAIRequest) -> None:
@@ -171,14 +288,7 @@ def _sampling(body: dict[str, Any], req: OpenAIRequest) -> None:
     top_k = _int(body, "top_k", -1)
     req.top_k = -1 if top_k is None else top_k
     req.seed = _int(body, "seed", -(2**63), 2**64 - 1)
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        ok = isinstance(logprobs, bool) if req.chat else \
-            isinstance(logprobs, int) and not isinstance(logprobs, bool) and 0 <= logprobs <= 5
-        if not ok:
-            raise FieldError("'logprobs' must be a boolean" if req.chat else "'logprobs' must be an integer in [0, 5]",
-                             "logprobs")
-    _int(body, "top_logprobs", 0, 20)
+    _logprobs(body, req)
     req.stop = _stop(body)
     ids = body.get("stop_token_ids")
     if ids is not None:
@@ -186,10 +296,19 @@ def _sampling(body: dict[str, Any], req: OpenAIRequest) -> None:
             raise FieldError("'stop_token_ids' must be a list of integers", "stop_token_ids")
         req.stop_token_ids = tuple(ids)
     req.ignore_eos = _bool(body, "ignore_eos")
+    req.logit_bias = _logit_bias(body)
+    req.response_format = _response_format(body)
 
 
 def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAIRequest:
     """Check an OpenAI body (``chat``: /v1/chat/completions, else /v1/completions)."""
+    try:
+        return _parse(body, chat=chat, max_tokens_cap=max_tokens_cap)
+    except ToolError as exc:
+        raise FieldError(exc.message, exc.param, exc.code) from None
+
+
+def _parse(body: Any, *, chat: bool, max_tokens_cap: int | None) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise FieldError("the request body must be a JSON object")
     model = body.get("model")
@@ -205,9 +324,7 @@ def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAI
             raise FieldError("'stream_options' must be an object", "stream_options")
         include_usage = _bool(opts, "include_usage", "stream_options.include_usage") and stream
         continuous = _bool(opts, "continuous_usage_stats", "stream_options.continuous_usage_stats") and stream
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise FieldError(f"only n=1 is supported (got {n}); send separate requests", "n")
+    n = _int(body, "n", 1, MAX_N) or 1
     mt = _int(body, "max_tokens", 1, max_tokens_cap)
     mct = _int(body, "max_completion_tokens", 1, max_tokens_cap)
     param = "max_completion_tokens" if mct is not None else "max_tokens"
@@ -216,7 +333,11 @@ def parse(body: Any, *, chat: bool, max_tokens_cap: int | None = None) -> OpenAI
         raise FieldError("'user' must be a string", "user")
     req = OpenAIRequest(chat=chat, model=model, messages=messages, prompt=prompt, stream=stream,
                         include_usage=include_usage, continuous_usage=continuous,
-                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user)
+                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user, n=n)
     if not _SAMPLING.isdisjoint(body):
         _sampling(body, req)
+    if "tools" in body or "tool_choice" in body:
+        req.tools = parse_tools(body, chat)
+        if req.tools is not None and req.tools.forced and req.response_format is not None:
+            raise FieldError("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
     return req

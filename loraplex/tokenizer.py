@@ -33,6 +33,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -102,6 +107,7 @@ class TextTokenizer:
         self.extra_special = extra_special or {}
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        self._token_bytes: dict[int, bytes] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -212,6 +218,23 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a character)."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            piece = self.tk.id_to_token(token_id)
+            inverse = _unicode_to_bytes()
+            if piece is not None and isinstance(self.tk.decoder, decoders.ByteLevel) and all(c in inverse for c in piece):
+                b = bytes(inverse[c] for c in piece)
+            else:
+                b = self.tk.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            self._token_bytes[token_id] = b
+        return b
+
+    def token_text(self, token_id: int) -> str:
+        """The token as text (invalid UTF-8 of a partial character shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", "replace")
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> str:

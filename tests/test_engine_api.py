@@ -99,7 +99,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
@@ -113,8 +114,11 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "word " * 2000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "loraplex": "nope"}, "loraplex"),
 ]
 
@@ -305,3 +309,80 @@ async def test_continuous_usage_counts_every_token(client):
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
     assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
     assert list(chunks[-2])[-1] == "usage"  # the last key of a content chunk
+
+
+async def _chunks(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(ln[6:]) async for ln in r.aiter_lines() if ln.startswith("data: {")]
+
+
+async def test_chat_logprobs_whole_and_streamed(client):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6 and choice["logprobs"]["refusal"] is None
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0
+        assert len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the chosen token is the best
+        assert abs(e["top_logprobs"][0]["logprob"] - e["logprob"]) < 1e-6
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == choice["message"]["content"]
+    streamed = [e for c in await _chunks(client, "/v1/chat/completions", body) for ch in c["choices"]
+                if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == content
+
+
+async def test_completion_logprobs_offsets_and_stream(client):
+    body = {"prompt": "Hello world", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    r = await client.post("/v1/completions", json=body)
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    for d, v in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True):
+        assert len(d) <= 2 and max(d.values()) == pytest.approx(v)  # greedy: the chosen token is the best
+    parts = [ch["logprobs"] for c in await _chunks(client, "/v1/completions", body) for ch in c["choices"]
+             if ch["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
+
+
+async def test_logit_bias_and_penalties_steer_the_output(client, engine):
+    base = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    plain = (await client.post("/v1/completions", json=base)).json()["choices"][0]["logprobs"]
+    forced = engine.tokenizer.token_text(42)
+    r = await client.post("/v1/completions", json={**base, "logit_bias": {"42": 100}})
+    assert r.status_code == 200, r.text
+    biased = r.json()["choices"][0]["logprobs"]
+    assert biased["tokens"] == [forced] * 4 != plain["tokens"]
+    assert biased["token_logprobs"][0] < plain["token_logprobs"][0]  # the model's own, unbiased logprob
+
+
+async def test_n_choices_whole_and_streamed(client):
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 1.0, "seed": 9,
+            "ignore_eos": True, "n": 3, "logprobs": True}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(len(c["logprobs"]["content"]) == 5 for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 15  # summed over the choices; the prompt counted once
+    one = (await client.post("/v1/chat/completions", json={**body, "n": 1})).json()
+    assert out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert one["choices"][0]["message"] == out["choices"][0]["message"]  # sample 0 draws with the seed itself
+    chunks = await _chunks(client, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    texts = {0: "", 1: "", 2: ""}
+    ends = {}
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+            if ch["finish_reason"]:
+                ends[ch["index"]] = ch["finish_reason"]
+    assert texts == {c["index"]: c["message"]["content"] for c in out["choices"]}
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 15

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kv_cache import BlockAllocator, OutOfBlocksError
-from engine.sampler import sample
+from engine.sampler import apply_penalties, sample, token_logprobs
 from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqStatus, Sequence
 
@@ -149,3 +149,69 @@ def test_sampler_greedy_topk_topp_and_seed():
     k3 = _seq(1, temperature=2.0, top_k=3)
     allowed = set(logits[0].topk(3).indices.tolist())
     assert {sample(logits[:1], [k3])[0] for _ in range(50)} <= allowed
+
+
+def test_penalties_and_logit_bias_transform_only_their_rows():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0], [2.0, -1.0, 0.5, 0.0]])
+    plain = _seq(2, temperature=0.0)  # prompt ids 1, 2
+    pen = _seq(2, temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+               logit_bias=((3, 10.0),))
+    pen.output_ids = [0, 0, 2]
+    out = apply_penalties(logits, [plain, pen])
+    assert torch.equal(out[0], logits[0]) and torch.equal(logits[1], out[0])  # input untouched
+    # token 0: output twice (repetition 2.0 -> 1.0, then -0.5 presence, -0.5 frequency);
+    # 1: prompt (negative -> *2); 2: prompt+output once (0.25, -0.5, -0.25); 3: bias only.
+    assert out[1].tolist() == [0.0, -2.0, -0.5, 10.0]
+    assert sample(logits, [plain, pen]) == [0, 3]
+
+
+def test_token_logprobs_come_from_the_raw_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    rows = [_seq(1, temperature=0.0, logprobs=True, top_logprobs=3), _seq(1, temperature=0.0),
+            _seq(1, temperature=0.0, logprobs=True, logit_bias=((5, 100.0),))]
+    tokens = sample(logits, rows)
+    assert tokens[2] == 5
+    lps = token_logprobs(logits, rows, tokens)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert lps[1] is None
+    assert lps[0].token == tokens[0] and abs(lps[0].logprob - float(ref[0].max())) < 1e-6
+    assert [t for t, _ in lps[0].top] == ref[0].topk(3).indices.tolist()
+    assert abs(lps[2].logprob - float(ref[2, 5])) < 1e-6 and lps[2].top == []  # before the bias
+
+
+def test_shared_blocks_return_to_the_pool_with_their_last_holder():
+    alloc = BlockAllocator(4, 4)
+    a = alloc.allocate(2)
+    alloc.share(a)
+    alloc.share(a[:1])
+    assert alloc.holders(a[0]) == 3 and alloc.num_free == 2
+    alloc.free(a)
+    assert alloc.num_free == 2 and alloc.holders(a[0]) == 2
+    alloc.free(a[:1])
+    alloc.free(a)
+    assert alloc.num_free == 4 and alloc.holders(a[0]) == 1
+    with pytest.raises(RuntimeError):
+        alloc.free(a)
+
+
+def test_samples_wait_for_the_parent_prompt_then_share_it():
+    s = _sched(blocks=16, bs=4, budget=64)
+    parent = _seq(10)
+    child = _seq(10)
+    child.share_from = parent
+    s.add(parent)
+    s.add(child)
+    out = s.schedule()
+    assert [(q, n) for q, n in out.chunks] == [(parent, 10)]  # the child waits for the prompt
+    parent.num_computed += 10
+    parent.output_ids.append(7)
+    out = s.schedule()
+    # 9 prompt tokens covered: blocks 0-1 shared, block 2 (token 8) copied; the child computes token 9 only
+    assert (child, 1) in out.chunks and child.num_computed == 9
+    assert child.block_table[:2] == parent.block_table[:2] and out.copies == [(parent.block_table[2],
+                                                                               child.block_table[2])]
+    assert s.allocator.holders(parent.block_table[0]) == 2
+    s.finish(parent)
+    s.finish(child)
+    assert s.allocator.num_free == 16

@@ -56,14 +56,16 @@ CHAT_BAD = [
     ({"model": "support", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
     ({"model": "support", "messages": MSG, "max_tokens": True}, "max_tokens"),
     ({"model": "support", "messages": MSG, "max_tokens": 5.5}, "max_tokens"),
-    ({"model": "support", "messages": MSG, "n": 2}, "n"),
+    ({"model": "support", "messages": MSG, "n": 17}, "n"),
     ({"model": "support", "messages": MSG, "temperature": 5}, "temperature"),
     ({"model": "support", "messages": MSG, "temperature": -0.1}, "temperature"),
     ({"model": "support", "messages": MSG, "temperature": "hot"}, "temperature"),
     ({"model": "support", "messages": MSG, "top_p": 0}, "top_p"),
     ({"model": "support", "messages": MSG, "top_p": 1.5}, "top_p"),
     ({"model": "support", "messages": MSG, "presence_penalty": 3}, "presence_penalty"),
-    ({"model": "support", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "support", "messages": MSG, "stop": [str(i) for i in range(17)]}, "stop"),
+    ({"model": "support", "messages": MSG, "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"model": "support", "messages": MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
     ({"model": "support", "messages": MSG, "stop": 5}, "stop"),
     ({"model": "support", "messages": MSG, "stream": "yes"}, "stream"),
     ({"model": "support", "messages": MSG, "stream_options": {"include_usage": "y"}},
@@ -105,7 +107,7 @@ async def test_malformed_json_is_400(raw):
                              content=raw), 400)
 
 
-@pytest.mark.parametrize("field", ["metadata", "tools"])
+@pytest.mark.parametrize("field", ["metadata", "prediction"])
 async def test_json_nested_deeper_than_the_forwarder_encodes_is_400(field):
     # orjson parses 1024 levels but encodes 254 (the body itself counted): the gateway, which
     # re-encodes what it forwards, refuses the rest as invalid JSON, naming the field.

@@ -23,7 +23,7 @@ from loraplex_cli import main as cli
 from tests.stub_worker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_ONLY = {"torch", "safetensors", "triton"}
+ENGINE_ONLY = {"torch", "safetensors", "triton", "xgrammar"}
 """Distributions only the ``engine`` extra may bring (nvidia-* CUDA libraries come with torch)."""
 
 

@@ -176,6 +176,151 @@ def test_isolation_with_fewer_slots_than_adapters(world):
     _close(engine)
 
 
+def test_logprobs_of_every_row_equal_peft_log_softmax(world):
+    """Mixed batch, every row asking for logprobs: each greedy token's logprob and its top 5 equal
+    ``log_softmax`` of PEFT's logits for that row's adapter alone (within 1e-3)."""
+    engine = tiny_engine(world.base_dir)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=5)
+    seqs = [(name, prompt, engine.add_request(prompt, params, adapter=world.refs[name] if name else None))
+            for name, prompt in _plan(12, seed=5)]
+    run_to_completion(engine, [s for _, _, s in seqs])
+    worst = 0.0
+    for name, prompt, seq in seqs:
+        assert [e.token for e in seq.logprobs] == seq.output_ids and len(seq.output_ids) == NEW_TOKENS
+        ids = list(prompt)
+        for e in seq.logprobs:
+            ref = torch.log_softmax(world.reference.logits(name, ids).double(), dim=-1)
+            top = ref.topk(5)
+            assert [t for t, _ in e.top] == top.indices.tolist(), (name, len(ids))
+            errs = [abs(e.logprob - float(ref[e.token]))]
+            errs += [abs(lp - float(v)) for (_, lp), v in zip(e.top, top.values, strict=True)]
+            worst = max(worst, *errs)
+            ids.append(e.token)
+    assert worst < 1e-3, worst
+    _close(engine)
+
+
+def test_isolation_with_samples_sharing_prompt_blocks(world):
+    """n=3 requests of different adapters and base, sampled: every logits row of every sample (the
+    ones starting from their first sample's shared prompt blocks included) equals PEFT for its
+    adapter alone on that sample's own tokens."""
+    engine = tiny_engine(world.base_dir, kv_block_size=4)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    rec = Recorder()
+    rec.install(engine)
+    rows = []
+    for k, (name, prompt) in enumerate(_plan(9, seed=23)):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=100 + k, ignore_eos=True, n=3)
+        first = engine.add_request(prompt, params, adapter=world.refs[name] if name else None)
+        rows += [(name, s) for s in first.samples]
+    run_to_completion(engine, [s for _, s in rows])
+    assert len({tuple(s.output_ids) for _, s in rows}) > len(rows) // 3  # samples differ
+    assert any(s.share_from is not None and s.num_preemptions == 0 for _, s in rows)
+    bad = []
+    for name, seq in rows:
+        got = rec.rows.get(seq.seq_id, [])
+        assert len(got) == NEW_TOKENS, (name, seq.index, len(got))
+        for prefix, logits in got:
+            err = rel_err(logits, world.reference.logits(name, prefix))
+            if not err < TOL:
+                bad.append(f"{name} sample {seq.index} at {len(prefix)}: rel err {err:.2e}")
+    assert bad == []
+    assert engine.cache.allocator.num_used == 0
+    _close(engine)
+
+
+# --- grammar-constrained rows -----------------------------------------------------------------
+
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "bb", "ccc"]}},
+     "required": ["ok", "tag"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,5}$"}},
+     "required": ["name"], "additionalProperties": False},
+    {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+     "required": ["xs"], "additionalProperties": False},
+]
+JSON_ADAPTERS = ["r8_all", "r16_mlp", "r64_qv"]
+
+
+@pytest.fixture(scope="module")
+def json_world(tmp_path_factory) -> World:
+    """A tiny Llama with a byte-level BPE tokenizer (JSON can be spelled) and three adapters."""
+    from tests.engine_fixtures import make_tiny_model
+
+    root = tmp_path_factory.mktemp("isolation_json")
+    base_dir = make_tiny_model(root / "base", "llama")
+    model, dirs = peft_adapters(base_dir, root / "adapters", {n: ISOLATION_SPECS[n] for n in JSON_ADAPTERS})
+    return World(base_dir, dirs, PeftReference(model), refs_for(dirs), root / "cache")
+
+
+def _greedy_under_grammar(world: World, grammars: Any, name: str | None, prompt: list[int], key: str,
+                          n: int) -> list[int]:
+    """PEFT's greedy tokens for ``name`` alone, masked by its own matcher of the same grammar."""
+    import xgrammar as xgr
+
+    m = grammars.matcher(key)
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = world.reference.logits(name, ids).clone().unsqueeze(0)
+        bitmask = xgr.allocate_token_bitmask(1, logits.shape[1])
+        m.fill_next_token_bitmask(bitmask, 0)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        t = int(logits.argmax())
+        out.append(t)
+        if not m.accept_token(t) or m.is_terminated():
+            break
+        ids.append(t)
+    return out
+
+
+def test_isolation_with_grammar_constrained_rows(json_world):
+    """Base and adapter rows, three schemas and free rows in the same steps: every raw logits row
+    equals PEFT for its adapter alone, every constrained row equals PEFT's greedy under the same
+    grammar (and is valid JSON for its schema), every free row PEFT's plain greedy."""
+    import json
+
+    import jsonschema
+
+    from engine.grammar import spec_key
+
+    world = json_world
+    engine = tiny_engine(world.base_dir)
+    attach_runtime(engine, model_info(world.base_dir), world.cache)
+    rec = Recorder()
+    rec.install(engine)
+    names = itertools.cycle([None, *JSON_ADAPTERS])
+    rows = []
+    for i, (_, prompt) in enumerate(_plan(16, seed=17)):
+        name = next(names)
+        schema = JSON_SCHEMAS[i % 3] if i % 4 != 3 else None
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=schema is None,
+                                grammar=spec_key("json_schema", schema) if schema else None)
+        if i == 8:  # later rows prefill while earlier ones decode
+            engine.step()
+        rows.append((name, prompt, schema, engine.add_request(prompt, params, adapter=world.refs[name] if name else None)))
+    run_to_completion(engine, [s for *_, s in rows])
+    assert max(len(s) for s in rec.step_adapters) >= 3
+    bad: list[str] = []
+    for name, prompt, schema, seq in rows:
+        for prefix, logits in rec.rows[seq.seq_id]:
+            err = rel_err(logits, world.reference.logits(name, prefix))
+            if not err < TOL:
+                bad.append(f"{name} seq {seq.seq_id} at {len(prefix)}: rel err {err:.2e}")
+        if schema is None:
+            want = world.reference.greedy(name, prompt, 40)
+        else:
+            want = _greedy_under_grammar(world, engine.grammars, name, prompt, seq.params.grammar, 40)
+            if seq.finish_reason == "stop":
+                jsonschema.validate(json.loads(seq.output_text), schema)
+        if seq.output_ids != want:
+            bad.append(f"{name} seq {seq.seq_id} (schema {schema is not None}): {seq.output_ids} != {want}")
+    assert sum(s.finish_reason == "stop" for *_, sch, s in rows if sch) >= 6
+    assert bad == []
+    _close(engine)
+
+
 # --- the test can fail ------------------------------------------------------------------------
 
 class _MutatedRuntime(LoRARuntime):
@@ -253,7 +398,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
     engine = Engine.from_path(gguf, EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512))
     rt = attach_runtime(engine, describe_model(gguf), tmp_path / "cache", max_loras=4, slots_per_class=4)
     refs = {n: AdapterRef(id=f"demo-{n}", name=n, uri=(DEMO_ADAPTERS / n).as_uri()) for n in names}
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
     rows = [(n, p) for p in prompts for n in (None, *names)]  # interleaved: base, french, json, terse, base, ...
     seqs = [(n, p, engine.add_request(p, params, adapter=refs[n] if n else None)) for n, p in rows]
     run_to_completion(engine, [s for _, _, s in seqs], timeout_s=300)
@@ -266,6 +411,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
             model.load_adapter(str(DEMO_ADAPTERS / n), adapter_name=n)
         model.eval()
         ours = {(n, tuple(p)): s.output_ids for n, p, s in seqs}
+        seq_of = {(n, tuple(p)): s for n, p, s in seqs}
         for n, p, _ in seqs:
             x = torch.tensor([p])
             kw = dict(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
@@ -278,6 +424,7 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
                     model.set_adapter(n)
                     ref = model.generate(**kw)[0, x.shape[1]:].tolist()
             got = ours[n, tuple(p)]
+            _check_logprobs(model, n, p, got, seq_of[n, tuple(p)].logprobs)
             # EOS is suppressed by min_new_tokens in the reference: compare up to our first EOS.
             cut = next((i for i, t in enumerate(got) if t in engine.eos_token_ids), len(got))
             assert got[:cut] == ref[:cut], (n, tok.decode(got), tok.decode(ref))
@@ -285,3 +432,22 @@ def test_demo_adapters_mixed_batch_equal_peft_greedy(tmp_path):
                 assert got != ours[None, tuple(p)], f"{n} output equals the base model's"
     finally:
         model.unload()  # give hf_demo_model() back without adapter layers
+
+
+def _check_logprobs(model: Any, adapter: str | None, prompt: list[int], out: list[int], entries: list[Any]) -> None:
+    """Our logprobs of ``out`` (and top 5) against transformers+PEFT ``log_softmax`` on the same
+    tokens (teacher-forced), within 1e-3."""
+    x = torch.tensor([prompt + out])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=x).logits[0]
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=x).logits[0]
+    ref = torch.log_softmax(logits[len(prompt) - 1:-1].double(), dim=-1)
+    assert [e.token for e in entries] == out
+    for i, e in enumerate(entries):
+        assert abs(e.logprob - float(ref[i, e.token])) < 1e-3, (adapter, i, e.logprob, float(ref[i, e.token]))
+        top = ref[i].topk(5)
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(e.top, top.values, strict=True)) < 1e-3, (adapter, i)
