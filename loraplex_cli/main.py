@@ -74,10 +74,13 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # Import only the module that owns the command; it registers its commands.
     importlib.import_module(COMMANDS[argv[0]][0]).register(sub)
-    args = parser.parse_args(argv)
-    missing = missing_engine_modules() if argv[0] in ENGINE_COMMANDS else []
+    # Help needs no engine; anything else learns first that the engine is missing, before its
+    # arguments are checked.
+    wants_help = any(a in ("-h", "--help") for a in argv[1:])
+    missing = missing_engine_modules() if argv[0] in ENGINE_COMMANDS and not wants_help else []
     if missing:
         print(f"error: `loraplex {argv[0]}` runs the engine, which this install lacks ({', '.join(missing)} "
               "not installed): install loraplex[engine] (pip install 'loraplex[engine]')", file=sys.stderr)
         return 1
+    args = parser.parse_args(argv)
     return int(args.handler(args) or 0)
