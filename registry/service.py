@@ -546,6 +546,7 @@ class RegistryService:
         assert admitted is not None
 
         async def op(tx: _Tx) -> dict:
+            await tx.serialize(f"adapter-name:{name}")  # registrations of one name number in turn
             current = await tx.session.get(BaseModelRow, base.name)
             if current is None or current.revision != base.revision:
                 raise Conflict(f"base model {base.name!r} changed during admission; retry",

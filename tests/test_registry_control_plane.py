@@ -283,6 +283,22 @@ async def test_concurrent_conditional_writers_lose_no_increment(db_url, tmp_path
         await svc.close()
 
 
+async def test_concurrent_registrations_of_one_name_each_get_the_next_version(db_url, tmp_path):
+    """Writers no longer queue on one registry-wide lock: registrations of one adapter name still
+    take turns, so each gets the next version number instead of a conflict."""
+    await fresh_registry(db_url)
+    svc = RegistryService(make_settings(tmp_path, db_url))
+    try:
+        await svc.register_base_model(TINY)
+        root = Path(svc.settings.resolved_adapter_root())
+        for seed in range(8):
+            write_adapter(root / f"r{seed}", TINY, seed=seed)
+        done = await asyncio.gather(*(svc.register_adapter("busy", f"r{seed}", "tiny") for seed in range(8)))
+        assert sorted(a["version"] for a in done) == list(range(1, 9))
+    finally:
+        await svc.close()
+
+
 async def test_admin_api_if_match_etag_and_412(db_url, tmp_path):
     await fresh_registry(db_url)
     settings = make_settings(tmp_path, db_url)
