@@ -145,6 +145,14 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_body = False
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self._in_head or self._in_body):
+            # The server's wait is over (a request queued behind this response is now served):
+            # the client's time for what it still owes counts from here.
+            self._since = self.loop.time()
+            self._arm()
+
     def _count(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > MAX_HEAD_BYTES:
