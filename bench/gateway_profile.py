@@ -30,6 +30,10 @@ from bench import gateway_overhead as g
 WRITES = {"StepWrites.flush", "GatewayHttpProtocol.flush", "RespConnection.push", "StreamWriter.write",
           "StreamWriter.writelines", "StreamWriter._writelines", "StreamWriter._write"}
 """Leaf functions whose samples are the send system call (this tree's and older trees')."""
+WRITE_LINES = {f"gateway/worker_client.py:{i}" for i, line in
+               enumerate((Path(__file__).resolve().parent.parent / "gateway" / "worker_client.py").read_text()
+                         .splitlines(), 1) if ".transport.write(" in line}
+"""Lines of this tree's worker client that make the send system call from Python (no leaf function)."""
 PARTS = [
     ("worker client (Python)", ("/aiohttp/", "/multidict/", "/yarl/", "/gateway/worker_client.py",
                                 "/gateway/transport.py")),
@@ -43,7 +47,7 @@ FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")
 
 def part_of(frames: list[str]) -> str:
     leaf = FRAME.match(frames[-1])
-    if leaf and leaf.group(1) in WRITES:
+    if leaf and (leaf.group(1) in WRITES or any(frames[-1].endswith(f"{w})") for w in WRITE_LINES)):
         return "socket writes (send syscalls)"
     for frame in reversed(frames):
         m = FRAME.match(frame)

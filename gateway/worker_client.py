@@ -1,4 +1,4 @@
-"""The gateway's one HTTP client to its workers: aiohttp's requests over a pooled session's connector.
+"""The gateway's one HTTP client to its workers: aiohttp's response protocol over a keep-alive pool.
 
 Every call to a worker (completions, the activation probe, the tokenizer fetch) goes
 through ``WorkerClient``, which sends the worker secret, keeps connections alive and
@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.helpers import TimerNoop
-from multidict import CIMultiDict
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 from yarl import URL
 
 from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
@@ -22,6 +24,11 @@ from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
 CONNECT_TIMEOUT_S = 2.0
 KEEPALIVE_S = 4.0
 """Idle connections are dropped before the worker's own keep-alive timeout (uvicorn: 5 s)."""
+MAX_IDLE_PER_WORKER = 256
+
+_BROKEN = (aiohttp.ClientError, HttpProcessingError, OSError, TimeoutError)
+"""What aiohttp's protocol raises when an exchange breaks: a lost or reset connection, a
+payload cut short, a head it cannot parse."""
 
 
 class WorkerUnreachable(Exception):
@@ -45,76 +52,89 @@ class WorkerResponse(Protocol):
     def close(self) -> None: ...
 
 
+class _Target:
+    """A worker URL parsed once: where to connect and what the request line and Host say."""
+
+    __slots__ = ("host", "key", "line", "port")
+
+    def __init__(self, url: str) -> None:
+        u = URL(url)
+        if u.scheme != "http" or not u.host:
+            raise WorkerUnreachable(f"not an http:// worker URL: {url!r}")
+        self.host = u.host
+        self.port = u.port or 80
+        self.key = (self.host, self.port)
+        self.line = b" %s HTTP/1.1\r\nhost: %s\r\n" % (u.raw_path_qs.encode("ascii"),
+                                                         f"{u.raw_host}:{self.port}".encode("ascii"))
+
+
 class Exchange:
-    """``WorkerResponse`` over an aiohttp response."""
+    """``WorkerResponse`` over the response aiohttp's protocol parsed; ``close`` pools the
+    connection when the body was read to its end."""
 
-    __slots__ = ("_resp", "content_type", "status")
+    __slots__ = ("_client", "_key", "_payload", "_proto", "content_type", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status = resp.status
-        self.content_type = resp.headers.get("content-type", "application/json")
+    def __init__(self, client: WorkerClient, key: tuple[str, int], proto: ResponseHandler,
+                 message: aiohttp.http.RawResponseMessage, payload: StreamReader) -> None:
+        self._client = client
+        self._key = key
+        self._proto: ResponseHandler | None = proto
+        self._payload = payload
+        self.status = message.code
+        self.content_type = message.headers.get("content-type", "application/json")
 
     async def read(self) -> bytes:
         try:
-            return await self._resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await self._payload.read()
+        except _BROKEN as exc:
             raise WorkerBroke(_why(exc)) from None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (each SSE write of the worker as soon as it lands)."""
-        content = self._resp.content
+        payload = self._payload
         try:
             while True:
-                data = await content.readany()
+                data = await payload.readany()
                 if not data:
                     return
                 yield data
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except _BROKEN as exc:
             raise WorkerBroke(_why(exc)) from None
 
     def close(self) -> None:
         """Back to the pool when read to its end; else the connection closes, so the worker
         sees the disconnect and frees its slot."""
-        resp = self._resp
-        if resp.content.at_eof():
-            resp.release()
+        proto = self._proto
+        if proto is None:
+            return
+        self._proto = None
+        if self._payload.is_eof() and not proto.should_close and proto.is_connected():
+            self._client._release(self._key, proto)
         else:
-            resp.close()
+            proto.close()
 
 
 class WorkerClient:
-    """One aiohttp session per event loop (made on first use: the app may be built outside one)."""
+    """Keep-alive connections per worker, per event loop (the app may be built outside one).
+
+    A request goes out in one write (head and body); aiohttp's ``ResponseHandler`` parses the
+    answer (llhttp: status, headers, content-length or chunked body, keep-alive) into a
+    ``StreamReader``. Idle connections wait in a LIFO stack per worker for ``keepalive_s``."""
 
     def __init__(self, worker_secret: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  keepalive_s: float = KEEPALIVE_S) -> None:
         if "\r" in worker_secret or "\n" in worker_secret:
             raise ValueError("the worker secret must not contain line breaks")
         self.secret = worker_secret
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-        """Connecting only: a completion's deadline is the gateway's (``gateway.app._Guard``)."""
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._headers = CIMultiDict({
-            "content-type": "application/json", HDR_WORKER_SECRET: worker_secret,
-            # Given, so aiohttp adds none of its own (its skip list costs more than the headers).
-            "accept": "*/*", "accept-encoding": "identity", "user-agent": "loraplex-gateway"})
+        self._headers = {"content-type": "application/json", HDR_WORKER_SECRET: worker_secret,
+                         "user-agent": "loraplex-gateway"}
         """Sent with every call (``post`` adds the request id to a copy)."""
-        self._urls: dict[str, URL] = {}
-        """Parsed once per target (a handful of workers x routes)."""
-
-    def _current(self) -> aiohttp.ClientSession:
-        session = self._session
-        loop = asyncio.get_running_loop()
-        if session is None or self._loop is not loop:  # ``close`` drops the session
-            self._loop = loop
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s, use_dns_cache=True)
-            session = self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self.timeout, auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar())  # nothing a worker sets may follow another request
-        return session
+        self._targets: dict[str, _Target] = {}
+        """Parsed once per URL (a handful of workers x routes)."""
+        self._idle: dict[tuple[str, int], list[tuple[ResponseHandler, float]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def post(self, url: str, body: bytes, request_id: str) -> Awaitable[WorkerResponse]:
         """POST a JSON body; (awaited) the response with its headers read. A plain function:
@@ -138,56 +158,87 @@ class WorkerClient:
 
     async def exchange(self, method: str, url: str, body: bytes | None,
                        headers: Mapping[str, str]) -> WorkerResponse:
-        """The one place a request leaves the gateway (the seam a test double replaces).
-
-        aiohttp's request, connector and response used directly, as ``ClientSession.request``
-        does after its per-request set-up (timeouts, cookies, redirects, tracing, middlewares),
-        none of which a call to a worker uses: that set-up was about a fifth of the client's
-        CPU per request (docs/DESIGN.md, "Gateway"). pyproject.toml pins aiohttp's minor version."""
-        session = self._current()
-        target = self._urls.get(url)
+        """The one place a request leaves the gateway (the seam a test double replaces)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # connections belong to the loop that made them
+            self._loop = loop
+            self._idle = {}
+        target = self._targets.get(url)
         if target is None:
-            if len(self._urls) >= 4096:
-                self._urls.clear()
-            target = self._urls[url] = URL(url)
-        connector = session.connector
-        assert connector is not None
+            if len(self._targets) >= 4096:
+                self._targets.clear()
+            target = self._targets[url] = _Target(url)
+        head = [method.encode("ascii"), target.line]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value:
+                raise ValueError(f"header {name} must not contain line breaks")
+            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        if body is not None:
+            head.append(b"content-length: %d\r\n" % len(body))
+        head.append(b"\r\n")
+        if body:
+            head.append(body)
+        request = b"".join(head)
         for attempt in (0, 1):
-            req = aiohttp.ClientRequest(method, target, headers=headers, data=body, loop=self._loop,
-                                        session=session, timer=_NO_TIMER)
+            proto = self._pooled(target.key, loop) if attempt == 0 else None
+            reused = proto is not None
+            if proto is None:
+                proto = await self._connect(target, loop)
             try:
-                conn = await connector.connect(req, traces=[], timeout=self.timeout)
-            except (aiohttp.ClientConnectorError, TimeoutError) as exc:  # sock_connect expired: TimeoutError
-                raise WorkerUnreachable(_why(exc)) from None
-            except aiohttp.ClientError as exc:
-                raise WorkerBroke(_why(exc)) from None
-            assert conn.protocol is not None
-            conn.protocol.set_response_params(timer=_NO_TIMER, auto_decompress=False)
-            try:
-                resp = await req.send(conn)
-                try:
-                    await resp.start(conn)
-                except BaseException:
-                    resp.close()
-                    raise
+                proto.transport.write(request)  # type: ignore[union-attr]
+                message, payload = await proto.read()
             except aiohttp.ServerDisconnectedError:
-                conn.close()
-                if attempt == 0:
+                proto.close()
+                if reused:
                     continue  # a pooled connection the worker had just closed: once more, fresh
                 raise WorkerBroke("the worker closed the connection without answering") from None
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                conn.close()
+            except _BROKEN as exc:
+                proto.close()
                 raise WorkerBroke(_why(exc)) from None
             except BaseException:
-                conn.close()
+                proto.close()
                 raise
-            return Exchange(resp)
+            return Exchange(self, target.key, proto, message, payload)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _pooled(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> ResponseHandler | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = loop.time()
+        while idle:
+            proto, since = idle.pop()
+            if proto.is_connected() and now - since < self.keepalive_s:
+                return proto
+            proto.close()
+        return None
+
+    async def _connect(self, target: _Target, loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, proto = await loop.create_connection(lambda: ResponseHandler(loop), target.host, target.port)
+        except (OSError, TimeoutError) as exc:
+            raise WorkerUnreachable(_why(exc)) from None
+        # One parser for the connection's life: llhttp reads response after response.
+        proto.set_response_params(timer=_NO_TIMER, auto_decompress=False)
+        return proto
+
+    def _release(self, key: tuple[str, int], proto: ResponseHandler) -> None:
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            proto.close()
+            return
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= MAX_IDLE_PER_WORKER:
+            proto.close()
+            return
+        idle.append((proto, loop.time()))
+
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        for idle in self._idle.values():
+            for proto, _ in idle:
+                proto.close()
+        self._idle = {}
 
 
 _NO_TIMER = TimerNoop()
