@@ -13,9 +13,11 @@ per binding (active and previous, each with a verification JSON as a real regist
   to gateway A's admin API, each of a random tenant's alias ``a``. Each answer carries the
   registry version it committed as (``X-Registry-Version``); a poller per gateway reads
   ``/readyz`` every 10 ms, so "visible on both gateways" is the first moment both report that
-  version or later, measured from the moment the write was sent. Meanwhile one client per
-  gateway requests ``/v1/models`` back to back (a tenant token): its latency shows any stall
-  of the gateway's event loop while it applies the changes.
+  version or later, measured from the moment the write was sent. Meanwhile a client process
+  of its own (raw keep-alive HTTP, so its own scheduling adds little) requests ``/v1/models``
+  from each gateway at ``--models-rate`` per second (a tenant token; ``0``: back to back), and
+  each gateway's ``loraplex_gateway_event_loop_lag_seconds`` histogram is read before and after:
+  the ticks over 20 ms are stalls of its event loop, whatever the client saw.
 
     python bench/control_plane.py                       # 1k and 10k tenants
     python bench/control_plane.py --sizes 100000 --seconds 15
@@ -32,6 +34,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import os
 import platform
 import random
@@ -183,9 +186,10 @@ class Gateway:
         self.name = name
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         env = {"LORAPLEX_GATEWAY_MOUNT_ADMIN": "true" if mount_admin else "false", **os.environ, "LORAPLEX_DATABASE_URL": url, "LORAPLEX_HOME": str(home / name),
                "LORAPLEX_JWT_SECRET": secret, "LORAPLEX_WORKER_SECRET": secret, "LORAPLEX_REDIS_URL": "",
-               "LORAPLEX_GATEWAY_METRICS_PORT": str(free_port()), "LORAPLEX_LOG_LEVEL": "WARNING",
+               "LORAPLEX_GATEWAY_METRICS_PORT": str(self.metrics_port), "LORAPLEX_LOG_LEVEL": "WARNING",
                "LORAPLEX_WORKER_URLS": "http://127.0.0.1:9", "LORAPLEX_ADAPTER_ROOT": str(home / "adapters")}
         self.log = open(home / f"{name}.log", "w")
         self.started = time.monotonic()
@@ -234,13 +238,52 @@ def visible_at(seen: list[tuple[float, int]], version: int, after: float) -> flo
     return None
 
 
-async def models_client(client: Any, gw: Gateway, token: str, lat: list[float], stop: asyncio.Event) -> None:
-    headers = {"authorization": f"Bearer {token}"}
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        r = await client.get(gw.base + "/v1/models", headers=headers, timeout=60)
-        lat.append(time.perf_counter() - t0)
-        assert r.status_code == 200, r.text
+def _models_proc(port: int, token: str, rate: float, seconds: float, out: Any) -> None:
+    """One gateway's ``/v1/models`` load from a process of its own: a keep-alive connection, a
+    request every ``1/rate`` s (``rate`` 0: back to back), each latency from its send."""
+
+    async def main() -> list[float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = (f"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {token}\r\n\r\n"
+                   .encode())
+        lat: list[float] = []
+        start = time.perf_counter()
+        i = 0
+        while time.perf_counter() - start < seconds:
+            if rate > 0:
+                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            i += 1
+            t0 = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            low = head.lower()
+            at = low.index(b"content-length:")
+            await reader.readexactly(int(low[at + 15: low.index(b"\r\n", at)]))
+            lat.append(time.perf_counter() - t0)
+            assert head.startswith(b"HTTP/1.1 200"), head[:64]
+        writer.close()
+        return lat
+
+    out.put(asyncio.run(main()))
+
+
+def loop_lag(gw: Gateway) -> dict[str, float]:
+    """``le`` -> cumulative count of the gateway's event-loop lag histogram."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=10).read().decode()
+    prefix = 'loraplex_gateway_event_loop_lag_seconds_bucket{le="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def lag_between(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Ticks in the interval, those over 20 ms, and the bound of the largest lag seen."""
+    d = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = d.get("+Inf", 0.0)
+    worst = next((le for le, n in sorted(((le, n) for le, n in d.items() if le != "+Inf"),
+                                          key=lambda x: float(x[0])) if n >= total), "+Inf")
+    return {"ticks": int(total), "over_20ms": int(total - d.get("0.02", 0.0)), "max_at_most_s": worst}
 
 
 async def write_stream(client: Any, gw: Gateway, token: str, n: int, rate: float, seconds: float,
@@ -307,16 +350,23 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             for rate in args.rates:
                 stop = asyncio.Event()
                 seen: list[list[tuple[float, int]]] = [[], []]
-                lat: list[float] = []
                 writes: list[dict[str, Any]] = []
                 bg = [asyncio.create_task(version_poller(client, g, seen[i], stop)) for i, g in enumerate(gws)]
-                bg += [asyncio.create_task(models_client(client, g, user, lat, stop)) for g in gws]
-                await asyncio.sleep(0.5)
-                lat.clear()
+                ctx = mp.get_context("fork")
+                q: Any = ctx.Queue()
+                lag0 = [loop_lag(g) for g in gws]
+                models = [ctx.Process(target=_models_proc, args=(g.port, user, args.models_rate, args.seconds + 2.0, q))
+                          for g in gws]
+                for p in models:
+                    p.start()
                 await write_stream(client, writer, admin, n, rate, args.seconds, writes)
                 await asyncio.sleep(2.0)  # the last changes propagate
                 stop.set()
                 await asyncio.gather(*bg)
+                lat = [x for _ in models for x in await asyncio.to_thread(q.get, True, 120)]
+                for p in models:
+                    p.join(30)
+                lags = [lag_between(b, loop_lag(g)) for b, g in zip(lag0, gws, strict=True)]
                 ok = [w for w in writes if w["status"] == 200]
                 prop = []
                 never = 0
@@ -332,12 +382,16 @@ async def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                        "rollback_visible_p50_s": pct(prop, 50), "rollback_visible_max_s": max(prop, default=None),
                        "not_visible_within_2s_after": never,
                        "models_requests": len(lat), "models_p50_ms": (pct(lat, 50) or 0) * 1000,
-                       "models_p99_ms": (pct(lat, 99) or 0) * 1000, "models_max_ms": max(lat, default=0) * 1000}
+                       "models_p99_ms": (pct(lat, 99) or 0) * 1000, "models_max_ms": max(lat, default=0) * 1000,
+                       "models_rate_per_gateway": args.models_rate, "loop_lag": lags}
                 result["rates"][str(rate)] = row
                 print(f"  {rate}/s: writes {row['writes_ok']}/{row['writes']} ok, p50/p99 "
                       f"{row['write_p50_s'] * 1000:.0f}/{row['write_p99_s'] * 1000:.0f} ms; rollback visible on "
                       f"both p50/max {_s(row['rollback_visible_p50_s'])}/{_s(row['rollback_visible_max_s'])}; "
-                      f"/v1/models p50/p99 {row['models_p50_ms']:.1f}/{row['models_p99_ms']:.1f} ms", flush=True)
+                      f"/v1/models p50/p99 {row['models_p50_ms']:.1f}/{row['models_p99_ms']:.1f} ms; loop ticks over 20 ms "
+                      f"{', '.join(str(x['over_20ms']) for x in lags)} of "
+                      f"{', '.join(str(x['ticks']) for x in lags)}, max lag <= "
+                      f"{', '.join(x['max_at_most_s'] + ' s' for x in lags)}", flush=True)
             result["gateway_rss_after_mb"] = [rss_mb(g.proc.pid) for g in gws]
     finally:
         for g in gws + procs:
@@ -352,8 +406,9 @@ def _s(x: float | None) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| tenants | admin API | full load | held snapshot per tenant | start-up to ready (A, B) | writes/s | admin write "
-             "p50 / p99, ok | rollback visible on both p50 / max | `/v1/models` p50 / p99 / max |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "p50 / p99, ok | rollback visible on both p50 / max | `/v1/models` p50 / p99 / max | loop ticks over 20 ms "
+             "(A, B) | max loop lag (A, B) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for rate, row in r["rates"].items():
             lines.append(
@@ -362,7 +417,9 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{row['write_p50_s'] * 1000:.0f} / {row['write_p99_s'] * 1000:.0f} ms, "
                 f"{row['writes_ok']} of {row['writes']} | "
                 f"{_s(row['rollback_visible_p50_s'])} / {_s(row['rollback_visible_max_s'])} | "
-                f"{row['models_p50_ms']:.1f} / {row['models_p99_ms']:.1f} / {row['models_max_ms']:.0f} ms |")
+                f"{row['models_p50_ms']:.1f} / {row['models_p99_ms']:.1f} / {row['models_max_ms']:.0f} ms | "
+                f"{' / '.join(str(x['over_20ms']) for x in row['loop_lag'])} | "
+                f"{' / '.join('<= ' + x['max_at_most_s'] + ' s' for x in row['loop_lag'])} |")
     return "\n".join(lines)
 
 
@@ -374,6 +431,8 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--admin-api", action="store_true",
                     help="send the writes to `loraplex admin-api` (a third process) instead of gateway A's /admin")
+    ap.add_argument("--models-rate", type=float, default=100.0,
+                    help="/v1/models requests per second per gateway (0: back to back, as fast as answered)")
     ap.add_argument("--quick", action="store_true", help="1k tenants, 5 writes/s for 4 s")
     args = ap.parse_args()
     if args.quick:

@@ -763,10 +763,12 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         await router.refresh()
         flusher = asyncio.create_task(_flush_access_log(), name="access-log-flush")
         traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
+        lag = asyncio.create_task(gw.metrics.watch_loop_lag(), name="loop-lag")
         try:
             yield
         finally:
             flusher.cancel()
+            lag.cancel()
             if traffic is not None and gw.traffic is not None:
                 traffic.cancel()
                 with contextlib.suppress(Exception):

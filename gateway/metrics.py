@@ -6,6 +6,7 @@ Each label dimension admits at most ``max_values`` distinct values and folds lat
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +37,8 @@ def status_class(status: int) -> str:
 
 
 LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+LOOP_LAG_INTERVAL_S = 0.025
+LOOP_LAG_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1, 2.5, 5)
 
 
 class _Series:
@@ -130,6 +133,10 @@ class GatewayMetrics:
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
+        self.loop_lag = Histogram(
+            "loraplex_gateway_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S * 1000:g} ms: "
+            "the longest any request waited behind other work", registry=r, buckets=LOOP_LAG_BUCKETS)
         self._snapshots = _SnapshotCollector()
         r.register(self._snapshots)  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
@@ -173,6 +180,17 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def watch_loop_lag(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Observe, every ``interval_s``, how much later than due the loop woke this task: a
+        synchronous stretch of work (a snapshot rebuild, an admin write's ORM work) shows here
+        whatever the request mix."""
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + interval_s
+            await asyncio.sleep(interval_s)
+            observe(max(0.0, loop.time() - due))
 
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -121,6 +122,26 @@ def test_request_metrics_exposition():
                  f'loraplex_gateway_request_seconds_count{{{labels}}} 3.0',
                  f'loraplex_gateway_request_seconds_sum{{{labels}}} 200.305'):
         assert line in text, line
+
+
+async def test_event_loop_lag_shows_a_synchronous_stall():
+    m = GatewayMetrics()
+    watcher = asyncio.create_task(m.watch_loop_lag(interval_s=0.01))
+    try:
+        await asyncio.sleep(0.05)
+        time.sleep(0.12)  # noqa: ASYNC251 -- work that holds the loop, as a slow rebuild would
+        await asyncio.sleep(0.05)
+    finally:
+        watcher.cancel()
+    text = m.render().decode()
+
+    def value(name: str) -> float:
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    count = value("loraplex_gateway_event_loop_lag_seconds_count")
+    under_100ms = value('loraplex_gateway_event_loop_lag_seconds_bucket{le="0.1"}')
+    assert count >= 3 and under_100ms <= count - 1  # the stall landed above 0.1 s
+    assert value("loraplex_gateway_event_loop_lag_seconds_sum") >= 0.1
 
 
 def test_access_lines_go_straight_to_a_line_handler_else_through_logging():

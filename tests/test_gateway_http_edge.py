@@ -535,6 +535,16 @@ def test_metrics_are_served_on_the_internal_port_only():
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         assert 'loraplex_gateway_requests_total{adapter="sup@1",status="2xx",tenant="acme"} 1.0' in r.text
         assert "loraplex_gateway_inflight" in r.text
+
+        def lag_count() -> float:
+            text = httpx.get(internal + "/metrics").text
+            return float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("loraplex_gateway_event_loop_lag_seconds_count")))
+
+        deadline = time.monotonic() + 10
+        while lag_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lag_count() >= 1  # the app runs the loop-lag watcher
         assert httpx.get(internal + "/v1/models").status_code == 404  # the metrics port serves metrics only
     finally:
         for s in servers:
