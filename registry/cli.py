@@ -71,6 +71,11 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, A
                                headers={"authorization": f"Bearer {token}"})
     except httpx.HTTPError as exc:
         raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
+    return _answer(r)
+
+
+def _answer(r: Any) -> Any:
+    """The admin API's JSON answer (an ``httpx.Response``), or its error (OpenAI shape) as an ``AdminError``."""
     try:
         data = r.json()
     except ValueError:
@@ -361,15 +366,7 @@ def adapter_upload(a: argparse.Namespace) -> int:
                                      "x-loraplex-config-bytes": str(sizes[0])})
     except httpx.HTTPError as exc:
         raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
-    try:
-        data = r.json()
-    except ValueError:
-        data = None
-    if r.status_code >= 400:
-        err = (data or {}).get("error") if isinstance(data, dict) else None
-        if isinstance(err, dict):
-            raise AdminError(r.status_code, str(err.get("message")), err.get("code"), data)
-        raise AdminError(r.status_code, r.text[:500] or r.reason_phrase)
+    data = _answer(r)
     _show(a, "adapter", data, f"uploaded {data['label']} (id {data['id']}) to {data['uri']}, status {data['status']}")
     return 0
 
