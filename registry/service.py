@@ -316,12 +316,15 @@ class RegistryService:
             raise NotFound(f"adapter {ref!r} does not exist", code="adapter_not_found", param="adapter")
         return row
 
-    @staticmethod
-    async def _binding(session: AsyncSession, tenant: str, alias: str) -> Binding:
+    @classmethod
+    async def _binding(cls, session: AsyncSession, tenant: str, alias: str) -> Binding:
+        """The binding, locked; an unknown tenant is told apart only when there is none (a
+        binding's tenant exists: the foreign key), so a write costs no tenant lookup."""
         row = (await session.execute(
             select(Binding).where(Binding.tenant == tenant, Binding.alias == alias).with_for_update()
         )).scalar_one_or_none()
         if row is None:
+            await cls._tenant(session, tenant)
             raise NotFound(f"tenant {tenant!r} has no alias {alias!r}", code="binding_not_found", param="alias")
         return row
 
@@ -335,8 +338,14 @@ class RegistryService:
             .where(AdapterVersion.id.in_(wanted)))
         return {r.id: f"{r.name}@{r.version}" for r in rows}
 
-    async def _binding_out(self, session: AsyncSession, b: Binding) -> dict[str, Any]:
-        return binding_dict(b, await self._labels(session, b.active_id, b.previous_id, b.canary_id))
+    async def _binding_out(self, session: AsyncSession, b: Binding,
+                           known: dict[str, str] | None = None) -> dict[str, Any]:
+        """The binding as the API answers it; ``known`` labels (filled in here) are not looked up again."""
+        labels = known if known is not None else {}
+        missing = [i for i in (b.active_id, b.previous_id, b.canary_id) if i and i not in labels]
+        if missing:
+            labels.update(await self._labels(session, *missing))
+        return binding_dict(b, labels)
 
     @staticmethod
     def _check_bindable(b_tenant: str, adapter: AdapterVersion, base_model: str | None) -> None:
@@ -741,15 +750,15 @@ class RegistryService:
         _name(alias, "alias")
 
         async def op(tx: _Tx) -> dict:
-            await self._tenant(tx.session, tenant)
             b = await self._binding(tx.session, tenant, alias)
             _match(b.row_version, if_match, f"binding {tenant}/{alias}")
-            before = await self._binding_out(tx.session, b)
+            labels: dict[str, str] = {}
+            before = await self._binding_out(tx.session, b, labels)
             if not await mutate(tx, b):
                 return before
             b.updated_at = utcnow()
             await tx.session.flush()
-            out = await self._binding_out(tx.session, b)
+            out = await self._binding_out(tx.session, b, labels)
             tx.audit(action, f"binding:{tenant}/{alias}", _audit_view(before), _audit_view(out))
             return out
 
@@ -902,7 +911,6 @@ class RegistryService:
         _name(alias, "alias")
 
         async def op(tx: _Tx) -> dict:
-            await self._tenant(tx.session, tenant)
             b = await self._binding(tx.session, tenant, alias)
             _match(b.row_version, if_match, f"binding {tenant}/{alias}")
             before = await self._binding_out(tx.session, b)
