@@ -7,12 +7,14 @@ all configured only through ``LORAPLEX_*`` variables, exactly as an operator wou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,26 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{proc.name} not ready after {timeout}s:\n{proc.tail()}")
             time.sleep(0.5)
+
+    @contextlib.contextmanager
+    def running(self, workers: tuple[str, ...] = ("w1", "w2"),
+                gateways: tuple[str, ...] = ("g1", "g2")) -> Iterator[Cluster]:
+        """Migrate, start ``workers`` and ``gateways`` and wait until ready; what fails inside
+        prints every process's log tail; everything is stopped at the end."""
+        self.migrate()
+        for wid in workers:
+            self.add_worker(wid)
+        for gid in gateways:
+            self.add_gateway(gid)
+        try:
+            self.wait_ready()
+            yield self
+        except BaseException:
+            for p in self.workers + self.gateways:
+                print(f"--- {p.name} ---\n{p.tail()}")
+            raise
+        finally:
+            self.stop()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM every process, then SIGKILL whatever has not exited after ``grace_s``: one

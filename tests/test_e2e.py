@@ -37,21 +37,9 @@ def cluster(pg_url, redis_url, tmp_path_factory):
     home = tmp_path_factory.mktemp("e2e")
     c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
                 redis_prefix=f"loraplex-e2e-{uuid.uuid4().hex[:8]}", model=str(model))
-    c.migrate()
-    for wid in ("w1", "w2"):
-        c.add_worker(wid)
-    for gid in ("g1", "g2"):
-        c.add_gateway(gid)
-    try:
-        c.wait_ready()
+    with c.running():
         _seed(c)
         yield c
-    except BaseException:
-        for p in c.workers + c.gateways:
-            print(f"--- {p.name} ---\n{p.tail()}")
-        raise
-    finally:
-        c.stop()
 
 
 def _seed(c: Cluster) -> None:

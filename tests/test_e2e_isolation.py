@@ -46,21 +46,9 @@ def cluster(pg_url, redis_url, tmp_path_factory):
                 # The test hook: workers without the admission bounds, so a poisoned adapter forced in
                 # through their control API reaches the engine step (gateways keep the bounds).
                 worker_env={"LORAPLEX_MAX_LORA_SCALE": "inf", "LORAPLEX_MAX_LORA_DELTA": "inf"})
-    c.migrate()
-    for wid in ("w1", "w2"):
-        c.add_worker(wid)
-    for gid in ("g1", "g2"):
-        c.add_gateway(gid)
-    try:
-        c.wait_ready()
+    with c.running():
         _seed(c)
         yield c
-    except BaseException:
-        for p in c.workers + c.gateways:
-            print(f"--- {p.name} ---\n{p.tail()}")
-        raise
-    finally:
-        c.stop()
 
 
 def _seed(c: Cluster) -> None:

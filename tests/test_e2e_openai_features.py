@@ -57,12 +57,7 @@ def cluster(pg_url, redis_url, tmp_path_factory):
     home = tmp_path_factory.mktemp("e2e-features")
     c = Cluster(home=home, database_url=pg_url, redis_url=redis_url,
                 redis_prefix=f"loraplex-e2e-{uuid.uuid4().hex[:8]}", model=str(model))
-    c.migrate()
-    for wid in ("w1", "w2"):
-        c.add_worker(wid)
-    c.add_gateway("g1")
-    try:
-        c.wait_ready()
+    with c.running(gateways=("g1",)):
         base = c.admin("POST", "/base-models", {"path": c.model})["name"]
         c.base_name = base
         c.admin("POST", "/tenants", {"slug": "acme", "requests_per_min": 100_000, "tokens_per_min": 10_000_000,
@@ -76,12 +71,6 @@ def cluster(pg_url, redis_url, tmp_path_factory):
             c.admin("PUT", f"/tenants/acme/bindings/{name}", {"adapter": f"acme-{name}@1"})
         time.sleep(1.5)
         yield c
-    except BaseException:
-        for p in c.workers + c.gateways:
-            print(f"--- {p.name} ---\n{p.tail()}")
-        raise
-    finally:
-        c.stop()
 
 
 def _model(c: Cluster, alias: str) -> str:
