@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import Any
 
 
@@ -12,6 +13,7 @@ def _worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.api import create_worker_app
+    from engine.engine import Engine
     from loraplex.devsecrets import refusal
     from loraplex.settings import get_settings
 
@@ -31,8 +33,24 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level)
-    app = create_worker_app(settings)
-    uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())
+    # The model loads before the server takes over the process's signals: a SIGTERM during a long
+    # load ends the process at once instead of after the load, the warm start and a start-up.
+    log = logging.getLogger("loraplex.engine")
+    log.info("loading the base model %s", settings.model or "(the demo model)")
+    t0 = time.monotonic()
+    try:
+        engine = Engine.from_settings(settings)
+    except Exception as exc:
+        log.debug("loading the base model failed", exc_info=True)
+        print(f"error: cannot load the base model: {exc}", file=sys.stderr)
+        return 1
+    log.info("base model %s loaded in %.1f s", engine.info.name if engine.info else settings.model,
+             time.monotonic() - t0)
+    try:
+        app = create_worker_app(settings, engine)
+        uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())
+    finally:
+        engine.close()
     return 0
 
 

@@ -386,3 +386,53 @@ async def test_n_choices_whole_and_streamed(client):
     assert texts == {c["index"]: c["message"]["content"] for c in out["choices"]}
     assert ends == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1]["usage"]["completion_tokens"] == 15
+
+
+@pytest.mark.e2e
+def test_a_worker_told_to_stop_during_its_model_load_stops_at_once(tmp_path):
+    """The model loads before the server takes the process's signals: a SIGTERM then ends the
+    process without waiting for the load, the warm start and a whole start-up."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.e2e_cluster import BIN, free_port
+    from tests.engine_fixtures import demo_model_file
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env.update(LORAPLEX_MODEL=str(demo_model_file()), LORAPLEX_HOME=str(tmp_path), LORAPLEX_REDIS_URL="",
+               LORAPLEX_WORKER_PORT=str(free_port()), LORAPLEX_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([str(BIN), "worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    import queue
+    import threading
+
+    out: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+        out.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("loading the base model" in line for line in lines):
+            line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "the worker exited:\n" + "".join(lines)
+            lines.append(line)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+    except queue.Empty:
+        raise AssertionError("the worker never said it loads its model:\n" + "".join(lines)) from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while (line := out.get(timeout=10)) is not None:
+        lines.append(line)
+    rest = "".join(lines)
+    assert proc.returncode == -signal.SIGTERM
+    assert "loaded in" not in rest and "Uvicorn running" not in rest, rest
