@@ -363,7 +363,9 @@ def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any
         out[case.name] = r
         p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
         print(f"  {label:9} {case.name:20} {r['tok_s']:8.1f} tok/s  TTFT p50 {p50} s  "
-              f"({r['requests']} requests, load {before[0]:.1f}){'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
+              f"({r['requests']} requests, load {before[0]:.1f})"
+              f"{'  WRONG LENGTHS ' + str(r['wrong_lengths']) if r['wrong_lengths'] else ''}"
+              f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
               flush=True)
     return out
 
