@@ -17,7 +17,9 @@ each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses ada
   listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
   event loop, so ``worker / inprocess`` is what the served path costs.
 
-Each server is warmed (every adapter loaded) before a case. A case runs ``--warmup`` seconds,
+Before a case, each server gets the case's clients at once with short requests (every
+adapter loaded, the batch shapes run and, where a server compiles, compiled). A case runs
+``--warmup`` seconds,
 then counts for ``--seconds`` the tokens that arrive (tokens/s); the time to first token
 (p50/p99) is over every request sent before the window closes, the opening burst of
 ``--clients`` requests included; then in-flight requests are dropped once they have their
