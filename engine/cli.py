@@ -54,6 +54,7 @@ def _vllm_agent(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per call to vLLM otherwise
     name, revision = args.base_model or "", args.base_revision or ""
     model = args.model or settings.model
     if model and not (name and revision):

@@ -315,6 +315,7 @@ def _read_metrics(text: str, state: VllmState) -> None:
     """vLLM's Prometheus gauges: requests running/waiting, KV usage and blocks, LoRAs in use."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    latest = -1.0  # vLLM keeps every lora_requests_info series it set; the value is when
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name = s.name
@@ -327,9 +328,10 @@ def _read_metrics(text: str, state: VllmState) -> None:
             elif name == "vllm:cache_config_info":
                 blocks = s.labels.get("num_gpu_blocks") or s.labels.get("num_cpu_blocks") or "0"
                 state.kv_blocks = int(blocks) if blocks.isdigit() else 0
-            elif name == "vllm:lora_requests_info":
-                for key in ("running_lora_adapters", "waiting_lora_adapters"):
-                    state.lora_in_use.update(a for a in s.labels.get(key, "").split(",") if a)
+            elif name == "vllm:lora_requests_info" and s.value > latest:
+                latest = s.value
+                state.lora_in_use = {a for key in ("running_lora_adapters", "waiting_lora_adapters")
+                                     for a in s.labels.get(key, "").split(",") if a}
 
 
 def agent_routes(agent: VllmAgent) -> list[Route]:

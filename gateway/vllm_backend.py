@@ -1,6 +1,7 @@
 """The body a vLLM worker gets, and the adapter loaded through its agent first.
 
-vLLM names an adapter by ``model``: the gateway's worker body minus the ``loraplex`` extension,
+vLLM names an adapter by ``model``: the gateway's worker body (the fields it checked) without the
+``loraplex`` extension,
 with ``model`` = the adapter version id (the name ``loraplex vllm-agent`` registered it under)
 or vLLM's name of the base model. When the worker's last report does not list the version,
 the agent loads it first (``POST {control}/internal/adapters/load``, the bundled worker's
@@ -16,9 +17,16 @@ import orjson
 from gateway.errors import GatewayError
 from gateway.router import Worker
 from gateway.worker_client import WorkerBroke, WorkerClient
-from loraplex.wire import EXT_KEY, AdapterRef
+from loraplex.wire import AdapterRef
 
 LOAD_TIMEOUT_S = 120.0
+FORWARDED = frozenset({
+    "model", "messages", "prompt", "max_tokens", "stream", "stream_options", "n", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "seed", "logprobs", "top_logprobs",
+    "stop", "stop_token_ids", "ignore_eos", "logit_bias", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "user"})
+"""The fields the gateway's request checks know (``loraplex.openai_request``): vLLM's own extensions
+(``priority``, ``cache_salt``, ``kv_transfer_params``, ``vllm_xargs``, ...) are not a tenant's to set."""
 
 
 def _message(raw: bytes) -> str:
@@ -50,6 +58,6 @@ async def vllm_body(client: WorkerClient, body: dict[str, Any], adapter: Adapter
     """The worker body for a vLLM ``worker`` (the adapter loaded there first)."""
     if adapter is not None:
         await ensure_loaded(client, worker, adapter, force=force)
-    out = {k: v for k, v in body.items() if k != EXT_KEY}
+    out = {k: v for k, v in body.items() if k in FORWARDED}
     out["model"] = adapter.id if adapter is not None else (worker.served_model or out.get("model"))
     return orjson.dumps(out)

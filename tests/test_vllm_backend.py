@@ -43,7 +43,9 @@ RANDOM_SPECS: dict[str, dict[str, Any]] = {  # eight adapters, ranks 8-64, sever
 }
 PROMPTS = ["What is the capital of Italy?", "Name a large ocean.", "How many legs does a spider have?",
            "Write one word about the sea."]
-TIMEOUT = httpx.Timeout(120.0, connect=10.0)
+COMPLETION_PROMPTS = ["The capital of Italy is", "A spider has", "The ocean is", "My favourite colour is"]
+ISO_TOKENS = 8
+TIMEOUT = httpx.Timeout(180.0, connect=10.0)
 
 
 @dataclass
@@ -99,6 +101,9 @@ def _seed_random(c: Cluster, dirs: dict[str, Path]) -> dict[str, str]:
 
     ids = {}
     for name, d in dirs.items():
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg["base_model_name_or_path"] = c.base_name  # trained on the export of the registered base
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
         ad = c.admin("POST", "/adapters", {"name": f"iso-{name.replace('_', '-')}", "uri": str(d),
                                            "base_model": c.base_name, "owner": "iso"})
         ids[name] = ad["id"]
@@ -135,7 +140,7 @@ def fleet(pg_url, redis_url, tmp_path_factory):
     try:
         c.migrate()
         gateway = c.add_gateway("g1")
-        peft, dirs = peft_adapters(hf_dir, home / "adapters" / "iso", RANDOM_SPECS, std=0.02)
+        peft, dirs = peft_adapters(hf_dir, home / "adapters" / "iso", RANDOM_SPECS, std=0.1)
         startup = wait_http(vllm, "/health", 900)
         print(f"\nvLLM-CPU start-up: {time.monotonic() - t0:.0f} s ({startup:.0f} s waited after the set-up)")
         agent = start_agent(c, "v1", vllm.url)
@@ -162,30 +167,36 @@ def fleet(pg_url, redis_url, tmp_path_factory):
 def test_rows_of_a_mixed_batch_equal_each_request_alone(fleet):
     """32 concurrent greedy requests over 8 adapters (ranks 8-64) through the gateway to vLLM:
     each row equals the same request sent alone (no adapter's weights reach another's row)."""
-    rows = [(name, p) for name in RANDOM_SPECS for p in PROMPTS]
+    rows = [(name, p) for name in RANDOM_SPECS for p in COMPLETION_PROMPTS]
     auth = {"Authorization": f"Bearer {fleet.cluster.token('iso')}"}
 
     async def send(client: httpx.AsyncClient, name: str, prompt: str) -> httpx.Response:
-        return await client.post("/v1/chat/completions", headers=auth, json={
-            "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0})
+        return await client.post("/v1/completions", headers=auth, json={
+            "model": name, "prompt": prompt, "max_tokens": ISO_TOKENS, "temperature": 0})
 
     async def together() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=fleet.gateway.url, timeout=TIMEOUT) as client:
             return await asyncio.gather(*(send(client, n, p) for n, p in rows))
 
+    async def one_by_one() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=fleet.gateway.url, timeout=TIMEOUT) as client:
+            return [await send(client, n, p) for n, p in rows]
+
     batched = asyncio.run(together())
-    alone = [fleet.chat("iso", n, p) for n, p in rows]
+    alone = asyncio.run(one_by_one())
     for (name, prompt), b, a in zip(rows, batched, alone, strict=True):
+        assert b.status_code == 200 and a.status_code == 200, (b.text, a.text)
         assert b.headers[HDR_WORKER] == "v1" and a.headers[HDR_WORKER] == "v1"
         assert b.headers[HDR_ADAPTER] == f"iso-{name.replace('_', '-')}@1"
-        assert _text(b) == _text(a), (name, prompt)
+        assert b.json()["choices"][0]["text"] == a.json()["choices"][0]["text"], (name, prompt)
         assert b.json()["model"] == fleet.ids[name]  # vLLM answered with the version's own name
-    texts = {name: {_text(a) for (n, _), a in zip(rows, alone, strict=True) if n == name} for name in RANDOM_SPECS}
-    assert len({frozenset(t) for t in texts.values()}) == len(RANDOM_SPECS), "adapters must answer differently"
-    _report_peft_agreement(fleet, rows, alone)
+    texts = {name: tuple(a.json()["choices"][0]["text"] for (n, _), a in zip(rows, alone, strict=True) if n == name)
+             for name in RANDOM_SPECS}
+    assert len(set(texts.values())) == len(RANDOM_SPECS), f"adapters must answer differently: {texts}"
+    _report_peft_agreement(fleet, texts)
 
 
-def _report_peft_agreement(fleet: Fleet, rows: list[tuple[str, str]], alone: list[httpx.Response]) -> None:
+def _report_peft_agreement(fleet: Fleet, texts: dict[str, tuple[str, ...]]) -> None:
     """Print how many rows vLLM's greedy text equals PEFT's on the same weights (reported, not gated)."""
     from transformers import AutoTokenizer
 
@@ -193,16 +204,13 @@ def _report_peft_agreement(fleet: Fleet, rows: list[tuple[str, str]], alone: lis
 
     tok = AutoTokenizer.from_pretrained(str(fleet.hf_dir))
     ref = PeftReference(fleet.peft)
-    equal, checked = 0, 0
-    for (name, prompt), r in list(zip(rows, alone, strict=True))[::len(PROMPTS)]:  # one row per adapter
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        out = ref.greedy(name, list(ids), 12)
+    equal = 0
+    for name, got in texts.items():  # the first prompt of each adapter
+        out = ref.greedy(name, tok(COMPLETION_PROMPTS[0])["input_ids"], ISO_TOKENS)
         if tok.eos_token_id in out:
             out = out[:out.index(tok.eos_token_id)]
-        checked += 1
-        equal += tok.decode(out, skip_special_tokens=True) == _text(r)
-    print(f"\nvLLM-CPU vs PEFT (float64) greedy, 12 tokens: {equal} of {checked} adapter rows equal")
+        equal += tok.decode(out, skip_special_tokens=True) == got[0]
+    print(f"\nvLLM-CPU vs PEFT (float64) greedy, {ISO_TOKENS} tokens: {equal} of {len(texts)} adapter rows equal")
 
 
 def test_activation_gate_probes_through_the_agent_and_rollback_flips_the_version(fleet):
