@@ -129,6 +129,9 @@ class VllmAgent:
         self.http = httpx.AsyncClient(base_url=config.vllm_url.rstrip("/"), timeout=VLLM_TIMEOUT_S,
                                       headers=headers, trust_env=False)
         self._tokenizer: bytes | None = None
+        self.loads = 0
+        """Versions registered with vLLM since start (``/health`` says; benches count loads with it)."""
+        self.unloads = 0
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -209,6 +212,7 @@ class VllmAgent:
                                        "adapter_load_failed") from None
                 await self._make_room()
                 await self._register(ref, path)
+                self.loads += 1
                 held = self.held[ref.id] = _Held(ref)
                 self.failed.pop(ref.id, None)
             elif not held.ref.uri and ref.uri:
@@ -261,6 +265,7 @@ class VllmAgent:
             raise ControlError(503, f"vLLM did not answer the unload: {type(exc).__name__}: {exc}",
                                "vllm_unavailable", "server_error") from None
         self.held.pop(aid, None)
+        self.unloads += 1
         if r.status_code >= 500:
             raise ControlError(503, f"vLLM failed to unload {aid}: {_vllm_message(r)}", "vllm_unavailable",
                                "server_error")
@@ -448,7 +453,8 @@ def create_agent_app(config: AgentConfig, settings: Settings, store: ResidencySt
     async def health(request: Request) -> Response:
         s = agent.vllm
         return JSONResponse({"status": "ok" if s.up else "vllm_down", "worker_id": config.worker_id,
-                             "vllm_url": config.vllm_url, "adapters": len(agent.held)},
+                             "vllm_url": config.vllm_url, "adapters": len(agent.held), "loads": agent.loads,
+                             "unloads": agent.unloads},
                             status_code=200 if s.up else 503)
 
     @contextlib.asynccontextmanager

@@ -24,7 +24,7 @@ import pytest
 from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_WORKER, HDR_WORKER_SECRET
 from tests.e2e_cluster import Cluster, Proc
 from tests.engine_fixtures import demo_model_file
-from tests.vllm_fleet import SERVED, start_agent, start_vllm, vllm_python, wait_http
+from tests.vllm_fleet import SERVED, register_active, start_agent, start_vllm, vllm_python, wait_http
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -94,34 +94,6 @@ def _text(r: httpx.Response) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def _seed_random(c: Cluster, dirs: dict[str, Path]) -> dict[str, str]:
-    """Register the random adapters through the admin API and activate them with recorded
-    verification (no gate: they are noise by design), one alias each for tenant ``iso``."""
-    from registry.service import RegistryService
-
-    ids = {}
-    for name, d in dirs.items():
-        cfg = json.loads((d / "adapter_config.json").read_text())
-        cfg["base_model_name_or_path"] = c.base_name  # trained on the export of the registered base
-        (d / "adapter_config.json").write_text(json.dumps(cfg))
-        ad = c.admin("POST", "/adapters", {"name": f"iso-{name.replace('_', '-')}", "uri": str(d),
-                                           "base_model": c.base_name, "owner": "iso"})
-        ids[name] = ad["id"]
-
-    async def activate() -> None:
-        svc = RegistryService(c.settings)
-        try:
-            for aid in ids.values():
-                await svc.activate_adapter(aid, verification={"note": "random test adapter"})
-        finally:
-            await svc.close()
-
-    asyncio.run(activate())
-    for name, aid in ids.items():
-        c.admin("PUT", f"/tenants/iso/bindings/{name}", {"adapter": aid})
-    return ids
-
-
 @pytest.fixture(scope="module")
 def fleet(pg_url, redis_url, tmp_path_factory):
     from engine.export_hf import export_hf
@@ -150,7 +122,7 @@ def fleet(pg_url, redis_url, tmp_path_factory):
         for slug in ("iso", "acme", "globex"):
             c.admin("POST", "/tenants", {"slug": slug, "requests_per_min": 100_000, "tokens_per_min": 10_000_000,
                                          "max_concurrent": 256})
-        ids = _seed_random(c, dirs)
+        ids = register_active(c, "iso", dirs)
         f = Fleet(c, vllm, agent, gateway, hf_dir, peft, ids)
         f.wait_route("iso", "r8_all", "v1", timeout_s=120)
         yield f

@@ -8,6 +8,8 @@ context and KV space); ``start_agent`` runs the agent beside it, configured as a
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import time
@@ -79,3 +81,32 @@ def wait_http(proc: Proc, path: str, timeout_s: float) -> float:
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.tail(60)}")
         time.sleep(0.5)
+
+
+def register_active(c: Cluster, tenant: str, dirs: dict[str, Path]) -> dict[str, str]:
+    """Register PEFT directories through the admin API as ``{tenant}-{name}``, activate them with a
+    recorded verification (no gate: random adapters are noise by design) and bind alias ``name``
+    to each; the version ids by name."""
+    from registry.service import RegistryService
+
+    ids = {}
+    for name, d in dirs.items():
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg["base_model_name_or_path"] = c.base_name  # trained on the export of the registered base
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        ad = c.admin("POST", "/adapters", {"name": f"{tenant}-{name.replace('_', '-')}", "uri": str(d),
+                                           "base_model": c.base_name, "owner": tenant})
+        ids[name] = ad["id"]
+
+    async def activate() -> None:
+        svc = RegistryService(c.settings)
+        try:
+            for aid in ids.values():
+                await svc.activate_adapter(aid, verification={"note": "random test adapter"})
+        finally:
+            await svc.close()
+
+    asyncio.run(activate())
+    for name, aid in ids.items():
+        c.admin("PUT", f"/tenants/{tenant}/bindings/{name}", {"adapter": aid})
+    return ids
