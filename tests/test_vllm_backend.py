@@ -43,6 +43,7 @@ RANDOM_SPECS: dict[str, dict[str, Any]] = {  # eight adapters, ranks 8-64, sever
 }
 PROMPTS = ["What is the capital of Italy?", "Name a large ocean.", "How many legs does a spider have?",
            "Write one word about the sea."]
+LONG_PROMPT = "Explain to a child, in many sentences, how the tides of the ocean work."
 COMPLETION_PROMPTS = ["The capital of Italy is", "A spider has", "The ocean is", "My favourite colour is"]
 ISO_TOKENS = 8
 TIMEOUT = httpx.Timeout(180.0, connect=10.0)
@@ -59,13 +60,15 @@ class Fleet:
     """The PEFT model holding the eight random adapters (the reference)."""
     ids: dict[str, str]
     """Adapter spec name -> registry version id."""
+    dirs: dict[str, Path]
+    """Adapter spec name -> its PEFT directory."""
 
-    def chat(self, tenant: str, model: str, prompt: str, max_tokens: int = 12, **extra: Any) -> httpx.Response:
+    def chat(self, tenant: str, model: str, prompt: str, max_tokens: int = 8, **extra: Any) -> httpx.Response:
         return httpx.post(self.gateway.url + "/v1/chat/completions", timeout=TIMEOUT, json={
             "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, **extra}, headers={"Authorization": f"Bearer {self.cluster.token(tenant)}"})
 
-    def vllm_chat(self, model: str, prompt: str, max_tokens: int = 12) -> str:
+    def vllm_chat(self, model: str, prompt: str, max_tokens: int = 8) -> str:
         r = httpx.post(self.vllm.url + "/v1/chat/completions", timeout=TIMEOUT, json={
             "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0})
@@ -123,7 +126,7 @@ def fleet(pg_url, redis_url, tmp_path_factory):
             c.admin("POST", "/tenants", {"slug": slug, "requests_per_min": 100_000, "tokens_per_min": 10_000_000,
                                          "max_concurrent": 256})
         ids = register_active(c, "iso", dirs)
-        f = Fleet(c, vllm, agent, gateway, hf_dir, peft, ids)
+        f = Fleet(c, vllm, agent, gateway, hf_dir, peft, ids, dirs)
         f.wait_route("iso", "r8_all", "v1", timeout_s=120)
         yield f
     except BaseException:
@@ -204,14 +207,14 @@ def test_activation_gate_probes_through_the_agent_and_rollback_flips_the_version
     c.admin("PUT", "/tenants/iso/bindings/roll", {"adapter": v2["id"]})
     _wait_version(fleet, "roll", 2)
     want = fleet.vllm_chat(v2["id"], PROMPTS[1])
-    for _ in range(6):
+    for _ in range(3):
         r = fleet.chat("iso", "roll", PROMPTS[1])
         assert r.headers[HDR_ADAPTER] == "iso-roll@2" and r.json()["model"] == v2["id"]
         assert _text(r) == want
     c.admin("POST", "/tenants/iso/bindings/roll/rollback", {})
     _wait_version(fleet, "roll", 1)
     want = fleet.vllm_chat(v1["id"], PROMPTS[1])
-    for _ in range(6):
+    for _ in range(3):
         r = fleet.chat("iso", "roll", PROMPTS[1])
         assert r.headers[HDR_ADAPTER] == "iso-roll@1" and r.json()["model"] == v1["id"]
         assert _text(r) == want
@@ -226,7 +229,7 @@ def _wait_version(fleet: Fleet, alias: str, version: int, timeout_s: float = 60.
 
 def test_clients_never_reach_the_runtime_update_endpoints(fleet):
     auth = {"Authorization": f"Bearer {fleet.cluster.token('iso')}"}
-    d = fleet.cluster.home / "adapters" / "iso" / "r8_all"
+    d = fleet.dirs["r8_all"]
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         for name in ("evil", fleet.ids["r8_all"]):
             r = httpx.post(fleet.gateway.url + path, json={"lora_name": name, "lora_path": str(d)}, headers=auth,
@@ -249,7 +252,7 @@ def test_clients_never_reach_the_runtime_update_endpoints(fleet):
 
 
 def test_agent_loads_verify_the_digest_and_keep_within_their_budget(fleet):
-    d = fleet.cluster.home / "adapters" / "iso" / "r8_all"
+    d = fleet.dirs["r8_all"]
     bad = {"adapter": {"id": "tampered", "name": "tampered", "uri": d.as_uri(), "sha256": "0" * 64}}
     r = fleet.control("POST", "/internal/adapters/load", bad)
     assert r.status_code == 422 and r.json()["error"]["code"] == "adapter_load_failed", r.text
@@ -326,7 +329,7 @@ def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
     auth = {"Authorization": f"Bearer {c.token('acme')}"}
 
     async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int, list[str]]:
-        body = {"model": "assistant", "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 400,
+        body = {"model": "assistant", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 400,
                 "temperature": 0, "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=auth) as s:
             events: list[str] = []
