@@ -74,6 +74,8 @@ class _Held:
     ref: AdapterRef
     pinned: bool = False
     error: str | None = None
+    since: float = field(default_factory=time.monotonic)
+    """When it was registered (an observation that started earlier may not list it yet)."""
 
 
 @dataclass
@@ -142,6 +144,7 @@ class VllmAgent:
         """Read ``/v1/models`` and ``/metrics``; adopt names vLLM holds that this agent does not
         know (registered before an agent restart) and forget those it lost (a vLLM restart)."""
         state = VllmState()
+        started = time.monotonic()
         try:
             models = (await self.http.get("/v1/models", timeout=10.0)).raise_for_status().json()["data"]
             metrics = (await self.http.get("/metrics", timeout=10.0)).raise_for_status().text
@@ -160,7 +163,7 @@ class VllmAgent:
         state.served_model = self.config.served_model or state.served_model
         _read_metrics(metrics, state)
         loaded = set(state.loaded)
-        for aid in [a for a in self.held if a not in loaded and not self._busy(a)]:
+        for aid in [a for a, h in self.held.items() if a not in loaded and h.since < started and not self._busy(a)]:
             del self.held[aid]
         for aid in state.loaded:
             if aid not in self.held:
