@@ -97,6 +97,8 @@ def overhead(c: Cluster, vllm: Proc, agent: Proc, gateway: Proc, ids: dict[str, 
             r.raise_for_status()
         direct = asyncio.run(closed_loop(vllm.url, {}, [ids[m] for m in names], args.clients, args.requests,
                                          args.max_tokens))
+        # warm-up, not measured: the gateway's tokenizer fetch, connections, the snapshot
+        asyncio.run(closed_loop(gateway.url, token, names, min(args.clients, len(names)), len(names), 1))
         cpu0 = cpu_seconds(gateway.popen.pid)  # type: ignore[union-attr]
         through = asyncio.run(closed_loop(gateway.url, token, names, args.clients, args.requests, args.max_tokens))
         cpu = cpu_seconds(gateway.popen.pid) - cpu0  # type: ignore[union-attr]
@@ -151,13 +153,31 @@ def loads(c: Cluster, fleet: list[tuple[Proc, Proc]], gateway: Proc, ids: dict[s
                                timeout=60).json()["adapters"]:
                 httpx.post(agent.url + "/internal/adapters/unload", json={"id": a["id"], "force": True},
                            headers={HDR_WORKER_SECRET: SECRET}, timeout=60)
-        time.sleep(2)  # the reports say so before the run
+        time.sleep(3)  # the reports say so before the run
         before, t0 = counted(), time.perf_counter()
         asyncio.run(run())
         seconds, n = time.perf_counter() - t0, counted() - before
         rows.append({"mode": mode, "requests": len(sequence), "adapters": len(ids), "seconds": seconds,
                      "loads": n, "loads_per_s": n / seconds, "loads_per_request": n / len(sequence)})
     return rows
+
+
+def wait_reports(c: Cluster, control: dict[str, str], timeout_s: float = 120.0) -> None:
+    """Until each worker's report in Redis names its (restarted) agent's URL."""
+    import redis
+
+    from loraplex.wire import WorkerReport
+
+    r = redis.Redis.from_url(c.redis_url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raws = [r.get(f"{c.redis_prefix}:worker:{wid}") for wid in control]
+        if all(raw and WorkerReport.from_json(raw).control_url == url for raw, url in zip(raws, control.values(),
+                                                                                           strict=True)):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reports of {sorted(control)} do not name the agents {control}")
+        time.sleep(0.5)
 
 
 def main() -> int:
@@ -218,6 +238,7 @@ def main() -> int:
             procs += agents
             for a in agents:
                 wait_http(a, "/health", 300)
+            wait_reports(c, {a.name: a.url for a in agents})
             result["loads"] = loads(c, list(zip(servers, agents, strict=True)), gateway, ids, args, dirs)
             print(f"\nAdapter loads, 2 vLLM workers x {args.max_adapters} adapter names, 64 adapters, "
                   f"{args.requests} requests (load average {os.getloadavg()[0]:.1f})")

@@ -48,6 +48,10 @@ log = logging.getLogger("loraplex.engine.vllm_agent")
 MAX_PROBE_PROMPTS = 128
 MAX_PROBE_TOKENS = 512
 VLLM_TIMEOUT_S = 120.0
+OBSERVE_TIMEOUT_S = 10.0
+MAX_MISSES = 3
+"""Looks at vLLM that may time out in a row before the agent withdraws its report (a refused
+connection withdraws it at once)."""
 
 
 @dataclass
@@ -127,6 +131,7 @@ class VllmAgent:
         self._locks: dict[str, asyncio.Lock] = {}
         self._room = asyncio.Lock()
         self.vllm = VllmState()
+        self.misses = 0
         headers = {"authorization": f"Bearer {config.vllm_api_key}"} if config.vllm_api_key else {}
         self.http = httpx.AsyncClient(base_url=config.vllm_url.rstrip("/"), timeout=VLLM_TIMEOUT_S,
                                       headers=headers, trust_env=False)
@@ -146,13 +151,17 @@ class VllmAgent:
         state = VllmState()
         started = time.monotonic()
         try:
-            models = (await self.http.get("/v1/models", timeout=10.0)).raise_for_status().json()["data"]
-            metrics = (await self.http.get("/metrics", timeout=10.0)).raise_for_status().text
+            models = (await self.http.get("/v1/models", timeout=OBSERVE_TIMEOUT_S)).raise_for_status().json()["data"]
+            metrics = (await self.http.get("/metrics", timeout=OBSERVE_TIMEOUT_S)).raise_for_status().text
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            if self.vllm.up:
-                log.warning("vLLM at %s does not answer: %s", self.config.vllm_url, exc)
-            self.vllm = state
-            return state
+            self.misses += 1
+            # Refused: vLLM is gone. Slow: busy, so the last state stands a few looks more.
+            if isinstance(exc, httpx.ConnectError) or self.misses >= MAX_MISSES:
+                if self.vllm.up:
+                    log.warning("vLLM at %s does not answer: %s: %s", self.config.vllm_url, type(exc).__name__, exc)
+                self.vllm = state
+            return self.vllm
+        self.misses = 0
         state.up = True
         for m in models:
             if m.get("parent"):

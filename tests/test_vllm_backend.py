@@ -14,7 +14,7 @@ import shutil
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,15 @@ import pytest
 from loraplex.wire import EXT_KEY, HDR_ADAPTER, HDR_WORKER, HDR_WORKER_SECRET
 from tests.e2e_cluster import Cluster, Proc
 from tests.engine_fixtures import demo_model_file
-from tests.vllm_fleet import SERVED, register_active, start_agent, start_vllm, vllm_python, wait_http
+from tests.vllm_fleet import (
+    SERVED,
+    activate_recorded,
+    register_active,
+    start_agent,
+    start_vllm,
+    vllm_python,
+    wait_http,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -62,6 +70,8 @@ class Fleet:
     """Adapter spec name -> registry version id."""
     dirs: dict[str, Path]
     """Adapter spec name -> its PEFT directory."""
+    refs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Tenant -> the AdapterRef of its ``assistant`` binding (the mixed-fleet test sets them)."""
 
     def chat(self, tenant: str, model: str, prompt: str, max_tokens: int = 8, **extra: Any) -> httpx.Response:
         return httpx.post(self.gateway.url + "/v1/chat/completions", timeout=TIMEOUT, json={
@@ -112,6 +122,7 @@ def fleet(pg_url, redis_url, tmp_path_factory):
     t0 = time.monotonic()
     vllm = start_vllm(python, hf_dir, home / "vllm.log")
     agent: Proc | None = None
+    f: Fleet | None = None
     try:
         c.migrate()
         gateway = c.add_gateway("g1")
@@ -134,8 +145,8 @@ def fleet(pg_url, redis_url, tmp_path_factory):
             print(f"--- {p.name} ---\n{p.tail(60)}")
         raise
     finally:
-        for p in [vllm, *([agent] if agent else [])]:
-            p.kill(signal.SIGKILL)
+        for p in [vllm, *([agent] if agent else []), *([f.agent] if f is not None else [])]:
+            p.kill(signal.SIGKILL)  # f.agent: the agent a test restarted
         c.stop()
 
 
@@ -195,12 +206,12 @@ def test_activation_gate_probes_through_the_agent_and_rollback_flips_the_version
     for demo in ("french", "terse"):
         dst = c.home / "adapters" / "iso" / f"roll-{demo}"
         shutil.copytree(DEMO / demo, dst)
-        ad = c.admin("POST", "/adapters", {"name": "iso-roll", "uri": str(dst), "base_model": c.base_name,
-                                           "owner": "iso"})
-        done = c.admin("POST", f"/adapters/{ad['id']}/activate", {})
-        assert done["status"] == "active", done
-        assert done["verification"]["worker"] == "v1" and done["verification"]["probes_differing"] >= 1
-        versions.append(ad)
+        versions.append(c.admin("POST", "/adapters", {"name": "iso-roll", "uri": str(dst), "base_model": c.base_name,
+                                                      "owner": "iso"}))
+    done = c.admin("POST", f"/adapters/{versions[0]['id']}/activate", {})  # the gate probes through the agent
+    assert done["status"] == "active", done
+    assert done["verification"]["worker"] == "v1" and done["verification"]["probes_differing"] >= 1
+    activate_recorded(c, [versions[1]["id"]])
     v1, v2 = versions
     c.admin("PUT", "/tenants/iso/bindings/roll", {"adapter": v1["id"]})
     fleet.wait_route("iso", "roll", "v1")
@@ -294,6 +305,7 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
         assert c.admin("POST", f"/adapters/{ad['id']}/activate", {})["status"] == "active"
         c.admin("PUT", f"/tenants/{tenant}/bindings/assistant", {"adapter": ad["id"]})
         refs[tenant] = {"id": ad["id"], "name": ad["id"], "uri": str(dst), "sha256": ad["sha256"], "rank": 8}
+    fleet.refs = refs
     # residency decides: acme's adapter held by vLLM, globex's by the bundled worker
     assert fleet.control("POST", "/internal/adapters/load", {"adapter": refs["acme"]}).status_code == 200
     r = fleet.control("POST", "/internal/adapters/load", {"adapter": refs["globex"]}, url=w1.url)
@@ -326,6 +338,10 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
 
 def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
     c = fleet.cluster
+    w1 = c.workers[0]
+    # acme's adapter on vLLM only (the activation gate may have probed it on the bundled worker)
+    fleet.control("POST", "/internal/adapters/unload", {"id": fleet.refs["acme"]["id"], "force": True}, url=w1.url)
+    fleet.wait_route("acme", "assistant", "v1")
     auth = {"Authorization": f"Bearer {c.token('acme')}"}
 
     async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int, list[str]]:
