@@ -306,10 +306,14 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
         c.admin("PUT", f"/tenants/{tenant}/bindings/assistant", {"adapter": ad["id"]})
         refs[tenant] = {"id": ad["id"], "name": ad["id"], "uri": str(dst), "sha256": ad["sha256"], "rank": 8}
     fleet.refs = refs
-    # residency decides: acme's adapter held by vLLM, globex's by the bundled worker
+    # residency decides: acme's adapter held by vLLM only, globex's by the bundled worker only
+    # (the activation gate's probe left each on whichever worker ran it)
     assert fleet.control("POST", "/internal/adapters/load", {"adapter": refs["acme"]}).status_code == 200
     r = fleet.control("POST", "/internal/adapters/load", {"adapter": refs["globex"]}, url=w1.url)
     assert r.status_code == 200, r.text
+    for tenant, url in (("acme", w1.url), ("globex", fleet.agent.url)):
+        r = fleet.control("POST", "/internal/adapters/unload", {"id": refs[tenant]["id"], "force": True}, url=url)
+        assert r.status_code in (200, 404), r.text
     fleet.wait_route("acme", "assistant", "v1")
     fleet.wait_route("globex", "assistant", "w1")
     prompt = PROMPTS[2]
