@@ -154,6 +154,7 @@ def loads(c: Cluster, fleet: list[tuple[Proc, Proc]], gateway: Proc, ids: dict[s
                 httpx.post(agent.url + "/internal/adapters/unload", json={"id": a["id"], "force": True},
                            headers={HDR_WORKER_SECRET: SECRET}, timeout=60)
         time.sleep(3)  # the reports say so before the run
+        httpx.get(gateway.url + "/readyz", timeout=60)  # the gateway reloads the live set now
         before, t0 = counted(), time.perf_counter()
         asyncio.run(run())
         seconds, n = time.perf_counter() - t0, counted() - before
