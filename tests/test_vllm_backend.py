@@ -314,6 +314,8 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
     for tenant, url in (("acme", w1.url), ("globex", fleet.agent.url)):
         r = fleet.control("POST", "/internal/adapters/unload", {"id": refs[tenant]["id"], "force": True}, url=url)
         assert r.status_code in (200, 404), r.text
+    _wait_reports(c, {"v1": refs["acme"]["id"], "w1": refs["globex"]["id"]}, {"v1": refs["globex"]["id"],
+                                                                               "w1": refs["acme"]["id"]})
     fleet.wait_route("acme", "assistant", "v1")
     fleet.wait_route("globex", "assistant", "w1")
     prompt = PROMPTS[2]
@@ -340,11 +342,35 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
     assert all(ch.get("usage") is None for ch in chunks[:-1])  # per-chunk usage is not the client's
 
 
+def _wait_reports(c: Cluster, holds: dict[str, str], lacks: dict[str, str], timeout_s: float = 60.0) -> None:
+    """Until each worker's residency report lists the adapter in ``holds`` and not the one in ``lacks``
+    (then the gateway's next refresh routes by them)."""
+    import redis
+
+    from loraplex.wire import WorkerReport
+
+    r = redis.Redis.from_url(c.redis_url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok = True
+        for wid in holds:
+            raw = r.get(f"{c.redis_prefix}:worker:{wid}")
+            rep = WorkerReport.from_json(raw) if raw else None
+            held = set(rep.device_adapters) | set(rep.host_adapters) if rep else set()
+            ok = ok and holds[wid] in held and lacks[wid] not in held
+        if ok:
+            time.sleep(1.0)  # past the gateway's refresh interval
+            return
+        assert time.monotonic() < deadline, f"reports do not show {holds} without {lacks}"
+        time.sleep(0.3)
+
+
 def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
     c = fleet.cluster
     w1 = c.workers[0]
     # acme's adapter on vLLM only (the activation gate may have probed it on the bundled worker)
     fleet.control("POST", "/internal/adapters/unload", {"id": fleet.refs["acme"]["id"], "force": True}, url=w1.url)
+    _wait_reports(c, {"v1": fleet.refs["acme"]["id"]}, {"v1": ""})
     fleet.wait_route("acme", "assistant", "v1")
     auth = {"Authorization": f"Bearer {c.token('acme')}"}
 
