@@ -352,13 +352,12 @@ def _wait_reports(c: Cluster, holds: dict[str, str], lacks: dict[str, str], time
     r = redis.Redis.from_url(c.redis_url)
     deadline = time.monotonic() + timeout_s
     while True:
-        ok = True
-        for wid in holds:
+        held = {}
+        for wid in {*holds, *lacks}:
             raw = r.get(f"{c.redis_prefix}:worker:{wid}")
             rep = WorkerReport.from_json(raw) if raw else None
-            held = set(rep.device_adapters) | set(rep.host_adapters) if rep else set()
-            ok = ok and holds[wid] in held and lacks[wid] not in held
-        if ok:
+            held[wid] = set(rep.device_adapters) | set(rep.host_adapters) if rep else set()
+        if all(a in held[w] for w, a in holds.items()) and not any(a in held[w] for w, a in lacks.items()):
             time.sleep(1.0)  # past the gateway's refresh interval
             return
         assert time.monotonic() < deadline, f"reports do not show {holds} without {lacks}"
@@ -370,7 +369,7 @@ def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
     w1 = c.workers[0]
     # acme's adapter on vLLM only (the activation gate may have probed it on the bundled worker)
     fleet.control("POST", "/internal/adapters/unload", {"id": fleet.refs["acme"]["id"], "force": True}, url=w1.url)
-    _wait_reports(c, {"v1": fleet.refs["acme"]["id"]}, {"v1": ""})
+    _wait_reports(c, {"v1": fleet.refs["acme"]["id"]}, {"w1": fleet.refs["acme"]["id"]})
     fleet.wait_route("acme", "assistant", "v1")
     auth = {"Authorization": f"Bearer {c.token('acme')}"}
 
