@@ -40,73 +40,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.control import ControlError, id_of, parse_ref, read_json, ref_of
 from engine.engine import PromptTooLongError
 from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
 from engine.sequence import SamplingParams
 from engine.worker_auth import SecretRefused, check_worker_secret
-from loraplex.digest import is_digest
-from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef, error_body
+from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef
 
 MAX_PROBE_PROMPTS = 128
 """Default gate probes plus up to 64 eval cases fit."""
 MAX_PROBE_TOKENS = 512
 LOAD_TIMEOUT_S = 300.0
-
-
-class ControlError(Exception):
-    def __init__(self, status: int, message: str, code: str, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.type = status, message, code, type
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, type=self.type, code=self.code), status_code=self.status)
-
-
-async def _json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise ControlError(413, f"request body is larger than {limit} bytes", "body_too_large")
-    try:
-        body = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        raise ControlError(400, "the body is not valid JSON", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ControlError(400, "the body must be a JSON object", "invalid_value")
-    return body
-
-
-def _ref(data: Any) -> AdapterRef:
-    if not isinstance(data, dict):
-        raise ControlError(400, "'adapter' must be an object with id, name and uri", "invalid_value")
-    for key in ("id", "uri"):
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise ControlError(400, f"adapter.{key} must be a non-empty string", "invalid_value")
-    sha = data.get("sha256")
-    if not is_digest(sha):
-        raise ControlError(400, "adapter.sha256 must be the adapter version's 64-hex digest", "invalid_value")
-    rank = data.get("rank", 0)
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise ControlError(400, "adapter.rank must be a non-negative integer", "invalid_value")
-    name = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else data["id"]
-    revision = data.get("base_revision", "")
-    if not isinstance(revision, str):
-        raise ControlError(400, "adapter.base_revision must be a string", "invalid_value")
-    return AdapterRef(id=data["id"], name=name, uri=data["uri"], sha256=sha or None, rank=rank,
-                      base_revision=revision)
-
-
-def _ref_of(body: dict[str, Any]) -> AdapterRef:
-    return _ref(body["adapter"] if "adapter" in body else body)
-
-
-def _id_of(body: dict[str, Any]) -> str:
-    aid = body.get("id")
-    if aid is None and isinstance(body.get("adapter"), dict):
-        aid = body["adapter"].get("id")
-    if not isinstance(aid, str) or not aid:
-        raise ControlError(400, "'id' must be a non-empty string", "invalid_value")
-    return aid
 
 
 def describe(ref: AdapterRef, st: Any) -> dict[str, Any]:
@@ -188,16 +133,16 @@ def internal_routes(state: Any) -> list[Route]:
                              "resident": manager.resident_counts()})
 
     async def load(request: Request, eng: Any, manager: Any) -> Response:
-        body = await _json(request, settings.max_body_bytes)
-        ref = _ref_of(body)
+        body = await read_json(request, settings.max_body_bytes)
+        ref = ref_of(body)
         _, ms = await load_and_wait(manager, ref, pin=bool(body.get("pin", False)))
         return JSONResponse({"adapter": describe(ref, manager.state(ref)), "load_ms": round(ms, 3)})
 
     async def unload(request: Request, eng: Any, manager: Any) -> Response:
         from engine.lora.manager import AdapterBusy
 
-        body = await _json(request, settings.max_body_bytes)
-        aid = _id_of(body)
+        body = await read_json(request, settings.max_body_bytes)
+        aid = id_of(body)
         try:
             found = await asyncio.to_thread(_locked, eng, manager.unload, aid, force=bool(body.get("force", False)))
         except AdapterBusy as exc:
@@ -213,21 +158,21 @@ def internal_routes(state: Any) -> list[Route]:
         raise ControlError(404, f"adapter {aid} is not known to this worker", "not_found")
 
     async def pin(request: Request, eng: Any, manager: Any) -> Response:
-        body = await _json(request, settings.max_body_bytes)
-        ref = _ref_of(body) if isinstance(body.get("adapter"), dict) or "uri" in body else _known(
-            manager, _id_of(body))
+        body = await read_json(request, settings.max_body_bytes)
+        ref = ref_of(body) if isinstance(body.get("adapter"), dict) or "uri" in body else _known(
+            manager, id_of(body))
         manager.pin(ref)
         return JSONResponse({"adapter": describe(ref, manager.state(ref))})
 
     async def unpin(request: Request, eng: Any, manager: Any) -> Response:
-        body = await _json(request, settings.max_body_bytes)
-        ref = _known(manager, _id_of(body))
+        body = await read_json(request, settings.max_body_bytes)
+        ref = _known(manager, id_of(body))
         manager.unpin(ref)
         return JSONResponse({"adapter": describe(ref, manager.state(ref))})
 
     async def probe(request: Request, eng: Any, manager: Any) -> Response:
-        body = await _json(request, settings.max_body_bytes)
-        ref = _ref(body.get("adapter"))
+        body = await read_json(request, settings.max_body_bytes)
+        ref = parse_ref(body.get("adapter"))
         prompts = body.get("prompts")
         if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROBE_PROMPTS
                 or not all(isinstance(p, str) and p for p in prompts)):

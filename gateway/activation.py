@@ -130,7 +130,7 @@ class ActivationGate:
         for worker in workers:
             t0 = time.monotonic()
             try:
-                answer = await self.client.call("POST", worker.url + "/internal/adapters/probe", body=body,
+                answer = await self.client.call("POST", worker.control + "/internal/adapters/probe", body=body,
                                                 timeout_s=self.timeout_s)
             except WorkerUnreachable as exc:  # it never took the probe: the next worker may try
                 self.router.mark_failed(worker)

@@ -37,6 +37,7 @@ from gateway.resolve import Resolution, Resolver
 from gateway.router import Router, Worker
 from gateway.traffic import AdapterTraffic
 from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
+from gateway.vllm_backend import vllm_body
 from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
@@ -46,6 +47,7 @@ from loraplex.wire import (
     HDR_REQUEST_ID,
     HDR_WORKER,
     PRIORITY_CLASSES,
+    AdapterRef,
     WorkerRequestExt,
     error_body,
 )
@@ -161,7 +163,7 @@ class Gateway:
             self.traffic.record(res.wire)
         adapter_id = res.adapter.id if res.adapter else None
         workers = self._route_now(res.base_model, adapter_id) or await self.router.route(res.base_model, adapter_id)
-        await self._forward(call, receive, send, req, workers, payload)
+        await self._forward(call, receive, send, req, workers, payload, res.adapter)
 
     def _snapshot(self) -> RegistrySnapshot:
         try:
@@ -227,14 +229,19 @@ class Gateway:
         return None if router.due() else router.choose(base_model, adapter_id)
 
     async def _forward(self, call: _Call, receive: Any, send: Any, req: ValidRequest, workers: list[Worker],
-                       payload: bytes) -> None:
+                       payload: bytes, adapter: AdapterRef | None) -> None:
         """Send to the first worker that answers and pass its answer on, under the request's guard."""
         guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper)
+        client = self.client
+
+        def vllm(worker: Worker, reload: bool) -> Any:  # a vLLM worker's body (gateway.vllm_backend)
+            return vllm_body(client, req.body, adapter, worker, force=reload)
+
         try:
             call.upstream = _SENT
             try:
                 opened = await self.upstream.open(workers, call.path, payload, call.request_id,
-                                                  whole=not req.stream)
+                                                  whole=not req.stream, vllm=vllm)
             except GatewayError:
                 call.upstream = _NOT_SENT  # no worker took it
                 raise

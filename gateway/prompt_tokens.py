@@ -99,7 +99,7 @@ class PromptCounter:
         for w in workers:
             try:
                 status, raw = await asyncio.wait_for(
-                    self.client.call("GET", w.url + TOKENIZER_PATH, timeout_s=FETCH_TIMEOUT_S), FETCH_TIMEOUT_S)
+                    self.client.call("GET", w.control + TOKENIZER_PATH, timeout_s=FETCH_TIMEOUT_S), FETCH_TIMEOUT_S)
                 if status != 200:
                     continue
                 data = orjson.loads(raw)

@@ -53,22 +53,36 @@ class Upstream:
         self.max_attempts = max_attempts
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
-                   whole: bool = False) -> Opened:
+                   whole: bool = False, vllm: Callable[[Worker, bool], Awaitable[bytes]] | None = None) -> Opened:
         """The first worker that answers, with the first chunk of its body read (``whole``: all
         of it, for answers that are not streamed). The worker counts as loaded (``router.acquire``)
-        until ``done``."""
+        until ``done``. A vLLM worker gets ``vllm(worker, reload)``'s body instead of ``payload``;
+        its 404 (the adapter was unloaded since its report) is retried once on it with the
+        adapter loaded again."""
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
         last = "no worker answered"
         load_failure = None
         router = self.router
-        for worker in workers[: self.max_attempts]:
+        tries = workers[: self.max_attempts]
+        reload = False
+        while tries:
+            worker = tries.pop(0)
             router.acquire(worker)
             resp: WorkerResponse | None = None
             try:
-                resp = await self.client.post(worker.url + path, payload, request_id)
+                body = payload if not worker.vllm or vllm is None else await vllm(worker, reload)
+                resp = await self.client.post(worker.url + path, body, request_id)
                 status = resp.status
+                if status == 404 and worker.vllm and not reload:
+                    await resp.read()
+                    resp.close()
+                    resp = None
+                    router.release(worker)
+                    reload = True
+                    tries.insert(0, worker)
+                    continue
                 if status == 503 or status == 401 or status == 403:
                     body = await resp.read()
                     resp.close()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from uhashring import HashRing
 
 from loraplex.residency import ResidencyStore
-from loraplex.wire import WorkerReport
+from loraplex.wire import BACKEND_VLLM, WorkerReport
 
 log = logging.getLogger("loraplex.gateway.router")
 
@@ -42,6 +42,15 @@ class Worker:
     inflight: int = 0
     """Requests this gateway replica has in flight on the worker (``Router.acquire``/``release``)."""
     base_revision: str = ""
+    vllm: bool = False
+    """A vLLM server (``WorkerReport.backend``): the body it gets names the adapter in ``model``."""
+    control: str = ""
+    """Where its control API answers (``/internal/...``): its agent's URL for vLLM, else ``url``."""
+    served_model: str = ""
+    """vLLM's name of the base model."""
+
+    def __post_init__(self) -> None:
+        self.control = self.control or self.url
 
     @property
     def load(self) -> int:
@@ -102,12 +111,16 @@ class Router:
                 prev.reported_load = r.load
                 prev.report_ts = r.timestamp
                 prev.base_revision = r.base_revision
+                prev.vllm = r.backend == BACKEND_VLLM
+                prev.control = r.control_url.rstrip("/") or prev.url
+                prev.served_model = r.served_model
                 workers[r.worker_id] = prev
                 continue
             workers[r.worker_id] = Worker(
                 id=r.worker_id, url=r.url.rstrip("/"), base_model=r.base_model,
                 device=frozenset(r.device_adapters), host=frozenset(r.host_adapters),
-                reported_load=r.load, report_ts=r.timestamp, base_revision=r.base_revision)
+                reported_load=r.load, report_ts=r.timestamp, base_revision=r.base_revision,
+                vllm=r.backend == BACKEND_VLLM, control=r.control_url.rstrip("/"), served_model=r.served_model)
         if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
             self._rings = {}
             self._ring_cache = {}

@@ -28,6 +28,10 @@ HDR_WORKER_SECRET = "x-loraplex-worker-secret"
 and workers trust the ``"loraplex"`` extension (or serve any route but ``/health``, ``/metrics``)
 only with it."""
 
+BACKEND_LORAPLEX = "loraplex"
+BACKEND_VLLM = "vllm"
+"""``WorkerReport.backend``: the bundled engine, or a vLLM OpenAI server fronted by ``loraplex vllm-agent``."""
+
 PRIORITY_CLASSES: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 """Tenant priority class -> admission order on the worker (lower is served first)."""
 
@@ -118,6 +122,13 @@ class WorkerReport(_Codec):
     max_num_seqs: int = 0
     max_loras: int = 0
     timestamp: float = field(default_factory=time.time)
+    backend: str = BACKEND_LORAPLEX
+    """Which server answers at ``url``; reports without the field are from bundled workers."""
+    control_url: str = ""
+    """Where the control API (``/internal/...``) answers; empty: at ``url``. For a vLLM worker,
+    ``url`` is vLLM's (completions) and this is its agent's."""
+    served_model: str = ""
+    """vLLM's name of the base model: the ``model`` of a request without an adapter."""
 
     @property
     def load(self) -> int:

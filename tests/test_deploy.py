@@ -36,6 +36,8 @@ CONTROL_IMAGE = ("loraplex", "Dockerfile")
 """The image without torch (``pip install .``): gateway, migrate, admin."""
 WORKER_IMAGES = {"loraplex-worker": "Dockerfile.worker", "loraplex-cuda": "Dockerfile.cuda"}
 """Images with the engine extra (``pip install '.[engine]'``)."""
+VLLM_IMAGE = "vllm/vllm-openai"
+"""vLLM's own image: the one third-party container in a loraplex pod (beside ``loraplex vllm-agent``)."""
 
 
 # --- docker-compose ------------------------------------------------------------------------
@@ -202,6 +204,28 @@ def test_compose_bind_mounts_exist(compose):
                 assert src in compose["volumes"], f"{name} uses undeclared volume {src}"
 
 
+def test_compose_vllm_profile_runs_vllm_beside_its_agent(compose):
+    services = compose["services"]
+    vllm, agent = services["vllm"], services["vllm-agent"]
+    assert vllm["profiles"] == agent["profiles"] == ["vllm"]
+    assert vllm["image"].split(":")[0] == VLLM_IMAGE and not vllm.get("ports"), "vLLM is not published"
+    assert agent["image"].split(":")[0] == CONTROL_IMAGE[0], "the agent runs from the image without torch"
+    args = _agent_args({"args": agent["command"]})
+    flags = vllm["command"]
+    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+        assert flag in flags, flag
+    assert args.vllm_url == f"http://vllm:{flags[flags.index('--port') + 1]}"
+    assert args.url == f"http://vllm-agent:{args.port}" and args.host == "0.0.0.0"
+    assert _env(vllm)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    # the registry's base model as the bundled workers name it: same name and revision
+    assert args.model == Settings.from_env(_env(services["worker-1"])).model
+    cache = Settings.from_env(_env(agent)).adapter_cache_dir
+    mounts = {name: {v.split(":")[1]: v for v in services[name]["volumes"]} for name in ("vllm", "vllm-agent")}
+    assert mounts["vllm"][cache].split(":")[0] == mounts["vllm-agent"][cache].split(":")[0]
+    assert mounts["vllm"][cache].endswith(":ro")
+    assert agent["depends_on"]["vllm"]["condition"] == "service_healthy"
+
+
 def _docker_compose_available() -> bool:
     if not shutil.which("docker"):
         return False
@@ -365,8 +389,9 @@ def test_k8s_containers_are_hardened_and_sized(k8s):
         pod = _pod_spec(doc)
         assert pod["securityContext"]["runAsNonRoot"] is True, key
         for c in pod.get("initContainers", []) + pod["containers"]:
-            assert c["image"].split(":")[0] in OUR_IMAGES, key
-            assert c["args"][0] in COMMANDS, f"{key}: {c['args']} is not a loraplex command"
+            if c["image"].split(":")[0] != VLLM_IMAGE:
+                assert c["image"].split(":")[0] in OUR_IMAGES, key
+                assert c["args"][0] in COMMANDS, f"{key}: {c['args']} is not a loraplex command"
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, key
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], key
             assert {"cpu", "memory"} <= set(c["resources"]["requests"]), key
@@ -383,6 +408,9 @@ def test_k8s_settings_come_from_the_configmap_and_the_named_secret(k8s):
     assert not set(secret) & set(config), "a secret must not also sit in the ConfigMap"
     for key, doc in _workloads(k8s).items():
         for c in _pod_spec(doc).get("initContainers", []) + _pod_spec(doc)["containers"]:
+            if c["image"].split(":")[0] == VLLM_IMAGE:
+                assert "envFrom" not in c, f"{key}: vLLM gets no loraplex settings or secrets"
+                continue
             refs = c["envFrom"]
             assert {"configMapRef": {"name": "loraplex-config"}} in refs, key
             for item in c.get("env", []):
@@ -470,6 +498,64 @@ def test_k8s_workers_accept_traffic_only_from_gateways_and_prometheus(k8s):
     assert same_namespace_gateways, "gateway pods must be admitted"
     others = [p for p in sources if p not in same_namespace_gateways]
     assert all(p["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"} for p in others), others
+
+
+def _agent_args(container: dict[str, Any]) -> Any:
+    """The agent container's arguments as ``loraplex vllm-agent`` parses them."""
+    import argparse
+
+    from engine.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(container["args"])
+
+
+def test_k8s_vllm_pods_run_vllm_beside_its_agent(k8s):
+    sts, svc = k8s["StatefulSet/loraplex-vllm"], k8s["Service/loraplex-vllm"]
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    pod = _pod_spec(sts)
+    agent, vllm = pod["containers"]
+    assert agent["image"].split(":")[0] == CONTROL_IMAGE[0], "the agent runs from the image without torch"
+    assert vllm["image"].split(":")[0] == VLLM_IMAGE
+    args = _agent_args(agent)
+    assert args.command == "vllm-agent" and args.worker_id == "$(POD_NAME)"
+    ports = {p["name"]: p["containerPort"] for c in (agent, vllm) for p in c["ports"]}
+    dns = f"http://$(POD_NAME).{svc['metadata']['name']}.$(POD_NAMESPACE).svc"
+    assert args.vllm_url == f"{dns}:{ports['vllm']}" and args.url == f"{dns}:{ports['agent']}"
+    assert args.port == ports["agent"] and args.host == "$(POD_IP)"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
+    flags = vllm["args"]
+    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+        assert flag in flags, flag
+    assert flags[flags.index("--port") + 1] == str(ports["vllm"]) and flags[flags.index("--host") + 1] == "$(POD_IP)"
+    assert flags[flags.index("--model") + 1] == args.model, "the agent reads the model vLLM serves"
+    assert _env_of(vllm)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "true"
+    # vLLM reads the adapter directories the agent wrote: the cache at one path in both
+    cache = _env_of(agent)["LORAPLEX_ADAPTER_CACHE_DIR"]["value"]
+    mounts = {c["name"]: {m["mountPath"]: m for m in c["volumeMounts"]} for c in (agent, vllm)}
+    assert mounts["agent"][cache]["name"] == mounts["vllm"][cache]["name"]
+    assert mounts["vllm"][cache].get("readOnly") is True
+
+
+def test_k8s_only_gateways_reach_vllm_and_its_agent(k8s):
+    labels = k8s["StatefulSet/loraplex-vllm"]["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = k8s["Deployment/loraplex-gateway"]["spec"]["template"]["metadata"]["labels"]
+    mine = [p for p in k8s.values() if p["kind"] == "NetworkPolicy"
+            and p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+    assert len(mine) == 1, "one NetworkPolicy selects the vLLM pods"
+    spec = mine[0]["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    admitted: dict[str, set[str]] = {}
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "a rule without 'from' admits every pod"
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer
+            who = "gateway" if "namespaceSelector" not in peer and \
+                peer["podSelector"]["matchLabels"].items() <= gateway_labels.items() else \
+                peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+            admitted.setdefault(who, set()).update(p["port"] for p in rule["ports"])
+    assert admitted == {"gateway": {"vllm", "agent"}, "prometheus": {"vllm"}}
 
 
 def test_k8s_secret_template_holds_no_secret(k8s):

@@ -41,14 +41,10 @@ from engine.lora.slots import NonFiniteAdapter, RankTooLarge, SlotBank, check_fi
 from engine.lora.sources import (
     AdapterFetchError,
     DiskCache,
-    HttpSource,
-    LocalSource,
-    SourcePolicy,
     SourceRegistry,
-    StoreSource,
     read_verified,
+    sources_from_settings,
 )
-from loraplex.adapter_store import OBJECT_SCHEMES, open_store
 from loraplex.modelinfo import ModelInfo
 from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
@@ -200,14 +196,10 @@ class AdapterManager:
         classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
             settings.max_lora_rank,)
         bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device)
-        fetchers: list[Any] = [LocalSource(), HttpSource(max_bytes=settings.max_adapter_bytes)]
-        if settings.resolved_adapter_store().split("://", 1)[0].lower() in OBJECT_SCHEMES:
-            fetchers.append(StoreSource(open_store(settings), max_bytes=settings.max_adapter_bytes))
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
                    cache_max_bytes=settings.adapter_cache_max_bytes,
-                   sources=kw.pop("sources", None) or SourceRegistry(
-                       fetchers, policy=SourcePolicy.from_settings(settings)),
+                   sources=kw.pop("sources", None) or sources_from_settings(settings),
                    limits=ConfigLimits.from_settings(settings), **kw)
 
     def close(self) -> None:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
-from engine.lora.peft import read_files
 from loraplex.adapter_store import OBJECT_SCHEMES, AdapterStore, StoreError
 from loraplex.digest import digest_contents, digest_directory
 from loraplex.peft_config import ADAPTER_FILES
@@ -255,6 +254,17 @@ class SourceRegistry:
         return source
 
 
+def sources_from_settings(settings: Settings) -> SourceRegistry:
+    """The worker's sources: local directories, http(s) and the configured object store, behind
+    the allow-list of ``adapter_sources``."""
+    fetchers: list[AdapterSource] = [LocalSource(), HttpSource(max_bytes=settings.max_adapter_bytes)]
+    if settings.resolved_adapter_store().split("://", 1)[0].lower() in OBJECT_SCHEMES:
+        from loraplex.adapter_store import open_store
+
+        fetchers.append(StoreSource(open_store(settings), max_bytes=settings.max_adapter_bytes))
+    return SourceRegistry(fetchers, policy=SourcePolicy.from_settings(settings))
+
+
 def uri_scheme(uri: str) -> str:
     m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", uri)
     return m.group(1).lower() if m else ""
@@ -272,6 +282,8 @@ def local_path(uri: str) -> Path:
 def read_verified(ref: AdapterRef, directory: Path) -> dict[str, bytes]:
     """The adapter files' bytes, checked against ``ref.sha256`` (the version digest) when set:
     what is parsed next is exactly what was verified."""
+    from engine.lora.peft import read_files  # here: fetching and caching stay torch-free (vllm-agent)
+
     contents = read_files(directory)
     if ref.sha256:
         _compare(ref, digest_contents(contents))
