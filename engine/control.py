@@ -69,3 +69,22 @@ def id_of(body: dict[str, Any]) -> str:
     if not isinstance(aid, str) or not aid:
         raise ControlError(400, "'id' must be a non-empty string", "invalid_value")
     return aid
+
+
+MAX_PROBE_PROMPTS = 128
+"""Default gate probes plus up to 64 eval cases fit."""
+MAX_PROBE_TOKENS = 512
+
+
+def parse_probe(body: dict[str, Any]) -> tuple[AdapterRef, list[str], int]:
+    """A probe request's adapter, prompts and ``max_tokens`` (bundled worker and vLLM agent alike)."""
+    ref = parse_ref(body.get("adapter"))
+    prompts = body.get("prompts")
+    if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROBE_PROMPTS
+            or not all(isinstance(p, str) and p for p in prompts)):
+        raise ControlError(400, f"'prompts' must be a list of 1..{MAX_PROBE_PROMPTS} non-empty strings",
+                           "invalid_value")
+    max_tokens = body.get("max_tokens", 32)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_PROBE_TOKENS:
+        raise ControlError(400, f"'max_tokens' must be an integer in 1..{MAX_PROBE_TOKENS}", "invalid_value")
+    return ref, prompts, max_tokens

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.control import ControlError, id_of, parse_ref, read_json, ref_of
+from engine.control import ControlError, id_of, parse_probe, read_json, ref_of
 from engine.engine import PromptTooLongError
 from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
@@ -48,9 +48,6 @@ from engine.sequence import SamplingParams
 from engine.worker_auth import SecretRefused, check_worker_secret
 from loraplex.wire import HDR_WORKER_SECRET, PRIORITY_CLASSES, AdapterRef
 
-MAX_PROBE_PROMPTS = 128
-"""Default gate probes plus up to 64 eval cases fit."""
-MAX_PROBE_TOKENS = 512
 LOAD_TIMEOUT_S = 300.0
 
 
@@ -172,15 +169,7 @@ def internal_routes(state: Any) -> list[Route]:
 
     async def probe(request: Request, eng: Any, manager: Any) -> Response:
         body = await read_json(request, settings.max_body_bytes)
-        ref = parse_ref(body.get("adapter"))
-        prompts = body.get("prompts")
-        if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROBE_PROMPTS
-                or not all(isinstance(p, str) and p for p in prompts)):
-            raise ControlError(400, f"'prompts' must be a list of 1..{MAX_PROBE_PROMPTS} non-empty strings",
-                               "invalid_value")
-        max_tokens = body.get("max_tokens", 32)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_PROBE_TOKENS:
-            raise ControlError(400, f"'max_tokens' must be an integer in 1..{MAX_PROBE_TOKENS}", "invalid_value")
+        ref, prompts, max_tokens = parse_probe(body)
         try:
             encoded = [eng.tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
                        for p in prompts]

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.control import ControlError, id_of, parse_ref, read_json, ref_of
+from engine.control import ControlError, id_of, parse_probe, read_json, ref_of
 from engine.lora.sources import (
     AdapterFetchError,
     AdapterSource,
@@ -45,8 +45,6 @@ from loraplex.wire import BACKEND_VLLM, HDR_WORKER_SECRET, AdapterRef, WorkerRep
 
 log = logging.getLogger("loraplex.engine.vllm_agent")
 
-MAX_PROBE_PROMPTS = 128
-MAX_PROBE_TOKENS = 512
 VLLM_TIMEOUT_S = 120.0
 OBSERVE_TIMEOUT_S = 10.0
 MAX_MISSES = 3
@@ -407,15 +405,7 @@ def agent_routes(agent: VllmAgent) -> list[Route]:
 
     async def probe(request: Request) -> Response:
         body = await read_json(request, settings.max_body_bytes)
-        ref = parse_ref(body.get("adapter"))
-        prompts = body.get("prompts")
-        if (not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROBE_PROMPTS
-                or not all(isinstance(p, str) and p for p in prompts)):
-            raise ControlError(400, f"'prompts' must be a list of 1..{MAX_PROBE_PROMPTS} non-empty strings",
-                               "invalid_value")
-        max_tokens = body.get("max_tokens", 32)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_PROBE_TOKENS:
-            raise ControlError(400, f"'max_tokens' must be an integer in 1..{MAX_PROBE_TOKENS}", "invalid_value")
+        ref, prompts, max_tokens = parse_probe(body)
         _, load_ms = await agent.load(ref)
         base = agent.vllm.served_model or agent.config.served_model
         if not base:
