@@ -19,7 +19,8 @@ def _worker(args: argparse.Namespace) -> int:
     from loraplex.settings import get_settings
 
     overrides: dict[str, Any] = {}
-    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "threads", "max_loras",
+    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "weights", "threads",
+                "max_loras",
                 "max_cpu_loras", "max_lora_rank", "preload_top_n"):
         value = getattr(args, key, None)
         if value is not None:
@@ -128,6 +129,7 @@ def register(subparsers: Any) -> None:
     w.add_argument("--worker-id", dest="worker_id")
     w.add_argument("--device")
     w.add_argument("--dtype")
+    w.add_argument("--weights", help="base weights: auto (as --dtype) or bfloat16 (under float32 activations)")
     w.add_argument("--threads", type=int)
     w.add_argument("--max-loras", dest="max_loras", type=int, help="distinct adapters per batch (0: LoRA off)")
     w.add_argument("--max-cpu-loras", dest="max_cpu_loras", type=int, help="adapters kept in host memory")

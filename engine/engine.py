@@ -60,6 +60,7 @@ class PromptTooLongError(ValueError):
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "auto"
     kv_cache_bytes: int = 256 * 1024 * 1024
     kv_block_size: int = 16
     max_num_seqs: int = 32
@@ -106,6 +107,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
     return _DTYPES[dtype]
+
+
+def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
+    """The projection weights' dtype: ``auto`` is the activations' ``dtype``; ``bfloat16``
+    also under float32 activations (the LoRA branch stays in the activations' dtype)."""
+    if weights in ("", "auto"):
+        return dtype
+    if weights not in _DTYPES:
+        raise ValueError(f"unknown weights {weights!r} (use auto or bfloat16)")
+    mm = _DTYPES[weights]
+    if mm != dtype and not (mm == torch.bfloat16 and dtype == torch.float32):
+        raise ValueError(f"weights {weights!r} under {str(dtype).removeprefix('torch.')} activations "
+                         "(bfloat16 weights need float32 or bfloat16 activations)")
+    return mm
 
 
 class Engine:
@@ -156,7 +171,8 @@ class Engine:
         limit = cfg.context_length
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
-                             native_kernels=config.native_kernels)
+                             native_kernels=config.native_kernels,
+                             matmul_dtype=resolve_weights(config.weights, dtype))
         reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
         tok = TextTokenizer.from_model_path(path, reader)
         return cls(model, tok, config, model_path=path)
@@ -171,7 +187,7 @@ class Engine:
             torch.set_num_threads(settings.threads)
         path = settings.model or str(fetch_demo(settings))
         config = EngineConfig(
-            device=settings.device, dtype=settings.dtype, kv_cache_bytes=settings.kv_cache_bytes,
+            device=settings.device, dtype=settings.dtype, weights=settings.weights, kv_cache_bytes=settings.kv_cache_bytes,
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)

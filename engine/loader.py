@@ -36,6 +36,9 @@ class LayerWeights:
     down: torch.Tensor
 
 
+_MATMULS = frozenset({"qkv", "o", "gate_up", "down"})
+
+
 @dataclass
 class ModelWeights:
     config: ModelConfig
@@ -46,13 +49,17 @@ class ModelWeights:
     rope_freq_factors: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> ModelWeights:
-        def cv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+    def to(self, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype | None = None) -> ModelWeights:
+        """``matmul_dtype``: the dtype of the matrices (projections, LM head, embedding table;
+        default ``dtype``); norms and biases stay in ``dtype``."""
+        def cv(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=to).contiguous()
 
-        embed = cv(self.embed)
-        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head)
-        layers = [LayerWeights(*(cv(getattr(lw, f)) for f in LayerWeights.__dataclass_fields__))
+        mm = matmul_dtype or dtype
+        embed = cv(self.embed, mm)
+        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head, mm)
+        layers = [LayerWeights(*(cv(getattr(lw, f), mm if f in _MATMULS else dtype)
+                                 for f in LayerWeights.__dataclass_fields__))
                   for lw in self.layers]
         return ModelWeights(self.config, embed, layers, cv(self.norm), lm_head,  # type: ignore[arg-type]
                             self.rope_freq_factors, self.meta)

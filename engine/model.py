@@ -31,6 +31,8 @@ non-contiguous column slice of the fused output: update it in place
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -38,37 +40,47 @@ from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
-from engine.linear import Linear
+from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import Gemv, decode_attention_kernel, fused_ops, gemv_kernel
 from engine.rotary import RotaryEmbedding
 from engine.step_batch import BatchContext
 
+log = logging.getLogger("loraplex.engine.model")
+
 
 class _LayerLinears:
-    def __init__(self, lw: LayerWeights, pack_batch: int, gemv: Gemv | None) -> None:
-        self.qkv = Linear(lw.qkv, lw.qkv_bias, pack_batch, gemv)
-        self.o = Linear(lw.o, None, pack_batch, gemv)
-        self.gate_up = Linear(lw.gate_up, None, pack_batch, gemv)
-        self.down = Linear(lw.down, None, pack_batch, gemv)
+    def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None) -> None:
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv)
 
 
 class DecoderModel:
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 max_positions: int, pack_batch: int = 32, native_kernels: bool = True) -> None:
+                 max_positions: int, pack_batch: int = 32, native_kernels: bool = True,
+                 matmul_dtype: torch.dtype | None = None) -> None:
         """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size.
         ``native_kernels``: on CPU float32, decode attention, single-row matmuls and the fused
-        elementwise steps through ``engine.native`` (when it builds)."""
+        elementwise steps through ``engine.native`` (when it builds). ``matmul_dtype``: the
+        projection weights' dtype (default ``dtype``): bfloat16 under float32 activations keeps
+        the base's matrices in bfloat16 while everything else, LoRA included, stays float32."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
-        self.w = weights.to(device, dtype)
+        self.matmul_dtype = matmul_dtype or dtype
+        if (self.matmul_dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"
+                and not cpu_has_bf16_matmul()):
+            log.warning("bfloat16 weights on a CPU without AVX512-BF16 or AMX: half the memory, but matmuls "
+                        "of several rows run slower than float32 here")
+        self.w = weights.to(device, dtype, self.matmul_dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         gemv = gemv_kernel() if native_kernels and cpu_f32 else None
-        self.layers = [_LayerLinears(lw, pack_batch, gemv) for lw in self.w.layers]
-        self.lm_head = Linear(self.w.lm_head, None, pack_batch, gemv)
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv) for lw in self.w.layers]
+        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
@@ -87,7 +99,7 @@ class DecoderModel:
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         ops = self.ops
-        h = F.embedding(ctx.input_ids, w.embed)
+        h = F.embedding(ctx.input_ids, w.embed).to(self.dtype)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
         prepare_attention(ctx, nkv, self.decode_kernel)

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
                                _int, _int, _int],
     "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
+    "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
     "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
     "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
@@ -213,19 +214,23 @@ def lora_rows_kernel() -> LoRARows | None:
 
 
 class Gemv:
-    """``x @ weight.T + bias`` for a single row ``x [1, in]`` (see ``engine/csrc/cpu_kernels.c``)."""
+    """``x @ weight.T + bias`` for a single float32 row ``x [1, in]``, ``weight`` float32 or
+    bfloat16 (then ``x`` is rounded to bfloat16, sums stay float32); ``y`` and ``bias`` float32
+    (see ``engine/csrc/cpu_kernels.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_gemv_f32
+        self._fns = {torch.float32: lib.loraplex_gemv_f32, torch.bfloat16: lib.loraplex_gemv_bf16}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n_out, n_in = weight.shape
-        assert x.shape == (1, n_in) and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+        assert x.shape == (1, n_in) and x.dtype == torch.float32 and weight.is_contiguous()
         assert bias is None or (bias.is_contiguous() and bias.shape == (n_out,) and bias.dtype == torch.float32)
         x = x.contiguous()
         y = x.new_empty((1, n_out))
-        self._fn(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                 n_out, n_in, torch.get_num_threads())
+        rc = self._fns[weight.dtype](x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                     y.data_ptr(), n_out, n_in, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native gemv: no memory for its input row")
         return y
 
 

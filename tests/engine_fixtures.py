@@ -120,31 +120,5 @@ def hf_demo_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def teacher_forced_logits(engine: Any, ids: list[int], prefill_len: int) -> torch.Tensor:
-    """Our logits at positions ``prefill_len-1 .. len(ids)-1``: one prefill, then decode steps."""
-    from engine.sequence import SamplingParams, Sequence
-    from engine.step_batch import build_batch
-
-    seq = Sequence(list(ids[:prefill_len]), SamplingParams(temperature=0.0))
-    alloc = engine.cache.allocator
-    bs = engine.cache.block_size
-    rows = []
-    n = prefill_len
-    try:
-        while True:
-            need = alloc.blocks_for(seq.num_tokens) - len(seq.block_table)
-            seq.block_table.extend(alloc.allocate(need))
-            ctx = build_batch([(seq, n)], bs, engine.model.device)
-            rows.append(engine.model.forward(ctx, engine.cache)[0])
-            seq.num_computed += n
-            if seq.num_tokens >= len(ids):
-                break
-            seq.output_ids.append(ids[seq.num_tokens])
-            n = 1
-    finally:
-        alloc.free(seq.block_table)
-    return torch.stack(rows)
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())

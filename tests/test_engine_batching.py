@@ -106,14 +106,15 @@ def test_demo_batch_invariance_with_preemption(demo_gguf):  # noqa: F811
 
 def test_bfloat16_path_runs_and_tracks_float32(tiny_dir):
     """The reduced-precision path CUDA uses, exercised on CPU: same shapes, close logits."""
-    from tests.engine_fixtures import rel_err, teacher_forced_logits
+    from engine.scoring import forced_logits
+    from tests.engine_fixtures import rel_err
 
     ids = list(range(3, 60))
     f32 = Engine.from_path(tiny_dir, EngineConfig(kv_cache_bytes=1 << 20))
     bf16 = Engine.from_path(tiny_dir, EngineConfig(kv_cache_bytes=1 << 20, dtype="bfloat16"))
     assert bf16.cache.k[0].dtype == torch.bfloat16
-    a = teacher_forced_logits(f32, ids, 40)
-    b = teacher_forced_logits(bf16, ids, 40)
+    a = forced_logits(f32, ids, 40)
+    b = forced_logits(bf16, ids, 40)
     assert b.dtype == torch.float32 and rel_err(b, a) < 0.05
     (s,) = bf16.generate([ids], SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=8, ignore_eos=True))
     assert len(s.output_ids) == 8

@@ -7,6 +7,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineConfig
+from engine.scoring import forced_logits
 from engine.sequence import SamplingParams
 from tests.engine_fixtures import (
     demo_gguf,  # noqa: F401  (fixture)
@@ -14,7 +15,6 @@ from tests.engine_fixtures import (
     hf_demo_tokenizer,
     make_tiny_model,
     rel_err,
-    teacher_forced_logits,
 )
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def test_tiny_models_match_transformers(tmp_path, kind, native):
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (200,), generator=gen).tolist()
     prefill = 150  # beyond the llama3 config's original context (64): scaling matters
-    ours = teacher_forced_logits(eng, ids, prefill)
+    ours = forced_logits(eng, ids, prefill)
     ref = _hf_logits(ref_model, ids)[prefill - 1:]
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < TOL
@@ -60,7 +60,7 @@ def test_demo_prefill_and_decode_logits_match(demo_gguf):  # noqa: F811
     with torch.no_grad():
         cont = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     ids = prompt + cont
-    ours = teacher_forced_logits(eng, ids, len(prompt))
+    ours = forced_logits(eng, ids, len(prompt))
     ref = _hf_logits(hf, ids)[len(prompt) - 1:]
     assert rel_err(ours, ref) < TOL
 

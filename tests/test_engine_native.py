@@ -146,3 +146,20 @@ def test_linear_sends_single_rows_to_gemv():
     torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
     assert calls == [1], "only the one-row call goes to gemv"
     assert Linear(w.T.contiguous().T, None, gemv=gemv).gemv is None, "non-contiguous weights stay on F.linear"
+
+
+@pytest.mark.parametrize(("n_out", "n_in", "bias"), [(576, 576, False), (963, 577, True), (3, 40, True)])
+def test_bf16_gemv_rounds_like_a_bfloat16_matmul(n_out, n_in, bias):
+    """bfloat16 weights: x rounded to bfloat16, float32 sums rounded to bfloat16, float32 bias."""
+    gen = torch.Generator().manual_seed(n_out + n_in)
+    w = torch.randn(n_out, n_in, generator=gen).bfloat16()
+    b = torch.randn(n_out, generator=gen) if bias else None
+    x = torch.randn(1, n_in, generator=gen)
+    y = native.gemv_kernel()(x, w, b)
+    exact = x.bfloat16().double() @ w.double().T
+    expect = exact.bfloat16().double() + (b.double() if bias else 0)
+    assert y.dtype == torch.float32
+    # one bfloat16 step of the sum's magnitude at most (the float32 sums differ in order only)
+    ulp = exact.abs().clamp_min(1e-30) * 2.0 ** -7
+    assert ((y.double() - expect).abs() <= ulp + 1e-6).all()
+    assert not torch.equal(y.double(), x.double() @ w.double().T), "the rounding is part of the contract"

@@ -14,8 +14,9 @@ from engine.config import ModelConfig
 from engine.engine import Engine, EngineConfig
 from engine.export_hf import ExportError, export_hf, hf_config
 from engine.loader import LayerWeights, load_gguf, load_hf_dir
+from engine.scoring import forced_logits
 from loraplex.tokenizer import TextTokenizer
-from tests.engine_fixtures import demo_gguf, hf_demo_model, make_tiny_model, rel_err, teacher_forced_logits  # noqa: F401
+from tests.engine_fixtures import demo_gguf, hf_demo_model, make_tiny_model, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ def test_transformers_on_the_export_matches_the_engine(demo_gguf, exported):  # 
     with torch.no_grad():
         cont = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
         ref = hf(torch.tensor([ids + cont])).logits[0, len(ids) - 1:]
-    ours = teacher_forced_logits(eng, ids + cont, len(ids))
+    ours = forced_logits(eng, ids + cont, len(ids))
     assert rel_err(ours, ref) < 1e-4
     # and transformers reading the GGUF itself agrees with it on the same tokens
     with torch.no_grad():

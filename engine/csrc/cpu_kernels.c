@@ -18,6 +18,10 @@
  *    gate/up) go in one call: one parallel region instead of one per projection.
  *
  * 3. loraplex_gemv_f32: y = W x for a single row (one-sequence decode), streaming W once.
+ *    loraplex_gemv_bf16: the same with W in bfloat16 (half the bytes to stream): x is
+ *    rounded to bfloat16, the products summed in float32 and each sum rounded to bfloat16
+ *    before the float32 bias, as oneDNN's bfloat16 matmul does for a batch, so one row and
+ *    a batch agree.
  *
  * 4. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
@@ -306,6 +310,69 @@ int loraplex_gemv_f32(
             }
         }
     }
+    return 0;
+}
+
+/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+/* float32 rounded to the nearest bfloat16 (ties to even), kept as a float32. */
+static inline float round_bf16(float x)
+{
+    union { uint32_t u; float f; } c = { .f = x };
+    c.u = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) & 0xffff0000u;
+    return c.f;
+}
+
+static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
+{
+    const uint16_t *m0 = m, *m1 = m0 + ld, *m2 = m1 + ld, *m3 = m2 + ld;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+    for (int i = 0; i < n; i++) {
+        const float xi = x[i];
+        s0 += bf16_to_f32(m0[i]) * xi;
+        s1 += bf16_to_f32(m1[i]) * xi;
+        s2 += bf16_to_f32(m2[i]) * xi;
+        s3 += bf16_to_f32(m3[i]) * xi;
+    }
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+}
+
+int loraplex_gemv_bf16(
+    const float *x, const uint16_t *w, const float *bias, float *y, int out_dim, int in_dim, int num_threads)
+{
+    /* loraplex_gemv_f32 with W [out_dim, in_dim] in bfloat16: x rounded to bfloat16 first,
+     * each float32 sum rounded to bfloat16 before the bias. */
+    float *xr = malloc(sizeof(float) * (size_t)in_dim);
+    if (!xr) return 1;
+    for (int i = 0; i < in_dim; i++) xr[i] = round_bf16(x[i]);
+    const int blocks = (out_dim + 3) / 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int blk = 0; blk < blocks; blk++) {
+        const int o = blk * 4;
+        if (o + 4 <= out_dim) {
+            float s4[4];
+            dot4_bf16(w + (int64_t)o * in_dim, in_dim, xr, in_dim, s4);
+            for (int k = 0; k < 4; k++) y[o + k] = round_bf16(s4[k]) + (bias ? bias[o + k] : 0.0f);
+        } else {
+            for (int r = o; r < out_dim; r++) {
+                const uint16_t *wr = w + (int64_t)r * in_dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+:acc)
+                for (int i = 0; i < in_dim; i++) acc += bf16_to_f32(wr[i]) * xr[i];
+                y[r] = round_bf16(acc) + (bias ? bias[r] : 0.0f);
+            }
+        }
+    }
+    free(xr);
     return 0;
 }
 
