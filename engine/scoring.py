@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -10,15 +11,21 @@ from engine.sequence import SamplingParams, Sequence
 from engine.step_batch import build_batch
 
 
-def forced_logits(engine: Any, ids: list[int], prefill_len: int, adapter: Any = None) -> torch.Tensor:
+def forced_logits(engine: Any, ids: list[int], prefill_len: int, adapter: Any = None,
+                  load_timeout_s: float = 120.0) -> torch.Tensor:
     """``engine``'s logits at positions ``prefill_len-1 .. len(ids)-1`` of ``ids``: one prefill of
     the first ``prefill_len`` tokens, then one decode step per further token, with ``adapter``'s
-    LoRA (an ``AdapterRef`` the engine's LoRA runtime can admit) or the base model. Not for a
+    LoRA (an ``AdapterRef``, loaded first if need be) or the base model. Not for a
     running engine: it steps the model directly, beside the scheduler."""
     seq = Sequence(list(ids[:prefill_len]), SamplingParams(temperature=0.0), adapter=adapter)
     rt = engine.lora_runtime if adapter is not None else None
-    if rt is not None and not rt.admit(seq, []):
-        raise RuntimeError(f"adapter {adapter.id} could not be admitted: {rt.failure(seq) or 'no free slot'}")
+    if rt is not None:
+        rt.prefetch(seq)
+        deadline = time.monotonic() + load_timeout_s
+        while not rt.admit(seq, []):
+            if rt.failure(seq) or time.monotonic() > deadline:
+                raise RuntimeError(f"adapter {adapter.id} was not admitted: {rt.failure(seq) or 'timed out'}")
+            time.sleep(0.01)
     alloc = engine.cache.allocator
     rows = []
     n = prefill_len

@@ -21,6 +21,7 @@ from engine.native import gemv_kernel
 from engine.scoring import forced_logits
 from engine.sequence import SamplingParams
 from loraplex.settings import Settings
+from tests.engine_fixtures import demo_gguf  # noqa: F401  (fixture)
 from tests.lora_fixtures import (
     ISOLATION_SPECS,
     PeftReference,
@@ -136,11 +137,11 @@ def test_mixed_batch_rows_equal_each_request_alone_with_bf16_weights(lora_world)
 
 # --- accuracy gates on the demo model (slow) -----------------------------------------------------
 
-CHATS = ["Write one sentence about the sea.", "What is the capital of France?", "Explain gravity to a child.",
-         "List three colours.", "Write a haiku about autumn.", "How do I sort a list in Python?"]
+CHATS = ["Write one sentence about the sea.", "Explain gravity to a child.", "Write a haiku about autumn.",
+         "How do I sort a list in Python?"]
 
 
-def _compare(ref, other, adapter=None, new=40):
+def _compare(ref, other, adapter=None, new=32):
     agree = total = 0
     kls = []
     for text in CHATS:
@@ -158,7 +159,7 @@ def _compare(ref, other, adapter=None, new=40):
 
 
 @pytest.mark.slow
-def test_demo_bf16_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, tmp_path):
+def test_demo_bf16_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, tmp_path):  # noqa: F811
     """Measured on the demo model (SmolLM2-135M, Q4_1 weights widened): top-1 agreement
     0.97-0.98, KL per token 3e-4..7e-4 mean, under 5e-3 max, base and adapter alike. The gates
     leave room for other CPUs' summation order, not for a broken kernel (which gives KL > 0.1)."""
