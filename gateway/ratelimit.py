@@ -294,11 +294,10 @@ class _StepPipeline:
         self.scripts = scripts
         self.timeout_s = timeout_s
         self.on_failure = on_failure
-        from redis.exceptions import (  # lazy: the embedded gateway never loads redis
-            NoScriptError,
-            ResponseError,
-        )
+        from hiredis import pack_command  # lazy: the embedded gateway never loads redis
+        from redis.exceptions import NoScriptError, ResponseError
 
+        self._pack = pack_command
         self._noscript = NoScriptError
         self._response_error = ResponseError
         self._conn: Any = None
@@ -307,7 +306,7 @@ class _StepPipeline:
         self._open: dict[tuple[Any, ...], _Call] = {}
         """Calls still taking company (until the queue is sent)."""
         self._heads: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
-        """Encoded command heads by script, keys and leading arguments (redis-py encodes bytes for free)."""
+        """Encoded command heads by script, keys and leading arguments."""
         self._sender: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -390,7 +389,10 @@ class _StepPipeline:
         conn = self._conn
         if conn is None:
             conn = self._conn = _own_connection(self.redis)
-        await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        # hiredis packs in C what redis-py's ``pack_commands`` packs in Python (the same bytes).
+        pack = self._pack
+        packed = b"".join([pack(c) for c in commands])
+        await conn.send_packed_command(packed, check_health=False)
         replies: list[Any] = []
         for _ in commands:
             try:
