@@ -9,6 +9,7 @@ class and reads its per-request state, so pyproject.toml pins uvicorn's minor ve
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -29,26 +30,46 @@ class _HeadTooLarge(Exception):
 class StepWrites:
     """A transport whose writes of one event-loop step leave as one: uvicorn writes a response's
     head and body separately, which costs a ``send`` and a TCP segment each. Every write and
-    close of the connection (uvicorn's and the edge's) goes through here, so their order holds."""
+    close of the connection (uvicorn's and the edge's) goes through here, so their order holds.
 
-    __slots__ = ("_buf", "_loop", "_transport")
+    A write that ``holds`` (called with the buffer empty) says is a head whose body is still to
+    come is held for the next write, which sends both at once: no callback at the end of the
+    step, and no loop iteration more for a response written whole (``release`` sends a head
+    left without a body)."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("_buf", "_held", "_holds", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 holds: Callable[[], bool] | None = None) -> None:
         self._transport = transport
         self._loop = loop
+        self._holds = holds
         self._buf: list[bytes] | None = None
+        self._held = False
 
     def write(self, data: bytes) -> None:
-        if self._buf is None:
+        buf = self._buf
+        if buf is not None:
+            buf.append(data)
+            if self._held:
+                self.flush()
+        elif self._holds is not None and self._holds():
+            self._buf = [data]
+            self._held = True
+        else:
             self._buf = [data]
             self._loop.call_soon(self.flush)
-        else:
-            self._buf.append(data)
 
     def flush(self) -> None:
         buf, self._buf = self._buf, None
+        self._held = False
         if buf and not self._transport.is_closing():
             self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
+
+    def release(self) -> None:
+        """Send a held write now."""
+        if self._held:
+            self.flush()
 
     def close(self) -> None:
         self.flush()
@@ -59,6 +80,11 @@ class StepWrites:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+_on_url = HttpToolsProtocol.on_url
+_on_header = HttpToolsProtocol.on_header
+"""uvicorn's parser callbacks, called without a ``super()`` lookup: they run for every header."""
 
 
 class EdgeProtocol(HttpToolsProtocol):
@@ -83,6 +109,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._too_large = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._held_for: Any = None
+        """The response cycle whose head ``StepWrites`` held (one head per cycle)."""
 
     @classmethod
     def configured(cls, settings: Settings) -> type[EdgeProtocol]:
@@ -93,7 +121,7 @@ class EdgeProtocol(HttpToolsProtocol):
     # -- connection -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(StepWrites(transport, self.loop))  # type: ignore[arg-type]
+        super().connection_made(StepWrites(transport, self.loop, self._holds_head))  # type: ignore[arg-type]
         self._since = self.loop.time()
         self._arm()
 
@@ -128,12 +156,17 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = self._head_raw = 0
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_too_large()
+        _on_url(self, url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
-        super().on_header(name, value)
+        # Once per header of every request: counted inline, then uvicorn's ``on_header``.
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_too_large()
+        _on_header(self, name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = self._begun = False
@@ -146,6 +179,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self.transport.release()  # type: ignore[attr-defined]  # a head without a body (HEAD)
         super().on_response_complete()
         if not self.transport.is_closing() and (self._in_head or self._in_body):
             # The server's wait is over (a request queued behind this response is now served):
@@ -153,11 +187,19 @@ class EdgeProtocol(HttpToolsProtocol):
             self._since = self.loop.time()
             self._arm()
 
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._too_large = True
-            raise _HeadTooLarge
+    def _holds_head(self) -> bool:
+        """Whether a write (into an empty buffer) is the head of a response of known, non-empty
+        length that was just started: its body follows, so the head waits for it (``StepWrites``)."""
+        cycle = self.cycle
+        if (cycle is None or cycle is self._held_for or not cycle.response_started or cycle.response_complete
+                or cycle.chunked_encoding is not False or cycle.expected_content_length <= 0):
+            return False
+        self._held_for = cycle
+        return True
+
+    def _head_too_large(self) -> None:
+        self._too_large = True
+        raise _HeadTooLarge
 
     # -- deadlines --------------------------------------------------------------------------------
 
