@@ -82,11 +82,6 @@ class StepWrites:
         return getattr(self._transport, name)
 
 
-_on_url = HttpToolsProtocol.on_url
-_on_header = HttpToolsProtocol.on_header
-"""uvicorn's parser callbacks, called without a ``super()`` lookup: they run for every header."""
-
-
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` with head/body deadlines and a head size cap."""
 
@@ -102,8 +97,6 @@ class EdgeProtocol(HttpToolsProtocol):
         self._began_here = False
         self._in_body = False
         self._since = 0.0
-        self._head_bytes = 0
-        """Bytes of the head's finished parts (request line, headers)."""
         self._head_raw = 0
         """Bytes of the reads that went wholly into the head after the one it began in."""
         self._too_large = False
@@ -136,10 +129,12 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             self._disarm()
             return
-        if was_head and self._in_head and not self._began_here:
-            # httptools holds an unfinished header line in memory: bound what a head may take.
-            self._head_raw += len(data)
-            if self._head_raw > MAX_HEAD_BYTES:
+        if self._in_head and self._begun:
+            # A head still unfinished: its finished parts, and the reads that went wholly into it
+            # after the one it began in (httptools holds an unfinished header line in memory).
+            if was_head and not self._began_here:
+                self._head_raw += len(data)
+            if self._head_raw > MAX_HEAD_BYTES or self._head_size() > MAX_HEAD_BYTES:
                 self._too_large = True
                 self.send_400_response("")
                 return
@@ -153,22 +148,12 @@ class EdgeProtocol(HttpToolsProtocol):
             self._in_head = True
             self._since = self.loop.time()
         self._begun = self._began_here = True
-        self._head_bytes = self._head_raw = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._head_bytes += len(url)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large()
-        _on_url(self, url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # Once per header of every request: counted inline, then uvicorn's ``on_header``.
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large()
-        _on_header(self, name, value)
+        self._head_raw = 0
 
     def on_headers_complete(self) -> None:
+        if self._head_size() > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise _HeadTooLarge
         self._in_head = self._begun = False
         self._in_body = True
         self._since = self.loop.time()
@@ -197,9 +182,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._held_for = cycle
         return True
 
-    def _head_too_large(self) -> None:
-        self._too_large = True
-        raise _HeadTooLarge
+    def _head_size(self) -> int:
+        """Bytes of the head's finished parts: the request line's target and the header lines
+        (checked when the head completes and after each read that ends inside one, not per
+        header: that runs for every header of every request)."""
+        return len(self.url) + sum([len(name) + len(value) + 4 for name, value in self.headers])
 
     # -- deadlines --------------------------------------------------------------------------------
 

@@ -399,6 +399,21 @@ def test_oversized_heads_are_431():
             _refused(s, 431, "head_too_large")
 
 
+def test_many_header_lines_over_the_cap_are_431_whether_the_head_ends_or_not():
+    lines = "".join(f"x-h{i}: {'v' * 1000}\r\n" for i in range(MAX_HEAD_BYTES // 1000 + 2)).encode()
+    with serve(gateway_head_timeout_s=30) as srv:
+        with connect(srv.port) as s:  # every line finished, the head too
+            s.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n" + lines + b"\r\n")
+            _refused(s, 431, "head_too_large")
+        with connect(srv.port) as s:  # every line finished, the head never: refused at once all the same
+            s.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n" + lines)
+            s.settimeout(10)
+            _refused(s, 431, "head_too_large")
+        with connect(srv.port) as s:  # just under the cap: served
+            s.sendall(request("GET", "/fits", headers={"x-big": "a" * (MAX_HEAD_BYTES - 200)}))
+            assert Reader(s).response()[0] == 200
+
+
 def test_half_sent_heads_are_answered_408_and_silent_connections_closed():
     with serve(gateway_head_timeout_s=0.5) as srv:
         half = [connect(srv.port) for _ in range(30)]
