@@ -102,6 +102,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._too_large = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._idle_since: float | None = None
+        """Since when the connection waits for a next request (None: busy, or no request yet)."""
         self._held_for: Any = None
         """The response cycle whose head ``StepWrites`` held (one head per cycle)."""
 
@@ -120,7 +122,26 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         super().connection_lost(exc)
+
+    def _unset_keepalive_if_required(self) -> None:
+        """The connection is busy (uvicorn calls this on every read): the keep-alive timer, if
+        set, finds it so when it runs out."""
+        self._idle_since = None
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        since = self._idle_since
+        if since is None or self.transport.is_closing():
+            return
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
 
     def data_received(self, data: bytes) -> None:
         was_head = self._in_head
@@ -165,8 +186,22 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self.transport.release()  # type: ignore[attr-defined]  # a head without a body (HEAD)
-        super().on_response_complete()
-        if not self.transport.is_closing() and (self._in_head or self._in_body):
+        # uvicorn's ``on_response_complete``, except that the keep-alive timer is not armed and
+        # cancelled for every request: one stays set while the connection is busy and is moved
+        # on when it finds the connection idle for less than the timeout (``_keep_alive_due``).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = None
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_since = self.loop.time()
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+        if self._in_head or self._in_body:
             # The server's wait is over (a request queued behind this response is now served):
             # the client's time for what it still owes counts from here.
             self._since = self.loop.time()

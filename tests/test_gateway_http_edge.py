@@ -489,6 +489,20 @@ def test_idle_connections_are_closed_after_the_keep_alive_timeout():
         assert time.monotonic() - t0 < 2
 
 
+def test_the_keep_alive_timeout_counts_only_idle_time():
+    with serve(timeout_keep_alive=0.3) as srv, connect(srv.port) as s:
+        r = Reader(s)
+        s.sendall(request("GET", "/x"))  # idle from its answer on: the keep-alive timer is set
+        assert r.response()[2] == b"/x"
+        s.sendall(request("GET", "/slow?0.8"))  # busy past the timer: it must not close the connection
+        assert r.response()[2] == b"slow"
+        s.sendall(request("GET", "/y"))
+        assert r.response()[2] == b"/y"
+        t0 = time.monotonic()
+        assert r.closed()
+        assert 0.2 <= time.monotonic() - t0 < 2
+
+
 def test_graceful_shutdown_finishes_the_running_request():
     with serve() as srv:
         busy, idle = connect(srv.port), connect(srv.port)
