@@ -339,7 +339,9 @@ class _StepPipeline:
             self._queue.append(call)
         call.parts.append(part)
         fut = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():  # asking asyncio costs a getpid call on 3.11
+            loop = asyncio.get_running_loop()
         if wait:
             fut = loop.create_future()
             call.waiters.append(fut)

@@ -162,9 +162,10 @@ class WorkerClient:
     async def exchange(self, method: str, url: str, body: bytes | None,
                        headers: Mapping[str, str]) -> WorkerResponse:
         """The one place a request leaves the gateway (the seam a test double replaces)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # connections belong to the loop that made them
-            self._loop = loop
+        loop = self._loop
+        if loop is None or not loop.is_running():  # connections belong to the loop that made them
+            # (asking asyncio for the running loop costs a getpid system call on Python 3.11)
+            self._loop = loop = asyncio.get_running_loop()
             self._idle = {}
         target = self._targets.get(url)
         if target is None:
