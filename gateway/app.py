@@ -87,6 +87,7 @@ class Gateway:
         self.sweeper = _Sweeper()
         self.traffic: AdapterTraffic | None = None
         """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes
@@ -165,6 +166,13 @@ class Gateway:
         workers = self._route_now(res.base_model, adapter_id) or await self.router.route(res.base_model, adapter_id)
         await self._forward(call, receive, send, req, workers, payload, res.adapter)
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop serving requests (asking asyncio for it costs a getpid system call on 3.11)."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
     def _snapshot(self) -> RegistrySnapshot:
         try:
             return self.snapshots.current
@@ -231,7 +239,7 @@ class Gateway:
     async def _forward(self, call: _Call, receive: Any, send: Any, req: ValidRequest, workers: list[Worker],
                        payload: bytes, adapter: AdapterRef | None) -> None:
         """Send to the first worker that answers and pass its answer on, under the request's guard."""
-        guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper)
+        guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper, self._running_loop())
         client = self.client
 
         def vllm(worker: Worker, reload: bool) -> Any:  # a vLLM worker's body (gateway.vllm_backend)
@@ -537,9 +545,10 @@ class _Guard:
     __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired", "loop",
                  "started", "stopped")
 
-    def __init__(self, receive: Any, state: _Call, timeout_s: float, sweeper: _Sweeper) -> None:
-        self.loop = loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+    def __init__(self, receive: Any, state: _Call, timeout_s: float, sweeper: _Sweeper,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._task = asyncio.current_task(loop)
         self._receive = receive
         self._state = state
         self.started = loop.time()

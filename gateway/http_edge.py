@@ -9,6 +9,7 @@ class and reads its per-request state, so pyproject.toml pins uvicorn's minor ve
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -29,26 +30,46 @@ class _HeadTooLarge(Exception):
 class StepWrites:
     """A transport whose writes of one event-loop step leave as one: uvicorn writes a response's
     head and body separately, which costs a ``send`` and a TCP segment each. Every write and
-    close of the connection (uvicorn's and the edge's) goes through here, so their order holds."""
+    close of the connection (uvicorn's and the edge's) goes through here, so their order holds.
 
-    __slots__ = ("_buf", "_loop", "_transport")
+    A write that ``holds`` (called with the buffer empty) says is a head whose body is still to
+    come is held for the next write, which sends both at once: no callback at the end of the
+    step, and no loop iteration more for a response written whole (``release`` sends a head
+    left without a body)."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("_buf", "_held", "_holds", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 holds: Callable[[], bool] | None = None) -> None:
         self._transport = transport
         self._loop = loop
+        self._holds = holds
         self._buf: list[bytes] | None = None
+        self._held = False
 
     def write(self, data: bytes) -> None:
-        if self._buf is None:
+        buf = self._buf
+        if buf is not None:
+            buf.append(data)
+            if self._held:
+                self.flush()
+        elif self._holds is not None and self._holds():
+            self._buf = [data]
+            self._held = True
+        else:
             self._buf = [data]
             self._loop.call_soon(self.flush)
-        else:
-            self._buf.append(data)
 
     def flush(self) -> None:
         buf, self._buf = self._buf, None
+        self._held = False
         if buf and not self._transport.is_closing():
             self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
+
+    def release(self) -> None:
+        """Send a held write now."""
+        if self._held:
+            self.flush()
 
     def close(self) -> None:
         self.flush()
@@ -76,13 +97,15 @@ class EdgeProtocol(HttpToolsProtocol):
         self._began_here = False
         self._in_body = False
         self._since = 0.0
-        self._head_bytes = 0
-        """Bytes of the head's finished parts (request line, headers)."""
         self._head_raw = 0
         """Bytes of the reads that went wholly into the head after the one it began in."""
         self._too_large = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._idle_since: float | None = None
+        """Since when the connection waits for a next request (None: busy, or no request yet)."""
+        self._held_for: Any = None
+        """The response cycle whose head ``StepWrites`` held (one head per cycle)."""
 
     @classmethod
     def configured(cls, settings: Settings) -> type[EdgeProtocol]:
@@ -93,13 +116,32 @@ class EdgeProtocol(HttpToolsProtocol):
     # -- connection -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(StepWrites(transport, self.loop))  # type: ignore[arg-type]
+        super().connection_made(StepWrites(transport, self.loop, self._holds_head))  # type: ignore[arg-type]
         self._since = self.loop.time()
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         super().connection_lost(exc)
+
+    def _unset_keepalive_if_required(self) -> None:
+        """The connection is busy (uvicorn calls this on every read): the keep-alive timer, if
+        set, finds it so when it runs out."""
+        self._idle_since = None
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        since = self._idle_since
+        if since is None or self.transport.is_closing():
+            return
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
 
     def data_received(self, data: bytes) -> None:
         was_head = self._in_head
@@ -108,10 +150,12 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             self._disarm()
             return
-        if was_head and self._in_head and not self._began_here:
-            # httptools holds an unfinished header line in memory: bound what a head may take.
-            self._head_raw += len(data)
-            if self._head_raw > MAX_HEAD_BYTES:
+        if self._in_head and self._begun:
+            # A head still unfinished: its finished parts, and the reads that went wholly into it
+            # after the one it began in (httptools holds an unfinished header line in memory).
+            if was_head and not self._began_here:
+                self._head_raw += len(data)
+            if self._head_raw > MAX_HEAD_BYTES or self._head_size() > MAX_HEAD_BYTES:
                 self._too_large = True
                 self.send_400_response("")
                 return
@@ -125,17 +169,12 @@ class EdgeProtocol(HttpToolsProtocol):
             self._in_head = True
             self._since = self.loop.time()
         self._begun = self._began_here = True
-        self._head_bytes = self._head_raw = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
-        super().on_header(name, value)
+        self._head_raw = 0
 
     def on_headers_complete(self) -> None:
+        if self._head_size() > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise _HeadTooLarge
         self._in_head = self._begun = False
         self._in_body = True
         self._since = self.loop.time()
@@ -146,18 +185,43 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and (self._in_head or self._in_body):
+        self.transport.release()  # type: ignore[attr-defined]  # a head without a body (HEAD)
+        # uvicorn's ``on_response_complete``, except that the keep-alive timer is not armed and
+        # cancelled for every request: one stays set while the connection is busy and is moved
+        # on when it finds the connection idle for less than the timeout (``_keep_alive_due``).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = None
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_since = self.loop.time()
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+        if self._in_head or self._in_body:
             # The server's wait is over (a request queued behind this response is now served):
             # the client's time for what it still owes counts from here.
             self._since = self.loop.time()
             self._arm()
 
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._too_large = True
-            raise _HeadTooLarge
+    def _holds_head(self) -> bool:
+        """Whether a write (into an empty buffer) is the head of a response of known, non-empty
+        length that was just started: its body follows, so the head waits for it (``StepWrites``)."""
+        cycle = self.cycle
+        if (cycle is None or cycle is self._held_for or not cycle.response_started or cycle.response_complete
+                or cycle.chunked_encoding is not False or cycle.expected_content_length <= 0):
+            return False
+        self._held_for = cycle
+        return True
+
+    def _head_size(self) -> int:
+        """Bytes of the head's finished parts: the request line's target and the header lines
+        (checked when the head completes and after each read that ends inside one, not per
+        header: that runs for every header of every request)."""
+        return len(self.url) + sum([len(name) + len(value) + 4 for name, value in self.headers])
 
     # -- deadlines --------------------------------------------------------------------------------
 

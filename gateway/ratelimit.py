@@ -294,11 +294,10 @@ class _StepPipeline:
         self.scripts = scripts
         self.timeout_s = timeout_s
         self.on_failure = on_failure
-        from redis.exceptions import (  # lazy: the embedded gateway never loads redis
-            NoScriptError,
-            ResponseError,
-        )
+        from hiredis import pack_command  # lazy: the embedded gateway never loads redis
+        from redis.exceptions import NoScriptError, ResponseError
 
+        self._pack = pack_command
         self._noscript = NoScriptError
         self._response_error = ResponseError
         self._conn: Any = None
@@ -307,9 +306,18 @@ class _StepPipeline:
         self._open: dict[tuple[Any, ...], _Call] = {}
         """Calls still taking company (until the queue is sent)."""
         self._heads: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
-        """Encoded command heads by script, keys and leading arguments (redis-py encodes bytes for free)."""
+        """Encoded command heads by script, keys and leading arguments."""
         self._sender: asyncio.Task[None] | None = None
+        self._loop: Any = None
+        """The loop the sender runs on."""
         self._timer: asyncio.TimerHandle | None = None
+        """Sends deferred calls that found no company (``_deferred``)."""
+        self._timer_loop: Any = None
+        self._watch: asyncio.TimerHandle | None = None
+        """The round trips' watchdog (``_watchdog``)."""
+        self._due = 0.0
+        """When the round trip in flight times out (0: none in flight)."""
+        self._expired = False
 
     def join(self, script: Script, keys: list[str], const: list[Any], part: str, *,
              defer_s: float = 0.0, wait: bool = True) -> tuple[int, asyncio.Future[Any] | None]:
@@ -331,24 +339,35 @@ class _StepPipeline:
             self._queue.append(call)
         call.parts.append(part)
         fut = None
+        loop = self._loop
+        if loop is None or not loop.is_running():  # asking asyncio costs a getpid call on 3.11
+            loop = asyncio.get_running_loop()
         if wait:
-            fut = asyncio.get_running_loop().create_future()
+            fut = loop.create_future()
             call.waiters.append(fut)
-        self._kick(defer_s)
+        self._kick(defer_s, loop)
         return len(call.parts) - 1, fut
 
-    def _kick(self, defer_s: float) -> None:
+    def _kick(self, defer_s: float, loop: asyncio.AbstractEventLoop) -> None:
         if self._sender is not None:
             return  # the running sender takes the queue after its pipeline
         if defer_s > 0:
-            if self._timer is None:
-                self._timer = asyncio.get_running_loop().call_later(defer_s, self._kick, 0.0)
+            # One timer at a time, left to run out rather than cancelled when the queue goes
+            # out sooner (arming and cancelling one per settlement cost more than the rest of it).
+            if self._timer is None or self._timer_loop is not loop:
+                self._timer = loop.call_later(defer_s, self._deferred, loop)
+                self._timer_loop = loop
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if loop is not self._loop:
+            self._loop = loop
+            self._watch = None  # a timer of another loop never fires here
         # A task's first step runs after the callbacks already due: the calls of this step join.
-        self._sender = asyncio.get_running_loop().create_task(self._send_queued())
+        self._sender = loop.create_task(self._send_queued())
+
+    def _deferred(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        if self._queue:
+            self._kick(0.0, loop)
 
     async def _send_queued(self) -> None:
         try:
@@ -360,26 +379,51 @@ class _StepPipeline:
             self._sender = None
 
     async def _send(self, calls: list[_Call]) -> None:
+        loop = self._loop
+        self._due = loop.time() + self.timeout_s
+        if self._watch is None:
+            self._watch = loop.call_at(self._due, self._watchdog)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                replies = await self._execute(calls)
-                refused = [i for i, r in enumerate(replies) if isinstance(r, self._noscript)]
-                if refused:
-                    await self._execute_commands([("SCRIPT", "LOAD", s.script) for s in self.scripts])
-                    again = await self._execute([calls[i] for i in refused])
-                    for i, reply in zip(refused, again, strict=True):
-                        replies[i] = reply
-        except Exception as exc:  # connection problems and timeouts: every caller sees them
+            replies = await self._execute(calls)
+            refused = [i for i, r in enumerate(replies) if isinstance(r, self._noscript)]
+            if refused:
+                await self._execute_commands([("SCRIPT", "LOAD", s.script) for s in self.scripts])
+                again = await self._execute([calls[i] for i in refused])
+                for i, reply in zip(refused, again, strict=True):
+                    replies[i] = reply
+        except Exception as exc:  # connection problems: every caller sees them
             replies = [exc] * len(calls)
-        except BaseException:  # the sender itself cancelled (the loop shuts down)
-            for call in calls:
-                call.resolve(ConnectionError("the Redis limiter was stopped"))
-            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._expired or task is None or task.uncancel() > 0:
+                # The sender itself cancelled (the loop shuts down).
+                self._expired = False
+                for call in calls:
+                    call.resolve(ConnectionError("the Redis limiter was stopped"))
+                raise
+            self._expired = False  # cut short by the watchdog: a timeout, as every caller sees it
+            replies = [TimeoutError(f"no answer from Redis within {self.timeout_s:g} s")] * len(calls)
+        finally:
+            self._due = 0.0
         failure = next((r for r in replies if isinstance(r, Exception)), None)
         if failure is not None:
             self.on_failure(failure)
         for call, reply in zip(calls, replies, strict=True):
             call.resolve(reply)
+
+    def _watchdog(self) -> None:
+        """Cancels the sender when its round trip runs past ``timeout_s`` (``_send`` answers
+        its callers with a timeout). One timer, moved on while round trips end in time,
+        instead of an ``asyncio.timeout`` (a timer armed and cancelled) per round trip."""
+        self._watch = None
+        if not self._due or self._sender is None:
+            return  # nothing in flight: the next round trip arms it again
+        loop = self._loop
+        if loop.time() < self._due:
+            self._watch = loop.call_at(self._due, self._watchdog)
+            return
+        self._expired = True
+        self._sender.cancel()
 
     async def _execute(self, calls: list[_Call]) -> list[Any]:
         return await self._execute_commands([(*c.head, " ".join(c.parts).encode()) for c in calls])
@@ -390,7 +434,10 @@ class _StepPipeline:
         conn = self._conn
         if conn is None:
             conn = self._conn = _own_connection(self.redis)
-        await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        # hiredis packs in C what redis-py's ``pack_commands`` packs in Python (the same bytes).
+        pack = self._pack
+        packed = b"".join([pack(c) for c in commands])
+        await conn.send_packed_command(packed, check_health=False)
         replies: list[Any] = []
         for _ in commands:
             try:
@@ -402,9 +449,13 @@ class _StepPipeline:
     async def close(self) -> None:
         """Send what is still queued (settlements waiting for company) and wait for it."""
         if self._queue and self._sender is None:
-            self._kick(0.0)
+            self._kick(0.0, asyncio.get_running_loop())
         if self._sender is not None:
             await asyncio.shield(self._sender)
+        for timer in (self._timer, self._watch):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._watch = None
         if self._conn is not None:
             conn, self._conn = self._conn, None
             await conn.disconnect()

@@ -84,8 +84,11 @@ class Exchange:
         self.content_type = message.headers.get("content-type", "application/json")
 
     async def read(self) -> bytes:
+        payload = self._payload
         try:
-            return await self._payload.read()
+            if payload.is_eof():  # all of the body is here (a small answer usually is)
+                return payload.read_nowait()
+            return await payload.read()
         except _BROKEN as exc:
             raise WorkerBroke(_why(exc)) from None
 
@@ -159,26 +162,22 @@ class WorkerClient:
     async def exchange(self, method: str, url: str, body: bytes | None,
                        headers: Mapping[str, str]) -> WorkerResponse:
         """The one place a request leaves the gateway (the seam a test double replaces)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # connections belong to the loop that made them
-            self._loop = loop
+        loop = self._loop
+        if loop is None or not loop.is_running():  # connections belong to the loop that made them
+            # (asking asyncio for the running loop costs a getpid system call on Python 3.11)
+            self._loop = loop = asyncio.get_running_loop()
             self._idle = {}
         target = self._targets.get(url)
         if target is None:
             if len(self._targets) >= 4096:
                 self._targets.clear()
             target = self._targets[url] = _Target(url)
-        head = [method.encode("ascii"), target.line]
-        for name, value in headers.items():
-            if "\r" in value or "\n" in value:
-                raise ValueError(f"header {name} must not contain line breaks")
-            head.append(f"{name}: {value}\r\n".encode("latin-1"))
-        if body is not None:
-            head.append(b"content-length: %d\r\n" % len(body))
-        head.append(b"\r\n")
-        if body:
-            head.append(body)
-        request = b"".join(head)
+        lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+            bad = next(name for name, value in headers.items() if "\r" in f"{name}{value}" or "\n" in f"{name}{value}")
+            raise ValueError(f"header {bad} must not contain line breaks")
+        request = b"".join((method.encode("ascii"), target.line, lines.encode("latin-1"),
+                            b"\r\n" if body is None else b"content-length: %d\r\n\r\n" % len(body), body or b""))
         for attempt in (0, 1):
             proto = self._pooled(target.key, loop) if attempt == 0 else None
             reused = proto is not None

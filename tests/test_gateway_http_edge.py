@@ -399,6 +399,21 @@ def test_oversized_heads_are_431():
             _refused(s, 431, "head_too_large")
 
 
+def test_many_header_lines_over_the_cap_are_431_whether_the_head_ends_or_not():
+    lines = "".join(f"x-h{i}: {'v' * 1000}\r\n" for i in range(MAX_HEAD_BYTES // 1000 + 2)).encode()
+    with serve(gateway_head_timeout_s=30) as srv:
+        with connect(srv.port) as s:  # every line finished, the head too
+            s.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n" + lines + b"\r\n")
+            _refused(s, 431, "head_too_large")
+        with connect(srv.port) as s:  # every line finished, the head never: refused at once all the same
+            s.sendall(b"GET /x HTTP/1.1\r\nhost: t\r\n" + lines)
+            s.settimeout(10)
+            _refused(s, 431, "head_too_large")
+        with connect(srv.port) as s:  # just under the cap: served
+            s.sendall(request("GET", "/fits", headers={"x-big": "a" * (MAX_HEAD_BYTES - 200)}))
+            assert Reader(s).response()[0] == 200
+
+
 def test_half_sent_heads_are_answered_408_and_silent_connections_closed():
     with serve(gateway_head_timeout_s=0.5) as srv:
         half = [connect(srv.port) for _ in range(30)]
@@ -472,6 +487,20 @@ def test_idle_connections_are_closed_after_the_keep_alive_timeout():
         t0 = time.monotonic()
         assert r.closed()
         assert time.monotonic() - t0 < 2
+
+
+def test_the_keep_alive_timeout_counts_only_idle_time():
+    with serve(timeout_keep_alive=0.3) as srv, connect(srv.port) as s:
+        r = Reader(s)
+        s.sendall(request("GET", "/x"))  # idle from its answer on: the keep-alive timer is set
+        assert r.response()[2] == b"/x"
+        s.sendall(request("GET", "/slow?0.8"))  # busy past the timer: it must not close the connection
+        assert r.response()[2] == b"slow"
+        s.sendall(request("GET", "/y"))
+        assert r.response()[2] == b"/y"
+        t0 = time.monotonic()
+        assert r.closed()
+        assert 0.2 <= time.monotonic() - t0 < 2
 
 
 def test_graceful_shutdown_finishes_the_running_request():

@@ -559,3 +559,43 @@ async def test_silent_redis_times_out_to_the_fallback(redis_prefix):
         await lim.close()
         await r.aclose()
         server.close()
+
+
+async def test_a_round_trip_that_hangs_after_prompt_ones_still_times_out(redis_url, redis_prefix):
+    """The round trips' deadline is one timer moved on while they end in time: a round trip
+    that hangs later, while that timer is still set for an earlier one, times out all the same."""
+    target = redis_url.rsplit("/", 1)[0].removeprefix("redis://")
+    host, _, rport = target.partition(":")
+    silent = asyncio.Event()
+
+    async def relay(reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(host, int(rport or 6379))
+
+        async def pipe(src, dst, upstream):
+            while data := await src.read(65536):
+                if upstream and silent.is_set():
+                    continue  # Redis never hears of it: no answer comes
+                dst.write(data)
+                await dst.drain()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                             return_exceptions=True)
+
+    port = free_port()
+    server = await asyncio.start_server(relay, "127.0.0.1", port)
+    r = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+    lim = RedisLimiter(r, redis_prefix, timeout_s=0.5)
+    try:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):  # prompt round trips, each well within the timeout
+            assert (await lim.acquire("acme", Limits(requests_per_min=10), 1, 30)).lease.backend is lim
+            await asyncio.sleep(0.1)
+        silent.set()
+        t0 = loop.time()
+        got = await lim.acquire("acme", Limits(requests_per_min=10), 1, 30)
+        assert got.allowed and got.lease.backend is lim.fallback and lim.degraded
+        assert 0.2 <= loop.time() - t0 < 2.0
+    finally:
+        await lim.close()
+        await r.aclose()
+        server.close()

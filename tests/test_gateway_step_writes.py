@@ -56,3 +56,39 @@ def test_close_sends_pending_writes_first_and_later_writes_are_dropped() -> None
 
     assert asyncio.run(main()).writes == [b"408 answer"]
 
+
+
+def test_a_held_head_leaves_with_the_next_write_at_once() -> None:
+    async def main() -> FakeTransport:
+        t = FakeTransport()
+        holds = iter([True, False])
+        w = StepWrites(t, asyncio.get_running_loop(), lambda: next(holds))  # type: ignore[arg-type]
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+        assert t.writes == []
+        w.write(b"body")
+        assert t.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nbody"]  # within the step
+        w.write(b"more")  # not held: at the end of the step, as before
+        assert len(t.writes) == 1
+        await asyncio.sleep(0)
+        return t
+
+    assert asyncio.run(main()).writes[1:] == [b"more"]
+
+
+def test_a_held_head_without_a_body_is_sent_by_release_or_close() -> None:
+    async def main() -> tuple[FakeTransport, FakeTransport]:
+        loop = asyncio.get_running_loop()
+        a, b = FakeTransport(), FakeTransport()
+        wa = StepWrites(a, loop, lambda: True)  # type: ignore[arg-type]
+        wa.write(b"HEAD answer")
+        await asyncio.sleep(0)
+        assert a.writes == []  # held: nothing scheduled for it
+        wa.release()
+        wa.release()
+        wb = StepWrites(b, loop, lambda: True)  # type: ignore[arg-type]
+        wb.write(b"head")
+        wb.close()
+        return a, b
+
+    a, b = asyncio.run(main())
+    assert a.writes == [b"HEAD answer"] and b.writes == [b"head"] and b.closed
