@@ -7,7 +7,10 @@ The agent runs beside one vLLM server (started with ``--enable-lora`` and
 (``engine.internal_api``'s routes, shapes, secret and errors): a load fetches the version
 through the worker's sources and disk cache (sha256 checked) and registers it with vLLM
 under ``lora_name`` = the immutable version id; at most ``max_adapters`` names are
-registered, least recently used unloaded first. Torch-free: it runs from the plain install.
+registered, least recently used unloaded first. Restarts: a restarted agent adopts the names
+vLLM still holds; when vLLM itself goes (its port refuses connections) the agent withdraws its
+report and forgets every name, since a restarted vLLM holds none, and loads on demand again.
+Torch-free: it runs from the plain install.
 """
 
 from __future__ import annotations
@@ -154,10 +157,13 @@ class VllmAgent:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.misses += 1
             # Refused: vLLM is gone. Slow: busy, so the last state stands a few looks more.
-            if isinstance(exc, httpx.ConnectError) or self.misses >= MAX_MISSES:
+            refused = isinstance(exc, httpx.ConnectError)
+            if refused or self.misses >= MAX_MISSES:
                 if self.vllm.up:
                     log.warning("vLLM at %s does not answer: %s: %s", self.config.vllm_url, type(exc).__name__, exc)
                 self.vllm = state
+            if refused:
+                self._forget_all()
             return self.vllm
         self.misses = 0
         state.up = True
@@ -179,6 +185,14 @@ class VllmAgent:
             self.held.move_to_end(aid)  # requests vLLM runs with it: recently used
         self.vllm = state
         return state
+
+    def _forget_all(self) -> None:
+        """vLLM refuses connections: its process is gone, and whatever starts on its port holds no
+        adapter. Its names (pins included) are forgotten now, so a load asked for during the outage
+        fails as one (503) instead of answering from a stale table, and one asked for after the
+        restart registers the version again."""
+        for aid in [a for a in self.held if not self._busy(a)]:
+            del self.held[aid]
 
     def _busy(self, aid: str) -> bool:
         lock = self._locks.get(aid)

