@@ -243,7 +243,8 @@ class VllmAgent:
                                        "adapter_load_failed") from None
                 if held is None:
                     await self._make_room()
-                self.loads += await self._register(ref, path)
+                registered = await self._register(ref, path)
+                self.loads += registered  # not ``+= await``: that reads the count before the wait
                 held = self.held.setdefault(ref.id, _Held(ref))
                 self.failed.pop(ref.id, None)
             if not held.ref.uri and ref.uri:

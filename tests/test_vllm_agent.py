@@ -125,7 +125,8 @@ class FakeVllm:
         self.names: set[str] = set()
         self.calls: list[tuple[str, str]] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.01)  # an answer takes a while: concurrent calls interleave
         name = orjson.loads(request.content)["lora_name"]
         self.calls.append((request.url.path, name))
         if request.url.path == "/v1/load_lora_adapter":
@@ -191,6 +192,23 @@ def test_a_reload_registers_a_name_the_table_still_lists(tmp_path):
 
     asyncio.run(scenario())
     assert [p for p, _ in vllm.calls] == ["/v1/load_lora_adapter"] * 3 and agent.loads == 2
+
+
+def test_concurrent_loads_are_each_counted(tmp_path):
+    vllm = FakeVllm()
+    agent = _agent(tmp_path, "http://vllm")
+    refs = [_demo_ref(name) for name in ("french", "json", "terse")]
+
+    async def scenario() -> None:
+        await agent.http.aclose()
+        agent.http = vllm.client()
+        try:
+            await asyncio.gather(*(agent.load(ref) for ref in refs))
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+    assert vllm.names == {ref.id for ref in refs} and agent.loads == 3
 
 
 async def test_a_vllm_worker_that_loses_the_adapter_again_is_not_the_clients_404():
