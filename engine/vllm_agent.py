@@ -7,7 +7,10 @@ The agent runs beside one vLLM server (started with ``--enable-lora`` and
 (``engine.internal_api``'s routes, shapes, secret and errors): a load fetches the version
 through the worker's sources and disk cache (sha256 checked) and registers it with vLLM
 under ``lora_name`` = the immutable version id; at most ``max_adapters`` names are
-registered, least recently used unloaded first. Torch-free: it runs from the plain install.
+registered, least recently used unloaded first. Restarts: a restarted agent adopts the names
+vLLM still holds; when vLLM itself goes (its port refuses connections) the agent withdraws its
+report and forgets every name, since a restarted vLLM holds none, and loads on demand again.
+Torch-free: it runs from the plain install.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ log = logging.getLogger("loraplex.engine.vllm_agent")
 
 VLLM_TIMEOUT_S = 120.0
 OBSERVE_TIMEOUT_S = 10.0
+LOAD_GRACE_S = 5.0
+"""A name handed out by a load is not evicted for this long: the gateway's request for it is on
+its way to vLLM (vLLM's unload drops the name at once, answering that request 404, while
+requests it has already taken run to the end)."""
 MAX_MISSES = 3
 """Looks at vLLM that may time out in a row before the agent withdraws its report (a refused
 connection withdraws it at once)."""
@@ -78,6 +85,8 @@ class _Held:
     error: str | None = None
     since: float = field(default_factory=time.monotonic)
     """When it was registered (an observation that started earlier may not list it yet)."""
+    granted: float = 0.0
+    """When a load last handed it out (``LOAD_GRACE_S``)."""
 
 
 @dataclass
@@ -154,10 +163,13 @@ class VllmAgent:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.misses += 1
             # Refused: vLLM is gone. Slow: busy, so the last state stands a few looks more.
-            if isinstance(exc, httpx.ConnectError) or self.misses >= MAX_MISSES:
+            refused = isinstance(exc, httpx.ConnectError)
+            if refused or self.misses >= MAX_MISSES:
                 if self.vllm.up:
                     log.warning("vLLM at %s does not answer: %s: %s", self.config.vllm_url, type(exc).__name__, exc)
                 self.vllm = state
+            if refused:
+                self._forget_all()
             return self.vllm
         self.misses = 0
         state.up = True
@@ -179,6 +191,14 @@ class VllmAgent:
             self.held.move_to_end(aid)  # requests vLLM runs with it: recently used
         self.vllm = state
         return state
+
+    def _forget_all(self) -> None:
+        """vLLM refuses connections: its process is gone, and whatever starts on its port holds no
+        adapter. Its names (pins included) are forgotten now, so a load asked for during the outage
+        fails as one (503) instead of answering from a stale table, and one asked for after the
+        restart registers the version again."""
+        for aid in [a for a in self.held if not self._busy(a)]:
+            del self.held[aid]
 
     def _busy(self, aid: str) -> bool:
         lock = self._locks.get(aid)
@@ -203,8 +223,9 @@ class VllmAgent:
                 "state": "device" if loaded else ("failed" if held.error else "absent"), "pinned": held.pinned,
                 "users": 0, "rank": ref.rank, "slot": None, "error": held.error}
 
-    async def load(self, ref: AdapterRef, *, pin: bool = False) -> tuple[_Held, float]:
-        """Register ``ref`` with vLLM (fetched and verified first) unless it is; (entry, ms)."""
+    async def load(self, ref: AdapterRef, *, pin: bool = False, again: bool = False) -> tuple[_Held, float]:
+        """Register ``ref`` with vLLM (fetched and verified first) unless it is; ``again``: even when
+        the table has it (vLLM answered a request for it 404, so the table is stale). (entry, ms)"""
         t0 = time.perf_counter()
         if ref.base_revision and self.config.base_revision and ref.base_revision != self.config.base_revision:
             raise ControlError(422, f"adapter {ref.name} could not be loaded: it was registered for base revision "
@@ -213,22 +234,24 @@ class VllmAgent:
         lock = self._locks.setdefault(ref.id, asyncio.Lock())
         async with lock:
             held = self.held.get(ref.id)
-            if held is None:
+            if held is None or again:
                 try:
                     path = await asyncio.to_thread(self._fetch, ref)
                 except (AdapterFetchError, OSError) as exc:
                     self.failed[ref.id] = str(exc)
                     raise ControlError(422, f"adapter {ref.name} could not be loaded: {exc}",
                                        "adapter_load_failed") from None
-                await self._make_room()
-                await self._register(ref, path)
-                self.loads += 1
-                held = self.held[ref.id] = _Held(ref)
+                if held is None:
+                    await self._make_room()
+                registered = await self._register(ref, path)
+                self.loads += registered  # not ``+= await``: that reads the count before the wait
+                held = self.held.setdefault(ref.id, _Held(ref))
                 self.failed.pop(ref.id, None)
-            elif not held.ref.uri and ref.uri:
+            if not held.ref.uri and ref.uri:
                 held.ref = ref  # adopted from vLLM: now with its registry fields
             self.held.move_to_end(ref.id)
             held.pinned = held.pinned or pin
+            held.granted = time.monotonic()
         return held, (time.perf_counter() - t0) * 1000.0
 
     def _fetch(self, ref: AdapterRef) -> Path:
@@ -242,14 +265,15 @@ class VllmAgent:
                 self.disk.remove(ref)  # corrupted: fetched again below
         return self.disk.fill(ref, source if source.remote else _Copied(source))
 
-    async def _register(self, ref: AdapterRef, path: Path) -> None:
+    async def _register(self, ref: AdapterRef, path: Path) -> bool:
+        """Register ``ref`` under its version id: True, or False when vLLM already had the name."""
         try:
             r = await self.http.post("/v1/load_lora_adapter", json={"lora_name": ref.id, "lora_path": str(path)})
         except httpx.HTTPError as exc:
             raise ControlError(503, f"vLLM did not answer the load: {type(exc).__name__}: {exc}", "vllm_unavailable",
                                "server_error") from None
         if r.status_code == 200 or (r.status_code == 400 and "already" in r.text):
-            return
+            return r.status_code == 200
         message = _vllm_message(r)
         if r.status_code >= 500:
             raise ControlError(503, f"vLLM failed to load adapter {ref.name}: {message}", "vllm_unavailable",
@@ -259,13 +283,19 @@ class VllmAgent:
                            "adapter_load_failed")
 
     async def _make_room(self) -> None:
-        """Unload least recently used unpinned names until one more fits in ``max_adapters``."""
+        """Unload least recently used unpinned names until one more fits in ``max_adapters``; names
+        handed out in the last ``LOAD_GRACE_S`` are waited for, not evicted."""
         async with self._room:
             while len(self.held) >= self.config.max_adapters:
-                victim = next((a for a, h in self.held.items() if not h.pinned and not self._busy(a)), None)
-                if victim is None:
+                now = time.monotonic()
+                free = [(a, h) for a, h in self.held.items() if not h.pinned and not self._busy(a)]
+                if not free:
                     raise ControlError(503, f"all {len(self.held)} adapter names on this worker are pinned or "
                                        "loading", "adapters_full", "server_error")
+                victim = next((a for a, h in free if now - h.granted >= LOAD_GRACE_S), None)
+                if victim is None:  # every one is about to be used: the oldest grace ends first
+                    await asyncio.sleep(min(0.25, LOAD_GRACE_S - now + min(h.granted for _, h in free)))
+                    continue
                 await self._unregister(victim)
 
     async def _unregister(self, aid: str) -> bool:
@@ -373,7 +403,8 @@ def agent_routes(agent: VllmAgent) -> list[Route]:
 
     async def load(request: Request) -> Response:
         body = await read_json(request, settings.max_body_bytes)
-        held, ms = await agent.load(ref_of(body), pin=bool(body.get("pin", False)))
+        held, ms = await agent.load(ref_of(body), pin=bool(body.get("pin", False)),
+                                    again=bool(body.get("reload", False)))
         return JSONResponse({"adapter": agent.describe(held), "load_ms": round(ms, 3)})
 
     async def unload(request: Request) -> Response:

@@ -58,7 +58,8 @@ class Upstream:
         of it, for answers that are not streamed). The worker counts as loaded (``router.acquire``)
         until ``done``. A vLLM worker gets ``vllm(worker, reload)``'s body instead of ``payload``;
         its 404 (the adapter was unloaded since its report) is retried once on it with the
-        adapter loaded again."""
+        adapter loaded again, and a second 404 moves on to the next candidate (vLLM's answer,
+        which names the version, never reaches the client)."""
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
@@ -66,22 +67,25 @@ class Upstream:
         load_failure = None
         router = self.router
         tries = workers[: self.max_attempts]
-        reload = False
+        reloaded: set[str] = set()
         while tries:
             worker = tries.pop(0)
             router.acquire(worker)
             resp: WorkerResponse | None = None
             try:
-                body = payload if not worker.vllm or vllm is None else await vllm(worker, reload)
+                body = payload if not worker.vllm or vllm is None else await vllm(worker, worker.id in reloaded)
                 resp = await self.client.post(worker.url + path, body, request_id)
                 status = resp.status
-                if status == 404 and worker.vllm and not reload:
+                if status == 404 and worker.vllm:
                     await resp.read()
                     resp.close()
                     resp = None
                     router.release(worker)
-                    reload = True
-                    tries.insert(0, worker)
+                    if worker.id not in reloaded:
+                        reloaded.add(worker.id)
+                        tries.insert(0, worker)
+                    else:
+                        last = f"worker {worker.id} lost the adapter again after loading it"
                     continue
                 if status == 503 or status == 401 or status == 403:
                     body = await resp.read()

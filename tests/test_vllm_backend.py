@@ -2,8 +2,9 @@
 
 One vLLM server on the exported demo model (started once for the module), ``loraplex vllm-agent``
 beside it, a gateway, PostgreSQL and Redis; a bundled worker joins for the mixed-fleet test.
-The tests run in file order: the vLLM-only fleet first, then the mixed fleet, and last the test
-that kills vLLM under load.
+The tests run in file order: the vLLM-only fleet first, then the mixed fleet, then the test that
+kills vLLM under load; last, vLLM is started again on its port under the same agent, and killed
+once more in the middle of a stream.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def fleet(pg_url, redis_url, tmp_path_factory):
             print(f"--- {p.name} ---\n{p.tail(60)}")
         raise
     finally:
-        for p in [vllm, *([agent] if agent else []), *([f.agent] if f is not None else [])]:
-            p.kill(signal.SIGKILL)  # f.agent: the agent a test restarted
+        for p in [vllm, *([agent] if agent else []), *([f.vllm, f.agent] if f is not None else [])]:
+            p.kill(signal.SIGKILL)  # f.vllm, f.agent: the ones a test restarted
         c.stop()
 
 
@@ -345,23 +346,42 @@ def test_two_tenants_on_a_mixed_fleet_each_get_their_adapter(fleet):
 def _wait_reports(c: Cluster, holds: dict[str, str], lacks: dict[str, str], timeout_s: float = 60.0) -> None:
     """Until each worker's residency report lists the adapter in ``holds`` and not the one in ``lacks``
     (then the gateway's next refresh routes by them)."""
-    import redis
-
-    from loraplex.wire import WorkerReport
-
-    r = redis.Redis.from_url(c.redis_url)
     deadline = time.monotonic() + timeout_s
     while True:
-        held = {}
-        for wid in {*holds, *lacks}:
-            raw = r.get(f"{c.redis_prefix}:worker:{wid}")
-            rep = WorkerReport.from_json(raw) if raw else None
-            held[wid] = set(rep.device_adapters) | set(rep.host_adapters) if rep else set()
+        held = {w: set(rep.device_adapters) | set(rep.host_adapters) if rep else set()
+                for w, rep in _reports(c, {*holds, *lacks}).items()}
         if all(a in held[w] for w, a in holds.items()) and not any(a in held[w] for w, a in lacks.items()):
             time.sleep(1.0)  # past the gateway's refresh interval
             return
         assert time.monotonic() < deadline, f"reports do not show {holds} without {lacks}"
         time.sleep(0.3)
+
+
+def _wait_reported(c: Cluster, worker: str, ok: Any, timeout_s: float = 60.0) -> Any:
+    """Until ``ok(report)`` holds for ``worker``'s report (None: withdrawn); the report, once the
+    gateway's next refresh has had time to see it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rep = _reports(c, {worker})[worker]
+        if ok(rep):
+            time.sleep(1.0)  # past the gateway's refresh interval
+            return rep
+        assert time.monotonic() < deadline, f"{worker}'s report: {rep}"
+        time.sleep(0.3)
+
+
+def _reports(c: Cluster, workers: set[str]) -> dict[str, Any]:
+    """The workers' residency reports in Redis (None: none published)."""
+    import redis
+
+    from loraplex.wire import WorkerReport
+
+    r = redis.Redis.from_url(c.redis_url)
+    try:
+        raws = {w: r.get(f"{c.redis_prefix}:worker:{w}") for w in workers}
+    finally:
+        r.close()
+    return {w: WorkerReport.from_json(raw) if raw else None for w, raw in raws.items()}
 
 
 def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
@@ -405,3 +425,90 @@ def test_vllm_killed_under_load_fails_over_or_ends_streams_with_an_error(fleet):
     # the bundled worker takes acme's traffic (loading the adapter) once vLLM is gone
     r = fleet.wait_route("acme", "assistant", "w1", timeout_s=60)
     assert r.status_code == 200
+
+
+def test_vllm_restarted_under_its_agent_is_reported_empty_and_loads_again(fleet):
+    """vLLM stopped (the previous test killed it) and started again on its port: during the outage
+    the agent withdraws its report and answers loads with 503, and the gateway fails over; after
+    it, the agent reports the fresh vLLM holding no adapter, and a request for one is served
+    again, the gateway loading it through the agent."""
+    c = fleet.cluster
+    w1 = c.workers[0]
+    fleet.vllm.kill(signal.SIGTERM)  # already down when the module runs in order
+    _wait_reported(c, "v1", lambda rep: rep is None)
+    health = httpx.get(fleet.agent.url + "/health", timeout=TIMEOUT)
+    assert health.status_code == 503 and health.json()["status"] == "vllm_down", health.text
+    assert fleet.control("GET", "/internal/adapters").json()["adapters"] == []  # its names went with vLLM
+    r = fleet.control("POST", "/internal/adapters/load", {"adapter": _ref(fleet, "r32_all")})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "vllm_unavailable", r.text
+    r = fleet.chat("iso", "r8_all", PROMPTS[0])  # failover: the bundled worker loads it
+    assert r.status_code == 200 and r.headers[HDR_WORKER] == "w1", r.text
+
+    port = int(fleet.vllm.url.rsplit(":", 1)[1])
+    fleet.vllm = start_vllm(vllm_python(), fleet.hf_dir, c.home / "vllm-restarted.log", port=port)
+    print(f"\nvLLM-CPU restart: {wait_http(fleet.vllm, '/health', 900):.0f} s")
+    report = _wait_reported(c, "v1", lambda rep: rep is not None)
+    assert report.device_adapters == [] and report.url == fleet.vllm.url
+    assert httpx.get(fleet.agent.url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+    loads = httpx.get(fleet.agent.url + "/health", timeout=TIMEOUT).json()["loads"]
+    w1.kill(signal.SIGTERM)  # vLLM the one worker left: the request below cannot go elsewhere
+    _wait_reported(c, "w1", lambda rep: rep is None)
+    r = fleet.wait_route("iso", "r32_all", "v1")
+    assert r.headers[HDR_ADAPTER] == "iso-r32-all@1" and r.json()["model"] == fleet.ids["r32_all"]
+    assert httpx.get(fleet.agent.url + "/health", timeout=TIMEOUT).json()["loads"] == loads + 1
+    held = {a["id"] for a in fleet.control("GET", "/internal/adapters").json()["adapters"]}
+    assert held == {fleet.ids["r32_all"]}
+    assert _text(fleet.chat("iso", "r32_all", PROMPTS[1])) == fleet.vllm_chat(fleet.ids["r32_all"], PROMPTS[1])
+
+
+def test_a_stream_cut_mid_way_by_vllm_ends_with_an_error_event(fleet):
+    """vLLM killed once the first tokens of a long stream (``ignore_eos``) reached the client:
+    the stream ends with the gateway's SSE error event (no ``[DONE]``), the request is logged
+    and settled as a 502 with the prompt and the tokens relayed, and the worker's failure counted."""
+    c, gateway = fleet.cluster, fleet.gateway
+    rid = "cut-" + uuid.uuid4().hex
+    failures = _upstream_failures(gateway, "v1")
+    body = {"model": "r32_all", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 600,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events: list[str] = []
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=TIMEOUT, headers={
+            "Authorization": f"Bearer {c.token('iso')}", "x-request-id": rid}) as s:
+        assert s.status_code == 200 and s.headers[HDR_WORKER] == "v1"
+        lines = s.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if json.loads(events[-1])["choices"][0]["delta"].get("content"):
+                    break  # a token reached the client: now vLLM goes
+        fleet.vllm.kill(signal.SIGKILL)
+        events += [line[6:] for line in lines if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "stream_interrupted" and error["type"] == "upstream_error", error
+    tokens = [json.loads(e) for e in events[:-1]]
+    relayed = tokens[-1]["usage"]
+    assert 1 <= relayed["completion_tokens"] < 600  # cut mid-way
+    time.sleep(1.5)  # access-log lines are flushed every second
+    logged = [json.loads(line) for line in gateway.log.read_text(errors="replace").splitlines()
+              if line.startswith("{") and rid in line]
+    assert len(logged) == 1 and logged[0]["status"] == 502, logged
+    assert (logged[0]["prompt_tokens"], logged[0]["completion_tokens"]) == (relayed["prompt_tokens"],
+                                                                            relayed["completion_tokens"])
+    assert _upstream_failures(gateway, "v1") == failures + 1
+
+
+def _ref(fleet: Fleet, name: str) -> dict[str, Any]:
+    from loraplex.digest import digest_directory
+
+    return {"id": fleet.ids[name], "name": name, "uri": str(fleet.dirs[name]),
+            "sha256": digest_directory(fleet.dirs[name])}
+
+
+def _upstream_failures(gateway: Proc, worker: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = gateway.env["LORAPLEX_GATEWAY_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "loraplex_gateway_upstream_failures_total" and s.labels.get("worker") == worker)

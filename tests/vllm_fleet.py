@@ -49,8 +49,9 @@ def vllm_env() -> dict[str, str]:
                 VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
 
 
-def start_vllm(python: str, model: Path, log: Path, **kw: int) -> Proc:
-    port = free_port()
+def start_vllm(python: str, model: Path, log: Path, *, port: int | None = None, **kw: int) -> Proc:
+    """vLLM's OpenAI server on ``port`` (default: a free one; a restart passes the old one)."""
+    port = port or free_port()
     proc = Proc("vllm", vllm_args(python, model, port, **kw), vllm_env(), log, f"http://127.0.0.1:{port}")
     proc.start()
     return proc
