@@ -153,6 +153,9 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._in_forward: frozenset[int] = frozenset()
+        """Sequences of the step whose forward is running (their adapter slots must stay)."""
+        self._release_after_forward: list[Sequence] = []
         self.steps = 0
         self.last_step_s = 0.0
         self.fault: str | None = None
@@ -283,9 +286,23 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        """Give back the sequence's adapter slot (under the lock). A sequence of the step whose
+        forward is running keeps it until that forward ends: an abort from another thread
+        between scheduling and the forward would otherwise pull the slot from under the batch
+        and fail the other requests of that adapter in it."""
+        if seq.seq_id in self._in_forward:
+            self._release_after_forward.append(seq)
+            return
         rt = self.lora_runtime
         if rt is not None and hasattr(rt, "release"):
             rt.release(seq)
+
+    def _end_forward(self) -> None:
+        with self._lock:
+            self._in_forward = frozenset()
+            deferred, self._release_after_forward = self._release_after_forward, []
+            for seq in deferred:
+                self._release(seq)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
@@ -310,22 +327,27 @@ class Engine:
                         name = seq.adapter.name if seq.adapter is not None else "?"
                         self._finish(seq, "error", error=f"adapter {name} could not be loaded: {reason}",
                                      code="adapter_load_failed")
+            if out.chunks:
+                self._in_forward = frozenset(seq.seq_id for seq, _ in out.chunks)
         if not out.chunks:
             return False
-        if out.copies:
-            self.cache.copy_blocks(out.copies)
-        ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
-        sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
-        masks = self.grammars.start_masks(sampling)  # filled while the forward runs
         try:
-            if self.lora_runtime is not None:
-                self.lora_runtime.prepare_batch(ctx)
-            logits = self.model.forward(ctx, self.cache)
-        except Exception as exc:
-            if masks is not None:
-                masks.wait()
-            self._contain_exception(ctx, exc)
-            return True
+            if out.copies:
+                self.cache.copy_blocks(out.copies)
+            ctx = build_batch(out.chunks, self.cache.block_size, self.model.device)
+            sampling = [ctx.seqs[i] for i in ctx.sample_seqs]
+            masks = self.grammars.start_masks(sampling)  # filled while the forward runs
+            try:
+                if self.lora_runtime is not None:
+                    self.lora_runtime.prepare_batch(ctx)
+                logits = self.model.forward(ctx, self.cache)
+            except Exception as exc:
+                if masks is not None:
+                    masks.wait()
+                self._contain_exception(ctx, exc)
+                return True
+        finally:
+            self._end_forward()
         bad = self._non_finite(ctx, logits)
         keep = None
         if bad:

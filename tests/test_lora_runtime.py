@@ -122,3 +122,45 @@ def test_prepare_batch_never_acquires_a_slot(tmp_path):
     assert err.value.adapter_id == a.id and "without its adapter slot" in str(err.value)
     assert rt.manager.state(a).users == 0 and rt.held() == {}
     rt.manager.close()
+
+
+def test_an_abort_during_a_step_keeps_the_adapter_slot_until_the_forward_ends(tmp_path):
+    """A client that goes away while its step is between scheduling and the forward (the abort
+    comes from the event loop's thread) must not pull its adapter's slot from under the batch:
+    the other request on the same adapter in that step finishes normally."""
+    from engine.sequence import SamplingParams
+    from tests.lora_fixtures import (
+        ISOLATION_SPECS,
+        attach_runtime,
+        model_info,
+        peft_adapters,
+        refs_for,
+        run_to_completion,
+        save_tiny_llama,
+        tiny_engine,
+    )
+
+    base_dir = save_tiny_llama(tmp_path / "base")
+    name = next(iter(ISOLATION_SPECS))
+    _, dirs = peft_adapters(base_dir, tmp_path / "adapters", {name: ISOLATION_SPECS[name]})
+    ref = refs_for(dirs)[name]
+    engine = tiny_engine(base_dir)
+    rt = attach_runtime(engine, model_info(base_dir), tmp_path / "cache")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    leaving = engine.add_request([5, 6, 7, 8], params, adapter=ref)
+    staying = engine.add_request([9, 10, 11], params, adapter=ref)
+    prepare = rt.prepare_batch
+    aborted = []
+
+    def abort_first(ctx):
+        if not aborted and leaving in ctx.seqs:
+            aborted.append(leaving)
+            engine.abort(leaving)  # as the event loop would, after the step was scheduled
+        prepare(ctx)
+
+    rt.prepare_batch = abort_first
+    run_to_completion(engine, [leaving, staying])
+    assert aborted == [leaving] and leaving.finish_reason == "abort"
+    assert staying.finish_reason == "length" and len(staying.output_ids) == 6
+    assert rt.manager.state(ref.id).users == 0, "the aborted request's slot is given back after the forward"
+    rt.manager.close()
