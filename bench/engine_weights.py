@@ -45,29 +45,6 @@ CHATS = ["Write one sentence about the sea.", "What is the capital of France?", 
          "Name two planets and one fact about each.", "Give me a recipe for pancakes."]
 
 
-def accuracy(ref: Any, other: Any, adapter: Any, new: int) -> dict[str, float]:
-    """Top-1 agreement and KL(ref || other) per token over ``ref``'s greedy continuations."""
-    from engine.scoring import forced_logits
-    from engine.sequence import SamplingParams
-
-    agree = total = 0
-    kls = []
-    for text in CHATS:
-        prompt = ref.tokenizer.encode_chat([{"role": "user", "content": text}])
-        seq = ref.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new), adapter=adapter)
-        while not seq.is_finished:
-            ref.step()
-        ids = prompt + seq.output_ids
-        a = forced_logits(ref, ids, len(prompt), adapter).float().log_softmax(-1)
-        b = forced_logits(other, ids, len(prompt), adapter).float().log_softmax(-1)
-        kls.append((a.exp() * (a - b)).sum(-1))
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.shape[0]
-    kl = torch.cat(kls)
-    return {"positions": total, "top1_agreement": agree / total, "kl_mean": float(kl.mean()),
-            "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max())}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -83,6 +60,7 @@ def main() -> int:
     from engine.engine import Engine, EngineConfig
     from engine.fetch_demo import fetch_demo
     from engine.linear import cpu_has_bf16_matmul
+    from engine.scoring import agreement
     from loraplex.modelinfo import describe_model
 
     gguf = fetch_demo()
@@ -125,8 +103,9 @@ def main() -> int:
                      "float32_ttft_s": f32["ttft_s"], "bfloat16_ttft_s": bf16["ttft_s"],
                      "greedy_rows_equal": same})
     print("measuring accuracy ...", flush=True)
-    acc = {"base": accuracy(engines["auto"], engines["bfloat16"], None, args.accuracy_new),
-           "adapter": accuracy(engines["auto"], engines["bfloat16"], refs[0], args.accuracy_new)}
+    chats = [engines["auto"].tokenizer.encode_chat([{"role": "user", "content": t}]) for t in CHATS]
+    acc = {"base": agreement(engines["auto"], engines["bfloat16"], chats, args.accuracy_new),
+           "adapter": agreement(engines["auto"], engines["bfloat16"], chats, args.accuracy_new, refs[0])}
     for rt in runtimes.values():
         rt.manager.close()
 

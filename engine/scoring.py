@@ -1,4 +1,5 @@
-"""Teacher-forced logits: the model's next-token logits at every position of a given text."""
+"""Teacher-forced logits (the next-token logits at every position of a given text), and how
+closely two engines agree on them."""
 
 from __future__ import annotations
 
@@ -47,3 +48,26 @@ def forced_logits(engine: Any, ids: list[int], prefill_len: int, adapter: Any = 
         if rt is not None:
             rt.release(seq)
     return torch.stack(rows)
+
+
+def agreement(ref: Any, other: Any, prompts: list[list[int]], new: int, adapter: Any = None) -> dict[str, float]:
+    """How closely ``other`` follows ``ref`` on ``ref``'s own greedy continuations of ``prompts``
+    (``new`` tokens each, teacher-forced into both): the share of positions whose top-1 tokens
+    agree and the KL divergence KL(ref || other) per position (mean, p99, max). Steps ``ref``
+    directly: not for a running engine."""
+    agree = total = 0
+    kls = []
+    for prompt in prompts:
+        seq = ref.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new), adapter=adapter)
+        while not seq.is_finished:
+            if not ref.step():
+                time.sleep(0.002)  # waiting on an adapter load
+        ids = prompt + seq.output_ids
+        a = forced_logits(ref, ids, len(prompt), adapter).float().log_softmax(-1)
+        b = forced_logits(other, ids, len(prompt), adapter).float().log_softmax(-1)
+        kls.append((a.exp() * (a - b)).sum(-1))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    kl = torch.cat(kls)
+    return {"positions": total, "top1_agreement": agree / total, "kl_mean": float(kl.mean()),
+            "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max())}

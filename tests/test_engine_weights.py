@@ -18,7 +18,7 @@ import torch
 from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Linear
 from engine.native import gemv_kernel
-from engine.scoring import forced_logits
+from engine.scoring import agreement, forced_logits
 from engine.sequence import SamplingParams
 from loraplex.settings import Settings
 from tests.engine_fixtures import demo_gguf  # noqa: F401  (fixture)
@@ -141,23 +141,6 @@ CHATS = ["Write one sentence about the sea.", "Explain gravity to a child.", "Wr
          "How do I sort a list in Python?"]
 
 
-def _compare(ref, other, adapter=None, new=32):
-    agree = total = 0
-    kls = []
-    for text in CHATS:
-        prompt = ref.tokenizer.encode_chat([{"role": "user", "content": text}])
-        seq = ref.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new), adapter=adapter)
-        run_to_completion(ref, [seq])
-        ids = prompt + seq.output_ids
-        a = forced_logits(ref, ids, len(prompt), adapter).log_softmax(-1)
-        b = forced_logits(other, ids, len(prompt), adapter).log_softmax(-1)
-        kls.append((a.exp() * (a - b)).sum(-1))
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.shape[0]
-    kl = torch.cat(kls)
-    return agree / total, float(kl.mean()), float(kl.max())
-
-
 @pytest.mark.slow
 def test_demo_bf16_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, tmp_path):  # noqa: F811
     """Measured on the demo model (SmolLM2-135M, Q4_1 weights widened): top-1 agreement
@@ -171,9 +154,10 @@ def test_demo_bf16_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, 
     for eng, sub in ((f32, "a"), (bf16, "b")):
         attach_runtime(eng, info, tmp_path / sub)
     french = refs_for({"french": ADAPTERS / "french"})["french"]
+    prompts = [f32.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
     for adapter in (None, french):
-        top1, kl_mean, kl_max = _compare(f32, bf16, adapter)
-        assert top1 >= 0.93 and kl_mean <= 2e-3 and kl_max <= 5e-2, (adapter, top1, kl_mean, kl_max)
+        got = agreement(f32, bf16, prompts, 32, adapter)
+        assert got["top1_agreement"] >= 0.93 and got["kl_mean"] <= 2e-3 and got["kl_max"] <= 5e-2, (adapter, got)
     # The LoRA delta is applied in bfloat16-weights serving as in float32: same direction, same size.
     prompt = f32.tokenizer.encode_chat([{"role": "user", "content": "Describe your morning."}])
     d32 = forced_logits(f32, prompt, len(prompt), french)[-1] - forced_logits(f32, prompt, len(prompt))[-1]
