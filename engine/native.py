@@ -38,6 +38,8 @@ _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 _SIGNATURES = {
     "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                                       _int, _int, _int, _int, _int, _int, _int],
+    "loraplex_decode_attention_bf16kv": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                                         _int, _int, _int, _int, _int, _int, _int],
     "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
                                _int, _int, _int],
     "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
@@ -106,24 +108,27 @@ def _library() -> ctypes.CDLL | None:
 
 class DecodeAttention:
     """``out[rows[b]] = softmax(q[rows[b]] . K_b) V_b`` for every decoding sequence ``b``,
-    K/V read from the paged pools in place (see ``engine/csrc/cpu_kernels.c``)."""
+    K/V read from the paged pools in place (see ``engine/csrc/cpu_kernels.c``). ``q`` and
+    ``out`` are float32; the pools float32 or bfloat16 (widened on load, the math in float32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_decode_attention_f32
+        self._fns = {torch.float32: lib.loraplex_decode_attention_f32,
+                     torch.bfloat16: lib.loraplex_decode_attention_bf16kv}
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
                  lens: torch.Tensor, max_len: int, block_size: int, out: torch.Tensor,
                  rows: torch.Tensor | None = None) -> None:
         """``q``: ``[T, H, d]`` (head dim contiguous); ``k_pool``/``v_pool``: ``[Hk, slots, d]``
-        contiguous; ``blocks``: ``[B, nb]`` int64 contiguous; ``lens``: ``[B]`` int64;
+        contiguous, float32 or bfloat16 (both the same); ``blocks``: ``[B, nb]`` int64 contiguous; ``lens``: ``[B]`` int64;
         ``out``: ``[T, H*d]`` (row dim may be strided); ``rows``: ``[B]`` int64 or None (0..B-1)."""
         _, h, d = q.shape
         hk = k_pool.shape[0]
-        assert q.dtype == torch.float32 and q.stride(2) == 1 and out.stride(1) == 1
+        assert q.dtype == out.dtype == torch.float32 and q.stride(2) == 1 and out.stride(1) == 1
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and blocks.is_contiguous()
+        assert k_pool.dtype == v_pool.dtype and k_pool.dtype in self._fns, f"KV pools in {k_pool.dtype}"
         assert blocks.dtype == torch.int64 and lens.dtype == torch.int64 and lens.is_contiguous()
         b, nb = blocks.shape
-        rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr() if rows is not None else None,
+        rc = self._fns[k_pool.dtype](q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr() if rows is not None else None,
                       k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
                       blocks.data_ptr(), nb, lens.data_ptr(), out.data_ptr(), out.stride(0),
                       b, h, hk, d, block_size, max_len, torch.get_num_threads())

@@ -10,6 +10,9 @@
  * against the sequence's keys (two-pass softmax in a per-thread buffer), then
  * accumulates the weighted values. Compared with gathering the blocks into a
  * contiguous copy first, K/V are read once instead of read, written and read again.
+ *    loraplex_decode_attention_bf16kv: the same over bfloat16 pools (``LORAPLEX_KV_CACHE_DTYPE``):
+ *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
+ *    the softmax and the output stay float32; half the bytes to stream per cached token.
  *
  * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
  *    adapter slot (decode-like batches: few rows per adapter). Per row,
@@ -60,16 +63,34 @@ static inline float exp_nonpos(float x) {
     return y * p;
 }
 
+/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+/* Element ``i`` of a K/V pool as float32: the pool holds float32 (``kv_bf16`` 0) or bfloat16
+ * (``kv_bf16`` 1) values. Called with a constant ``kv_bf16``, so each kernel variant compiles
+ * to its own branch-free vector loads. */
+static inline __attribute__((always_inline)) float kv_at(const void *pool, int64_t i, const int kv_bf16)
+{
+    return kv_bf16 ? bf16_to_f32(((const uint16_t *)pool)[i]) : ((const float *)pool)[i];
+}
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
- * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128), so the
- * per-key loops compile to straight vector code; heads are the outer loop, so one head's
- * query (or output accumulator) stays in registers while the sequence's keys (values)
- * stream past, reread from L1/L2 for the next head. */
+ * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
+ * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
+ * code; heads are the outer loop, so one head's query (or output accumulator) stays in
+ * registers while the sequence's keys (values) stream past, reread from L1/L2 for the next
+ * head. ``kbase``/``vbase`` point at the kv head's first slot; offsets below count elements. */
 static inline __attribute__((always_inline)) void attend_task(
-    const float *qb, int64_t q_stride_head, const float *kbase, const float *vbase,
-    const int64_t *table, int len, int block_size, int g, const int head_dim,
+    const float *qb, int64_t q_stride_head, const void *kbase, const void *vbase,
+    const int64_t *table, int len, int block_size, int g, const int head_dim, const int kv_bf16,
     float *scores, float *ob)
 {
+    const int64_t block_elems = (int64_t)block_size * head_dim;
+    const int64_t elem_bytes = kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
     for (int j = 0; j < g; j++) {
         const float *qj = qb + (int64_t)j * q_stride_head;
         float *sj = scores + (int64_t)j * len;
@@ -77,14 +98,14 @@ static inline __attribute__((always_inline)) void attend_task(
         float m = -3.0e38f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
-            const float *kb = kbase + table[p0 / block_size] * block_size * head_dim;
+            const int64_t kb = table[p0 / block_size] * block_elems;
             if (j == 0) {
                 /* first pass over the keys: ask for the next key block and this value block
                  * now, so scattered blocks arrive while this one is computed */
-                const int64_t bytes = (int64_t)block_size * head_dim * (int64_t)sizeof(float);
-                const char *vb = (const char *)(vbase + table[p0 / block_size] * block_size * head_dim);
+                const int64_t bytes = block_elems * elem_bytes;
+                const char *vb = (const char *)vbase + kb * elem_bytes;
                 const char *kn = p0 + block_size < len
-                    ? (const char *)(kbase + table[p0 / block_size + 1] * block_size * head_dim) : NULL;
+                    ? (const char *)kbase + table[p0 / block_size + 1] * block_elems * elem_bytes : NULL;
                 for (int64_t c = 0; c < bytes; c += 64) {
                     __builtin_prefetch(vb + c, 0, 3);
                     if (kn != NULL) __builtin_prefetch(kn + c, 0, 3);
@@ -92,16 +113,16 @@ static inline __attribute__((always_inline)) void attend_task(
             }
             int t = 0;
             for (; t + 4 <= n; t += 4) {  /* four keys at a time: independent accumulators */
-                const float *k0 = kb + (int64_t)t * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim,
-                            *k3 = k2 + head_dim;
+                const int64_t k0 = kb + (int64_t)t * head_dim, k1 = k0 + head_dim, k2 = k1 + head_dim,
+                              k3 = k2 + head_dim;
                 float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma omp simd reduction(+:s0, s1, s2, s3)
                 for (int i = 0; i < head_dim; i++) {
                     const float qi = qj[i];
-                    s0 += qi * k0[i];
-                    s1 += qi * k1[i];
-                    s2 += qi * k2[i];
-                    s3 += qi * k3[i];
+                    s0 += qi * kv_at(kbase, k0 + i, kv_bf16);
+                    s1 += qi * kv_at(kbase, k1 + i, kv_bf16);
+                    s2 += qi * kv_at(kbase, k2 + i, kv_bf16);
+                    s3 += qi * kv_at(kbase, k3 + i, kv_bf16);
                 }
                 sj[p0 + t] = s0;
                 sj[p0 + t + 1] = s1;
@@ -111,10 +132,10 @@ static inline __attribute__((always_inline)) void attend_task(
                 m = m4 > m ? m4 : m;
             }
             for (; t < n; t++) {
-                const float *kp = kb + (int64_t)t * head_dim;
+                const int64_t kp = kb + (int64_t)t * head_dim;
                 float s = 0.0f;
 #pragma omp simd reduction(+:s)
-                for (int i = 0; i < head_dim; i++) s += qj[i] * kp[i];
+                for (int i = 0; i < head_dim; i++) s += qj[i] * kv_at(kbase, kp + i, kv_bf16);
                 sj[p0 + t] = s;
                 m = s > m ? s : m;
             }
@@ -132,12 +153,12 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int i = 0; i < head_dim; i++) acc[i] = 0.0f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
-            const float *vb = vbase + table[p0 / block_size] * block_size * head_dim;
+            const int64_t vb = table[p0 / block_size] * block_elems;
             for (int t = 0; t < n; t++) {
                 const float w = sj[p0 + t];
-                const float *vp = vb + (int64_t)t * head_dim;
+                const int64_t vp = vb + (int64_t)t * head_dim;
 #pragma omp simd
-                for (int i = 0; i < head_dim; i++) acc[i] += w * vp[i];
+                for (int i = 0; i < head_dim; i++) acc[i] += w * kv_at(vbase, vp + i, kv_bf16);
             }
         }
         const float inv = 1.0f / sum;
@@ -147,17 +168,19 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
-int loraplex_decode_attention_f32(
+/* Both exported decode-attention kernels: pools of float32 or bfloat16 (``kv_bf16``). */
+static inline __attribute__((always_inline)) int decode_attention(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
-    const float *k_pool, const float *v_pool, int64_t pool_slots,
+    const void *k_pool, const void *v_pool, int64_t pool_slots,
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
     float *out, int64_t out_stride_row,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    int max_len, int num_threads)
+    int max_len, int num_threads, const int kv_bf16)
 {
     const int g = num_heads / num_kv_heads;
     if (g > MAX_GROUP || head_dim > MAX_HEAD_DIM || g * num_kv_heads != num_heads) return -1;
     const int tasks = num_seqs * num_kv_heads;
+    const int64_t head_bytes = pool_slots * head_dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -174,21 +197,48 @@ int loraplex_decode_attention_f32(
             const int kh = task % num_kv_heads;
             const int len = (int)lens[b];
             const int64_t *table = blocks + (int64_t)b * blocks_per_seq;
-            const float *kbase = k_pool + (int64_t)kh * pool_slots * head_dim;
-            const float *vbase = v_pool + (int64_t)kh * pool_slots * head_dim;
+            const void *kbase = (const char *)k_pool + kh * head_bytes;
+            const void *vbase = (const char *)v_pool + kh * head_bytes;
             const int64_t row = rows != NULL ? rows[b] : b;
             const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
             float *ob = out + row * out_stride_row + (int64_t)kh * g * head_dim;
             if (head_dim == 64)
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, scores, ob);
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, kv_bf16, scores, ob);
             else if (head_dim == 128)
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, scores, ob);
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, kv_bf16, scores, ob);
             else
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, scores, ob);
+                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, kv_bf16, scores,
+                            ob);
         }
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+int loraplex_decode_attention_f32(
+    const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
+    const float *k_pool, const float *v_pool, int64_t pool_slots,
+    const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
+    float *out, int64_t out_stride_row,
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int max_len, int num_threads)
+{
+    return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
+                            blocks_per_seq, lens, out, out_stride_row, num_seqs, num_heads, num_kv_heads, head_dim,
+                            block_size, max_len, num_threads, 0);
+}
+
+int loraplex_decode_attention_bf16kv(
+    const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
+    const uint16_t *k_pool, const uint16_t *v_pool, int64_t pool_slots,
+    const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
+    float *out, int64_t out_stride_row,
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int max_len, int num_threads)
+{
+    return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
+                            blocks_per_seq, lens, out, out_stride_row, num_seqs, num_heads, num_kv_heads, head_dim,
+                            block_size, max_len, num_threads, 1);
 }
 
 /* s[k] = m[k] . x for the four rows m[0..3] (row stride ld) of a matrix: four independent
@@ -311,13 +361,6 @@ int loraplex_gemv_f32(
         }
     }
     return 0;
-}
-
-/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
 }
 
 /* float32 rounded to the nearest bfloat16 (ties to even), kept as a float32. */
