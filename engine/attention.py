@@ -18,6 +18,10 @@ why the stale values are finite).
 On CPU float32 the decode group instead goes through the native kernel
 (``engine.native.DecodeAttention``), which reads the K/V blocks in place: the gather
 copy above moves every cached byte three times per layer, the kernel once.
+
+K/V pools narrower than the activations (bfloat16 under float32, see ``engine.kv_cache``)
+are widened exactly: by ``KVCache.gather`` on the torch paths, on load in the native kernel.
+The math is the same either way, in the activations' dtype.
 """
 
 from __future__ import annotations

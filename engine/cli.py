@@ -19,9 +19,8 @@ def _worker(args: argparse.Namespace) -> int:
     from loraplex.settings import get_settings
 
     overrides: dict[str, Any] = {}
-    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "weights", "threads",
-                "max_loras",
-                "max_cpu_loras", "max_lora_rank", "preload_top_n"):
+    for key in ("model", "worker_host", "worker_port", "worker_id", "device", "dtype", "weights", "kv_cache_dtype",
+                "threads", "max_loras", "max_cpu_loras", "max_lora_rank", "preload_top_n"):
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value
@@ -47,10 +46,11 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"error: cannot load the base model: {exc}", file=sys.stderr)
         return 1
     m = engine.model
-    log.info("base model %s loaded in %.1f s (%s on %s, %s weights, %.0f MB)",
+    log.info("base model %s loaded in %.1f s (%s on %s, %s weights, %.0f MB; %s KV cache, %d tokens)",
              engine.info.name if engine.info else settings.model, time.monotonic() - t0,
              str(m.dtype).removeprefix("torch."), m.device, str(m.matmul_dtype).removeprefix("torch."),
-             m.weight_bytes / 1e6)
+             m.weight_bytes / 1e6, str(engine.cache.dtype).removeprefix("torch."),
+             engine.cache.num_blocks * engine.cache.block_size)
     try:
         app = create_worker_app(settings, engine)
         uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())
@@ -133,6 +133,8 @@ def register(subparsers: Any) -> None:
     w.add_argument("--device")
     w.add_argument("--dtype")
     w.add_argument("--weights", help="base weights: auto (as --dtype) or bfloat16 (under float32 activations)")
+    w.add_argument("--kv-cache-dtype", dest="kv_cache_dtype",
+                   help="KV cache: auto (bfloat16 with bfloat16 weights on CPU, else as --dtype), float32 or bfloat16")
     w.add_argument("--threads", type=int)
     w.add_argument("--max-loras", dest="max_loras", type=int, help="distinct adapters per batch (0: LoRA off)")
     w.add_argument("--max-cpu-loras", dest="max_cpu_loras", type=int, help="adapters kept in host memory")

@@ -61,6 +61,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     weights: str = "auto"
+    kv_cache_dtype: str = "auto"
     kv_cache_bytes: int = 256 * 1024 * 1024
     kv_block_size: int = 16
     max_num_seqs: int = 32
@@ -123,6 +124,24 @@ def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
     return mm
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, matmul_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is bfloat16 where the base's matrices are bfloat16 under
+    float32 activations on CPU (decode attention there is bound by reading K/V: half the bytes),
+    else the activations' ``dtype``; ``bfloat16`` also under float32 activations (K/V rounded
+    on write, widened for the attention math)."""
+    if kv_cache_dtype in ("", "auto"):
+        bf16_weights = matmul_dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"
+        return torch.bfloat16 if bf16_weights else dtype
+    kv = _DTYPES.get(kv_cache_dtype)
+    if kv not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r} (use auto, float32 or bfloat16)")
+    if kv != dtype and not (kv == torch.bfloat16 and dtype == torch.float32):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} under {str(dtype).removeprefix('torch.')} "
+                         "activations (a KV cache is in the activations' dtype or bfloat16 under float32)")
+    return kv
+
+
 class Engine:
     def __init__(self, model: DecoderModel, tokenizer: TextTokenizer, config: EngineConfig,
                  model_path: str | Path | None = None) -> None:
@@ -133,8 +152,9 @@ class Engine:
         cfg = model.cfg
         limit = cfg.context_length
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, model.matmul_dtype, model.device)
         self.cache = KVCache.from_bytes(cfg, config.kv_cache_bytes, config.kv_block_size, model.device,
-                                        model.dtype)
+                                        kv_dtype, model.dtype)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_waiting=config.max_waiting)
@@ -190,7 +210,8 @@ class Engine:
             torch.set_num_threads(settings.threads)
         path = settings.model or str(fetch_demo(settings))
         config = EngineConfig(
-            device=settings.device, dtype=settings.dtype, weights=settings.weights, kv_cache_bytes=settings.kv_cache_bytes,
+            device=settings.device, dtype=settings.dtype, weights=settings.weights,
+            kv_cache_dtype=settings.kv_cache_dtype, kv_cache_bytes=settings.kv_cache_bytes,
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)

@@ -18,6 +18,15 @@ Reused blocks are not cleared: attention gives every position outside a sequence
 context a weight of exactly 0 (scores masked, not added to), which is exact as long as
 the stale V values there are finite. The engine keeps it so: K/V a row wrote while its
 hidden state went non-finite are zeroed (``scrub``) before the blocks can be reused.
+
+The pools may hold a narrower dtype than the activations (``LORAPLEX_KV_CACHE_DTYPE``:
+bfloat16 K/V under float32 activations, as vLLM-CPU keeps them): half the bytes per token,
+so twice the tokens in ``kv_cache_bytes`` and half the memory traffic of decode attention.
+``write`` rounds K/V to the pool dtype (to nearest, ties to even) and ``gather`` widens them
+back (exact) for the attention math, which stays in the activations' dtype. A float32 value
+beyond bfloat16's range becomes Inf in the pool; the row that wrote it reads it back in the
+same step (every token attends to itself), so its output goes non-finite and ``scrub``
+clears it as it would a NaN.
 """
 
 from __future__ import annotations
@@ -95,9 +104,13 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the pools' dtype; ``compute_dtype``: the activations' (default ``dtype``),
+        in which ``gather`` hands K/V to attention."""
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
         slots = num_blocks * block_size
         shape = (cfg.num_kv_heads, slots, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -105,29 +118,36 @@ class KVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._gather_k = torch.empty(0, device=device, dtype=dtype)
         self._gather_v = torch.empty(0, device=device, dtype=dtype)
+        self._wide_k = torch.empty(0, device=device, dtype=self.compute_dtype)
+        self._wide_v = torch.empty(0, device=device, dtype=self.compute_dtype)
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
 
     @classmethod
     def from_bytes(cls, cfg: ModelConfig, cache_bytes: int, block_size: int, device: torch.device,
-                   dtype: torch.dtype) -> KVCache:
+                   dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> KVCache:
+        """As many blocks of ``dtype`` K/V as ``cache_bytes`` holds."""
         n = cache_bytes // block_bytes(cfg, block_size, dtype)
         if n < 1:
             raise ValueError(f"kv_cache_bytes={cache_bytes} holds no {block_size}-token block "
                              f"({block_bytes(cfg, block_size, dtype)} bytes each)")
-        return cls(cfg, int(n), block_size, device, dtype)
+        return cls(cfg, int(n), block_size, device, dtype, compute_dtype)
+
+    @staticmethod
+    def _workspace(buf: torch.Tensor, numel: int) -> torch.Tensor:
+        return buf if buf.numel() >= numel else torch.empty(numel, device=buf.device, dtype=buf.dtype)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``blocks`` as ``[kv_heads, len(blocks) * block_size, head_dim]``.
+        """K and V of ``blocks`` as ``[kv_heads, len(blocks) * block_size, head_dim]``, in the
+        compute dtype (pools of a narrower dtype are widened).
 
         The result lives in a reused workspace (valid until the next ``gather``): fresh
         multi-megabyte buffers every layer would cost page faults on CPU.
         """
         n = int(blocks.shape[0])
         numel = self.num_kv_heads * n * self.block_size * self.head_dim
-        if self._gather_k.numel() < numel:
-            self._gather_k = torch.empty(numel, device=self._gather_k.device, dtype=self._gather_k.dtype)
-            self._gather_v = torch.empty(numel, device=self._gather_v.device, dtype=self._gather_v.dtype)
+        self._gather_k = self._workspace(self._gather_k, numel)
+        self._gather_v = self._workspace(self._gather_v, numel)
         shape = (self.num_kv_heads, n, self.block_size * self.head_dim)
         k_out = self._gather_k[:numel].view(shape)
         v_out = self._gather_v[:numel].view(shape)
@@ -135,6 +155,11 @@ class KVCache:
         vc = self.v[layer].view(self.num_kv_heads, self.num_blocks, -1)
         torch.index_select(kc, 1, blocks, out=k_out)
         torch.index_select(vc, 1, blocks, out=v_out)
+        if self.dtype != self.compute_dtype:
+            self._wide_k = self._workspace(self._wide_k, numel)
+            self._wide_v = self._workspace(self._wide_v, numel)
+            k_out = self._wide_k[:numel].view(shape).copy_(k_out)
+            v_out = self._wide_v[:numel].view(shape).copy_(v_out)
         out_shape = (self.num_kv_heads, n * self.block_size, self.head_dim)
         return k_out.view(out_shape), v_out.view(out_shape)
 
@@ -161,6 +186,7 @@ class KVCache:
                 view.index_copy_(1, dst, view.index_select(1, src))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        """Store ``k``/``v`` of shape ``[T, kv_heads, head_dim]`` at ``slots`` ``[T]``, rounded to
+        the pools' dtype (to nearest, ties to even) where it is narrower."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))

@@ -62,8 +62,8 @@ class DecoderModel:
                  max_positions: int, pack_batch: int = 32, native_kernels: bool = True,
                  matmul_dtype: torch.dtype | None = None) -> None:
         """``pack_batch`` > 0: on CPU float32, prepack weights for batches of about that size.
-        ``native_kernels``: on CPU float32, decode attention, single-row matmuls and the fused
-        elementwise steps through ``engine.native`` (when it builds). ``matmul_dtype``: the
+        ``native_kernels``: on CPU float32, decode attention (over float32 or bfloat16 K/V pools),
+        single-row matmuls and the fused elementwise steps through ``engine.native`` (when it builds). ``matmul_dtype``: the
         projection weights' dtype (default ``dtype``): bfloat16 under float32 activations keeps
         the base's matrices in bfloat16 while everything else, LoRA included, stays float32."""
         self.cfg: ModelConfig = weights.config

@@ -183,7 +183,12 @@ class Settings:
     weights: str = "auto"
     """The base model's projection weights: ``auto`` (in ``dtype``) or ``bfloat16`` (bfloat16 matrices under
     float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate;
-    LoRA, attention, norms and the KV cache stay float32)."""
+    LoRA, attention and norms stay float32; the KV cache follows ``kv_cache_dtype``)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16 on CPU under float32 activations,
+    else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the
+    attention math: half the bytes per token, so twice the tokens in ``kv_cache_bytes`` and faster decode
+    attention)."""
     threads: int = 0
     """torch intra-op threads (0: torch default)."""
     kv_cache_bytes: int = 256 * 1024 * 1024

@@ -139,12 +139,14 @@ class Recorder:
 
 
 def tiny_engine(base_dir: Path, *, kv_cache_bytes: int = 4 << 20, kv_block_size: int = 16,
-                max_num_batched_tokens: int = 512, max_num_seqs: int = 32, weights: str = "auto") -> Any:
+                max_num_batched_tokens: int = 512, max_num_seqs: int = 32, weights: str = "auto",
+                kv_cache_dtype: str = "auto") -> Any:
     from engine.engine import Engine, EngineConfig
 
     return Engine.from_path(base_dir, EngineConfig(kv_cache_bytes=kv_cache_bytes, kv_block_size=kv_block_size,
                                                    max_num_batched_tokens=max_num_batched_tokens,
-                                                   max_num_seqs=max_num_seqs, max_model_len=96, weights=weights))
+                                                   max_num_seqs=max_num_seqs, max_model_len=96, weights=weights,
+                                                   kv_cache_dtype=kv_cache_dtype))
 
 
 def attach_runtime(engine: Any, info: ModelInfo, cache_dir: Path, *, max_loras: int = 16, slots_per_class: int = 8,

@@ -135,9 +135,10 @@ def world(tmp_path_factory) -> World:
     return World(base, good, poison, root / "cache")
 
 
-def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20) -> Engine:
+def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20, kv_cache_dtype: str = "auto") -> Engine:
     eng = Engine.from_path(world.base, EngineConfig(kv_cache_bytes=kv_cache_bytes, kv_block_size=16,
-                                                    max_model_len=96, native_kernels=native))
+                                                    max_model_len=96, native_kernels=native,
+                                                    kv_cache_dtype=kv_cache_dtype))
     info = model_info(world.base)
     bank = SlotBank.for_model(info, (8, 16), slots_per_class=4)
     rt = LoRARuntime(AdapterManager(info, bank, max_loras=8, cache_dir=str(world.cache), limits=UNBOUNDED),

@@ -1,8 +1,9 @@
 """Base weights in bfloat16 under float32 activations (``LORAPLEX_WEIGHTS=bfloat16``).
 
 The base model's projection matrices are stored in bfloat16 (half the memory; on CPUs with
-AVX512-BF16 or AMX, twice the matmul rate) while activations, the LoRA branch (unmerged),
-attention and the KV cache stay float32. Checked here: the matmul's rounding contract for one
+AVX512-BF16 or AMX, twice the matmul rate) while activations, the LoRA branch (unmerged) and
+attention stay float32; the KV cache follows (bfloat16 by default, see
+tests/test_kv_cache_dtype.py). Checked here: the matmul's rounding contract for one
 row and for batches, where the bytes go, the setting, cross-tenant isolation of a mixed
 multi-LoRA batch in this format, and (slow) accuracy gates on the demo model against the
 float32 engine, with and without an adapter.
@@ -84,7 +85,7 @@ def test_bf16_weights_hold_the_base_in_half_the_memory_and_keep_the_rest_float32
     assert all(isinstance(getattr(layer, n), BF16Linear) for n in ("qkv", "o", "gate_up", "down"))
     assert all(isinstance(getattr(f32.model.layers[0], n), Linear) for n in ("qkv", "o", "gate_up", "down"))
     assert bf16.model.w.layers[0].input_norm.dtype == torch.float32
-    assert bf16.model.dtype == torch.float32 and bf16.cache.k[0].dtype == torch.float32
+    assert bf16.model.dtype == torch.float32 and bf16.cache.k[0].dtype == torch.bfloat16
     rt = attach_runtime(bf16, model_info(base_dir), root / "cache-mem")
     assert rt.manager.bank.dtype == torch.float32, "the LoRA branch stays float32, never merged"
     rt.manager.close()
@@ -112,7 +113,9 @@ def _rows(engine, refs, plan):
 def test_mixed_batch_rows_equal_each_request_alone_with_bf16_weights(lora_world):
     """Cross-tenant isolation in this format: each row of a mixed batch (base rows and nine
     adversarial adapters, prefill and decode together) equals the same request served alone,
-    to bfloat16 rounding, and is closer to PEFT for its own adapter than to any other's."""
+    to bfloat16 rounding, and is closer to PEFT for its own adapter than to any other's.
+    Measured (bfloat16 weights and, by default with them, bfloat16 K/V): own adapter's error
+    up to 0.053 of the logits' range (float32 K/V: 0.028), every other adapter's at least 15x."""
     base_dir, _, reference, refs, root = lora_world
     plan = _plan()
     mixed = tiny_engine(base_dir, weights="bfloat16")
@@ -130,7 +133,7 @@ def test_mixed_batch_rows_equal_each_request_alone_with_bf16_weights(lora_world)
             assert rel_err(logits, logits_alone) < 1e-2, name
             errs = {n: rel_err(logits, reference.logits(n, prefix)) for n in names}
             others = min(e for n, e in errs.items() if n != name)
-            assert errs[name] < 0.05 and errs[name] < others / 10, (name, errs)
+            assert errs[name] < 0.1 and errs[name] < others / 10, (name, errs)
     for eng in (mixed, alone_engine):
         eng.lora_runtime.manager.close()
 
