@@ -1,8 +1,9 @@
 """Base weights in bfloat16 against float32: decode speed with and without adapters, and accuracy.
 
-One process, the demo model loaded twice: ``LORAPLEX_WEIGHTS=auto`` (float32, the reference) and
-``bfloat16`` (the base's matrices in bfloat16 under float32 activations; LoRA, attention and the
-KV cache stay float32). For each case (base only, 32 distinct rank-16 adapters on all seven
+One process, the demo model loaded twice: ``LORAPLEX_WEIGHTS=auto`` (float32, the reference, its KV
+cache float32 too) and ``bfloat16`` (the base's matrices in bfloat16 under float32 activations; LoRA
+and attention stay float32; the KV cache in ``--kv-cache-dtype``: ``auto``, the default, is bfloat16
+with these weights, ``float32`` measures the weights alone). For each case (base only, 32 distinct rank-16 adapters on all seven
 projections; batch 32, 128-token prompts, 64 new tokens, greedy, EOS ignored) both engines run in
 alternating rounds and the best round of each is kept: decode tokens/s, mean time to first token,
 and the ratio bfloat16 / float32.
@@ -14,6 +15,7 @@ KL(float32 || bfloat16) (mean, p99, max); with an adapter too.
 Prints tables and writes ``bench/results/engine_weights.json``.
 
     python bench/engine_weights.py [--rounds 2] [--batch 32] [--prompt 128] [--new 64] [--threads 2]
+                                   [--kv-cache-dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--accuracy-new", type=int, default=48, help="greedy tokens per chat prompt for accuracy")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the bfloat16-weights engine's KV cache (auto: bfloat16 with bfloat16 weights)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -71,12 +75,14 @@ def main() -> int:
     engines, runtimes = {}, {}
     for fmt in FORMATS:
         print(f"loading the demo model with weights={fmt} ...", flush=True)
-        eng = Engine.from_path(gguf, EngineConfig(device="cpu", dtype="float32", weights=fmt,
+        kv = args.kv_cache_dtype if fmt == "bfloat16" else "float32"
+        eng = Engine.from_path(gguf, EngineConfig(device="cpu", dtype="float32", weights=fmt, kv_cache_dtype=kv,
                                                   kv_cache_bytes=512 << 20, max_num_seqs=max(32, args.batch)))
         rt = attach(eng, info, max_loras=args.adapters, max_cpu_loras=args.adapters,
                     cache_dir=tempfile.mkdtemp(prefix="loraplex-bench-"))
         preload(rt, refs, place=True)
         engines[fmt], runtimes[fmt] = eng, rt
+    kv_dtypes = {fmt: str(eng.cache.dtype).removeprefix("torch.") for fmt, eng in engines.items()}
     bandwidth = measure_bandwidth()
     prompts = make_prompts(args.batch, args.prompt, info.vocab_size, seed=args.batch)
     cases = {"base": [None] * args.batch,
@@ -110,7 +116,8 @@ def main() -> int:
         rt.manager.close()
 
     print(f"\nbatch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads; "
-          f"CPU bfloat16 matmul: {cpu_has_bf16_matmul()}; bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"CPU bfloat16 matmul: {cpu_has_bf16_matmul()}; bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"KV cache: {kv_dtypes['auto']} (f32 weights), {kv_dtypes['bfloat16']} (bf16 weights)")
     print(f"{'case':>12} | {'f32 tok/s':>9} | {'bf16 tok/s':>10} | {'bf16/f32':>8} | {'f32 ttft ms':>11} | "
           f"{'bf16 ttft ms':>12} | {'same greedy rows':>16}")
     for r in rows:
@@ -125,7 +132,8 @@ def main() -> int:
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                        "bf16_matmul": cpu_has_bf16_matmul(), "bandwidth_bytes_s": bandwidth,
                        "load_average": os.getloadavg()},
-           "args": vars(args), "speed": rows, "accuracy": acc, "time": time.time()}
+           "args": vars(args), "kv_cache_dtype": {"float32": kv_dtypes["auto"], "bfloat16": kv_dtypes["bfloat16"]},
+           "speed": rows, "accuracy": acc, "time": time.time()}
     (RESULTS / "engine_weights.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'engine_weights.json'}")
     return 0

@@ -146,13 +146,15 @@ CHATS = ["Write one sentence about the sea.", "Explain gravity to a child.", "Wr
 
 @pytest.mark.slow
 def test_demo_bf16_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, tmp_path):  # noqa: F811
-    """Measured on the demo model (SmolLM2-135M, Q4_1 weights widened): top-1 agreement
-    0.97-0.98, KL per token 3e-4..7e-4 mean, under 5e-3 max, base and adapter alike. The gates
-    leave room for other CPUs' summation order, not for a broken kernel (which gives KL > 0.1)."""
+    """Measured on the demo model (SmolLM2-135M, Q4_1 weights widened), bfloat16 weights and
+    (by default with them) bfloat16 K/V: top-1 agreement 0.97-1.0, KL per token 3e-4..7e-4
+    mean, about 5e-3 max, base and adapter alike (float32 K/V: much the same). The gates leave
+    room for other CPUs' summation order, not for a broken kernel (which gives KL > 0.1)."""
     from tests.test_demo_adapters import ADAPTERS
 
     f32 = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26))
     bf16 = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26, weights="bfloat16"))
+    assert bf16.cache.dtype == torch.bfloat16
     info = model_info(demo_gguf)
     for eng, sub in ((f32, "a"), (bf16, "b")):
         attach_runtime(eng, info, tmp_path / sub)

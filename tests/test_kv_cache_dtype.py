@@ -341,9 +341,8 @@ def test_stale_non_finite_bf16_keys_outside_the_context_are_ignored(world, nativ
         clean.close()
     eng = _bf16_engine(world, native)
     try:
-        for k, v in zip(eng.cache.k, eng.cache.v, strict=True):
+        for k in eng.cache.k:
             k.fill_(math.nan)  # every block free: all of it stale
-            v.fill_(math.inf)
         assert _tokens(_run(eng, rows)) == want
     finally:
         eng.close()
@@ -357,14 +356,23 @@ CHATS = ["Write one sentence about the sea.", "Explain gravity to a child.", "Wr
 
 @pytest.mark.slow
 def test_demo_bf16_kv_tracks_float32(demo_gguf, tmp_path):  # noqa: F811
-    """Measured on the demo model (SmolLM2-135M): bfloat16 K/V alone, against float32: top-1
-    agreement BOUNDS_KV; bfloat16 weights with bfloat16 K/V: BOUNDS_BOTH."""
+    """Measured on the demo model (SmolLM2-135M), bfloat16 K/V with float32 weights against
+    float32 throughout: top-1 agreement 0.99-1.0, KL per token 3e-5..5e-5 mean, 5e-4 max,
+    base and adapter alike (a tenth of what bfloat16 weights cost, see
+    tests/test_engine_weights.py, whose gate runs bfloat16 weights with bfloat16 K/V). The
+    gates leave 10x room for other CPUs' summation order, not for a broken kernel (KL > 0.1)."""
+    from tests.test_demo_adapters import ADAPTERS
+
     f32 = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26))
     kv = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26, kv_cache_dtype="bfloat16"))
-    both = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26, weights="bfloat16"))
-    assert kv.cache.dtype == both.cache.dtype == torch.bfloat16
+    assert (f32.cache.dtype, kv.cache.dtype) == (torch.float32, torch.bfloat16)
+    info = model_info(demo_gguf)
+    for eng, sub in ((f32, "a"), (kv, "b")):
+        attach_runtime(eng, info, tmp_path / sub)
+    french = refs_for({"french": ADAPTERS / "french"})["french"]
     prompts = [f32.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
-    got = agreement(f32, kv, prompts, 32)
-    assert got["top1_agreement"] >= 0.95 and got["kl_mean"] <= 1e-3 and got["kl_max"] <= 2e-2, got
-    got = agreement(f32, both, prompts, 32)
-    assert got["top1_agreement"] >= 0.93 and got["kl_mean"] <= 2e-3 and got["kl_max"] <= 5e-2, got
+    for adapter in (None, french):
+        got = agreement(f32, kv, prompts, 32, adapter)
+        assert got["top1_agreement"] >= 0.95 and got["kl_mean"] <= 5e-4 and got["kl_max"] <= 5e-3, (adapter, got)
+    for eng in (f32, kv):
+        eng.lora_runtime.manager.close()
