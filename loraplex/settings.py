@@ -187,8 +187,8 @@ class Settings:
     kv_cache_dtype: str = "auto"
     """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16 on CPU under float32 activations,
     else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the
-    attention math: half the bytes per token, so twice the tokens in ``kv_cache_bytes`` and faster decode
-    attention)."""
+    attention math: half the bytes per token, so twice the tokens in ``kv_cache_bytes`` and half the bytes decode
+    attention streams)."""
     threads: int = 0
     """torch intra-op threads (0: torch default)."""
     kv_cache_bytes: int = 256 * 1024 * 1024

@@ -168,8 +168,22 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 }
 
+/* ``attend_task`` with a constant head dim where it is a common one. */
+static inline __attribute__((always_inline)) void attend_head_dim(
+    const float *qb, int64_t q_stride_head, const void *kbase, const void *vbase,
+    const int64_t *table, int len, int block_size, int g, int head_dim, const int kv_bf16,
+    float *scores, float *ob)
+{
+    if (head_dim == 64)
+        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, kv_bf16, scores, ob);
+    else if (head_dim == 128)
+        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, kv_bf16, scores, ob);
+    else
+        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, kv_bf16, scores, ob);
+}
+
 /* Both exported decode-attention kernels: pools of float32 or bfloat16 (``kv_bf16``). */
-static inline __attribute__((always_inline)) int decode_attention(
+static int decode_attention(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
     const void *k_pool, const void *v_pool, int64_t pool_slots,
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
@@ -202,13 +216,12 @@ static inline __attribute__((always_inline)) int decode_attention(
             const int64_t row = rows != NULL ? rows[b] : b;
             const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
             float *ob = out + row * out_stride_row + (int64_t)kh * g * head_dim;
-            if (head_dim == 64)
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, kv_bf16, scores, ob);
-            else if (head_dim == 128)
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, kv_bf16, scores, ob);
+            /* The parallel region is outlined with kv_bf16 a variable: branch here, outside the
+             * loops, so each branch compiles its own constant-type vector loops. */
+            if (kv_bf16)
+                attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 1, scores, ob);
             else
-                attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, kv_bf16, scores,
-                            ob);
+                attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 0, scores, ob);
         }
         free(scores);
     }
