@@ -127,8 +127,8 @@ def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, matmul_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
     """The KV cache's dtype: ``auto`` is bfloat16 where the base's matrices are bfloat16 under
-    float32 activations on CPU (decode attention there is bound by reading K/V: half the bytes),
-    else the activations' ``dtype``; ``bfloat16`` also under float32 activations (K/V rounded
+    float32 activations on CPU (half the bytes per cached token: twice the tokens in the same
+    memory, half the bytes decode attention streams), else the activations' ``dtype``; ``bfloat16`` also under float32 activations (K/V rounded
     on write, widened for the attention math)."""
     if kv_cache_dtype in ("", "auto"):
         bf16_weights = matmul_dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"
