@@ -63,19 +63,14 @@ static inline float exp_nonpos(float x) {
     return y * p;
 }
 
-/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
 /* Element ``i`` of a K/V pool as float32: the pool holds float32 (``kv_bf16`` 0) or bfloat16
- * (``kv_bf16`` 1) values. Called with a constant ``kv_bf16``, so each kernel variant compiles
- * to its own branch-free vector loads. */
+ * (``kv_bf16`` 1) values, widened exactly (the 16 bits are the top half of the float's).
+ * Called with a constant ``kv_bf16``, so each kernel variant compiles to its own vector loads. */
 static inline __attribute__((always_inline)) float kv_at(const void *pool, int64_t i, const int kv_bf16)
 {
-    return kv_bf16 ? bf16_to_f32(((const uint16_t *)pool)[i]) : ((const float *)pool)[i];
+    if (!kv_bf16) return ((const float *)pool)[i];
+    union { uint32_t u; float f; } c = { .u = (uint32_t)((const uint16_t *)pool)[i] << 16 };
+    return c.f;
 }
 
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
@@ -374,6 +369,13 @@ int loraplex_gemv_f32(
         }
     }
     return 0;
+}
+
+/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
 }
 
 /* float32 rounded to the nearest bfloat16 (ties to even), kept as a float32. */
