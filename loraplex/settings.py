@@ -183,7 +183,7 @@ class Settings:
     weights: str = "auto"
     """The base model's projection weights: ``auto`` (in ``dtype``) or ``bfloat16`` (bfloat16 matrices under
     float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate;
-    LoRA, attention, norms and the KV cache stay float32)."""
+    the LoRA math, attention, norms and the KV cache stay float32; adapters' A/B are held in bfloat16)."""
     threads: int = 0
     """torch intra-op threads (0: torch default)."""
     kv_cache_bytes: int = 256 * 1024 * 1024
