@@ -105,7 +105,8 @@ def attach(engine: Any, info: ModelInfo, *, max_loras: int, max_cpu_loras: int, 
     from engine.lora.slots import SlotBank
     from loraplex.settings import Settings
 
-    bank = SlotBank.for_model(info, Settings().lora_rank_classes, slots_per_class=max_loras)
+    bank = SlotBank.for_model(info, Settings().lora_rank_classes, slots_per_class=max_loras,
+                              weights_dtype=engine.model.lora_weights_dtype)
     rt = LoRARuntime(AdapterManager(info, bank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                                     cache_dir=cache_dir))
     engine.lora_runtime = rt

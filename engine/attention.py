@@ -15,9 +15,15 @@ Positions outside a context (the tail of a sequence's last block, padding) are m
 cannot turn a score into NaN, and its weight is exactly 0 (see ``engine.kv_cache`` for
 why the stale values are finite).
 
-On CPU float32 the decode group instead goes through the native kernel
-(``engine.native.DecodeAttention``), which reads the K/V blocks in place: the gather
-copy above moves every cached byte three times per layer, the kernel once.
+On CPU float32 every row instead goes through the native kernel
+(``engine.native.DecodeAttention``) in ONE call per layer, which reads the K/V blocks in
+place: the gather copy above moves every cached byte three times per layer, the kernel
+once. A prefill row is to the kernel what a decode row is: a query at position ``p`` of its
+sequence attends to keys ``0..p`` (``row_lens = positions + 1``) through its sequence's
+block table, so the causal mask is never built, only the lower triangle is computed, and
+positions outside a context are never read. Against the batched matmuls per prefill chunk
+(five ops and their thread barriers per chunk and layer) it measured 1.1-1.35x faster on
+one thread for 100-512-token chunks and about 2x on two threads of a busy machine.
 
 K/V pools narrower than the activations (bfloat16 under float32, see ``engine.kv_cache``)
 are widened exactly: by ``KVCache.gather`` on the torch paths, on load in the native kernel.
@@ -36,10 +42,16 @@ NEG_INF = float("-inf")
 
 
 def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttention | None = None) -> None:
-    """Per-step masks (True: outside the context), shared by every layer (the native decode
-    kernel needs none: it reads only positions inside each context)."""
+    """Per-step attention plan shared by every layer: for the native kernel each row's block
+    table and length; else the masks (True: outside the context)."""
+    if kernel is not None:
+        if ctx.row_blocks is None and ctx.kv_tables is not None:
+            ctx.row_blocks = ctx.kv_tables.index_select(0, ctx.token_seq)
+            ctx.row_lens = ctx.positions + 1
+            ctx.row_max_len = int(ctx.row_lens.max())
+        return
     dec = ctx.decode
-    if dec is not None and dec.masked is None and kernel is None:
+    if dec is not None and dec.masked is None:
         b, c = dec.valid.shape
         dec.masked = (~dec.valid).unsqueeze(0).expand(num_kv_heads, b, c).reshape(num_kv_heads * b, 1, c)
     for item in ctx.prefills:
@@ -53,15 +65,15 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
     written. Returns ``[T, H*d]``."""
     t, h, d = q.shape
     g = h // num_kv_heads
+    if kernel is not None:
+        assert ctx.row_blocks is not None and ctx.row_lens is not None, "prepare_attention first"
+        out = q.new_empty((t, h * d))
+        kernel(q, cache.k[layer], cache.v[layer], ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cache.block_size,
+               out)
+        return out
     dec = ctx.decode
     out = None if dec is not None and dec.contiguous else q.new_empty((t, h * d))
-    if dec is not None and kernel is not None:
-        b = int(dec.rows.shape[0])
-        if out is None:
-            out = q.new_empty((b, h * d))
-        kernel(q, cache.k[layer], cache.v[layer], dec.blocks.view(b, -1), dec.lens, dec.valid.shape[1],
-               cache.block_size, out, rows=None if dec.contiguous else dec.rows)
-    elif dec is not None:
+    if dec is not None:
         assert dec.masked is not None
         b = int(dec.rows.shape[0])
         c = dec.valid.shape[1]

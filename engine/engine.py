@@ -234,8 +234,8 @@ class Engine:
 
         if self.info is None:
             self.info = describe_model(self.model_path, name=settings.model_name or None, shape=self.model.cfg)
-        manager = AdapterManager.from_settings(settings, self.info, dtype=self.model.dtype,
-                                               device=self.model.device, **manager_kw)
+        manager = AdapterManager.from_settings(settings, self.info, dtype=self.model.dtype, device=self.model.device,
+                                               slot_weights_dtype=self.model.lora_weights_dtype, **manager_kw)
         self.lora_runtime = LoRARuntime(manager, native=self.config.native_kernels)
         self.scheduler.policy = FairAdmission(self.lora_runtime, max_wait_steps=settings.lora_max_wait_steps,
                                               max_wait_s=settings.lora_max_wait_s)

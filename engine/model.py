@@ -87,6 +87,16 @@ class DecoderModel:
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
     @property
+    def lora_weights_dtype(self) -> torch.dtype:
+        """The adapters' A/B storage in the LoRA slots: bfloat16 when the base's matrices are in a
+        narrower dtype than float32 activations (32 distinct rank-16 adapters on every projection
+        stream more bytes per decode step than this model's matrices; the LoRA math stays float32),
+        else the activations' dtype."""
+        if self.dtype == torch.float32 and self.matmul_dtype != torch.float32 and self.device.type == "cpu":
+            return torch.bfloat16
+        return self.dtype
+
+    @property
     def weight_bytes(self) -> int:
         return self.w.nbytes()
 

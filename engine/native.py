@@ -41,7 +41,7 @@ _SIGNATURES = {
     "loraplex_decode_attention_bf16kv": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                                          _int, _int, _int, _int, _int, _int, _int],
     "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
-                               _int, _int, _int],
+                               _int, _int, _int, _int],
     "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
@@ -146,7 +146,7 @@ class LoRATable:
     """Kernel arguments for the LoRA stacks of projections that read the same input
     (validated once; build with :meth:`LoRARows.table`, keep while the stacks live)."""
 
-    __slots__ = ("_keep", "a_ptrs", "b_ptrs", "in_dim", "n", "out_dims", "rank", "scale_ptrs", "transposed")
+    __slots__ = ("_keep", "a_ptrs", "b_ptrs", "bf16", "in_dim", "n", "out_dims", "rank", "scale_ptrs", "transposed")
 
     def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         if not stacks:
@@ -154,10 +154,12 @@ class LoRATable:
         a0 = stacks[0][0]
         _, self.rank, self.in_dim = a0.shape
         self.transposed = stacks[0][1].transpose(1, 2).is_contiguous()
+        self.bf16 = a0.dtype == torch.bfloat16
         for a, b, scale in stacks:
             s, r, n_in = a.shape
             assert (r, n_in) == (self.rank, self.in_dim), "stacks of one call share rank and input size"
-            assert a.dtype == b.dtype == scale.dtype == torch.float32 and a.device.type == "cpu"
+            assert a.dtype == b.dtype == a0.dtype and a.dtype in (torch.float32, torch.bfloat16)
+            assert scale.dtype == torch.float32 and a.device.type == "cpu"
             assert a.is_contiguous() and scale.is_contiguous() and b.shape == (s, b.shape[1], r)
             assert scale.shape == (s,)
             assert b.transpose(1, 2).is_contiguous() if self.transposed else b.is_contiguous()
@@ -181,7 +183,8 @@ class LoRARows:
     def table(stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> LoRATable:
         """``stacks``: per projection ``(A [S, r, in] contiguous, B [S, out, r] contiguous or the
         transposed view of a contiguous [S, r, out] (as ``SlotBank`` stores it: the faster
-        expand), scale [S])``, float32 on CPU, one rank and input size."""
+        expand), scale [S])`` on CPU, one rank and input size; A and B float32 or bfloat16 (the
+        math stays float32), the scales float32."""
         return LoRATable(stacks)
 
     def run(self, table: LoRATable, x: torch.Tensor, outs: Sequence[torch.Tensor], rows: torch.Tensor,
@@ -202,7 +205,7 @@ class LoRARows:
         assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
         rc = self._fn(x.data_ptr(), x.stride(0), base, stride, table.n, cols, table.out_dims, table.a_ptrs,
                       table.b_ptrs, table.scale_ptrs, int(table.transposed), rows.data_ptr(), row_slots.data_ptr(),
-                      int(rows.numel()), table.in_dim, table.rank, torch.get_num_threads())
+                      int(rows.numel()), table.in_dim, table.rank, int(table.bf16), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {table.rank}")
 

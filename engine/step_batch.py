@@ -13,7 +13,8 @@ into one token dimension ``T`` (sequence after sequence, in batch order) and rec
   token of a chunk that reaches the end of the sequence); only these rows go through
   the final norm and the LM head;
 * attention plans: one batched ``DecodeGroup`` for all single-token chunks and one
-  ``PrefillItem`` per multi-token chunk.
+  ``PrefillItem`` per multi-token chunk; and ``kv_tables``, every sequence's block table
+  (what the native kernel needs to attend every row, prefill rows included, in one call).
 
 ``lora`` is the hook object a LoRA manager sets (``None`` for base-only batches); see
 ``engine.model`` for the call contract.
@@ -81,6 +82,16 @@ class BatchContext:
     """``[num_seqs]`` adapter slot per sequence, filled by the LoRA manager if it wants."""
     row_finite: torch.Tensor | None = None
     """``[T]`` bool, set by the forward: the row's final hidden state is all finite."""
+    kv_tables: torch.Tensor | None = None
+    """``[num_seqs, nb]`` int64: each sequence's KV blocks covering its context after this step,
+    padded with its own last block (``nb`` blocks of the longest context)."""
+    row_blocks: torch.Tensor | None = None
+    """``[T, nb]`` each token row's ``kv_tables`` row, built once per step by the attention when
+    the native kernel attends every row."""
+    row_lens: torch.Tensor | None = None
+    """``[T]`` int64: keys each token row attends to (its position + 1), with ``row_blocks``."""
+    row_max_len: int = 0
+    """The largest of ``row_lens``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -145,6 +156,12 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
         mask = torch.arange(nb * block_size).unsqueeze(0) <= qpos.unsqueeze(1)
         prefills.append(PrefillItem(start_row, end_row, torch.tensor(seq.block_table[:nb], device=device),
                                     mask.to(device)))
+    ends = [seq.num_computed + n for seq, n in chunks]
+    nb_all = -(-max(ends, default=1) // block_size)
+    tables: list[list[int]] = []
+    for (seq, _), end in zip(chunks, ends, strict=True):
+        table = seq.block_table[:-(-end // block_size)]
+        tables.append(table + [table[-1]] * (nb_all - len(table)))
     return BatchContext(
         seqs=[s for s, _ in chunks],
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -156,4 +173,5 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
         sample_seqs=sample_seqs,
         decode=decode,
         prefills=prefills,
+        kv_tables=torch.tensor(tables, dtype=torch.long, device=device) if tables else None,
     )

@@ -183,7 +183,8 @@ class Settings:
     weights: str = "auto"
     """The base model's projection weights: ``auto`` (in ``dtype``) or ``bfloat16`` (bfloat16 matrices under
     float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate;
-    LoRA, attention and norms stay float32; the KV cache follows ``kv_cache_dtype``)."""
+    the LoRA math, attention and norms stay float32; adapters' A/B are held in bfloat16; the KV cache follows
+    ``kv_cache_dtype``)."""
     kv_cache_dtype: str = "auto"
     """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16 on CPU under float32 activations,
     else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the

@@ -156,7 +156,8 @@ def attach_runtime(engine: Any, info: ModelInfo, cache_dir: Path, *, max_loras: 
     from engine.lora.runtime import LoRARuntime
     from engine.lora.slots import SlotBank
 
-    bank = SlotBank.for_model(info, rank_classes, slots_per_class=slots_per_class)
+    bank = SlotBank.for_model(info, rank_classes, slots_per_class=slots_per_class,
+                              weights_dtype=engine.model.lora_weights_dtype)  # as Engine.enable_lora
     manager = AdapterManager(info, bank, max_loras=max_loras, cache_dir=str(cache_dir))
     rt = (runtime_cls or LoRARuntime)(manager)
     engine.lora_runtime = rt

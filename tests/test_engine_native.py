@@ -163,3 +163,36 @@ def test_bf16_gemv_rounds_like_a_bfloat16_matmul(n_out, n_in, bias):
     ulp = exact.abs().clamp_min(1e-30) * 2.0 ** -7
     assert ((y.double() - expect).abs() <= ulp + 1e-6).all()
     assert not torch.equal(y.double(), x.double() @ w.double().T), "the rounding is part of the contract"
+
+
+def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
+    """A mixed step (a fresh prompt, a prompt's second chunk, decode rows) attended by the native
+    kernel in one call per layer == the masked batched-matmul path on the same cache."""
+    from types import SimpleNamespace
+
+    from engine.attention import paged_attention, prepare_attention
+    from engine.kv_cache import KVCache
+    from engine.step_batch import build_batch
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 4
+    cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
+    cache = KVCache(cfg, 40, bs, torch.device("cpu"), torch.float32)
+    cache.k[0].normal_(generator=gen)
+    cache.v[0].normal_(generator=gen)
+    perm = torch.randperm(40, generator=gen).tolist()
+
+    def seq(total: int, computed: int):
+        nb = -(-total // bs)
+        table, perm[:] = perm[:nb], perm[nb:]
+        return SimpleNamespace(all_token_ids=list(range(total)), num_computed=computed, block_table=table)
+
+    chunks = [(seq(13, 12), 1), (seq(11, 0), 11), (seq(30, 9), 14), (seq(6, 5), 1), (seq(2, 0), 2)]
+    ctx = build_batch(chunks, bs, torch.device("cpu"))
+    q = torch.randn(ctx.num_tokens, heads, head_dim, generator=gen)
+    prepare_attention(ctx, kv_heads, kernel)
+    got = paged_attention(ctx, cache, 0, q, kv_heads, kernel)
+    prepare_attention(ctx, kv_heads, None)
+    want = paged_attention(ctx, cache, 0, q, kv_heads, None)
+    assert got.shape == want.shape == (ctx.num_tokens, heads * head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

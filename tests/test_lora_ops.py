@@ -163,6 +163,43 @@ def test_batch_across_rank_classes(tokens, path):
             assert torch.equal(out[slots < 0], out0[slots < 0])
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40, 96])
+@pytest.mark.parametrize("path", ["segmented", "padded", "reference", None])
+def test_bfloat16_slots_under_float32_activations(tokens, path):
+    """A/B stored in bfloat16, x/out float32: every path (the native kernel where it is chosen)
+    == the float64 definition on the bfloat16-rounded weights; the math is float32 throughout,
+    so only the weights' rounding differs from float32 slots."""
+    g = torch.Generator().manual_seed(tokens + 11)
+    shapes = {"q_proj": (72, 48), "k_proj": (72, 16), "down_proj": (40, 72)}
+    bank = SlotBank(2, shapes, rank_classes=(8, 16), slots_per_class=4, weights_dtype=torch.bfloat16)
+    ranks = {0: 8, 1: 5, 4: 16, 6: 12}
+    adapters = {}
+    for slot, rank in ranks.items():
+        w = _random_weights(g, 2, shapes, rank, tuple(shapes), scale=0.5 + slot)
+        bank.write(slot, w)
+        adapters[slot] = w
+    a0, b0, sc0 = bank.stacks(0, 0, "q_proj")
+    assert a0.dtype == b0.dtype == torch.bfloat16 and sc0.dtype == torch.float32
+    choices = torch.tensor([-1, *ranks])
+    slots = choices[torch.randint(0, len(choices), (tokens,), generator=g)]
+    batch = LoRABatch.build(bank, slots, path=path)
+    for layer in range(2):
+        x = torch.randn(tokens, 72, generator=g)
+        qk0 = torch.randn(tokens, 64, generator=g)
+        qk = qk0.clone()
+        batch.apply_many(layer, x, (("q_proj", qk[:, :48]), ("k_proj", qk[:, 48:])))
+        for proj, out, out0 in (("q_proj", qk[:, :48], qk0[:, :48]), ("k_proj", qk[:, 48:], qk0[:, 48:])):
+            expect = out0.double().clone()
+            for i, s in enumerate(slots.tolist()):
+                if s >= 0:
+                    mod = adapters[s].modules[(layer, proj)]
+                    a = mod.a.bfloat16().double()
+                    b = mod.b.bfloat16().double()
+                    expect[i] += (x[i].double() @ a.T) @ b.T * mod.scale
+            torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-4)
+            assert torch.equal(out[slots < 0], out0[slots < 0]), "base rows must be untouched bit for bit"
+
+
 def test_single_token_and_no_lora_batch():
     shapes = {"q_proj": (8, 8)}
     bank = SlotBank(1, shapes, rank_classes=(8,), slots_per_class=2)

@@ -16,8 +16,8 @@
  *
  * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
  *    adapter slot (decode-like batches: few rows per adapter). Per row,
- *    ``y += scale * B[s] (A[s] x)``; the adapter weights are streamed once per row with no
- *    gather, padding or scatter copies. Several projections of the same input (q/k/v,
+ *    ``y += scale * B[s] (A[s] x)``; the adapter weights (float32 or bfloat16) are streamed
+ *    once per row with no gather, padding or scatter copies; the math is float32. Several projections of the same input (q/k/v,
  *    gate/up) go in one call: one parallel region instead of one per projection.
  *
  * 3. loraplex_gemv_f32: y = W x for a single row (one-sequence decode), streaming W once.
@@ -269,23 +269,62 @@ static inline void dot4(const float *m, int64_t ld, const float *x, int n, float
     s[3] = s3;
 }
 
-/* One row's LoRA for one projection: yr[0:out_dim] += B (scale * A xr). */
-static inline void lora_row(const float *xr, float *yr, const float *as, const float *bs, float sc,
-                            int b_transposed, int in_dim, int out_dim, int rank)
+/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
+{
+    const uint16_t *m0 = m, *m1 = m0 + ld, *m2 = m1 + ld, *m3 = m2 + ld;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+    for (int i = 0; i < n; i++) {
+        const float xi = x[i];
+        s0 += bf16_to_f32(m0[i]) * xi;
+        s1 += bf16_to_f32(m1[i]) * xi;
+        s2 += bf16_to_f32(m2[i]) * xi;
+        s3 += bf16_to_f32(m3[i]) * xi;
+    }
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+}
+
+/* Element i of a float32 (wbf16 = 0) or bfloat16 (wbf16 = 1) array, as a float32. */
+static inline __attribute__((always_inline)) float load_w(const void *p, int64_t i, const int wbf16)
+{
+    return wbf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* One row's LoRA for one projection: yr[0:out_dim] += B (scale * A xr). A and B are float32
+ * or bfloat16 (wbf16, a constant at every call site, so each is its own specialization); the
+ * input row, the sums and yr are float32. */
+static inline __attribute__((always_inline)) void lora_row(
+    const float *xr, float *yr, const void *as, const void *bs, float sc, int b_transposed,
+    int in_dim, int out_dim, int rank, const int wbf16)
 {
     float t[MAX_RANK];
+    const size_t es = wbf16 ? 2 : 4;
     /* shrink, four rows of A at a time (independent accumulators) */
     int j = 0;
     for (; j + 4 <= rank; j += 4) {
         float s4[4];
-        dot4(as + (int64_t)j * in_dim, in_dim, xr, in_dim, s4);
+        const char *aj = (const char *)as + (size_t)j * in_dim * es;
+        if (wbf16)
+            dot4_bf16((const uint16_t *)aj, in_dim, xr, in_dim, s4);
+        else
+            dot4((const float *)aj, in_dim, xr, in_dim, s4);
         for (int k = 0; k < 4; k++) t[j + k] = s4[k] * sc;
     }
     for (; j < rank; j++) {
-        const float *aj = as + (int64_t)j * in_dim;
+        const void *aj = (const char *)as + (size_t)j * in_dim * es;
         float acc = 0.0f;
 #pragma omp simd reduction(+:acc)
-        for (int i = 0; i < in_dim; i++) acc += aj[i] * xr[i];
+        for (int i = 0; i < in_dim; i++) acc += load_w(aj, i, wbf16) * xr[i];
         t[j] = acc * sc;
     }
     /* expand */
@@ -294,22 +333,23 @@ static inline void lora_row(const float *xr, float *yr, const float *as, const f
         int jj = 0;
         for (; jj + 2 <= rank; jj += 2) {
             const float t0 = t[jj], t1 = t[jj + 1];
-            const float *b0 = bs + (int64_t)jj * out_dim, *b1 = b0 + out_dim;
+            const void *b0 = (const char *)bs + (size_t)jj * out_dim * es;
+            const void *b1 = (const char *)b0 + (size_t)out_dim * es;
 #pragma omp simd
-            for (int o = 0; o < out_dim; o++) yr[o] += t0 * b0[o] + t1 * b1[o];
+            for (int o = 0; o < out_dim; o++) yr[o] += t0 * load_w(b0, o, wbf16) + t1 * load_w(b1, o, wbf16);
         }
         for (; jj < rank; jj++) {
             const float tj = t[jj];
-            const float *bj = bs + (int64_t)jj * out_dim;
+            const void *bj = (const char *)bs + (size_t)jj * out_dim * es;
 #pragma omp simd
-            for (int o = 0; o < out_dim; o++) yr[o] += tj * bj[o];
+            for (int o = 0; o < out_dim; o++) yr[o] += tj * load_w(bj, o, wbf16);
         }
     } else {
         for (int o = 0; o < out_dim; o++) {
-            const float *bo = bs + (int64_t)o * rank;
+            const void *bo = (const char *)bs + (size_t)o * rank * es;
             float acc = 0.0f;
 #pragma omp simd reduction(+:acc)
-            for (int jj = 0; jj < rank; jj++) acc += bo[jj] * t[jj];
+            for (int jj = 0; jj < rank; jj++) acc += load_w(bo, jj, wbf16) * t[jj];
             yr[o] += acc;
         }
     }
@@ -319,26 +359,34 @@ int loraplex_lora_rows_f32(
     const float *x, int64_t x_stride, float *y, int64_t y_stride,
     int num_targets, const int64_t *y_cols, const int64_t *out_dims,
     const int64_t *a_ptrs, const int64_t *b_ptrs, const int64_t *scale_ptrs, int b_transposed,
-    const int64_t *rows, const int64_t *row_slots, int num_rows, int in_dim, int rank, int num_threads)
+    const int64_t *rows, const int64_t *row_slots, int num_rows, int in_dim, int rank, int weights_bf16,
+    int num_threads)
 {
     /* Target p (projections that read the same x, e.g. q/k/v): a_ptrs[p] -> A [slots, rank,
      * in_dim] contiguous; b_ptrs[p] -> B [slots, out_dim, rank] contiguous, or with
      * b_transposed its transpose [slots, rank, out_dim] contiguous (the expand is then plain
-     * vector FMAs along out_dim, no horizontal sums); scale_ptrs[p] -> [slots]; its output
+     * vector FMAs along out_dim, no horizontal sums); A and B float32, or bfloat16 with
+     * weights_bf16 (half the bytes to stream: 32 distinct adapters on every projection are
+     * more bytes than the base model's matrices); scale_ptrs[p] -> [slots] float32; its output
      * is columns [y_cols[p], y_cols[p] + out_dims[p]) of y. One parallel region for all
      * targets; rows sorted by slot, so a thread's consecutive rows of one adapter reuse its
      * weights from cache. */
     if (rank > MAX_RANK || num_targets <= 0) return -1;
+    const size_t es = weights_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < num_rows; n++) {
         const int64_t s = row_slots[n];
         const float *xr = x + rows[n] * x_stride;
         for (int p = 0; p < num_targets; p++) {
             const int out_dim = (int)out_dims[p];
-            const float *as = (const float *)(intptr_t)a_ptrs[p] + s * (int64_t)rank * in_dim;
-            const float *bs = (const float *)(intptr_t)b_ptrs[p] + s * (int64_t)out_dim * rank;
+            const void *as = (const char *)(intptr_t)a_ptrs[p] + (size_t)s * rank * in_dim * es;
+            const void *bs = (const char *)(intptr_t)b_ptrs[p] + (size_t)s * out_dim * rank * es;
             const float sc = ((const float *)(intptr_t)scale_ptrs[p])[s];
-            lora_row(xr, y + rows[n] * y_stride + y_cols[p], as, bs, sc, b_transposed, in_dim, out_dim, rank);
+            float *yr = y + rows[n] * y_stride + y_cols[p];
+            if (weights_bf16)
+                lora_row(xr, yr, as, bs, sc, b_transposed, in_dim, out_dim, rank, 1);
+            else
+                lora_row(xr, yr, as, bs, sc, b_transposed, in_dim, out_dim, rank, 0);
         }
     }
     return 0;
@@ -371,37 +419,12 @@ int loraplex_gemv_f32(
     return 0;
 }
 
-/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
 /* float32 rounded to the nearest bfloat16 (ties to even), kept as a float32. */
 static inline float round_bf16(float x)
 {
     union { uint32_t u; float f; } c = { .f = x };
     c.u = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) & 0xffff0000u;
     return c.f;
-}
-
-static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
-{
-    const uint16_t *m0 = m, *m1 = m0 + ld, *m2 = m1 + ld, *m3 = m2 + ld;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+:s0, s1, s2, s3)
-    for (int i = 0; i < n; i++) {
-        const float xi = x[i];
-        s0 += bf16_to_f32(m0[i]) * xi;
-        s1 += bf16_to_f32(m1[i]) * xi;
-        s2 += bf16_to_f32(m2[i]) * xi;
-        s3 += bf16_to_f32(m3[i]) * xi;
-    }
-    s[0] = s0;
-    s[1] = s1;
-    s[2] = s2;
-    s[3] = s3;
 }
 
 int loraplex_gemv_bf16(

@@ -188,14 +188,17 @@ class AdapterManager:
 
     @classmethod
     def from_settings(cls, settings: Settings, model: ModelInfo, *, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu", **kw: Any) -> AdapterManager:
+                      device: torch.device | str = "cpu", slot_weights_dtype: torch.dtype | None = None,
+                      **kw: Any) -> AdapterManager:
         """The worker's manager: a slot bank per ``lora_rank_classes`` with ``max_loras`` slots
         per class, the host LRU of ``max_cpu_loras``, the disk cache directory and budget,
-        the adapter sources (``adapter_sources``) and the config bounds from settings."""
+        the adapter sources (``adapter_sources``) and the config bounds from settings.
+        ``slot_weights_dtype``: the slots' A/B storage (default ``dtype``, see ``SlotBank``)."""
         # Classes above max_lora_rank are dropped: such adapters are refused as in vLLM.
         classes = tuple(c for c in settings.lora_rank_classes if c <= settings.max_lora_rank) or (
             settings.max_lora_rank,)
-        bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device)
+        bank = SlotBank.for_model(model, classes, settings.max_loras, dtype=dtype, device=device,
+                                  weights_dtype=slot_weights_dtype)
         return cls(model, bank, max_loras=settings.max_loras, max_cpu_loras=settings.max_cpu_loras,
                    cache_dir=settings.resolved_adapter_cache_dir(),
                    cache_max_bytes=settings.adapter_cache_max_bytes,
@@ -328,7 +331,7 @@ class AdapterManager:
         weights = load_adapter_files(contents, self.model, dtype=self.weights_dtype,
                                      projections=self.bank.projections, limits=self.limits)
         self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
-        check_finite(weights, self.bank.dtype)  # a slot write can then never overflow
+        check_finite(weights, self.bank.weights_dtype)  # a slot write can then never overflow
         if self._pin_host:
             weights = weights.pin_memory()
         return weights

@@ -5,7 +5,9 @@ For every token ``i`` with ``slot[i] >= 0`` (``-1`` is a base row, left bit-for-
     y[i] += (x[i] @ A[slot[i]].T) @ B[slot[i]].T * scale[slot[i]]
 
 with ``x [T, in]``, ``y [T, out]`` (updated in place), ``A [S, r, in]``, ``B [S, out, r]``,
-``scale [S]``. :func:`lora_apply` is the one entry point: Triton on CUDA, else the CPU path
+``scale [S]``; ``A``/``B`` may be stored in bfloat16 under float32 ``x``/``y`` (the math stays
+float32: the torch paths widen the slices they use, the native kernel widens on load).
+:func:`lora_apply` is the one entry point: Triton on CUDA, else the CPU path
 (``segmented``, ``padded``, ``native``; ``reference`` is the definition) that
 :func:`choose_path` picks from measured thresholds (docs/DESIGN.md, "Batched LoRA").
 """
@@ -171,7 +173,7 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     """The definition, one row at a time."""
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
-            y[i] += (x[i] @ a[s].T) @ b[s].T * scale[s]
+            y[i] += (x[i] @ a[s].T.to(y.dtype)) @ b[s].T.to(y.dtype) * scale[s]
 
 
 def lora_segmented(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -185,13 +187,14 @@ def lora_segmented(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     scales = scale.tolist() if plan.num_adapters else []
     if plan.runs is not None:
         for start, end, s in plan.runs:
-            y[start:end].addmm_(torch.mm(x[start:end], a[s].T), b[s].T, alpha=scales[s])
+            y[start:end].addmm_(torch.mm(x[start:end], a[s].T.to(y.dtype)), b[s].T.to(y.dtype), alpha=scales[s])
         return
     xs = x.index_select(0, plan.rows)
     d = torch.empty(plan.num_lora_tokens, y.shape[1], dtype=y.dtype, device=y.device)
     for s, st, n in zip(plan.seg_slots, plan.seg_starts, plan.seg_lens, strict=True):
         seg = d[st:st + n]
-        torch.addmm(seg, torch.mm(xs[st:st + n], a[s].T), b[s].T, beta=0, alpha=scales[s], out=seg)
+        torch.addmm(seg, torch.mm(xs[st:st + n], a[s].T.to(y.dtype)), b[s].T.to(y.dtype), beta=0, alpha=scales[s],
+                    out=seg)
     y.index_add_(0, plan.rows, d)
 
 
@@ -211,6 +214,7 @@ def lora_padded(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     else:
         idx = plan.seg_table[2].to(torch.int64)
         a_g, b_g, s_g = a.index_select(0, idx), b.index_select(0, idx), scale.index_select(0, idx)
+    a_g, b_g = a_g.to(y.dtype), b_g.to(y.dtype)
     xp = x.index_select(0, lay.pad_rows).view(lay.groups, lay.m, x.shape[1])
     t = torch.bmm(xp, a_g.transpose(1, 2))
     t.mul_(s_g.view(-1, 1, 1))

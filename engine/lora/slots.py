@@ -67,7 +67,10 @@ class SlotBank:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        weights_dtype: torch.dtype | None = None,
     ) -> None:
+        """``dtype``: the activations' (and the scales'); ``weights_dtype``: A's and B's storage
+        (default ``dtype``; bfloat16 under float32 halves the bytes every decode step streams)."""
         classes = tuple(sorted({int(r) for r in rank_classes}))
         if not classes or classes[0] <= 0:
             raise ValueError(f"rank classes must be positive, got {tuple(rank_classes)}")
@@ -79,6 +82,7 @@ class SlotBank:
         self.rank_classes = classes
         self.slots_per_class = slots_per_class
         self.dtype = dtype
+        self.weights_dtype = weights_dtype or dtype
         self.device = torch.device(device)
         self._stacks: dict[int, _ClassStacks] = {}
         self._derived: dict[tuple[int, Hashable], Any] = {}
@@ -86,9 +90,10 @@ class SlotBank:
     @classmethod
     def for_model(cls, model: ModelInfo, rank_classes: Iterable[int], slots_per_class: int, *,
                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                  projections: Iterable[str] = PROJECTIONS) -> SlotBank:
+                  projections: Iterable[str] = PROJECTIONS, weights_dtype: torch.dtype | None = None) -> SlotBank:
         shapes = {p: model.projection_shape(p) for p in projections}
-        return cls(model.num_layers, shapes, rank_classes, slots_per_class, dtype=dtype, device=device)
+        return cls(model.num_layers, shapes, rank_classes, slots_per_class, dtype=dtype, device=device,
+                   weights_dtype=weights_dtype)
 
     # --- slot ids ------------------------------------------------------------------------
     @property
@@ -137,9 +142,10 @@ class SlotBank:
         cap = min(self.slots_per_class, max(need, 2 * have, 1))
         r, L = self.rank_classes[c], self.num_layers
         kw = {"dtype": self.dtype, "device": self.device}
+        wkw = {"dtype": self.weights_dtype, "device": self.device}
         new = _ClassStacks(
-            a={p: torch.zeros(L, cap, r, fi, **kw) for p, (fi, _fo) in self.shapes.items()},
-            bt={p: torch.zeros(L, cap, r, fo, **kw) for p, (_fi, fo) in self.shapes.items()},
+            a={p: torch.zeros(L, cap, r, fi, **wkw) for p, (fi, _fo) in self.shapes.items()},
+            bt={p: torch.zeros(L, cap, r, fo, **wkw) for p, (_fi, fo) in self.shapes.items()},
             scale={p: torch.zeros(L, cap, **kw) for p in self.shapes},
             present={p: torch.zeros(L, cap, dtype=torch.bool) for p in self.shapes},
         )
@@ -176,7 +182,7 @@ class SlotBank:
                 raise ValueError(f"projection {proj!r} has no slot storage (bank holds {self.projections})")
             if not 0 <= layer < self.num_layers:
                 raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer bank")
-        check_finite(weights, self.dtype, tensors=False)
+        check_finite(weights, self.weights_dtype, tensors=False)
         st = self._class(c, need=i + 1)
         self.clear(slot)
         non_blocking = self.device.type == "cuda"
