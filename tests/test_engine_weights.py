@@ -138,8 +138,9 @@ def test_mixed_batch_rows_equal_each_request_alone_with_bf16_weights(lora_world)
             assert rel_err(logits, logits_alone) < 1e-2, name
             errs = {n: rel_err(logits, reference.logits(n, prefix)) for n in names}
             others = min(e for n, e in errs.items() if n != name)
-            # Measured: own error up to 0.067 (0.028 with float32 slots: these adapters' deltas are as
-            # large as the logits, so the slots' bfloat16 rounding shows), at most 0.054 of the nearest other.
+            # Measured: own error up to 0.071, at most 0.071 of the nearest other's (float32 K/V: 0.067
+            # and 0.054; float32 slots too: 0.028 — these adapters' deltas are as large as the logits,
+            # so the slots' bfloat16 rounding shows).
             assert errs[name] < 0.1 and errs[name] < others / 10, (name, errs)
     for eng in (mixed, alone_engine):
         eng.lora_runtime.manager.close()
