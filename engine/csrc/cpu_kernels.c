@@ -73,6 +73,57 @@ static inline __attribute__((always_inline)) float kv_at(const void *pool, int64
     return c.f;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 consecutive pool elements from ``i`` as float32 (bfloat16 widened by a shift). */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *pool, int64_t i, const int kv_bf16)
+{
+    if (kv_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)pool + i);
+}
+
+/* s[t] = q . k_t for the 16 consecutive keys of head dim 64 starting at element ``k0``; returns
+ * their max. Each key's products stay a vector, and the 16 vectors are summed across lanes
+ * together (a transpose-and-add tree: 15 shuffle pairs for 16 keys instead of a full
+ * horizontal reduction per key). */
+static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4], const void *kbase, int64_t k0,
+                                                              const int kv_bf16, float *s)
+{
+    __m512 a[16];
+    for (int t = 0; t < 16; t++) {
+        const int64_t o = k0 + (int64_t)t * 64;
+        __m512 x = _mm512_mul_ps(q[0], kv_load16(kbase, o, kv_bf16));
+        x = _mm512_fmadd_ps(q[1], kv_load16(kbase, o + 16, kv_bf16), x);
+        x = _mm512_fmadd_ps(q[2], kv_load16(kbase, o + 32, kv_bf16), x);
+        a[t] = _mm512_fmadd_ps(q[3], kv_load16(kbase, o + 48, kv_bf16), x);
+    }
+    /* per 128-bit lane L of b[i]: (k0_L02, k1_L02, k0_L13, k1_L13) for keys 2i, 2i+1 */
+    __m512 b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    /* per lane L of c[i]: the lane's partial sums of keys 4i..4i+3 */
+    __m512 c[4];
+    for (int i = 0; i < 4; i++) {
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    /* fold the four lanes: lanes of d[i] pair up c[2i]'s and c[2i+1]'s, then e holds keys 0..15 */
+    __m512 d[2];
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(s, e);
+    return _mm512_reduce_max_ps(e);
+}
+#endif
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
  * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
  * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
@@ -107,6 +158,16 @@ static inline __attribute__((always_inline)) void attend_task(
                 }
             }
             int t = 0;
+#ifdef __AVX512F__
+            if (head_dim == 64 && n >= 16) {
+                const __m512 qv[4] = {_mm512_loadu_ps(qj), _mm512_loadu_ps(qj + 16), _mm512_loadu_ps(qj + 32),
+                                      _mm512_loadu_ps(qj + 48)};
+                for (; t + 16 <= n; t += 16) {
+                    const float m16 = dot16_hd64(qv, kbase, kb + (int64_t)t * head_dim, kv_bf16, sj + p0 + t);
+                    m = m16 > m ? m16 : m;
+                }
+            }
+#endif
             for (; t + 4 <= n; t += 4) {  /* four keys at a time: independent accumulators */
                 const int64_t k0 = kb + (int64_t)t * head_dim, k1 = k0 + head_dim, k2 = k1 + head_dim,
                               k3 = k2 + head_dim;
@@ -144,6 +205,44 @@ static inline __attribute__((always_inline)) void attend_task(
             sum += e;
         }
         /* out_j = sum_p w_p v_p / sum */
+        const float inv = 1.0f / sum;
+        float *oj = ob + (int64_t)j * head_dim;
+#ifdef __AVX512F__
+        if (head_dim == 64) {  /* the accumulator in four registers, two keys in flight */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int p0 = 0; p0 < len; p0 += block_size) {
+                const int n = len - p0 < block_size ? len - p0 : block_size;
+                const int64_t vb = table[p0 / block_size] * block_elems;
+                int t = 0;
+                for (; t + 2 <= n; t += 2) {
+                    const __m512 w = _mm512_set1_ps(sj[p0 + t]), x = _mm512_set1_ps(sj[p0 + t + 1]);
+                    const int64_t vp = vb + (int64_t)t * 64;
+                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, kv_bf16), a0);
+                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, kv_bf16), a1);
+                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, kv_bf16), a2);
+                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, kv_bf16), a3);
+                    b0 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 64, kv_bf16), b0);
+                    b1 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 80, kv_bf16), b1);
+                    b2 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 96, kv_bf16), b2);
+                    b3 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 112, kv_bf16), b3);
+                }
+                if (t < n) {
+                    const __m512 w = _mm512_set1_ps(sj[p0 + t]);
+                    const int64_t vp = vb + (int64_t)t * 64;
+                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, kv_bf16), a0);
+                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, kv_bf16), a1);
+                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, kv_bf16), a2);
+                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, kv_bf16), a3);
+                }
+            }
+            const __m512 vinv = _mm512_set1_ps(inv);
+            _mm512_storeu_ps(oj, _mm512_mul_ps(_mm512_add_ps(a0, b0), vinv));
+            _mm512_storeu_ps(oj + 16, _mm512_mul_ps(_mm512_add_ps(a1, b1), vinv));
+            _mm512_storeu_ps(oj + 32, _mm512_mul_ps(_mm512_add_ps(a2, b2), vinv));
+            _mm512_storeu_ps(oj + 48, _mm512_mul_ps(_mm512_add_ps(a3, b3), vinv));
+            continue;
+        }
+#endif
         float acc[MAX_HEAD_DIM];
         for (int i = 0; i < head_dim; i++) acc[i] = 0.0f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
@@ -156,8 +255,6 @@ static inline __attribute__((always_inline)) void attend_task(
                 for (int i = 0; i < head_dim; i++) acc[i] += w * kv_at(vbase, vp + i, kv_bf16);
             }
         }
-        const float inv = 1.0f / sum;
-        float *oj = ob + (int64_t)j * head_dim;
 #pragma omp simd
         for (int i = 0; i < head_dim; i++) oj[i] = acc[i] * inv;
     }
