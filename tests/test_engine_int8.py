@@ -311,7 +311,9 @@ CHATS = ["Write one sentence about the sea.", "Explain gravity to a child.", "Wr
 @pytest.mark.slow
 def test_demo_int8_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, tmp_path):  # noqa: F811
     """Measured on the demo model (SmolLM2-135M, Q4_1 weights widened, then quantized to 8
-    bits): see the bounds below. A broken kernel gives KL > 0.1 and top-1 < 0.5."""
+    bits): top-1 agreement 0.97, KL per token 4e-3 (base) and 5e-3 (adapter) mean, 0.03 max;
+    the adapter's delta at cosine 0.9999 and 1.01x the float32 one's norm. The gates leave
+    room for other CPUs' summation order and prompts, not for a broken kernel (KL > 0.1)."""
     from tests.test_demo_adapters import ADAPTERS
 
     f32 = Engine.from_path(demo_gguf, EngineConfig(kv_cache_bytes=1 << 26))
@@ -323,15 +325,13 @@ def test_demo_int8_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, 
     prompts = [f32.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
     for adapter in (None, french):
         got = agreement(f32, int8, prompts, 32, adapter)
-        print(adapter, got)
-        assert got["top1_agreement"] >= 0.9 and got["kl_mean"] <= 2e-2 and got["kl_max"] <= 0.3, (adapter, got)
+        assert got["top1_agreement"] >= 0.9 and got["kl_mean"] <= 1.5e-2 and got["kl_max"] <= 0.15, (adapter, got)
     # The LoRA delta is applied in 8-bit-weights serving as in float32: same direction, same size.
     prompt = f32.tokenizer.encode_chat([{"role": "user", "content": "Describe your morning."}])
     d32 = forced_logits(f32, prompt, len(prompt), french)[-1] - forced_logits(f32, prompt, len(prompt))[-1]
     d8 = forced_logits(int8, prompt, len(prompt), french)[-1] - forced_logits(int8, prompt, len(prompt))[-1]
     assert d8.abs().max() > 1.0, "the adapter moves the logits"
     cos = torch.nn.functional.cosine_similarity(d32, d8, dim=0)
-    print(float(cos), float(d8.norm() / d32.norm()))
-    assert cos > 0.95 and 0.85 < d8.norm() / d32.norm() < 1.15, (float(cos), float(d8.norm() / d32.norm()))
+    assert cos > 0.99 and 0.95 < d8.norm() / d32.norm() < 1.05, (float(cos), float(d8.norm() / d32.norm()))
     for eng in (f32, int8):
         eng.lora_runtime.manager.close()
