@@ -47,13 +47,22 @@ def onednn_packing_available() -> bool:
 
 
 @lru_cache(maxsize=1)
-def cpu_has_bf16_matmul() -> bool:
-    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+def _cpu_flags() -> frozenset[str]:
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+        return frozenset()
+    return frozenset(flags.split())
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_vnni() -> bool:
+    """This CPU has AVX512-VNNI (the 8-bit kernel's fast path; others run its portable build)."""
+    return "avx512_vnni" in _cpu_flags()
 
 
 @lru_cache(maxsize=1)

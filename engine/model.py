@@ -40,7 +40,7 @@ from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
-from engine.linear import BF16Linear, Int8Linear, Linear, cpu_has_bf16_matmul, make_linear
+from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import Gemv, Q8Matmul, decode_attention_kernel, fused_ops, gemv_kernel, q8_matmul_kernel
 from engine.rotary import RotaryEmbedding
@@ -77,14 +77,19 @@ class DecoderModel:
                 and not cpu_has_bf16_matmul()):
             log.warning("bfloat16 weights on a CPU without AVX512-BF16 or AMX: half the memory, but matmuls "
                         "of several rows run slower than float32 here")
+        if self.matmul_dtype == torch.int8 and not cpu_has_vnni():
+            log.warning("int8 weights on a CPU without AVX512-VNNI: a quarter of the memory, but the portable "
+                        "8-bit kernel runs slower than float32 here")
         self.w = weights.to(device, dtype, self.matmul_dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         gemv = gemv_kernel() if native_kernels and cpu_f32 else None
         q8 = q8_matmul_kernel() if native_kernels and cpu_f32 and self.matmul_dtype == torch.int8 else None
+        if self.matmul_dtype == torch.int8 and q8 is None:
+            log.warning("int8 weights without the native kernels: their matmuls run in torch, several times slower")
         self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8) for lw in self.w.layers]
-        self.lm_head: Linear | BF16Linear | Int8Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
+        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
