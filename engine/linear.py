@@ -47,7 +47,8 @@ def onednn_packing_available() -> bool:
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
@@ -57,12 +58,12 @@ def _cpu_flags() -> frozenset[str]:
 
 def cpu_has_bf16_matmul() -> bool:
     """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_vnni() -> bool:
     """This CPU has AVX512-VNNI (the 8-bit kernel's fast path; others run its portable build)."""
-    return "avx512_vnni" in _cpu_flags()
+    return "avx512_vnni" in cpu_flags()
 
 
 @lru_cache(maxsize=1)

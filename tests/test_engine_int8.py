@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import Int8Linear, Linear
+from engine.linear import Int8Linear, Linear, cpu_flags
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel
 from engine.native import CFLAGS, CSRC, q8_matmul_kernel
@@ -113,12 +113,18 @@ def test_native_kernel_equals_the_reference(rows, k, n):
     assert torch.allclose(Int8Linear(pack_q8(qw), bias, None)(x), want, rtol=1e-6, atol=1e-6)
 
 
-def test_portable_kernel_build_equals_the_reference(tmp_path):
-    """The same C source built without AVX512 (the plain-C path CPUs without VNNI get)."""
+# Builds of the kernel for CPUs without AVX512-VNNI: plain C (any x86-64) and AVX2's maddubs
+# (x86-64-v3, run only where this CPU can execute it).
+PORTABLE = ["x86-64"] + (["x86-64-v3"] if {"avx2", "fma"} <= cpu_flags() else [])
+
+
+@pytest.mark.parametrize("march", PORTABLE)
+def test_portable_kernel_builds_equal_the_reference(tmp_path, march):
+    """The same C source built for CPUs without AVX512-VNNI."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     assert cc is not None, "a C compiler (the native kernels need one)"
     so = tmp_path / "portable.so"
-    flags = [f for f in CFLAGS if f != "-march=native"] + ["-march=x86-64"]
+    flags = [f for f in CFLAGS if f != "-march=native"] + [f"-march={march}"]
     subprocess.run([cc, *flags, str(CSRC / "cpu_kernels.c"), "-o", str(so)], check=True, capture_output=True)
     fn = ctypes.CDLL(str(so)).loraplex_q8_matmul_f32
     fn.restype = ctypes.c_int

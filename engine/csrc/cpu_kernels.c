@@ -554,7 +554,8 @@ int loraplex_rope_f32(
  * (int32, 128 * sum of the block's q). With AVX512-VNNI, one _mm512_dpbusd_epi32 multiplies a
  * group by 4 activations broadcast to all lanes: dpbusd takes unsigned x signed bytes, so the
  * activations are stored + 128 and the compensation subtracted per block. Up to 8 rows of x
- * share each weight load. Without AVX512-VNNI the same layout runs through plain C loops.
+ * share each weight load. Without AVX512-VNNI the same layout runs through AVX2's
+ * _mm256_maddubs_epi16, and without AVX2 through plain C loops.
  * Rows n and inputs k need not be multiples of 16 / 32: the pack pads with zeros.
  * --------------------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -614,6 +615,43 @@ static inline __attribute__((always_inline)) void q8_tile(
     const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bv));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 (no VNNI): _mm256_maddubs_epi16 multiplies unsigned x signed bytes into saturating int16
+ * pair sums, so as llama.cpp does the activation's sign moves onto the weight (|x| <= 127 keeps
+ * each pair sum below 2^15) and no compensation is needed. Rows one at a time (16 registers). */
+static inline void q8_tile(
+    const int8_t *wt, const float *wd, const int32_t *wc, const uint8_t *xq, int64_t xq_stride,
+    const float *xd, int nb, const int mr, float *y, int64_t y_stride, const float *bias, int cols)
+{
+    (void)wc;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < mr; r++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m256i ia0 = _mm256_setzero_si256(), ia1 = _mm256_setzero_si256();
+            const int8_t *wb = wt + (int64_t)b * Q8_BLOCK * Q8_TILE;
+            for (int g = 0; g < Q8_BLOCK / 4; g++) {
+                int32_t a4;
+                memcpy(&a4, xq + r * xq_stride + b * Q8_BLOCK + g * 4, 4);
+                const __m256i a = _mm256_set1_epi32(a4 ^ (int32_t)0x80808080u);  /* back to signed */
+                const __m256i ax = _mm256_abs_epi8(a);
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + g * 64));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + g * 64 + 32));
+                ia0 = _mm256_add_epi32(ia0, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, a)), ones));
+                ia1 = _mm256_add_epi32(ia1, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, a)), ones));
+            }
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE), dx), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia1), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE + 8), dx),
+                                   acc1);
+        }
+        float out[Q8_TILE];
+        _mm256_storeu_ps(out, acc0);
+        _mm256_storeu_ps(out + 8, acc1);
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+    }
 }
 #else
 static inline void q8_tile(
