@@ -278,14 +278,18 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     assert int8.model.w.embed.dtype == torch.float32 and int8.model.w.layers[0].input_norm.dtype == torch.float32
     assert int8.cache.k[0].dtype == torch.float32
     rt = attach_runtime(int8, model_info(base_dir), root / "cache-mem")
-    assert rt.manager.bank.dtype == torch.float32, "the LoRA branch stays float32, never merged"
+    # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16
+    # (as under bfloat16 base weights: 32 adapters' A/B outweigh the 8-bit matrices per step).
+    assert rt.manager.bank.dtype == torch.float32 and rt.manager.bank.weights_dtype == torch.bfloat16
     rt.manager.close()
 
 
 def test_mixed_batch_rows_equal_each_request_alone_with_int8_weights(lora_world):
     """Cross-tenant isolation in this format: each row of a mixed batch (base rows and nine
     adversarial adapters, prefill and decode together) equals the same request served alone,
-    and is closer to PEFT for its own adapter than to any other's."""
+    and is closer to PEFT (float32) for its own adapter than to any other's: ten times closer,
+    and within 0.1 relative error (measured up to 0.054 with these adversarial adapters, whose
+    deltas are as large as the logits, and their A/B in bfloat16)."""
     base_dir, _, reference, refs, root = lora_world
     plan = _plan()
     mixed = tiny_engine(base_dir, weights="int8")
@@ -303,7 +307,7 @@ def test_mixed_batch_rows_equal_each_request_alone_with_int8_weights(lora_world)
             assert rel_err(logits, logits_alone) < 1e-4, name
             errs = {n: rel_err(logits, reference.logits(n, prefix)) for n in names}
             others = min(e for n, e in errs.items() if n != name)
-            assert errs[name] < 0.05 and errs[name] < others / 10, (name, errs)
+            assert errs[name] < 0.1 and errs[name] < others / 10, (name, errs)
     for eng in (mixed, alone_engine):
         eng.lora_runtime.manager.close()
 
