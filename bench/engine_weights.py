@@ -1,21 +1,24 @@
-"""Base weights in bfloat16 against float32: decode speed with and without adapters, and accuracy.
+"""Base weights in bfloat16 and in 8 bits against float32: decode speed with and without adapters,
+and accuracy.
 
-One process, the demo model loaded twice: ``LORAPLEX_WEIGHTS=auto`` (float32, the reference, its KV
-cache float32 too) and ``bfloat16`` (the base's matrices in bfloat16 under float32 activations; LoRA
-and attention stay float32; the KV cache in ``--kv-cache-dtype``: ``auto``, the default, is bfloat16
-with these weights, ``float32`` measures the weights alone). For each case (base only, 32 distinct rank-16 adapters on all seven
-projections; batch 32, 128-token prompts, 64 new tokens, greedy, EOS ignored) both engines run in
-alternating rounds and the best round of each is kept: decode tokens/s, mean time to first token,
-and the ratio bfloat16 / float32.
+One process, the demo model loaded once per format: ``LORAPLEX_WEIGHTS=auto`` (float32, the
+reference, its KV cache float32 too), ``bfloat16`` (the base's matrices in bfloat16) and ``int8``
+(the projections in 8-bit blocks of 32, ``engine.quant``), all under float32 activations (LoRA and
+attention stay float32; the others' KV cache in ``--kv-cache-dtype``: ``auto``, the default, is
+bfloat16 with bfloat16 weights and float32 with int8 ones, ``float32`` measures the weights
+alone). For each case (base only, 32 distinct rank-16 adapters on all seven projections; batch 32,
+128-token prompts, 64 new tokens, greedy, EOS ignored) the engines run in alternating rounds and
+the best round of each is kept: decode tokens/s, mean time to first token, and the ratio to
+float32.
 
 Accuracy, teacher-forced on the float32 engine's own greedy continuations of chat prompts: the
-share of positions where both engines' top-1 token agree, and the KL divergence per token
-KL(float32 || bfloat16) (mean, p99, max); with an adapter too.
+share of positions where the engines' top-1 tokens agree, and the KL divergence per token
+KL(float32 || other) (mean, p99, max); with an adapter too.
 
 Prints tables and writes ``bench/results/engine_weights.json``.
 
     python bench/engine_weights.py [--rounds 2] [--batch 32] [--prompt 128] [--new 64] [--threads 2]
-                                   [--kv-cache-dtype auto|float32|bfloat16]
+        [--kv-cache-dtype auto|float32|bfloat16] [--formats auto,bfloat16,int8]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from engine_lora import attach, preload, refs_of, run_ours, write_adapters
 from loraplex.modelinfo import PROJECTIONS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FORMATS = ("auto", "bfloat16")
+FORMATS = ("auto", "bfloat16", "int8")
 CHATS = ["Write one sentence about the sea.", "What is the capital of France?", "Explain gravity to a child.",
          "List three colours.", "Write a haiku about autumn.", "How do I sort a list in Python?",
          "Name two planets and one fact about each.", "Give me a recipe for pancakes."]
@@ -57,8 +60,11 @@ def main() -> int:
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--accuracy-new", type=int, default=48, help="greedy tokens per chat prompt for accuracy")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="the bfloat16-weights engine's KV cache (auto: bfloat16 with bfloat16 weights)")
+                    help="the other formats' KV cache (auto: bfloat16 with bfloat16 weights)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="weights formats; the first is the reference")
     args = ap.parse_args()
+    formats = args.formats.split(",")
+    ref_fmt, others = formats[0], formats[1:]
     torch.set_num_threads(args.threads)
 
     from engine.engine import Engine, EngineConfig
@@ -73,9 +79,9 @@ def main() -> int:
                           base_name=info.name)[-args.adapters:]
     refs = refs_of(dirs, "w")
     engines, runtimes = {}, {}
-    for fmt in FORMATS:
+    for fmt in formats:
         print(f"loading the demo model with weights={fmt} ...", flush=True)
-        kv = args.kv_cache_dtype if fmt == "bfloat16" else "float32"
+        kv = "float32" if fmt == ref_fmt else args.kv_cache_dtype
         eng = Engine.from_path(gguf, EngineConfig(device="cpu", dtype="float32", weights=fmt, kv_cache_dtype=kv,
                                                   kv_cache_bytes=512 << 20, max_num_seqs=max(32, args.batch)))
         rt = attach(eng, info, max_loras=args.adapters, max_cpu_loras=args.adapters,
@@ -92,7 +98,7 @@ def main() -> int:
     best: dict[tuple[str, str], dict[str, Any]] = {}
     for r in range(args.rounds):
         for case, adapters in cases.items():
-            for fmt in (FORMATS if r % 2 == 0 else FORMATS[::-1]):
+            for fmt in (formats if r % 2 == 0 else formats[::-1]):
                 out = run_ours(engines[fmt], prompts, adapters, args.new)
                 key = (case, fmt)
                 if key not in best or out["decode_tok_s"] > best[key]["decode_tok_s"]:
@@ -101,38 +107,47 @@ def main() -> int:
                       f"ttft {out['ttft_s'] * 1000:.0f} ms", flush=True)
     rows = []
     for case in cases:
-        f32, bf16 = best[(case, "auto")], best[(case, "bfloat16")]
-        same = sum(a == b for a, b in zip(f32["tokens"], bf16["tokens"], strict=True)) / args.batch
-        rows.append({"case": case, "float32_decode_tok_s": f32["decode_tok_s"],
-                     "bfloat16_decode_tok_s": bf16["decode_tok_s"],
-                     "ratio": bf16["decode_tok_s"] / f32["decode_tok_s"],
-                     "float32_ttft_s": f32["ttft_s"], "bfloat16_ttft_s": bf16["ttft_s"],
-                     "greedy_rows_equal": same})
+        ref = best[(case, ref_fmt)]
+        row: dict[str, Any] = {"case": case, f"{ref_fmt}_decode_tok_s": ref["decode_tok_s"],
+                               f"{ref_fmt}_ttft_s": ref["ttft_s"]}
+        for fmt in others:
+            got = best[(case, fmt)]
+            row[f"{fmt}_decode_tok_s"] = got["decode_tok_s"]
+            row[f"{fmt}_ratio"] = got["decode_tok_s"] / ref["decode_tok_s"]
+            row[f"{fmt}_ttft_s"] = got["ttft_s"]
+            row[f"{fmt}_greedy_rows_equal"] = sum(
+                a == b for a, b in zip(ref["tokens"], got["tokens"], strict=True)) / args.batch
+        rows.append(row)
     print("measuring accuracy ...", flush=True)
-    chats = [engines["auto"].tokenizer.encode_chat([{"role": "user", "content": t}]) for t in CHATS]
-    acc = {"base": agreement(engines["auto"], engines["bfloat16"], chats, args.accuracy_new),
-           "adapter": agreement(engines["auto"], engines["bfloat16"], chats, args.accuracy_new, refs[0])}
+    chats = [engines[ref_fmt].tokenizer.encode_chat([{"role": "user", "content": t}]) for t in CHATS]
+    acc = {fmt: {"base": agreement(engines[ref_fmt], engines[fmt], chats, args.accuracy_new),
+                 "adapter": agreement(engines[ref_fmt], engines[fmt], chats, args.accuracy_new, refs[0])}
+           for fmt in others}
     for rt in runtimes.values():
         rt.manager.close()
 
     print(f"\nbatch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads; "
           f"CPU bfloat16 matmul: {cpu_has_bf16_matmul()}; bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"KV cache: {kv_dtypes['auto']} (f32 weights), {kv_dtypes['bfloat16']} (bf16 weights)")
-    print(f"{'case':>12} | {'f32 tok/s':>9} | {'bf16 tok/s':>10} | {'bf16/f32':>8} | {'f32 ttft ms':>11} | "
-          f"{'bf16 ttft ms':>12} | {'same greedy rows':>16}")
+          f"reference {ref_fmt}; KV cache: "
+          + ", ".join(f"{kv_dtypes[fmt]} ({fmt} weights)" for fmt in formats))
+    print(f"{'case':>12} | {'format':>8} | {'tok/s':>7} | {'ratio':>5} | {'ttft ms':>7} | {'same greedy rows':>16}")
     for r in rows:
-        print(f"{r['case']:>12} | {r['float32_decode_tok_s']:>9.1f} | {r['bfloat16_decode_tok_s']:>10.1f} | "
-              f"{r['ratio']:>8.2f} | {r['float32_ttft_s'] * 1000:>11.0f} | {r['bfloat16_ttft_s'] * 1000:>12.0f} | "
-              f"{r['greedy_rows_equal']:>16.2f}")
-    print(f"\n{'accuracy':>8} | {'positions':>9} | {'top-1 agree':>11} | {'KL mean':>9} | {'KL p99':>9} | {'KL max':>9}")
-    for name, a in acc.items():
-        print(f"{name:>8} | {a['positions']:>9} | {a['top1_agreement']:>11.3f} | {a['kl_mean']:>9.2e} | "
-              f"{a['kl_p99']:>9.2e} | {a['kl_max']:>9.2e}")
+        print(f"{r['case']:>12} | {ref_fmt:>8} | {r[f'{ref_fmt}_decode_tok_s']:>7.1f} | {1:>5.2f} | "
+              f"{r[f'{ref_fmt}_ttft_s'] * 1000:>7.0f} | {'':>16}")
+        for fmt in others:
+            print(f"{'':>12} | {fmt:>8} | {r[f'{fmt}_decode_tok_s']:>7.1f} | {r[f'{fmt}_ratio']:>5.2f} | "
+                  f"{r[f'{fmt}_ttft_s'] * 1000:>7.0f} | {r[f'{fmt}_greedy_rows_equal']:>16.2f}")
+    print(f"\n{'format':>8} | {'accuracy':>8} | {'positions':>9} | {'top-1 agree':>11} | {'KL mean':>9} | "
+          f"{'KL p99':>9} | {'KL max':>9}")
+    for fmt, by_case in acc.items():
+        for name, a in by_case.items():
+            print(f"{fmt:>8} | {name:>8} | {a['positions']:>9} | {a['top1_agreement']:>11.3f} | "
+                  f"{a['kl_mean']:>9.2e} | {a['kl_p99']:>9.2e} | {a['kl_max']:>9.2e}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                        "bf16_matmul": cpu_has_bf16_matmul(), "bandwidth_bytes_s": bandwidth,
                        "load_average": os.getloadavg()},
-           "args": vars(args), "kv_cache_dtype": {"float32": kv_dtypes["auto"], "bfloat16": kv_dtypes["bfloat16"]},
+           "args": vars(args), "kv_cache_dtype": kv_dtypes,
            "speed": rows, "accuracy": acc, "time": time.time()}
     (RESULTS / "engine_weights.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'engine_weights.json'}")

@@ -112,11 +112,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
     """The projection weights' dtype: ``auto`` is the activations' ``dtype``; ``bfloat16``
-    also under float32 activations (the LoRA branch stays in the activations' dtype)."""
+    also under float32 activations; ``int8`` (8-bit blocks, ``engine.quant``) under float32
+    activations only (the LoRA branch stays in the activations' dtype)."""
     if weights in ("", "auto"):
         return dtype
+    if weights == "int8":
+        if dtype != torch.float32:
+            raise ValueError(f"int8 weights need float32 activations, not {str(dtype).removeprefix('torch.')}")
+        return torch.int8
     if weights not in _DTYPES:
-        raise ValueError(f"unknown weights {weights!r} (use auto or bfloat16)")
+        raise ValueError(f"unknown weights {weights!r} (use auto, bfloat16 or int8)")
     mm = _DTYPES[weights]
     if mm != dtype and not (mm == torch.bfloat16 and dtype == torch.float32):
         raise ValueError(f"weights {weights!r} under {str(dtype).removeprefix('torch.')} activations "
@@ -189,13 +194,13 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         if device.type == "cpu":
             tune_cpu_allocator()
-        weights = load_weights(path)
+        matmul_dtype = resolve_weights(config.weights, dtype)
+        weights = load_weights(path, keep_q8_0=matmul_dtype == torch.int8)
         cfg = weights.config
         limit = cfg.context_length
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         model = DecoderModel(weights, device, dtype, max_len, pack_batch=config.max_num_seqs,
-                             native_kernels=config.native_kernels,
-                             matmul_dtype=resolve_weights(config.weights, dtype))
+                             native_kernels=config.native_kernels, matmul_dtype=matmul_dtype)
         reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
         tok = TextTokenizer.from_model_path(path, reader)
         return cls(model, tok, config, model_path=path)

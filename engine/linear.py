@@ -13,6 +13,11 @@ bfloat16 (oneDNN's bfloat16 matmul, prepacked, on CPUs with AVX512-BF16 or AMX; 
 bfloat16 ``gemv`` does the same for one row), then widened to float32 for the bias and the rest
 of the layer. Half the weight bytes, and on such CPUs twice the
 multiply-add rate of float32.
+
+``Int8Linear`` keeps the weight in 8 bits, one scale per block of 32 inputs (``engine.quant``,
+``LORAPLEX_WEIGHTS=int8``): each input row is quantized the same way on the fly and the blocks'
+integer products summed in float32 (the native kernel; AVX512-VNNI where the CPU has it). About
+a quarter of float32's weight bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from engine.quant import PackedQ8, q8_matmul_reference
 
 
 @lru_cache(maxsize=1)
@@ -40,13 +47,23 @@ def onednn_packing_available() -> bool:
 
 
 @lru_cache(maxsize=1)
-def cpu_has_bf16_matmul() -> bool:
-    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+        return frozenset()
+    return frozenset(flags.split())
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_vnni() -> bool:
+    """This CPU has AVX512-VNNI (the 8-bit kernel's fast path; others run its portable build)."""
+    return "avx512_vnni" in cpu_flags()
 
 
 @lru_cache(maxsize=1)
@@ -112,10 +129,34 @@ class BF16Linear:
         return y
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, activations: torch.dtype, pack_batch: int = 0,
+class Int8Linear:
+    """``y = x @ W.T + bias`` for float32 ``x``, ``bias`` and ``y`` and an 8-bit ``W``
+    (:class:`engine.quant.PackedQ8`) through ``kernel``; without a kernel, the same arithmetic
+    in torch (slow: for CPUs where the native kernels do not build)."""
+
+    def __init__(self, weight: PackedQ8, bias: torch.Tensor | None = None, kernel: Callable | None = None) -> None:
+        """``kernel``: ``engine.native.Q8Matmul``."""
+        self.weight = weight
+        self.bias = bias
+        self.kernel = kernel
+        self.rows = weight.unpack() if kernel is None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return q8_matmul_reference(x, self.rows, self.bias)
+        return self.kernel(x, self.weight, self.bias)  # type: ignore[misc]
+
+
+def make_linear(weight: torch.Tensor | PackedQ8, bias: torch.Tensor | None, activations: torch.dtype,
+                pack_batch: int = 0,
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                ) -> Linear | BF16Linear:
-    """The projection for ``weight`` under activations of dtype ``activations``."""
+                q8_kernel: Callable | None = None) -> Linear | BF16Linear | Int8Linear:
+    """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
+    ``engine.native.Q8Matmul`` for an 8-bit ``weight``)."""
+    if isinstance(weight, PackedQ8):
+        if activations != torch.float32 or weight.q.device.type != "cpu":
+            raise ValueError("8-bit weights run on CPU under float32 activations")
+        return Int8Linear(weight, bias, q8_kernel)
     if weight.dtype == torch.bfloat16 and activations == torch.float32:
         return BF16Linear(weight, bias, pack_batch, gemv)
     return Linear(weight, bias, pack_batch, gemv)

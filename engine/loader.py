@@ -5,6 +5,11 @@ Both paths end in the same ``ModelWeights``: per layer, q|k|v fused into one mat
 two input matmuls instead of five; the model exposes each projection's slice of the
 fused output (see ``engine.model``).
 
+For 8-bit serving (``LORAPLEX_WEIGHTS=int8``) the projections become ``engine.quant`` blocks:
+GGUF tensors already in Q8_0 are read as they are (``keep_q8_0``: never widened to float32;
+the un-permutation and fusion below act on their int8 rows and scales alike), any other
+weight is quantized by :meth:`ModelWeights.to`.
+
 GGUF specifics: tensors are dequantized with ``gguf.quants.dequantize``; llama.cpp's
 converter permutes the q and k rows of Llama models (interleaved RoPE pairs), which is
 undone here so the Hugging Face ``rotate_half`` rotation applies; a ``rope_freqs``
@@ -22,18 +27,22 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.quant import PackedQ8, Q8Weight, pack_q8, q8_0_from_gguf, quantize_q8
 from loraplex.modelinfo import gguf_getter
+
+Matrix = torch.Tensor | Q8Weight | PackedQ8
+"""A projection's weight: float, 8-bit as loaded, or 8-bit packed for the kernel."""
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Matrix
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Matrix
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Matrix
+    down: Matrix
 
 
 _MATMULS = frozenset({"qkv", "o", "gate_up", "down"})
@@ -51,13 +60,24 @@ class ModelWeights:
 
     def to(self, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype | None = None) -> ModelWeights:
         """``matmul_dtype``: the dtype of the matrices (projections, LM head, embedding table;
-        default ``dtype``); norms and biases stay in ``dtype``."""
-        def cv(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=to).contiguous()
+        default ``dtype``); norms and biases stay in ``dtype``. ``torch.int8``: the projections in
+        8-bit blocks packed for the CPU kernel (``engine.quant``); the embedding table and LM head
+        stay in ``dtype``."""
+        def cv(t: Any, to: torch.dtype = dtype) -> Any:
+            if t is None:
+                return None
+            if to == torch.int8:
+                return pack_q8(t if isinstance(t, Q8Weight) else quantize_q8(t))
+            if isinstance(t, Q8Weight):
+                t = t.dequantize()
+            return t.to(device=device, dtype=to).contiguous()
 
         mm = matmul_dtype or dtype
-        embed = cv(self.embed, mm)
-        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head, mm)
+        if mm == torch.int8 and device.type != "cpu":
+            raise ValueError("8-bit weights run on CPU only")
+        table = dtype if mm == torch.int8 else mm
+        embed = cv(self.embed, table)
+        lm_head = embed if self.lm_head is self.embed else cv(self.lm_head, table)
         layers = [LayerWeights(*(cv(getattr(lw, f), mm if f in _MATMULS else dtype)
                                  for f in LayerWeights.__dataclass_fields__))
                   for lw in self.layers]
@@ -73,8 +93,15 @@ class ModelWeights:
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+                total += t.nbytes if isinstance(t, Q8Weight | PackedQ8) else t.numel() * t.element_size()
         return total
+
+
+def _cat_rows(parts: list[Any]) -> Any:
+    """Row-stacked matrices; when any part is 8-bit, all are (the float parts quantized)."""
+    if any(isinstance(p, Q8Weight) for p in parts):
+        return Q8Weight.cat([p if isinstance(p, Q8Weight) else quantize_q8(p) for p in parts])
+    return torch.cat(parts, dim=0)
 
 
 def _fuse_layer(get: Any, i: int, cfg: ModelConfig) -> LayerWeights:
@@ -84,11 +111,11 @@ def _fuse_layer(get: Any, i: int, cfg: ModelConfig) -> LayerWeights:
         bias = torch.cat([get(i, "q_bias"), get(i, "k_bias"), get(i, "v_bias")])
     return LayerWeights(
         input_norm=get(i, "input_norm"),
-        qkv=torch.cat([q, k, v], dim=0),
+        qkv=_cat_rows([q, k, v]),
         qkv_bias=bias,
         o=get(i, "o_proj"),
         post_norm=get(i, "post_norm"),
-        gate_up=torch.cat([get(i, "gate_proj"), get(i, "up_proj")], dim=0),
+        gate_up=_cat_rows([get(i, "gate_proj"), get(i, "up_proj")]),
         down=get(i, "down_proj"),
     )
 
@@ -182,7 +209,13 @@ def gguf_reader(path: str | Path) -> Any:
     return _cached_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
-def load_gguf(path: str | Path) -> ModelWeights:
+_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def load_gguf(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
+    """``keep_q8_0``: projections stored as Q8_0 come back as ``engine.quant.Q8Weight`` (their
+    blocks as they are in the file) instead of float32."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
@@ -200,8 +233,16 @@ def load_gguf(path: str | Path) -> ModelWeights:
 
     permute = cfg.architecture == "llama"
 
-    def get(i: int, key: str) -> torch.Tensor:
-        arr = tensor(f"blk.{i}.{_GGUF_NAMES[key]}")
+    def get(i: int, key: str) -> torch.Tensor | Q8Weight:
+        name = f"blk.{i}.{_GGUF_NAMES[key]}"
+        t = tensors.get(name)
+        if keep_q8_0 and key in _PROJECTIONS and t is not None and t.tensor_type == GGMLQuantizationType.Q8_0:
+            w = q8_0_from_gguf(t.data, tuple(int(d) for d in reversed(t.shape.tolist())))
+            if permute and key in ("q_proj", "k_proj"):
+                heads = cfg.num_heads if key == "q_proj" else cfg.num_kv_heads
+                w = w.rows(lambda a: unpermute_rope_rows(a, heads))
+            return w
+        arr = tensor(name)
         if permute and key in ("q_proj", "q_bias"):
             arr = unpermute_rope_rows(arr, cfg.num_heads)
         elif permute and key in ("k_proj", "k_bias"):
@@ -216,10 +257,11 @@ def load_gguf(path: str | Path) -> ModelWeights:
     return ModelWeights(cfg, embed, layers, norm, lm_head, rope_freq_factors=freq)
 
 
-def load_weights(path: str | Path) -> ModelWeights:
+def load_weights(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
+    """``keep_q8_0``: as for :func:`load_gguf` (a Hugging Face directory loads as float32)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p)
+        return load_gguf(p, keep_q8_0)
     if p.is_dir() and (p / "config.json").is_file():
         return load_hf_dir(p)
     raise FileNotFoundError(f"{p} is neither a .gguf file nor a Hugging Face directory with config.json")

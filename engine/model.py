@@ -40,9 +40,9 @@ from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
-from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, make_linear
+from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
-from engine.native import Gemv, decode_attention_kernel, fused_ops, gemv_kernel
+from engine.native import Gemv, Q8Matmul, decode_attention_kernel, fused_ops, gemv_kernel, q8_matmul_kernel
 from engine.rotary import RotaryEmbedding
 from engine.step_batch import BatchContext
 
@@ -50,11 +50,12 @@ log = logging.getLogger("loraplex.engine.model")
 
 
 class _LayerLinears:
-    def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None) -> None:
-        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv)
-        self.o = make_linear(lw.o, None, act, pack_batch, gemv)
-        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv)
-        self.down = make_linear(lw.down, None, act, pack_batch, gemv)
+    def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
+                 q8: Q8Matmul | None) -> None:
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8)
 
 
 class DecoderModel:
@@ -65,7 +66,9 @@ class DecoderModel:
         ``native_kernels``: on CPU float32, decode attention (over float32 or bfloat16 K/V pools),
         single-row matmuls and the fused elementwise steps through ``engine.native`` (when it builds). ``matmul_dtype``: the
         projection weights' dtype (default ``dtype``): bfloat16 under float32 activations keeps
-        the base's matrices in bfloat16 while everything else, LoRA included, stays float32."""
+        the base's matrices in bfloat16 while everything else, LoRA included, stays float32;
+        ``torch.int8`` (CPU, float32 activations) keeps the projections in 8-bit blocks
+        (``engine.quant``), the embedding table and LM head in float32."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
@@ -74,12 +77,18 @@ class DecoderModel:
                 and not cpu_has_bf16_matmul()):
             log.warning("bfloat16 weights on a CPU without AVX512-BF16 or AMX: half the memory, but matmuls "
                         "of several rows run slower than float32 here")
+        if self.matmul_dtype == torch.int8 and not cpu_has_vnni():
+            log.warning("int8 weights on a CPU without AVX512-VNNI: a quarter of the memory, but the portable "
+                        "8-bit kernel runs slower than float32 here")
         self.w = weights.to(device, dtype, self.matmul_dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         gemv = gemv_kernel() if native_kernels and cpu_f32 else None
-        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv) for lw in self.w.layers]
+        q8 = q8_matmul_kernel() if native_kernels and cpu_f32 and self.matmul_dtype == torch.int8 else None
+        if self.matmul_dtype == torch.int8 and q8 is None:
+            log.warning("int8 weights without the native kernels: their matmuls run in torch, several times slower")
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8) for lw in self.w.layers]
         self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()

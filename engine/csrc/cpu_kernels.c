@@ -636,3 +636,185 @@ int loraplex_rope_f32(
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * 5. loraplex_q8_matmul_f32: y = x W^T (+ bias) with W in 8 bits (llama.cpp's Q8_0 idea).
+ *
+ * W [n, k] is int8 with one float32 scale per block of 32 consecutive inputs of an output row:
+ * w[o, i] ~= d[o, i / 32] * q[o, i]. Each row of x is quantized the same way on the fly
+ * (absmax / 127 per block of 32, rounded to nearest even), so each block's product is an exact
+ * integer dot product scaled by d_w[o, b] * d_x[r, b] into a float32 sum.
+ *
+ * The weights are packed once at load (engine.quant.pack_q8) into tiles of 16 output rows:
+ * per tile and block, 8 groups of 4 consecutive inputs, each group 16 rows x 4 int8 (64 bytes,
+ * one 512-bit load); then the tile's 16 scales per block (float32) and 16 compensations
+ * (int32, 128 * sum of the block's q). With AVX512-VNNI, one _mm512_dpbusd_epi32 multiplies a
+ * group by 4 activations broadcast to all lanes: dpbusd takes unsigned x signed bytes, so the
+ * activations are stored + 128 and the compensation subtracted per block. Up to 8 rows of x
+ * share each weight load. Without AVX512-VNNI the same layout runs through AVX2's
+ * _mm256_maddubs_epi16, and without AVX2 through plain C loops.
+ * Rows n and inputs k need not be multiples of 16 / 32: the pack pads with zeros.
+ * --------------------------------------------------------------------------------------------- */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define Q8_VNNI 1
+#endif
+
+#define Q8_BLOCK 32
+#define Q8_TILE 16
+
+/* One row of x to blocks of 32: xq = round(x / d) + 128 (uint8), xd = d = absmax / 127. */
+static void q8_quantize_row(const float *x, int k, int nb, uint8_t *xq, float *xd)
+{
+    for (int b = 0; b < nb; b++) {
+        const int i0 = b * Q8_BLOCK;
+        const int len = k - i0 < Q8_BLOCK ? k - i0 : Q8_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < len; i++) {
+            const float a = x[i0 + i] < 0 ? -x[i0 + i] : x[i0 + i];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        xd[b] = d;
+        for (int i = 0; i < Q8_BLOCK; i++)
+            xq[i0 + i] = (uint8_t)((int)__builtin_rintf(i < len ? x[i0 + i] * id : 0.0f) + 128);
+    }
+}
+
+#ifdef Q8_VNNI
+/* ``mr`` rows of x against one tile of 16 output rows; always inlined with a constant ``mr``. */
+static inline __attribute__((always_inline)) void q8_tile(
+    const int8_t *wt, const float *wd, const int32_t *wc, const uint8_t *xq, int64_t xq_stride,
+    const float *xd, int nb, const int mr, float *y, int64_t y_stride, const float *bias, int cols)
+{
+    __m512 acc[8];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i ia[8];
+        for (int r = 0; r < mr; r++) ia[r] = _mm512_setzero_si512();
+        const int8_t *wb = wt + (int64_t)b * Q8_BLOCK * Q8_TILE;
+        for (int g = 0; g < Q8_BLOCK / 4; g++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wb + g * 64));
+            for (int r = 0; r < mr; r++) {
+                int32_t a4;
+                memcpy(&a4, xq + r * xq_stride + b * Q8_BLOCK + g * 4, 4);
+                ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(a4), w);
+            }
+        }
+        const __m512i comp = _mm512_loadu_si512((const void *)(wc + b * Q8_TILE));
+        const __m512 dw = _mm512_loadu_ps(wd + b * Q8_TILE);
+        for (int r = 0; r < mr; r++) {
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[r], comp)), s, acc[r]);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bv));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 (no VNNI): _mm256_maddubs_epi16 multiplies unsigned x signed bytes into saturating int16
+ * pair sums, so as llama.cpp does the activation's sign moves onto the weight (|x| <= 127 keeps
+ * each pair sum below 2^15) and no compensation is needed. Rows one at a time (16 registers). */
+static inline void q8_tile(
+    const int8_t *wt, const float *wd, const int32_t *wc, const uint8_t *xq, int64_t xq_stride,
+    const float *xd, int nb, const int mr, float *y, int64_t y_stride, const float *bias, int cols)
+{
+    (void)wc;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < mr; r++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m256i ia0 = _mm256_setzero_si256(), ia1 = _mm256_setzero_si256();
+            const int8_t *wb = wt + (int64_t)b * Q8_BLOCK * Q8_TILE;
+            for (int g = 0; g < Q8_BLOCK / 4; g++) {
+                int32_t a4;
+                memcpy(&a4, xq + r * xq_stride + b * Q8_BLOCK + g * 4, 4);
+                const __m256i a = _mm256_set1_epi32(a4 ^ (int32_t)0x80808080u);  /* back to signed */
+                const __m256i ax = _mm256_abs_epi8(a);
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + g * 64));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + g * 64 + 32));
+                ia0 = _mm256_add_epi32(ia0, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, a)), ones));
+                ia1 = _mm256_add_epi32(ia1, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, a)), ones));
+            }
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE), dx), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia1), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE + 8), dx),
+                                   acc1);
+        }
+        float out[Q8_TILE];
+        _mm256_storeu_ps(out, acc0);
+        _mm256_storeu_ps(out + 8, acc1);
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+#else
+static inline void q8_tile(
+    const int8_t *wt, const float *wd, const int32_t *wc, const uint8_t *xq, int64_t xq_stride,
+    const float *xd, int nb, const int mr, float *y, int64_t y_stride, const float *bias, int cols)
+{
+    for (int r = 0; r < mr; r++) {
+        float acc[Q8_TILE] = {0};
+        for (int b = 0; b < nb; b++) {
+            int32_t ia[Q8_TILE] = {0};
+            const int8_t *wb = wt + (int64_t)b * Q8_BLOCK * Q8_TILE;
+            const uint8_t *xb = xq + r * xq_stride + b * Q8_BLOCK;
+            for (int g = 0; g < Q8_BLOCK / 4; g++)
+                for (int j = 0; j < Q8_TILE; j++)
+                    for (int t = 0; t < 4; t++) ia[j] += (int32_t)xb[g * 4 + t] * wb[g * 64 + j * 4 + t];
+            const float dx = xd[r * nb + b];
+            for (int j = 0; j < Q8_TILE; j++)
+                acc[j] += (float)(ia[j] - wc[b * Q8_TILE + j]) * (wd[b * Q8_TILE + j] * dx);
+        }
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = acc[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+#endif
+
+int loraplex_q8_matmul_f32(
+    const float *x, int64_t x_stride, int m, int k, const int8_t *wq, const float *wd, const int32_t *wc,
+    int n, const float *bias, float *y, int64_t y_stride, int num_threads)
+{
+    /* x [m, k] (rows x_stride apart), y [m, n] (rows y_stride apart); wq/wd/wc as packed by
+     * engine.quant.pack_q8 for n rows and k inputs. Returns 1 when out of memory. */
+    const int nb = (k + Q8_BLOCK - 1) / Q8_BLOCK;
+    const int tiles = (n + Q8_TILE - 1) / Q8_TILE;
+    const int64_t kp = (int64_t)nb * Q8_BLOCK;
+    uint8_t *xq = malloc((size_t)m * (size_t)kp);
+    float *xd = malloc(sizeof(float) * (size_t)m * (size_t)nb);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return 1;
+    }
+    const int threads = (int64_t)m * n * k < PARALLEL_MIN_ELEMS ? 1 : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) q8_quantize_row(x + r * x_stride, k, nb, xq + r * kp, xd + (int64_t)r * nb);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const int8_t *wt = wq + (int64_t)t * nb * Q8_BLOCK * Q8_TILE;
+            const float *wdt = wd + (int64_t)t * nb * Q8_TILE;
+            const int32_t *wct = wc + (int64_t)t * nb * Q8_TILE;
+            const int o = t * Q8_TILE;
+            const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
+            const float *bt = bias ? bias + o : NULL;
+            int r = 0;
+            for (; r + 8 <= m; r += 8)
+                q8_tile(wt, wdt, wct, xq + r * kp, kp, xd + (int64_t)r * nb, nb, 8, y + r * y_stride + o, y_stride,
+                        bt, cols);
+            for (; r + 4 <= m; r += 4)
+                q8_tile(wt, wdt, wct, xq + r * kp, kp, xd + (int64_t)r * nb, nb, 4, y + r * y_stride + o, y_stride,
+                        bt, cols);
+            for (; r < m; r++)
+                q8_tile(wt, wdt, wct, xq + r * kp, kp, xd + (int64_t)r * nb, nb, 1, y + r * y_stride + o, y_stride,
+                        bt, cols);
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
