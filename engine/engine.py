@@ -308,17 +308,23 @@ class Engine:
                 return
             seq.aborted = True
             seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
-            self._release(seq)
+            self._retire(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        """Give back the sequence's adapter slot (under the lock). A sequence of the step whose
-        forward is running keeps it until that forward ends: an abort from another thread
-        between scheduling and the forward would otherwise pull the slot from under the batch
-        and fail the other requests of that adapter in it."""
+    def _retire(self, seq: Sequence) -> None:
+        """Take a sequence out of the scheduler and give back its KV blocks and adapter slot
+        (under the lock). A sequence of the step whose forward is running keeps both until that
+        forward ends: an abort from another thread between scheduling and the forward would
+        otherwise pull its block table from under the batch being built (failing the whole
+        step) and its slot from under the other requests of that adapter in it."""
         if seq.seq_id in self._in_forward:
+            self.scheduler.finish(seq, free_blocks=False)
             self._release_after_forward.append(seq)
             return
+        self.scheduler.finish(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back the sequence's adapter slot (under the lock)."""
         rt = self.lora_runtime
         if rt is not None and hasattr(rt, "release"):
             rt.release(seq)
@@ -328,6 +334,7 @@ class Engine:
             self._in_forward = frozenset()
             deferred, self._release_after_forward = self._release_after_forward, []
             for seq in deferred:
+                self.scheduler.free_blocks(seq)
                 self._release(seq)
 
     # ------------------------------------------------------------------ stepping
@@ -515,8 +522,7 @@ class Engine:
         seq.output_text = text
         if reason is not None:
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
-            self._release(seq)
+            self._retire(seq)
         lps = None
         if lp is not None:
             seq.logprobs.append(lp)
@@ -527,9 +533,10 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, code: str | None = None) -> None:
         seq.finish_reason = reason
         if not seq.is_finished:
-            self.scheduler.finish(seq)
+            self._retire(seq)
+        elif seq.seq_id not in self._in_forward:  # else _end_forward releases it
+            self._release(seq)
         seq.status = SeqStatus.FINISHED
-        self._release(seq)
         if seq.listener is not None:
             seq.listener(SeqEvent(seq.seq_id, [], "", True, reason, error, code))
 

@@ -117,14 +117,21 @@ class Scheduler:
             seq.block_table = []
         seq.num_computed = 0
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence wherever it is and free its blocks (finish, abort)."""
+    def finish(self, seq: Sequence, *, free_blocks: bool = True) -> None:
+        """Remove a sequence wherever it is and free its blocks (finish, abort).
+        ``free_blocks=False``: keep them until :meth:`free_blocks` (a forward in flight still
+        reads and writes them)."""
         if seq in self.running:
             self.running.remove(seq)
         else:
             self.waiting = [e for e in self.waiting if e[2] is not seq]
-        self._release(seq)
+        if free_blocks:
+            self._release(seq)
         seq.status = SeqStatus.FINISHED
+
+    def free_blocks(self, seq: Sequence) -> None:
+        """Give back the blocks of a sequence :meth:`finish` kept them for."""
+        self._release(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -164,3 +164,38 @@ def test_an_abort_during_a_step_keeps_the_adapter_slot_until_the_forward_ends(tm
     assert staying.finish_reason == "length" and len(staying.output_ids) == 6
     assert rt.manager.state(ref.id).users == 0, "the aborted request's slot is given back after the forward"
     rt.manager.close()
+
+
+def test_an_abort_between_scheduling_and_the_batch_keeps_the_blocks_until_the_forward_ends(tmp_path):
+    """A client that goes away after its step was scheduled, before the batch is built from the
+    block tables: its blocks stay with the step (freed when the forward ends), so the step and
+    every other request in it go on; none of its tokens is reported after the abort."""
+    import engine.engine as engine_module
+    from engine.sequence import SamplingParams
+    from tests.lora_fixtures import run_to_completion, save_tiny_llama, tiny_engine
+
+    engine = tiny_engine(save_tiny_llama(tmp_path / "base"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    events = []
+    leaving = engine.add_request([5, 6, 7, 8, 9], params, listener=events.append)
+    staying = [engine.add_request([9, 10, 11 + i], params) for i in range(3)]
+    engine.step()  # everyone prefilled; the next step decodes them all
+    build = engine_module.build_batch
+    aborted = []
+
+    def abort_then_build(chunks, *args):
+        if not aborted:
+            aborted.append(leaving)
+            engine.abort(leaving)  # as the event loop would, after the step was scheduled
+            assert leaving.block_table, "the step still holds the aborted sequence's blocks"
+        return build(chunks, *args)
+
+    engine_module.build_batch = abort_then_build
+    try:
+        run_to_completion(engine, staying)
+    finally:
+        engine_module.build_batch = build
+    assert aborted == [leaving] and leaving.finish_reason == "abort" and leaving.block_table == []
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 6 for s in staying)
+    assert len(events) == 1 and not events[0].finished, "no event after the abort"
+    assert engine.cache.allocator.num_used == 0, "every block is back in the pool"
