@@ -426,8 +426,31 @@ static inline __attribute__((always_inline)) void lora_row(
     }
     /* expand */
     if (b_transposed) {
-        /* sequential passes over rows of B^T, two at a time; y's row stays in L1 */
+        /* sequential passes over rows of B^T, eight, four then two at a time; y's row stays in L1 */
         int jj = 0;
+        for (; jj + 8 <= rank; jj += 8) {
+            const char *b0 = (const char *)bs + (size_t)jj * out_dim * es;
+            const size_t ld = (size_t)out_dim * es;
+            const float t0 = t[jj], t1 = t[jj + 1], t2 = t[jj + 2], t3 = t[jj + 3];
+            const float t4 = t[jj + 4], t5 = t[jj + 5], t6 = t[jj + 6], t7 = t[jj + 7];
+#pragma omp simd
+            for (int o = 0; o < out_dim; o++)
+                yr[o] += ((t0 * load_w(b0, o, wbf16) + t1 * load_w(b0 + ld, o, wbf16))
+                          + (t2 * load_w(b0 + 2 * ld, o, wbf16) + t3 * load_w(b0 + 3 * ld, o, wbf16)))
+                         + ((t4 * load_w(b0 + 4 * ld, o, wbf16) + t5 * load_w(b0 + 5 * ld, o, wbf16))
+                            + (t6 * load_w(b0 + 6 * ld, o, wbf16) + t7 * load_w(b0 + 7 * ld, o, wbf16)));
+        }
+        for (; jj + 4 <= rank; jj += 4) {
+            const float t0 = t[jj], t1 = t[jj + 1], t2 = t[jj + 2], t3 = t[jj + 3];
+            const void *b0 = (const char *)bs + (size_t)jj * out_dim * es;
+            const void *b1 = (const char *)b0 + (size_t)out_dim * es;
+            const void *b2 = (const char *)b1 + (size_t)out_dim * es;
+            const void *b3 = (const char *)b2 + (size_t)out_dim * es;
+#pragma omp simd
+            for (int o = 0; o < out_dim; o++)
+                yr[o] += t0 * load_w(b0, o, wbf16) + t1 * load_w(b1, o, wbf16) + t2 * load_w(b2, o, wbf16)
+                         + t3 * load_w(b3, o, wbf16);
+        }
         for (; jj + 2 <= rank; jj += 2) {
             const float t0 = t[jj], t1 = t[jj + 1];
             const void *b0 = (const char *)bs + (size_t)jj * out_dim * es;
@@ -473,6 +496,18 @@ int loraplex_lora_rows_f32(
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < num_rows; n++) {
         const int64_t s = row_slots[n];
+        if (n + 1 < num_rows && row_slots[n + 1] != s) {
+            /* The next row reads another adapter: ask for its A/B now (into L2), so their
+             * scattered arrays stream in while this row computes instead of after it. */
+            const int64_t sn = row_slots[n + 1];
+            for (int p = 0; p < num_targets; p++) {
+                const size_t bytes = (size_t)rank * in_dim * es, bbytes = (size_t)rank * (size_t)out_dims[p] * es;
+                const char *an = (const char *)(intptr_t)a_ptrs[p] + (size_t)sn * bytes;
+                const char *bn = (const char *)(intptr_t)b_ptrs[p] + (size_t)sn * bbytes;
+                for (size_t c = 0; c < bytes; c += 64) __builtin_prefetch(an + c, 0, 2);
+                for (size_t c = 0; c < bbytes; c += 64) __builtin_prefetch(bn + c, 0, 2);
+            }
+        }
         const float *xr = x + rows[n] * x_stride;
         for (int p = 0; p < num_targets; p++) {
             const int out_dim = (int)out_dims[p];
