@@ -44,7 +44,7 @@ from tests.lora_fixtures import (
     save_tiny_llama,
     tiny_engine,
 )
-from tests.test_engine_weights import NEW, _plan, _rows
+from tests.test_engine_weights import assert_rows_isolated
 
 SHAPES = [(96, 40), (100, 33), (160, 70)]
 """(K, N): inputs not a multiple of 64 (nor, for 100, of 32), outputs not a multiple of 16."""
@@ -290,26 +290,7 @@ def test_mixed_batch_rows_equal_each_request_alone_with_int8_weights(lora_world)
     and is closer to PEFT (float32) for its own adapter than to any other's: ten times closer,
     and within 0.1 relative error (measured up to 0.054 with these adversarial adapters, whose
     deltas are as large as the logits, and their A/B in bfloat16)."""
-    base_dir, _, reference, refs, root = lora_world
-    plan = _plan()
-    mixed = tiny_engine(base_dir, weights="int8")
-    attach_runtime(mixed, model_info(base_dir), root / "cache-mixed")
-    together = _rows(mixed, refs, plan)
-    alone_engine = tiny_engine(base_dir, weights="int8")
-    attach_runtime(alone_engine, model_info(base_dir), root / "cache-alone")
-    names = [None, *ISOLATION_SPECS]
-    for (name, seq, rows), item in zip(together, plan, strict=True):
-        ((_, seq_alone, rows_alone),) = _rows(alone_engine, refs, [item])
-        assert seq.output_ids == seq_alone.output_ids, name
-        assert len(rows) == len(rows_alone) == NEW
-        for (prefix, logits), (prefix_alone, logits_alone) in zip(rows, rows_alone, strict=True):
-            assert prefix == prefix_alone
-            assert rel_err(logits, logits_alone) < 1e-4, name
-            errs = {n: rel_err(logits, reference.logits(n, prefix)) for n in names}
-            others = min(e for n, e in errs.items() if n != name)
-            assert errs[name] < 0.1 and errs[name] < others / 10, (name, errs)
-    for eng in (mixed, alone_engine):
-        eng.lora_runtime.manager.close()
+    assert_rows_isolated(lora_world, 1e-4, weights="int8")
 
 
 # --- accuracy gates on the demo model (slow) -----------------------------------------------------

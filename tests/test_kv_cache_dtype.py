@@ -46,7 +46,7 @@ from tests.test_engine_containment import (
     world,  # noqa: F401  (fixture)
 )
 from tests.test_engine_native import _reference
-from tests.test_engine_weights import NEW, _plan, _rows
+from tests.test_engine_weights import assert_rows_isolated
 
 CPU = torch.device("cpu")
 kernel = decode_attention_kernel()
@@ -243,26 +243,7 @@ def test_mixed_batch_rows_equal_each_request_alone_with_bf16_kv(lora_world):
     any other's. Measured on this tiny random model against PEFT in float32: own adapter's
     error up to 0.062 of the logits' range (bfloat16 weights alone: 0.028), every other
     adapter's at least 13x that."""
-    base_dir, _, reference, refs, root = lora_world
-    plan = _plan()
-    mixed = tiny_engine(base_dir, kv_cache_dtype="bfloat16")
-    attach_runtime(mixed, model_info(base_dir), root / "cache-mixed")
-    together = _rows(mixed, refs, plan)
-    alone_engine = tiny_engine(base_dir, kv_cache_dtype="bfloat16")
-    attach_runtime(alone_engine, model_info(base_dir), root / "cache-alone")
-    names = [None, *ISOLATION_SPECS]
-    for (name, seq, rows), item in zip(together, plan, strict=True):
-        ((_, seq_alone, rows_alone),) = _rows(alone_engine, refs, [item])
-        assert seq.output_ids == seq_alone.output_ids, name
-        assert len(rows) == len(rows_alone) == NEW
-        for (prefix, logits), (prefix_alone, logits_alone) in zip(rows, rows_alone, strict=True):
-            assert prefix == prefix_alone
-            assert rel_err(logits, logits_alone) < 1e-4, name
-            errs = {n: rel_err(logits, reference.logits(n, prefix)) for n in names}
-            others = min(e for n, e in errs.items() if n != name)
-            assert errs[name] < 0.1 and errs[name] < others / 10, (name, errs)
-    for eng in (mixed, alone_engine):
-        eng.lora_runtime.manager.close()
+    assert_rows_isolated(lora_world, 1e-4, kv_cache_dtype="bfloat16")
 
 
 # --- non-finite containment with bfloat16 pools (see tests/test_engine_containment.py) --------
