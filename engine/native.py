@@ -4,7 +4,7 @@
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
 failed build or a non-Linux platform: ``decode_attention_kernel()``,
-``lora_rows_kernel()``, ``gemv_kernel()``, ``fused_ops()`` and ``q8_matmul_kernel()`` return ``None`` and the engine keeps its
+``lora_rows_kernel()``, ``gemv_kernel()``, ``fused_ops()``, ``q8_matmul_kernel()`` and ``q4_matmul_kernel()`` return ``None`` and the engine keeps its
 pure-torch paths, with one warning in the log.
 
 The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.quant import PackedQ8
+from engine.quant import PackedQ4, PackedQ8
 
 log = logging.getLogger("loraplex.engine.native")
 
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
     "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
+    "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
 }
 
 
@@ -328,3 +329,34 @@ class Q8Matmul:
 def q8_matmul_kernel() -> Q8Matmul | None:
     lib = _library()
     return Q8Matmul(lib) if lib is not None else None
+
+
+class Q4Matmul:
+    """``x @ W.T + bias`` for float32 rows ``x`` and 4-bit ``W`` packed by ``engine.quant.pack_q4``
+    (the activations quantized per row and block of 32; see ``engine/csrc/cpu_kernels.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_q4_matmul_f32
+
+    def __call__(self, x: torch.Tensor, w: PackedQ4, bias: torch.Tensor | None) -> torch.Tensor:
+        m, k = x.shape
+        assert k == w.in_features and x.dtype == torch.float32 and x.device.type == "cpu"
+        assert bias is None or (bias.is_contiguous() and bias.shape == (w.out_features,)
+                                and bias.dtype == torch.float32)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = x.new_empty((m, w.out_features))
+        if m == 0:
+            return y
+        rc = self._fn(x.data_ptr(), x.stride(0), m, k, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
+                      w.out_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
+                      torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native 4-bit matmul: no memory for the quantized activations")
+        return y
+
+
+@lru_cache(maxsize=1)
+def q4_matmul_kernel() -> Q4Matmul | None:
+    lib = _library()
+    return Q4Matmul(lib) if lib is not None else None

@@ -1,4 +1,5 @@
-"""8-bit projection weights in blocks of 32 (llama.cpp's Q8_0 idea), for ``LORAPLEX_WEIGHTS=int8``.
+"""8-bit and 4-bit projection weights in blocks of 32 (llama.cpp's Q8_0 and Q4_1 ideas), for
+``LORAPLEX_WEIGHTS=int8`` and ``int4``.
 
 A weight ``W [N, K]`` is held as int8 values ``q`` with one float32 scale per block of 32
 consecutive inputs of an output row: ``W[n, k] ~= d[n, k // 32] * q[n, k]`` (``d`` = the block's
@@ -10,6 +11,10 @@ an exact integer dot product, scaled by ``d_w * d_x`` into float32 sums (the nat
 ``loraplex_q8_matmul_f32``, AVX512-VNNI where the CPU has it). :func:`pack_q8` lays the weights
 out for that kernel once, at load; :func:`q8_matmul_reference` is the same arithmetic in torch
 (the path when the native kernels are off, and the tests' reference).
+
+The 4-bit format (:class:`Q4Weight`, section below) adds an offset per block, as GGUF Q4_1 does,
+and has the same three pieces: :func:`pack_q4`, ``loraplex_q4_matmul_f32`` and
+:func:`q4_matmul_reference`.
 """
 
 from __future__ import annotations
@@ -156,5 +161,170 @@ def q8_matmul_reference(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None 
         xq, xd = quantize_blocks(x_rows)
         dots = torch.einsum("mbk,nbk->mnb", xq.float().view(-1, nb, BLOCK), wq)  # exact integers
         out.append((dots * (xd.unsqueeze(1) * w.d.unsqueeze(0))).sum(-1))
+    y = torch.cat(out) if out else x.new_empty((0, n))
+    return y + bias if bias is not None else y
+
+
+# --- 4 bits -------------------------------------------------------------------------------------
+# ``LORAPLEX_WEIGHTS=int4``: ``W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]`` with q in
+# 0..15 and a float32 scale ``d`` and offset ``m`` per block of 32 inputs of an output row. GGUF
+# Q4_1 (float16 d and m) and Q4_0 (float16 d, ``W = d * (q - 8)``: m = -8d) map onto it exactly;
+# float weights are quantized Q4_1-style (d = (max - min) / 15, m = min). The matmul quantizes
+# the activations as the 8-bit one does and keeps each block's ``dx * sum(xq)``, so a block adds
+# ``d_w * dx * dot(q, xq) + m_w * dx * sum(xq)``: one exact integer dot product and the offset.
+
+INT4 = torch.uint4
+"""The ``matmul_dtype`` that stands for ``LORAPLEX_WEIGHTS=int4`` (projections in these blocks)."""
+QUANTIZED = (torch.int8, INT4)
+"""The ``matmul_dtype`` values whose projections are blocks of this module (8 or 4 bits)."""
+Q4_0_BYTES = 2 + BLOCK // 2
+"""A GGUF Q4_0 block: a float16 scale, then 16 bytes of nibbles."""
+Q4_1_BYTES = 4 + BLOCK // 2
+"""A GGUF Q4_1 block: float16 scale and offset, then 16 bytes of nibbles."""
+
+
+@dataclass
+class Q4Weight:
+    """``q`` uint8 ``[N, ceil(K / 32) * 32]`` holding 0..15 (one value a byte while loading;
+    inputs past ``in_features`` are zero), ``d`` and ``m`` float32 ``[N, ceil(K / 32)]``: the
+    matrix ``d[n, k // 32] * q[n, k] + m[n, k // 32]`` of shape ``[N, in_features]``."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + (self.d.numel() + self.m.numel()) * 4
+
+    def dequantize(self) -> torch.Tensor:
+        """In float32, ``d * q + m`` (exact for GGUF's float16 ``d``: a product of at most
+        15 significant bits, then one rounding, as gguf's own dequantize computes it)."""
+        n, kp = self.q.shape
+        w = self.q.float().view(n, kp // BLOCK, BLOCK) * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)
+        return w.view(n, kp)[:, :self.in_features].contiguous()
+
+    def rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> Q4Weight:
+        """The same rows reordered by ``fn`` (as :meth:`Q8Weight.rows`), on q, d and m alike."""
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(fn(t.numpy())))
+        return Q4Weight(f(self.q), f(self.d), f(self.m), self.in_features)
+
+    @staticmethod
+    def cat(parts: list[Q4Weight]) -> Q4Weight:
+        """The parts' rows stacked (as ``torch.cat(dim=0)``), e.g. gate|up fused."""
+        assert len({p.in_features for p in parts}) == 1
+        return Q4Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                        torch.cat([p.m for p in parts]), parts[0].in_features)
+
+
+def quantize_q4(w: torch.Tensor) -> Q4Weight:
+    """A float matrix ``[N, K]`` in 4 bits, Q4_1-style: per block of 32 inputs ``m`` = its
+    minimum, ``d = (max - min) / 15``, ``q = round((w - m) / d)`` (the nearest of the 16 levels;
+    a constant block is ``m`` exactly). Padding past ``K`` takes no part in min and max."""
+    w = w.float()
+    n, k = w.shape
+    kp = -(-k // BLOCK) * BLOCK
+    wb = torch.nn.functional.pad(w, (0, kp - k)).view(n, kp // BLOCK, BLOCK)
+    real = (torch.arange(kp) < k).view(1, kp // BLOCK, BLOCK)
+    lo = torch.where(real, wb, torch.inf).amin(-1)
+    hi = torch.where(real, wb, -torch.inf).amax(-1)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((wb - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15)
+    q = torch.where(real, q, 0.0).to(torch.uint8)
+    return Q4Weight(q.view(n, kp), d, lo, k)
+
+
+def q4_from_gguf(raw: np.ndarray, shape: tuple[int, int], offset: bool) -> Q4Weight:
+    """A GGUF Q4_1 (``offset``) or Q4_0 tensor's raw bytes (``GGUFReader``'s ``tensor.data``)
+    of logical ``shape`` ``[N, K]``, read as they are: float16 ``d`` (and ``m``; Q4_0's is
+    ``-8 d``) widened to float32, the nibbles unpacked (low = inputs 0..15 of a block, high =
+    16..31), nothing dequantized or requantized."""
+    n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"a Q4 tensor's rows hold whole blocks of {BLOCK}, not {k}")
+    size = Q4_1_BYTES if offset else Q4_0_BYTES
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n * (k // BLOCK), size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // BLOCK)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, k // BLOCK) if offset else -8.0 * d
+    nib = blocks[:, size - BLOCK // 2:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1).reshape(n, k)
+    return Q4Weight(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), k)
+
+
+@dataclass
+class PackedQ4:
+    """:class:`Q4Weight` laid out for ``loraplex_q4_matmul_f32``: per tile of 16 output rows (the
+    last padded with zero rows) and block, ``q`` as 4 pairs x 16 rows x 4 bytes, byte ``t`` of
+    row ``j`` in pair ``p`` holding input ``4p + t`` in its low nibble and ``16 + 4p + t`` in its
+    high one (a 64-byte load gives two groups of 4 inputs for 16 rows by and/shift); then the
+    16 rows' ``d`` and ``m``. Half a byte per weight plus 8 bytes per block of 32."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m))
+
+    def unpack(self) -> Q4Weight:
+        """The row-major :class:`Q4Weight` this was packed from."""
+        tiles, nb, _, tile, _ = self.q.shape
+        n = self.out_features
+        q = torch.stack([self.q & 0x0F, self.q >> 4], dim=2)  # [tiles, nb, half, pair, row, 4]
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * tile, nb * BLOCK)[:n]
+        d = self.d.permute(0, 2, 1).reshape(tiles * tile, nb)[:n]
+        m = self.m.permute(0, 2, 1).reshape(tiles * tile, nb)[:n]
+        return Q4Weight(q.contiguous(), d.contiguous(), m.contiguous(), self.in_features)
+
+
+def pack_q4(w: Q4Weight) -> PackedQ4:
+    """``w`` in the native kernel's tiles (a copy; :meth:`PackedQ4.unpack` inverts it)."""
+    n, kp = w.q.shape
+    nb = kp // BLOCK
+    pad = -n % TILE
+    q, d, m = w.q, w.d, w.m
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, kp)])
+        d = torch.cat([d, d.new_zeros(pad, nb)])
+        m = torch.cat([m, m.new_zeros(pad, nb)])
+    tiles = (n + pad) // TILE
+    # [tiles, row, block, half, pair, 4] -> [tiles, block, pair, row, 4] per half.
+    qv = q.view(tiles, TILE, nb, 2, BLOCK // 8, 4).permute(0, 2, 3, 4, 1, 5)
+    qp = (qv[:, :, 0] | (qv[:, :, 1] << 4)).contiguous()
+    dp = d.view(tiles, TILE, nb).permute(0, 2, 1).contiguous()
+    mp = m.view(tiles, TILE, nb).permute(0, 2, 1).contiguous()
+    return PackedQ4(qp, dp.float(), mp.float(), n, w.in_features)
+
+
+def q4_matmul_reference(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None = None,
+                        chunk: int = 64) -> torch.Tensor:
+    """``x [M, K]`` float32 times ``w``'s transpose as the native kernel computes it: the
+    activations quantized per row and block of 32 (:func:`quantize_blocks`), each block adding
+    ``dot(q, xq) * (d_w * dx) + m_w * (dx * sum(xq))`` (exact integer dot and sum, float32
+    scales); ``chunk`` rows at a time to bound the ``[rows, N, blocks]`` intermediate."""
+    n, kp = w.q.shape
+    nb = kp // BLOCK
+    wq = w.q.float().view(n, nb, BLOCK)
+    out = []
+    for x_rows in x.split(chunk):
+        xq, xd = quantize_blocks(x_rows)
+        xb = xq.float().view(-1, nb, BLOCK)
+        xs = xd * xb.sum(-1)  # dx * sum(xq): the sum is an exact integer
+        dots = torch.einsum("mbk,nbk->mnb", xb, wq)  # exact integers
+        out.append((dots * (xd.unsqueeze(1) * w.d.unsqueeze(0)) + w.m.unsqueeze(0) * xs.unsqueeze(1)).sum(-1))
     y = torch.cat(out) if out else x.new_empty((0, n))
     return y + bias if bias is not None else y

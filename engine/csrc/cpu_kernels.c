@@ -853,3 +853,204 @@ int loraplex_q8_matmul_f32(
     free(xd);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * 6. loraplex_q4_matmul_f32: y = x W^T (+ bias) with W in 4 bits (GGUF Q4_1's form).
+ *
+ * w[o, i] = d[o, i / 32] * q[o, i] + m[o, i / 32], q in 0..15, float32 d and m per block of 32
+ * inputs of an output row (GGUF Q4_1 exactly; Q4_0 with m = -8 d). Each row of x is quantized
+ * as for the 8-bit kernel, but kept signed, with each block's dx * sum(xq); a block then adds
+ * d_w * dx * dot(q, xq) + m_w * (dx * sum(xq)): an exact integer dot product and the offset.
+ *
+ * The weights are packed once at load (engine.quant.pack_q4) into tiles of 16 output rows: per
+ * tile and block, 4 pairs of 64 bytes, each 16 rows x 4 bytes whose low nibbles are inputs
+ * 4p..4p+3 and high nibbles inputs 16+4p..16+4p+3 of the block; then the tile's 16 d and 16 m
+ * per block. A pair unpacks with one and and one shift+and into two groups laid out as the
+ * 8-bit kernel's. With AVX512-VNNI, _mm512_dpbusd_epi32 takes the nibbles as its unsigned
+ * operand and the activations as its signed one: no compensation. AVX2 runs the same through
+ * _mm256_maddubs_epi16 (pair sums at most 2 * 15 * 127: no saturation), else plain C.
+ * --------------------------------------------------------------------------------------------- */
+#define Q4_TILE_BYTES (Q8_BLOCK / 2 * Q8_TILE)
+
+/* One row of x to blocks of 32: xq = round(x / d) (int8), xd = d = absmax / 127 and
+ * xs = d * sum(xq) (the block's weight for the offsets m). */
+static void q4_quantize_row(const float *x, int k, int nb, int8_t *xq, float *xd, float *xs)
+{
+    for (int b = 0; b < nb; b++) {
+        const int i0 = b * Q8_BLOCK;
+        const int len = k - i0 < Q8_BLOCK ? k - i0 : Q8_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < len; i++) {
+            const float a = x[i0 + i] < 0 ? -x[i0 + i] : x[i0 + i];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            const int v = (int)__builtin_rintf(i < len ? x[i0 + i] * id : 0.0f);
+            xq[i0 + i] = (int8_t)v;
+            sum += v;
+        }
+        xd[b] = d;
+        xs[b] = d * (float)sum;
+    }
+}
+
+#ifdef Q8_VNNI
+/* ``mr`` rows of x against one tile of 16 output rows; always inlined with a constant ``mr``. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint8_t *wt, const float *wd, const float *wm, const int8_t *xq, int64_t xq_stride,
+    const float *xd, const float *xs, int nb, const int mr, float *y, int64_t y_stride, const float *bias,
+    int cols)
+{
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[8];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i ia[8];
+        for (int r = 0; r < mr; r++) ia[r] = _mm512_setzero_si512();
+        const uint8_t *wb = wt + (int64_t)b * Q4_TILE_BYTES;
+        for (int p = 0; p < 4; p++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wb + p * 64));
+            const __m512i wl = _mm512_and_si512(w, low);
+            const __m512i wh = _mm512_and_si512(_mm512_srli_epi32(w, 4), low);
+            for (int r = 0; r < mr; r++) {
+                int32_t al, ah;
+                memcpy(&al, xq + r * xq_stride + b * Q8_BLOCK + p * 4, 4);
+                memcpy(&ah, xq + r * xq_stride + b * Q8_BLOCK + 16 + p * 4, 4);
+                ia[r] = _mm512_dpbusd_epi32(ia[r], wl, _mm512_set1_epi32(al));
+                ia[r] = _mm512_dpbusd_epi32(ia[r], wh, _mm512_set1_epi32(ah));
+            }
+        }
+        const __m512 dw = _mm512_loadu_ps(wd + b * Q8_TILE);
+        const __m512 mw = _mm512_loadu_ps(wm + b * Q8_TILE);
+        for (int r = 0; r < mr; r++) {
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bv));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: rows one at a time; the tile's rows 0..7 and 8..15 in two 256-bit halves. */
+static inline void q4_tile(
+    const uint8_t *wt, const float *wd, const float *wm, const int8_t *xq, int64_t xq_stride,
+    const float *xd, const float *xs, int nb, const int mr, float *y, int64_t y_stride, const float *bias,
+    int cols)
+{
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < mr; r++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            const uint8_t *wb = wt + (int64_t)b * Q4_TILE_BYTES;
+            for (int p = 0; p < 4; p++) {
+                int32_t al, ah;
+                memcpy(&al, xq + r * xq_stride + b * Q8_BLOCK + p * 4, 4);
+                memcpy(&ah, xq + r * xq_stride + b * Q8_BLOCK + 16 + p * 4, 4);
+                const __m256i a_lo = _mm256_set1_epi32(al), a_hi = _mm256_set1_epi32(ah);
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + p * 64));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + p * 64 + 32));
+                s0 = _mm256_add_epi16(s0, _mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(w0, low), a_lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 4), low), a_hi)));
+                s1 = _mm256_add_epi16(s1, _mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(w1, low), a_lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low), a_hi)));
+            }
+            /* int16 lanes: 4 pairs x 2 products x 15 x 127 < 2^15, then pairs of lanes to int32. */
+            const __m256i ia0 = _mm256_madd_epi16(s0, ones), ia1 = _mm256_madd_epi16(s1, ones);
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE), dx), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia1), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE + 8), dx),
+                                   acc1);
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * Q8_TILE), sx, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * Q8_TILE + 8), sx, acc1);
+        }
+        float out[Q8_TILE];
+        _mm256_storeu_ps(out, acc0);
+        _mm256_storeu_ps(out + 8, acc1);
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+#else
+static inline void q4_tile(
+    const uint8_t *wt, const float *wd, const float *wm, const int8_t *xq, int64_t xq_stride,
+    const float *xd, const float *xs, int nb, const int mr, float *y, int64_t y_stride, const float *bias,
+    int cols)
+{
+    for (int r = 0; r < mr; r++) {
+        float acc[Q8_TILE] = {0};
+        for (int b = 0; b < nb; b++) {
+            int32_t ia[Q8_TILE] = {0};
+            const uint8_t *wb = wt + (int64_t)b * Q4_TILE_BYTES;
+            const int8_t *xb = xq + r * xq_stride + b * Q8_BLOCK;
+            for (int p = 0; p < 4; p++)
+                for (int j = 0; j < Q8_TILE; j++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t v = wb[p * 64 + j * 4 + t];
+                        ia[j] += (v & 0x0F) * xb[p * 4 + t] + (v >> 4) * xb[16 + p * 4 + t];
+                    }
+            const float dx = xd[r * nb + b], sx = xs[r * nb + b];
+            for (int j = 0; j < Q8_TILE; j++) {
+                acc[j] += (float)ia[j] * (wd[b * Q8_TILE + j] * dx);
+                acc[j] += wm[b * Q8_TILE + j] * sx;
+            }
+        }
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = acc[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+#endif
+
+int loraplex_q4_matmul_f32(
+    const float *x, int64_t x_stride, int m, int k, const uint8_t *wq, const float *wd, const float *wm,
+    int n, const float *bias, float *y, int64_t y_stride, int num_threads)
+{
+    /* x [m, k] (rows x_stride apart), y [m, n] (rows y_stride apart); wq/wd/wm as packed by
+     * engine.quant.pack_q4 for n rows and k inputs. Returns 1 when out of memory. */
+    const int nb = (k + Q8_BLOCK - 1) / Q8_BLOCK;
+    const int tiles = (n + Q8_TILE - 1) / Q8_TILE;
+    const int64_t kp = (int64_t)nb * Q8_BLOCK;
+    int8_t *xq = malloc((size_t)m * (size_t)kp);
+    float *xd = malloc(sizeof(float) * 2 * (size_t)m * (size_t)nb);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return 1;
+    }
+    float *xs = xd + (int64_t)m * nb;
+    const int threads = (int64_t)m * n * k < PARALLEL_MIN_ELEMS ? 1 : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++)
+            q4_quantize_row(x + r * x_stride, k, nb, xq + r * kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const uint8_t *wt = wq + (int64_t)t * nb * Q4_TILE_BYTES;
+            const float *wdt = wd + (int64_t)t * nb * Q8_TILE;
+            const float *wmt = wm + (int64_t)t * nb * Q8_TILE;
+            const int o = t * Q8_TILE;
+            const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
+            const float *bt = bias ? bias + o : NULL;
+            int r = 0;
+            for (; r + 8 <= m; r += 8)
+                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 8,
+                        y + r * y_stride + o, y_stride, bt, cols);
+            for (; r + 4 <= m; r += 4)
+                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 4,
+                        y + r * y_stride + o, y_stride, bt, cols);
+            for (; r < m; r++)
+                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 1,
+                        y + r * y_stride + o, y_stride, bt, cols);
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
