@@ -132,7 +132,8 @@ def register(subparsers: Any) -> None:
     w.add_argument("--worker-id", dest="worker_id")
     w.add_argument("--device")
     w.add_argument("--dtype")
-    w.add_argument("--weights", help="base weights: auto (as --dtype) or bfloat16 (under float32 activations)")
+    w.add_argument("--weights", help="base weights: auto (as --dtype), bfloat16 (under float32 activations), "
+                   "int8 or int4 (CPU, float32 activations: 8-bit or 4-bit blocks of 32)")
     w.add_argument("--kv-cache-dtype", dest="kv_cache_dtype",
                    help="KV cache: auto (bfloat16 with bfloat16 weights on CPU, else as --dtype), float32 or bfloat16")
     w.add_argument("--threads", type=int)

@@ -41,6 +41,7 @@ from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
+from engine.quant import INT4, QUANTIZED
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
@@ -73,6 +74,8 @@ class EngineConfig:
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_BLOCK_WEIGHTS = {"int8": torch.int8, "int4": INT4}
+"""``weights`` settings whose projections are ``engine.quant`` blocks, and their ``matmul_dtype``."""
 
 
 _ALLOCATOR_TUNED = False
@@ -112,16 +115,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
     """The projection weights' dtype: ``auto`` is the activations' ``dtype``; ``bfloat16``
-    also under float32 activations; ``int8`` (8-bit blocks, ``engine.quant``) under float32
-    activations only (the LoRA branch stays in the activations' dtype)."""
+    also under float32 activations; ``int8`` (8-bit blocks, ``engine.quant``) and ``int4`` (4-bit
+    blocks: ``engine.quant.INT4``) under float32 activations only (the LoRA branch stays in the
+    activations' dtype)."""
     if weights in ("", "auto"):
         return dtype
-    if weights == "int8":
+    if weights in _BLOCK_WEIGHTS:
         if dtype != torch.float32:
-            raise ValueError(f"int8 weights need float32 activations, not {str(dtype).removeprefix('torch.')}")
-        return torch.int8
+            raise ValueError(f"{weights} weights need float32 activations, not {str(dtype).removeprefix('torch.')}")
+        return _BLOCK_WEIGHTS[weights]
     if weights not in _DTYPES:
-        raise ValueError(f"unknown weights {weights!r} (use auto, bfloat16 or int8)")
+        raise ValueError(f"unknown weights {weights!r} (use auto, bfloat16, int8 or int4)")
     mm = _DTYPES[weights]
     if mm != dtype and not (mm == torch.bfloat16 and dtype == torch.float32):
         raise ValueError(f"weights {weights!r} under {str(dtype).removeprefix('torch.')} activations "
@@ -195,7 +199,7 @@ class Engine:
         if device.type == "cpu":
             tune_cpu_allocator()
         matmul_dtype = resolve_weights(config.weights, dtype)
-        weights = load_weights(path, keep_q8_0=matmul_dtype == torch.int8)
+        weights = load_weights(path, keep_q8_0=matmul_dtype in QUANTIZED, keep_q4=matmul_dtype == INT4)
         cfg = weights.config
         limit = cfg.context_length
         max_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit

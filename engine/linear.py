@@ -17,7 +17,8 @@ multiply-add rate of float32.
 ``Int8Linear`` keeps the weight in 8 bits, one scale per block of 32 inputs (``engine.quant``,
 ``LORAPLEX_WEIGHTS=int8``): each input row is quantized the same way on the fly and the blocks'
 integer products summed in float32 (the native kernel; AVX512-VNNI where the CPU has it). About
-a quarter of float32's weight bytes.
+a quarter of float32's weight bytes. ``Int4Linear`` does the same with 4-bit weights (a scale and
+an offset per block, GGUF Q4_1's form; ``LORAPLEX_WEIGHTS=int4``): under a fifth of float32's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.quant import PackedQ8, q8_matmul_reference
+from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
 
 
 @lru_cache(maxsize=1)
@@ -129,13 +130,16 @@ class BF16Linear:
         return y
 
 
-class Int8Linear:
-    """``y = x @ W.T + bias`` for float32 ``x``, ``bias`` and ``y`` and an 8-bit ``W``
-    (:class:`engine.quant.PackedQ8`) through ``kernel``; without a kernel, the same arithmetic
-    in torch (slow: for CPUs where the native kernels do not build)."""
+class BlockLinear:
+    """``y = x @ W.T + bias`` for float32 ``x``, ``bias`` and ``y`` and a block-quantized ``W``
+    (packed by ``engine.quant``) through ``kernel``; without a kernel, the same arithmetic in
+    torch on the unpacked rows (slow: for CPUs where the native kernels do not build)."""
 
-    def __init__(self, weight: PackedQ8, bias: torch.Tensor | None = None, kernel: Callable | None = None) -> None:
-        """``kernel``: ``engine.native.Q8Matmul``."""
+    reference: Callable[..., torch.Tensor]
+    """The torch arithmetic of the format (``engine.quant``)."""
+
+    def __init__(self, weight: PackedQ8 | PackedQ4, bias: torch.Tensor | None = None,
+                 kernel: Callable | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.kernel = kernel
@@ -143,19 +147,35 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:
-            return q8_matmul_reference(x, self.rows, self.bias)
+            return type(self).reference(x, self.rows, self.bias)
         return self.kernel(x, self.weight, self.bias)  # type: ignore[misc]
 
 
-def make_linear(weight: torch.Tensor | PackedQ8, bias: torch.Tensor | None, activations: torch.dtype,
+class Int8Linear(BlockLinear):
+    """8-bit ``W`` (:class:`engine.quant.PackedQ8`); ``kernel``: ``engine.native.Q8Matmul``."""
+
+    reference = staticmethod(q8_matmul_reference)
+
+
+class Int4Linear(BlockLinear):
+    """4-bit ``W`` (:class:`engine.quant.PackedQ4`); ``kernel``: ``engine.native.Q4Matmul``."""
+
+    reference = staticmethod(q4_matmul_reference)
+
+
+def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor | None, activations: torch.dtype,
                 pack_batch: int = 0,
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                q8_kernel: Callable | None = None) -> Linear | BF16Linear | Int8Linear:
+                q8_kernel: Callable | None = None,
+                q4_kernel: Callable | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
-    ``engine.native.Q8Matmul`` for an 8-bit ``weight``)."""
-    if isinstance(weight, PackedQ8):
+    ``engine.native.Q8Matmul`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.Q4Matmul``
+    for a 4-bit one)."""
+    if isinstance(weight, PackedQ8 | PackedQ4):
         if activations != torch.float32 or weight.q.device.type != "cpu":
-            raise ValueError("8-bit weights run on CPU under float32 activations")
+            raise ValueError("8-bit and 4-bit weights run on CPU under float32 activations")
+        if isinstance(weight, PackedQ4):
+            return Int4Linear(weight, bias, q4_kernel)
         return Int8Linear(weight, bias, q8_kernel)
     if weight.dtype == torch.bfloat16 and activations == torch.float32:
         return BF16Linear(weight, bias, pack_batch, gemv)

@@ -8,7 +8,9 @@ fused output (see ``engine.model``).
 For 8-bit serving (``LORAPLEX_WEIGHTS=int8``) the projections become ``engine.quant`` blocks:
 GGUF tensors already in Q8_0 are read as they are (``keep_q8_0``: never widened to float32;
 the un-permutation and fusion below act on their int8 rows and scales alike), any other
-weight is quantized by :meth:`ModelWeights.to`.
+weight is quantized by :meth:`ModelWeights.to`. For 4-bit serving (``LORAPLEX_WEIGHTS=int4``)
+GGUF Q4_0 and Q4_1 tensors are read as they are too (``keep_q4``), Q8_0 ones stay 8-bit, any
+other weight is quantized to 4 bits.
 
 GGUF specifics: tensors are dequantized with ``gguf.quants.dequantize``; llama.cpp's
 converter permutes the q and k rows of Llama models (interleaved RoPE pairs), which is
@@ -27,11 +29,24 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.quant import PackedQ8, Q8Weight, pack_q8, q8_0_from_gguf, quantize_q8
+from engine.quant import (
+    INT4,
+    QUANTIZED,
+    PackedQ4,
+    PackedQ8,
+    Q4Weight,
+    Q8Weight,
+    pack_q4,
+    pack_q8,
+    q4_from_gguf,
+    q8_0_from_gguf,
+    quantize_q4,
+    quantize_q8,
+)
 from loraplex.modelinfo import gguf_getter
 
-Matrix = torch.Tensor | Q8Weight | PackedQ8
-"""A projection's weight: float, 8-bit as loaded, or 8-bit packed for the kernel."""
+Matrix = torch.Tensor | Q8Weight | PackedQ8 | Q4Weight | PackedQ4
+"""A projection's weight: float, 8-bit or 4-bit as loaded, or packed for the kernels."""
 
 
 @dataclass
@@ -61,21 +76,22 @@ class ModelWeights:
     def to(self, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype | None = None) -> ModelWeights:
         """``matmul_dtype``: the dtype of the matrices (projections, LM head, embedding table;
         default ``dtype``); norms and biases stay in ``dtype``. ``torch.int8``: the projections in
-        8-bit blocks packed for the CPU kernel (``engine.quant``); the embedding table and LM head
-        stay in ``dtype``."""
+        8-bit blocks packed for the CPU kernel (``engine.quant``); :data:`INT4`: in 4-bit blocks,
+        but those loaded in 8 bits stay 8-bit; either way the embedding table and LM head stay in
+        ``dtype``."""
         def cv(t: Any, to: torch.dtype = dtype) -> Any:
             if t is None:
                 return None
-            if to == torch.int8:
-                return pack_q8(t if isinstance(t, Q8Weight) else quantize_q8(t))
-            if isinstance(t, Q8Weight):
-                t = t.dequantize()
-            return t.to(device=device, dtype=to).contiguous()
+            if to == torch.int8 or (to == INT4 and isinstance(t, Q8Weight)):
+                return pack_q8(t if isinstance(t, Q8Weight) else quantize_q8(_dense(t)))
+            if to == INT4:
+                return pack_q4(t if isinstance(t, Q4Weight) else quantize_q4(t))
+            return _dense(t).to(device=device, dtype=to).contiguous()
 
         mm = matmul_dtype or dtype
-        if mm == torch.int8 and device.type != "cpu":
-            raise ValueError("8-bit weights run on CPU only")
-        table = dtype if mm == torch.int8 else mm
+        if mm in QUANTIZED and device.type != "cpu":
+            raise ValueError("8-bit and 4-bit weights run on CPU only")
+        table = dtype if mm in QUANTIZED else mm
         embed = cv(self.embed, table)
         lm_head = embed if self.lm_head is self.embed else cv(self.lm_head, table)
         layers = [LayerWeights(*(cv(getattr(lw, f), mm if f in _MATMULS else dtype)
@@ -93,14 +109,23 @@ class ModelWeights:
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += t.nbytes if isinstance(t, Q8Weight | PackedQ8) else t.numel() * t.element_size()
+                blocks = isinstance(t, Q8Weight | PackedQ8 | Q4Weight | PackedQ4)
+                total += t.nbytes if blocks else t.numel() * t.element_size()
         return total
 
 
+def _dense(t: Any) -> torch.Tensor:
+    """A weight as a float tensor (blocks dequantized to float32)."""
+    return t.dequantize() if isinstance(t, Q8Weight | Q4Weight) else t
+
+
 def _cat_rows(parts: list[Any]) -> Any:
-    """Row-stacked matrices; when any part is 8-bit, all are (the float parts quantized)."""
+    """Row-stacked matrices in the widest format among the parts: when any part is 8-bit, all
+    are (the others quantized to 8 bits); else when any is 4-bit, all are; else float."""
     if any(isinstance(p, Q8Weight) for p in parts):
-        return Q8Weight.cat([p if isinstance(p, Q8Weight) else quantize_q8(p) for p in parts])
+        return Q8Weight.cat([p if isinstance(p, Q8Weight) else quantize_q8(_dense(p)) for p in parts])
+    if any(isinstance(p, Q4Weight) for p in parts):
+        return Q4Weight.cat([p if isinstance(p, Q4Weight) else quantize_q4(p) for p in parts])
     return torch.cat(parts, dim=0)
 
 
@@ -212,9 +237,10 @@ def gguf_reader(path: str | Path) -> Any:
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
-def load_gguf(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
+def load_gguf(path: str | Path, keep_q8_0: bool = False, keep_q4: bool = False) -> ModelWeights:
     """``keep_q8_0``: projections stored as Q8_0 come back as ``engine.quant.Q8Weight`` (their
-    blocks as they are in the file) instead of float32."""
+    blocks as they are in the file) instead of float32; ``keep_q4``: those stored as Q4_0 or
+    Q4_1 as ``engine.quant.Q4Weight``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -233,11 +259,20 @@ def load_gguf(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
 
     permute = cfg.architecture == "llama"
 
-    def get(i: int, key: str) -> torch.Tensor | Q8Weight:
+    def as_stored(t: Any) -> Q8Weight | Q4Weight | None:
+        """A projection's blocks as the file holds them, when kept in that format."""
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if keep_q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0:
+            return q8_0_from_gguf(t.data, shape)
+        if keep_q4 and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+            return q4_from_gguf(t.data, shape, offset=t.tensor_type == GGMLQuantizationType.Q4_1)
+        return None
+
+    def get(i: int, key: str) -> torch.Tensor | Q8Weight | Q4Weight:
         name = f"blk.{i}.{_GGUF_NAMES[key]}"
         t = tensors.get(name)
-        if keep_q8_0 and key in _PROJECTIONS and t is not None and t.tensor_type == GGMLQuantizationType.Q8_0:
-            w = q8_0_from_gguf(t.data, tuple(int(d) for d in reversed(t.shape.tolist())))
+        w = as_stored(t) if key in _PROJECTIONS and t is not None else None
+        if w is not None:
             if permute and key in ("q_proj", "k_proj"):
                 heads = cfg.num_heads if key == "q_proj" else cfg.num_kv_heads
                 w = w.rows(lambda a: unpermute_rope_rows(a, heads))
@@ -257,11 +292,12 @@ def load_gguf(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
     return ModelWeights(cfg, embed, layers, norm, lm_head, rope_freq_factors=freq)
 
 
-def load_weights(path: str | Path, keep_q8_0: bool = False) -> ModelWeights:
-    """``keep_q8_0``: as for :func:`load_gguf` (a Hugging Face directory loads as float32)."""
+def load_weights(path: str | Path, keep_q8_0: bool = False, keep_q4: bool = False) -> ModelWeights:
+    """``keep_q8_0``, ``keep_q4``: as for :func:`load_gguf` (a Hugging Face directory loads as
+    float32)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, keep_q8_0)
+        return load_gguf(p, keep_q8_0, keep_q4)
     if p.is_dir() and (p / "config.json").is_file():
         return load_hf_dir(p)
     raise FileNotFoundError(f"{p} is neither a .gguf file nor a Hugging Face directory with config.json")

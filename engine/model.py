@@ -42,7 +42,17 @@ from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
-from engine.native import Gemv, Q8Matmul, decode_attention_kernel, fused_ops, gemv_kernel, q8_matmul_kernel
+from engine.native import (
+    Gemv,
+    Q4Matmul,
+    Q8Matmul,
+    decode_attention_kernel,
+    fused_ops,
+    gemv_kernel,
+    q4_matmul_kernel,
+    q8_matmul_kernel,
+)
+from engine.quant import INT4, QUANTIZED
 from engine.rotary import RotaryEmbedding
 from engine.step_batch import BatchContext
 
@@ -51,11 +61,11 @@ log = logging.getLogger("loraplex.engine.model")
 
 class _LayerLinears:
     def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
-                 q8: Q8Matmul | None) -> None:
-        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8)
-        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8)
-        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8)
-        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8)
+                 q8: Q8Matmul | None, q4: Q4Matmul | None) -> None:
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4)
 
 
 class DecoderModel:
@@ -68,7 +78,8 @@ class DecoderModel:
         projection weights' dtype (default ``dtype``): bfloat16 under float32 activations keeps
         the base's matrices in bfloat16 while everything else, LoRA included, stays float32;
         ``torch.int8`` (CPU, float32 activations) keeps the projections in 8-bit blocks
-        (``engine.quant``), the embedding table and LM head in float32."""
+        (``engine.quant``), the embedding table and LM head in float32; ``engine.quant.INT4`` the
+        same in 4-bit blocks (projections loaded in 8 bits stay 8-bit)."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
@@ -77,18 +88,22 @@ class DecoderModel:
                 and not cpu_has_bf16_matmul()):
             log.warning("bfloat16 weights on a CPU without AVX512-BF16 or AMX: half the memory, but matmuls "
                         "of several rows run slower than float32 here")
-        if self.matmul_dtype == torch.int8 and not cpu_has_vnni():
-            log.warning("int8 weights on a CPU without AVX512-VNNI: a quarter of the memory, but the portable "
-                        "8-bit kernel runs slower than float32 here")
+        quantized = self.matmul_dtype in QUANTIZED
+        name = "int4" if self.matmul_dtype == INT4 else "int8"
+        if quantized and not cpu_has_vnni():
+            log.warning("%s weights on a CPU without AVX512-VNNI: a fraction of the memory, but the portable "
+                        "kernels run slower than float32 here", name)
         self.w = weights.to(device, dtype, self.matmul_dtype)
         self.rope = RotaryEmbedding(self.cfg, max_positions, device, dtype, weights.rope_freq_factors)
         self.scale = self.cfg.head_dim ** -0.5
         cpu_f32 = device.type == "cpu" and dtype == torch.float32
         gemv = gemv_kernel() if native_kernels and cpu_f32 else None
-        q8 = q8_matmul_kernel() if native_kernels and cpu_f32 and self.matmul_dtype == torch.int8 else None
-        if self.matmul_dtype == torch.int8 and q8 is None:
-            log.warning("int8 weights without the native kernels: their matmuls run in torch, several times slower")
-        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8) for lw in self.w.layers]
+        q8 = q8_matmul_kernel() if native_kernels and cpu_f32 and quantized else None
+        q4 = q4_matmul_kernel() if native_kernels and cpu_f32 and self.matmul_dtype == INT4 else None
+        if quantized and q8 is None:
+            log.warning("%s weights without the native kernels: their matmuls run in torch, several times slower",
+                        name)
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4) for lw in self.w.layers]
         self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()

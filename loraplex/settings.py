@@ -182,11 +182,13 @@ class Settings:
     """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``."""
     weights: str = "auto"
     """The base model's projection weights: ``auto`` (in ``dtype``), ``bfloat16`` (bfloat16 matrices under
-    float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate)
-    or ``int8`` (CPU, float32 activations: 8-bit blocks of 32 with a scale each, llama.cpp's Q8_0, about a
-    quarter of float32's bytes; GGUF Q8_0 tensors are used as stored; fastest with AVX512-VNNI). Either way
-    the LoRA math, attention and norms stay float32 and adapters' A/B are held in bfloat16; under ``int8``
-    the embedding table and LM head stay float32; the KV cache follows ``kv_cache_dtype``."""
+    float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate),
+    ``int8`` (CPU, float32 activations: 8-bit blocks of 32 with a scale each, llama.cpp's Q8_0, about a
+    quarter of float32's bytes; GGUF Q8_0 tensors are used as stored; fastest with AVX512-VNNI) or ``int4``
+    (the same with 4-bit blocks of 32 with a scale and an offset each, GGUF Q4_1's form, under a fifth of
+    float32's bytes; GGUF Q4_0/Q4_1 tensors are used as stored, Q8_0 ones stay 8-bit). Either way the LoRA
+    math, attention and norms stay float32 and adapters' A/B are held in bfloat16; under ``int8`` and
+    ``int4`` the embedding table and LM head stay float32; the KV cache follows ``kv_cache_dtype``."""
     kv_cache_dtype: str = "auto"
     """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16 on CPU under float32 activations,
     else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the
