@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -162,9 +163,11 @@ _GGUF_Q8 = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_down": "mlp.down_proj"}
 
 
-def write_q8_0_gguf(base_dir: Path, path: Path) -> dict[str, np.ndarray]:
-    """The tiny Llama of ``base_dir`` as a GGUF file (no tokenizer) with its projections in
-    Q8_0 (q/k rows permuted as llama.cpp's converter stores them); returns those raw blocks."""
+def write_quantized_gguf(base_dir: Path, path: Path, qtypes: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """The tiny Llama of ``base_dir`` as a GGUF file (no tokenizer) with its projections
+    quantized by gguf (q/k rows permuted as llama.cpp's converter stores them); returns those
+    raw blocks. ``qtypes``: a ``GGMLQuantizationType`` per projection's GGUF name (``attn_q``,
+    ...; default Q8_0)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -195,9 +198,10 @@ def write_q8_0_gguf(base_dir: Path, path: Path) -> dict[str, np.ndarray]:
             arr = sd[f"{pre}{hf}.weight"]
             if name in ("attn_q", "attn_k"):
                 arr = _permute(arr, heads if name == "attn_q" else kv_heads)
-            blocks = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+            qtype = (qtypes or {}).get(name, gguf.GGMLQuantizationType.Q8_0)
+            blocks = gguf.quants.quantize(arr, qtype)
             raw[f"blk.{i}.{name}"] = blocks
-            w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -218,7 +222,7 @@ def _blocks(raw: np.ndarray, n_head: int | None = None) -> tuple[torch.Tensor, t
 def test_gguf_q8_0_projections_stay_the_files_blocks(tmp_path):
     base_dir = save_tiny_llama(tmp_path / "base")
     path = tmp_path / "tiny-q8_0.gguf"
-    raw = write_q8_0_gguf(base_dir, path)
+    raw = write_quantized_gguf(base_dir, path)
     heads, kv_heads = TINY_DIMS["num_attention_heads"], TINY_DIMS["num_key_value_heads"]
     kept = load_gguf(path, keep_q8_0=True)
     widened = load_gguf(path)

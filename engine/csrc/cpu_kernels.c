@@ -963,7 +963,7 @@ static inline void q4_tile(
                     _mm256_maddubs_epi16(_mm256_and_si256(w1, low), a_lo),
                     _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low), a_hi)));
             }
-            /* int16 lanes: 4 pairs x 2 products x 15 x 127 < 2^15, then pairs of lanes to int32. */
+            /* int16 lanes: 4 pairs x 4 products x 15 x 127 = 30480 < 2^15; then pairs of lanes to int32. */
             const __m256i ia0 = _mm256_madd_epi16(s0, ones), ia1 = _mm256_madd_epi16(s1, ones);
             const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
             acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE), dx), acc0);
