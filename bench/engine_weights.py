@@ -1,12 +1,14 @@
-"""Base weights in bfloat16 and in 8 bits against float32: decode speed with and without adapters,
-and accuracy.
+"""Base weights in bfloat16, 8 and 4 bits against float32: memory, decode speed with and without
+adapters, and accuracy.
 
 One process, the demo model loaded once per format: ``LORAPLEX_WEIGHTS=auto`` (float32, the
-reference, its KV cache float32 too), ``bfloat16`` (the base's matrices in bfloat16) and ``int8``
-(the projections in 8-bit blocks of 32, ``engine.quant``), all under float32 activations (LoRA and
-attention stay float32; the others' KV cache in ``--kv-cache-dtype``: ``auto``, the default, is
-bfloat16 with bfloat16 weights and float32 with int8 ones, ``float32`` measures the weights
-alone). For each case (base only, 32 distinct rank-16 adapters on all seven projections; batch 32,
+reference, its KV cache float32 too), ``bfloat16`` (the base's matrices in bfloat16), ``int8``
+(the projections in 8-bit blocks of 32, ``engine.quant``) and ``int4`` (in 4-bit blocks: the demo
+file's Q4_1 blocks as stored), all under float32 activations (LoRA and attention stay float32; the
+others' KV cache in ``--kv-cache-dtype``: ``auto``, the default, is bfloat16 with bfloat16 weights
+and float32 with int8 and int4 ones, ``float32`` measures the weights alone). Memory: the base
+model's weight bytes as loaded (all of it, embedding table and LM head included, and the
+projections alone). For each case (base only, 32 distinct rank-16 adapters on all seven projections; batch 32,
 128-token prompts, 64 new tokens, greedy, EOS ignored) the engines run in alternating rounds and
 the best round of each is kept: decode tokens/s, mean time to first token, and the ratio to
 float32.
@@ -18,7 +20,7 @@ KL(float32 || other) (mean, p99, max); with an adapter too.
 Prints tables and writes ``bench/results/engine_weights.json``.
 
     python bench/engine_weights.py [--rounds 2] [--batch 32] [--prompt 128] [--new 64] [--threads 2]
-        [--kv-cache-dtype auto|float32|bfloat16] [--formats auto,bfloat16,int8]
+        [--kv-cache-dtype auto|float32|bfloat16] [--formats auto,bfloat16,int8,int4]
 """
 
 from __future__ import annotations
@@ -44,10 +46,19 @@ from engine_lora import attach, preload, refs_of, run_ours, write_adapters
 from loraplex.modelinfo import PROJECTIONS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FORMATS = ("auto", "bfloat16", "int8")
+FORMATS = ("auto", "bfloat16", "int8", "int4")
 CHATS = ["Write one sentence about the sea.", "What is the capital of France?", "Explain gravity to a child.",
          "List three colours.", "Write a haiku about autumn.", "How do I sort a list in Python?",
          "Name two planets and one fact about each.", "Give me a recipe for pancakes."]
+
+
+def weight_memory(engine: Any) -> dict[str, int]:
+    """The engine's base weights in bytes as held: all of them, and the projections alone."""
+    proj = 0
+    for lw in engine.model.w.layers:
+        for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            proj += w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+    return {"weight_bytes": engine.model.weight_bytes, "projections_bytes": proj}
 
 
 def main() -> int:
@@ -89,6 +100,7 @@ def main() -> int:
         preload(rt, refs, place=True)
         engines[fmt], runtimes[fmt] = eng, rt
     kv_dtypes = {fmt: str(eng.cache.dtype).removeprefix("torch.") for fmt, eng in engines.items()}
+    memory = {fmt: weight_memory(eng) for fmt, eng in engines.items()}
     bandwidth = measure_bandwidth()
     prompts = make_prompts(args.batch, args.prompt, info.vocab_size, seed=args.batch)
     cases = {"base": [None] * args.batch,
@@ -130,6 +142,11 @@ def main() -> int:
           f"CPU bfloat16 matmul: {cpu_has_bf16_matmul()}; bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"reference {ref_fmt}; KV cache: "
           + ", ".join(f"{kv_dtypes[fmt]} ({fmt} weights)" for fmt in formats))
+    print(f"{'format':>8} | {'weights MB':>10} | {'projections MB':>14} | {'ratio':>10}")
+    ref_bytes = memory[ref_fmt]["projections_bytes"]
+    for fmt, mem in memory.items():
+        print(f"{fmt:>8} | {mem['weight_bytes'] / 1e6:>10.1f} | {mem['projections_bytes'] / 1e6:>14.1f} | "
+              f"{mem['projections_bytes'] / ref_bytes:>10.3f}")
     print(f"{'case':>12} | {'format':>8} | {'tok/s':>7} | {'ratio':>5} | {'ttft ms':>7} | {'same greedy rows':>16}")
     for r in rows:
         print(f"{r['case']:>12} | {ref_fmt:>8} | {r[f'{ref_fmt}_decode_tok_s']:>7.1f} | {1:>5.2f} | "
@@ -147,7 +164,7 @@ def main() -> int:
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                        "bf16_matmul": cpu_has_bf16_matmul(), "bandwidth_bytes_s": bandwidth,
                        "load_average": os.getloadavg()},
-           "args": vars(args), "kv_cache_dtype": kv_dtypes,
+           "args": vars(args), "kv_cache_dtype": kv_dtypes, "memory": memory,
            "speed": rows, "accuracy": acc, "time": time.time()}
     (RESULTS / "engine_weights.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'engine_weights.json'}")
