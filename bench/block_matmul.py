@@ -1,0 +1,94 @@
+"""One projection matmul per base-weights format: float32, bfloat16, int8 and int4 blocks.
+
+The demo model's fused projection shapes (SmolLM2-135M: q|k|v 960x576, o 576x576, gate|up
+3072x576, down 576x1536) with random weights, at 1, 32 and 256 rows, each through the layer
+class the engine builds for the format (``engine.linear.make_linear``: oneDNN-prepacked float32
+and bfloat16, the native gemv for one row, the native 8-bit and 4-bit kernels). Median of
+repeated calls after a warm-up; the ratio is float32's time over the format's.
+
+Prints a table and writes ``bench/results/block_matmul.json``.
+
+    python bench/block_matmul.py [--threads 2] [--rows 1,32,256] [--min-time 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.linear import make_linear
+from engine.native import gemv_kernel, q4_matmul_kernel, q8_matmul_kernel
+from engine.quant import pack_q4, pack_q8, quantize_q4, quantize_q8
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+"""(out, in) of the demo model's fused projections."""
+
+
+def timeit(fn, min_time: float) -> float:
+    """Median seconds per call (robust to the descheduling a shared machine causes)."""
+    fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < 5 or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def layers(w: torch.Tensor, pack_batch: int) -> dict[str, object]:
+    """The engine's projection for ``w`` in each format."""
+    gemv = gemv_kernel()
+    return {
+        "float32": make_linear(w, None, torch.float32, pack_batch, gemv),
+        "bfloat16": make_linear(w.bfloat16(), None, torch.float32, pack_batch, gemv),
+        "int8": make_linear(pack_q8(quantize_q8(w)), None, torch.float32, q8_kernel=q8_matmul_kernel()),
+        "int4": make_linear(pack_q4(quantize_q4(w)), None, torch.float32, q4_kernel=q4_matmul_kernel()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,32,256")
+    ap.add_argument("--min-time", type=float, default=0.2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    assert q4_matmul_kernel() is not None and q8_matmul_kernel() is not None, "the native kernels build"
+    rows = [int(r) for r in args.rows.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    print(f"{'proj':>8} | {'rows':>4} | {'float32 us':>10} | {'bf16 us':>8} | {'int8 us':>8} | {'int4 us':>8} | "
+          f"{'bf16 x':>6} | {'int8 x':>6} | {'int4 x':>6}")
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, generator=gen) * 0.05
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            lin = layers(w, max(m, 2))
+            with torch.inference_mode():
+                t = {fmt: timeit(lambda f=f, x=x: f(x), args.min_time) for fmt, f in lin.items()}
+            row = {"projection": name, "out": n, "in": k, "rows": m, **{f"{f}_s": s for f, s in t.items()}}
+            out.append(row)
+            ref = t["float32"]
+            print(f"{name:>8} | {m:>4} | {ref * 1e6:>10.1f} | {t['bfloat16'] * 1e6:>8.1f} | {t['int8'] * 1e6:>8.1f} | "
+                  f"{t['int4'] * 1e6:>8.1f} | {ref / t['bfloat16']:>6.2f} | {ref / t['int8']:>6.2f} | "
+                  f"{ref / t['int4']:>6.2f}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+            "load_average": os.getloadavg()}
+    (RESULTS / "block_matmul.json").write_text(json.dumps({"machine": meta, "args": vars(args), "matmuls": out,
+                                                           "time": time.time()}, indent=2))
+    print(f"wrote {RESULTS / 'block_matmul.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
