@@ -325,6 +325,12 @@ def test_int4_weights_hold_the_base_in_under_a_fifth_of_the_memory(lora_world):
     # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16.
     assert rt.manager.bank.dtype == torch.float32 and rt.manager.bank.weights_dtype == torch.bfloat16
     rt.manager.close()
+    # A worker built from settings (LORAPLEX_WEIGHTS=int4) serves the same.
+    engine = Engine.from_settings(Settings(model=str(base_dir), weights="int4", max_loras=2,
+                                           adapter_cache_dir=str(root / "cache-worker")))
+    assert isinstance(engine.model.layers[0].gate_up, Int4Linear)
+    assert engine.lora_runtime.manager.bank.weights_dtype == torch.bfloat16, "the worker's slots as these"
+    engine.lora_runtime.manager.close()
 
 
 def test_mixed_batch_rows_equal_each_request_alone_with_int4_weights(lora_world):
