@@ -73,12 +73,13 @@ class ModelWeights:
     rope_freq_factors: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def to(self, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype | None = None) -> ModelWeights:
+    def to(self, device: torch.device, dtype: torch.dtype, matmul_dtype: torch.dtype | None = None,
+           table_dtype: torch.dtype | None = None) -> ModelWeights:
         """``matmul_dtype``: the dtype of the matrices (projections, LM head, embedding table;
         default ``dtype``); norms and biases stay in ``dtype``. ``torch.int8``: the projections in
         8-bit blocks packed for the CPU kernel (``engine.quant``); :data:`INT4`: in 4-bit blocks,
-        but those loaded in 8 bits stay 8-bit; either way the embedding table and LM head stay in
-        ``dtype``."""
+        but those loaded in 8 bits stay 8-bit; either way the embedding table and LM head then in
+        ``table_dtype`` (default ``dtype``)."""
         def cv(t: Any, to: torch.dtype = dtype) -> Any:
             if t is None:
                 return None
@@ -91,7 +92,7 @@ class ModelWeights:
         mm = matmul_dtype or dtype
         if mm in QUANTIZED and device.type != "cpu":
             raise ValueError("8-bit and 4-bit weights run on CPU only")
-        table = dtype if mm in QUANTIZED else mm
+        table = (table_dtype or dtype) if mm in QUANTIZED else mm
         embed = cv(self.embed, table)
         lm_head = embed if self.lm_head is self.embed else cv(self.lm_head, table)
         layers = [LayerWeights(*(cv(getattr(lw, f), mm if f in _MATMULS else dtype)

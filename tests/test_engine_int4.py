@@ -4,7 +4,8 @@ The base model's projections are 4-bit values with a float32 scale and offset pe
 inputs (``engine.quant``, GGUF Q4_1's form; Q4_0 maps onto it with offset -8 x scale); each
 activation row is quantized to int8 per block on the fly and every block adds an exact integer
 dot product and the offset times the block's activation sum (the native kernel). LoRA
-(unmerged), attention, norms, the embedding table, the LM head and the KV cache stay float32.
+(unmerged), attention, norms and the KV cache stay float32; the embedding table and LM head are
+bfloat16 on CPUs that multiply it natively, else float32 (as under int8).
 Checked here: quantize and pack, the kernel (AVX512-VNNI here, and the AVX2 and plain C builds)
 against a torch reference of the same arithmetic and a float64 product of the dequantized
 weights, GGUF Q4_0/Q4_1 tensors kept as the file's blocks (Q8_0 ones staying 8-bit), the
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import Int4Linear, Int8Linear, Linear, cpu_flags
+from engine.linear import BF16Linear, Int4Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel
 from engine.native import CFLAGS, CSRC, q4_matmul_kernel
@@ -318,8 +319,11 @@ def test_int4_weights_hold_the_base_in_under_a_fifth_of_the_memory(lora_world):
     for lw4, lw32 in zip(int4.model.w.layers, f32.model.w.layers, strict=True):
         for f in projections:
             assert rel_err(getattr(lw4, f).unpack().dequantize(), getattr(lw32, f)) < 1e-6
-    assert isinstance(int4.model.lm_head, Linear) and int4.model.w.lm_head.dtype == torch.float32
-    assert int4.model.w.embed.dtype == torch.float32 and int4.model.w.layers[0].input_norm.dtype == torch.float32
+    # The embedding table and LM head are not quantized: bfloat16 where the CPU multiplies it natively.
+    table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    assert isinstance(int4.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
+    assert int4.model.w.lm_head.dtype == table and int4.model.w.embed.dtype == table
+    assert int4.model.w.layers[0].input_norm.dtype == torch.float32
     assert int4.cache.k[0].dtype == torch.float32
     rt = attach_runtime(int4, model_info(base_dir), root / "cache-mem")
     # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16.

@@ -3,7 +3,8 @@
 The base model's projections are int8 with one scale per block of 32 inputs (``engine.quant``,
 llama.cpp's Q8_0 idea); each activation row is quantized the same way on the fly and the
 blocks' integer products summed in float32 by the native kernel. LoRA (unmerged), attention,
-norms, the embedding table, the LM head and the KV cache stay float32. Checked here: quantize
+norms and the KV cache stay float32; the embedding table and LM head are bfloat16 on CPUs that
+multiply it natively, else float32. Checked here: quantize
 and pack, the kernel (AVX512-VNNI here, and the portable C build) against a torch reference
 of the same quantized arithmetic, GGUF Q8_0 tensors kept as the file's blocks, the setting,
 mixed-batch isolation in this format, and (slow) accuracy gates on the demo model against
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import Int8Linear, Linear, cpu_flags
+from engine.linear import BF16Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel
 from engine.native import CFLAGS, CSRC, q8_matmul_kernel
@@ -278,8 +279,11 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     assert int8.model.weight_bytes < f32.model.weight_bytes
     layer = int8.model.layers[0]
     assert all(isinstance(getattr(layer, n), Int8Linear) for n in projections)
-    assert isinstance(int8.model.lm_head, Linear) and int8.model.w.lm_head.dtype == torch.float32
-    assert int8.model.w.embed.dtype == torch.float32 and int8.model.w.layers[0].input_norm.dtype == torch.float32
+    # The embedding table and LM head are not quantized: bfloat16 where the CPU multiplies it natively.
+    table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    assert isinstance(int8.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
+    assert int8.model.w.lm_head.dtype == table and int8.model.w.embed.dtype == table
+    assert int8.model.w.layers[0].input_norm.dtype == torch.float32
     assert int8.cache.k[0].dtype == torch.float32
     rt = attach_runtime(int8, model_info(base_dir), root / "cache-mem")
     # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16
