@@ -28,7 +28,9 @@
  *
  * 4. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
- *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place).
+ *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place). The math is
+ *    float32; the first two also read a bfloat16 matmul output and write the bfloat16 input of
+ *    the next one (bfloat16 base weights), saving the separate conversion passes.
  *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
@@ -373,6 +375,14 @@ static inline float bf16_to_f32(uint16_t h)
     return c.f;
 }
 
+/* float32 to the nearest bfloat16 (ties to even, as torch's conversion); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float x)
+{
+    union { uint32_t u; float f; } c = { .f = x };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
 static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
 {
     const uint16_t *m0 = m, *m1 = m0 + ld, *m2 = m1 + ld, *m3 = m2 + ld;
@@ -589,53 +599,92 @@ int loraplex_gemv_bf16(
     return 0;
 }
 
+/* One row of add_rms_norm: ``delta_bf16``/``out_bf16`` are constants at each call site, so each
+ * variant compiles to its own vector loop; the float32 arithmetic is the same in all four, so a
+ * bfloat16 output is exactly the float32 one rounded (as a bfloat16 matmul rounds its input). */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+    float *hr, const void *delta, void *out, const float *weight, float eps, int dim,
+    const int delta_bf16, const int out_bf16)
+{
+    if (delta != NULL) {
+#pragma omp simd
+        for (int i = 0; i < dim; i++)
+            hr[i] += delta_bf16 ? bf16_to_f32(((const uint16_t *)delta)[i]) : ((const float *)delta)[i];
+    }
+    /* the sum of squares in its own loop, the same in every variant: the same summation order */
+    float ss = 0.0f;
+#pragma omp simd reduction(+:ss)
+    for (int i = 0; i < dim; i++) ss += hr[i] * hr[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)dim + eps);
+    if (out_bf16) {
+#pragma omp simd
+        for (int i = 0; i < dim; i++) ((uint16_t *)out)[i] = f32_to_bf16(hr[i] * inv * weight[i]);
+    } else {
+#pragma omp simd
+        for (int i = 0; i < dim; i++) ((float *)out)[i] = hr[i] * inv * weight[i];
+    }
+}
+
 int loraplex_add_rms_norm_f32(
-    float *h, int64_t h_stride, const float *delta, int64_t delta_stride,
-    float *out, int64_t out_stride, const float *weight, float eps,
+    float *h, int64_t h_stride, const void *delta, int64_t delta_stride, int delta_bf16,
+    void *out, int64_t out_stride, int out_bf16, const float *weight, float eps,
     int rows, int dim, int num_threads)
 {
-    /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row. */
+    /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row, in float32;
+     * delta (read) and out (written) float32 or bfloat16; strides count elements. */
+    const int64_t de = delta_bf16 ? 2 : 4, oe = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
         float *hr = h + (int64_t)t * h_stride;
-        float *orow = out + (int64_t)t * out_stride;
-        float ss = 0.0f;
-        if (delta != NULL) {
-            const float *dr = delta + (int64_t)t * delta_stride;
-#pragma omp simd reduction(+:ss)
-            for (int i = 0; i < dim; i++) {
-                const float v = hr[i] + dr[i];
-                hr[i] = v;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+:ss)
-            for (int i = 0; i < dim; i++) ss += hr[i] * hr[i];
-        }
-        const float inv = 1.0f / __builtin_sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int i = 0; i < dim; i++) orow[i] = hr[i] * inv * weight[i];
+        const void *dr = delta != NULL ? (const char *)delta + t * delta_stride * de : NULL;
+        void *orow = (char *)out + t * out_stride * oe;
+        if (delta_bf16 && out_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 1, 1);
+        else if (delta_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 1, 0);
+        else if (out_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 0, 1);
+        else add_rms_norm_row(hr, dr, orow, weight, eps, dim, 0, 0);
     }
     return 0;
 }
 
+/* silu(g) * u in float32 (silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so no exponent overflows). */
+static inline __attribute__((always_inline)) float silu_mul1(float x, float u)
+{
+    const float e = exp_nonpos(-__builtin_fabsf(x));
+    const float num = x >= 0.0f ? 1.0f : e;
+    return x * (num / (1.0f + e)) * u;
+}
+
 int loraplex_silu_mul_f32(
-    const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+    const void *gate_up, int64_t gu_stride, int gu_bf16, void *out, int64_t out_stride, int out_bf16,
     int rows, int inter, int num_threads)
 {
-    /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]; silu(g) = g * sigmoid(g),
-     * sigmoid from exp(-|g|) so no exponent overflows. */
+    /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i] in float32; gate_up (read) and out
+     * (written) float32 or bfloat16, a bfloat16 out being the float32 result rounded; strides
+     * count elements. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
-        const float *g = gate_up + (int64_t)t * gu_stride;
-        const float *u = g + inter;
-        float *o = out + (int64_t)t * out_stride;
+        if (gu_bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + (int64_t)t * gu_stride, *u = g + inter;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + (int64_t)t * out_stride;
 #pragma omp simd
-        for (int i = 0; i < inter; i++) {
-            const float x = g[i];
-            const float e = exp_nonpos(-__builtin_fabsf(x));
-            const float num = x >= 0.0f ? 1.0f : e;
-            o[i] = x * (num / (1.0f + e)) * u[i];
+                for (int i = 0; i < inter; i++) o[i] = f32_to_bf16(silu_mul1(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
+            } else {
+                float *o = (float *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = silu_mul1(bf16_to_f32(g[i]), bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + (int64_t)t * gu_stride, *u = g + inter;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = f32_to_bf16(silu_mul1(g[i], u[i]));
+            } else {
+                float *o = (float *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = silu_mul1(g[i], u[i]);
+            }
         }
     }
     return 0;
