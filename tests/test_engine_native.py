@@ -27,7 +27,8 @@ def _reference(q, k_pool, v_pool, table, lens, block_size, rows):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (8, 8, 32, 4), (16, 2, 128, 16), (4, 1, 80, 8)])
+                         [(9, 3, 64, 16), (8, 4, 64, 16), (16, 4, 64, 8), (4, 4, 64, 16), (8, 8, 32, 4),
+                          (16, 2, 128, 16), (4, 1, 80, 8)])
 @pytest.mark.parametrize("scattered", [False, True], ids=["rows-0..B", "mixed-rows"])
 def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, scattered):
     gen = torch.Generator().manual_seed(heads * 31 + head_dim + block_size)

@@ -8,7 +8,8 @@
  * ``blocks[b * nb + p / block_size] * block_size + p % block_size``. Work is split over
  * (sequence, kv head) pairs; each pair scores its ``g = heads / kv_heads`` query heads
  * against the sequence's keys (two-pass softmax in a per-thread buffer), then
- * accumulates the weighted values. Compared with gathering the blocks into a
+ * accumulates the weighted values (with head dim 64 and 2-4 query heads per KV head, for all
+ * of them in one pass over the values: each value row loaded once). Compared with gathering the blocks into a
  * contiguous copy first, K/V are read once instead of read, written and read again.
  *    loraplex_decode_attention_bf16kv: the same over bfloat16 pools (``LORAPLEX_KV_CACHE_DTYPE``):
  *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
@@ -42,6 +43,10 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_RANK 1024
+/* Key blocks decode attention asks for ahead of the one it computes (see attend_task). */
+#ifndef KV_PREFETCH_BLOCKS
+#define KV_PREFETCH_BLOCKS 4
+#endif
 /* Elementwise kernels fork threads only above this many elements: a decode batch's rows
  * are a few microseconds of work, less than waking a sleeping OpenMP thread. */
 #define PARALLEL_MIN_ELEMS (1 << 16)
@@ -126,6 +131,41 @@ static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4],
 }
 #endif
 
+#ifdef __AVX512F__
+/* out_j = inv_j * sum_p scores_j[p] v_p for ``G`` (2..4, constant at the call) query heads of
+ * head dim 64 at once: each value row is loaded (and widened) once for all of them, and the
+ * G x 4 accumulators are independent FMA chains. */
+static inline __attribute__((always_inline)) void pv_heads_hd64(
+    const int G, const float *scores, int len, const void *vbase, const int64_t *table, int block_size,
+    const int kv_bf16, const float *inv, float *ob)
+{
+    __m512 a[4][4];
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+    const int64_t block_elems = (int64_t)block_size * 64;
+    for (int p0 = 0; p0 < len; p0 += block_size) {
+        const int n = len - p0 < block_size ? len - p0 : block_size;
+        const int64_t vb = table[p0 / block_size] * block_elems;
+        for (int t = 0; t < n; t++) {
+            const int64_t vp = vb + (int64_t)t * 64;
+            const __m512 v0 = kv_load16(vbase, vp, kv_bf16), v1 = kv_load16(vbase, vp + 16, kv_bf16),
+                         v2 = kv_load16(vbase, vp + 32, kv_bf16), v3 = kv_load16(vbase, vp + 48, kv_bf16);
+            for (int j = 0; j < G; j++) {
+                const __m512 w = _mm512_set1_ps(scores[(int64_t)j * len + p0 + t]);
+                a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
+                a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
+                a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
+                a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);
+            }
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        const __m512 s = _mm512_set1_ps(inv[j]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(ob + j * 64 + c * 16, _mm512_mul_ps(a[j][c], s));
+    }
+}
+#endif
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
  * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
  * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
@@ -139,6 +179,12 @@ static inline __attribute__((always_inline)) void attend_task(
 {
     const int64_t block_elems = (int64_t)block_size * head_dim;
     const int64_t elem_bytes = kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
+#ifdef __AVX512F__
+    const int joint_pv = head_dim == 64 && g >= 2 && g <= 4;  /* the heads' values in one pass */
+#else
+    const int joint_pv = 0;
+#endif
+    float invs[MAX_GROUP];
     for (int j = 0; j < g; j++) {
         const float *qj = qb + (int64_t)j * q_stride_head;
         float *sj = scores + (int64_t)j * len;
@@ -148,16 +194,18 @@ static inline __attribute__((always_inline)) void attend_task(
             const int n = len - p0 < block_size ? len - p0 : block_size;
             const int64_t kb = table[p0 / block_size] * block_elems;
             if (j == 0) {
-                /* first pass over the keys: ask for the next key block and this value block
-                 * now, so scattered blocks arrive while this one is computed */
+                /* first pass over the keys: ask for the key block KV_PREFETCH_BLOCKS ahead (the
+                 * first ones too, at the start) and this value block now, so scattered blocks
+                 * arrive while earlier ones are computed: one block of compute is shorter than
+                 * a memory round trip */
                 const int64_t bytes = block_elems * elem_bytes;
                 const char *vb = (const char *)vbase + kb * elem_bytes;
-                const char *kn = p0 + block_size < len
-                    ? (const char *)kbase + table[p0 / block_size + 1] * block_elems * elem_bytes : NULL;
-                for (int64_t c = 0; c < bytes; c += 64) {
-                    __builtin_prefetch(vb + c, 0, 3);
-                    if (kn != NULL) __builtin_prefetch(kn + c, 0, 3);
+                const int bi = p0 / block_size, nblk = (len + block_size - 1) / block_size;
+                for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
+                    const char *kn = (const char *)kbase + table[bi + a] * block_elems * elem_bytes;
+                    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
                 }
+                for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
             }
             int t = 0;
 #ifdef __AVX512F__
@@ -208,6 +256,8 @@ static inline __attribute__((always_inline)) void attend_task(
         }
         /* out_j = sum_p w_p v_p / sum */
         const float inv = 1.0f / sum;
+        invs[j] = inv;
+        if (joint_pv) continue;  /* after the last head: pv_heads_hd64 */
         float *oj = ob + (int64_t)j * head_dim;
 #ifdef __AVX512F__
         if (head_dim == 64) {  /* the accumulator in four registers, two keys in flight */
@@ -260,6 +310,15 @@ static inline __attribute__((always_inline)) void attend_task(
 #pragma omp simd
         for (int i = 0; i < head_dim; i++) oj[i] = acc[i] * inv;
     }
+#ifdef __AVX512F__
+    if (joint_pv) {
+        if (g == 2) pv_heads_hd64(2, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+        else if (g == 3) pv_heads_hd64(3, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+        else pv_heads_hd64(4, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+    }
+#else
+    (void)invs;
+#endif
 }
 
 /* ``attend_task`` with a constant head dim where it is a common one. */
