@@ -4,8 +4,8 @@
   ``delta`` is given), returns ``rms_norm(h) * weight`` as a new tensor (in ``out_dtype``,
   default ``h``'s: the result computed in ``h``'s dtype, then rounded);
 * ``silu_mul(gate_up, inter, out_dtype=None)``: SwiGLU, ``silu(gate_up[:, :inter]) *
-  gate_up[:, inter:]`` computed in float32 for a bfloat16 ``gate_up`` and returned in
-  ``out_dtype`` (default: float32 then, else ``gate_up``'s dtype);
+  gate_up[:, inter:]``, in ``gate_up``'s dtype, or computed in float32 and returned in
+  ``out_dtype`` when that is given (a bfloat16 matmul output in, the next one's input out);
 * ``rope(x, cos, sin)``: rotary embedding of ``x [T, heads, head_dim]`` with the tables of
   ``engine.rotary.RotaryEmbedding.tables``; may rotate in place, returns the result.
 
@@ -29,7 +29,7 @@ class TorchOps:
         return out if out_dtype is None else out.to(out_dtype)
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if gate_up.dtype == torch.bfloat16:
+        if out_dtype is not None:
             gate_up = gate_up.float()
         out = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return out if out_dtype is None else out.to(out_dtype)

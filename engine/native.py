@@ -279,7 +279,7 @@ class FusedOps:
     def silu_mul(self, gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         t = gate_up.shape[0]
         assert gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * inter and gate_up.dtype in self._NARROW
-        out = torch.empty((t, inter), dtype=out_dtype or torch.float32)
+        out = torch.empty((t, inter), dtype=out_dtype or gate_up.dtype)
         assert out.dtype in self._NARROW
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), gate_up.dtype == torch.bfloat16, out.data_ptr(),
                        out.stride(0), out.dtype == torch.bfloat16, t, inter, torch.get_num_threads())
