@@ -118,16 +118,21 @@ class BF16Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.gemv is not None:
+        """``x`` float32, or bfloat16 (already rounded: the same result)."""
+        if x.shape[0] == 1 and self.gemv is not None and x.dtype == torch.float32:
             return self.gemv(x, self.weight, self.bias)
-        xb = x.to(torch.bfloat16)
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(xb.contiguous(), self.packed, None, "none", [], "").float()
-        else:
-            y = F.linear(xb, self.weight).float()
+        y = self.bf16(x).float()
         if self.bias is not None:
             y += self.bias
         return y
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The bfloat16 sums before the widening and the bias (for a next step that reads
+        bfloat16, ``engine.native.FusedOps``): ``x`` float32 or bfloat16."""
+        xb = x.to(torch.bfloat16)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(xb.contiguous(), self.packed, None, "none", [], "")
+        return F.linear(xb, self.weight)
 
 
 class BlockLinear:

@@ -43,6 +43,7 @@ from engine.kv_cache import KVCache
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
+    FusedOps,
     Gemv,
     Q4Matmul,
     Q8Matmul,
@@ -112,6 +113,14 @@ class DecoderModel:
         self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
+        # bfloat16 matrices under float32 activations with the native elementwise steps: a step
+        # without LoRA rows keeps each matmul's bfloat16 output as the next step's input (the
+        # norms and SwiGLU read it and write the next matmul's bfloat16 input) instead of widening
+        # and rounding it in separate passes: the same numbers (the float32 math of each step
+        # is unchanged, its result rounded as the matmul would round it), fewer bytes moved.
+        self.bf16_flow = (isinstance(self.ops, FusedOps) and all(
+            isinstance(getattr(lin, n), BF16Linear) for lin in self.layers for n in ("qkv", "o", "gate_up", "down"))
+            and all(lin.o.bias is None and lin.down.bias is None for lin in self.layers))
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -143,9 +152,10 @@ class DecoderModel:
         cos, sin = self.rope.tables(ctx.positions, self.head_scale)
         prepare_attention(ctx, nkv, self.decode_kernel)
         t = h.shape[0]
+        narrow = torch.bfloat16 if self.bf16_flow and lora is None and t > 1 else None
         delta = None  # the previous layer's MLP output, added into h by the next norm
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
-            x = ops.add_rms_norm(h, delta, lw.input_norm, eps)
+            x = ops.add_rms_norm(h, delta, lw.input_norm, eps, narrow)
             qkv = lin.qkv(x)
             q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
             if lora is not None:
@@ -154,6 +164,10 @@ class DecoderModel:
             q, k = qk[:, :nh], qk[:, nh:]
             cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
             a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel)
+            if narrow is not None:
+                x = ops.add_rms_norm(h, lin.o.bf16(a), lw.post_norm, eps, narrow)
+                delta = lin.down.bf16(ops.silu_mul(lin.gate_up.bf16(x), inter, narrow))
+                continue
             o = lin.o(a)
             if lora is not None:
                 lora.apply_many(i, a, (("o_proj", o),))

@@ -46,8 +46,8 @@ _SIGNATURES = {
                                _int, _int, _int, _int],
     "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
-    "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _f32, _int, _int, _int],
-    "loraplex_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _int, _int, _int],
+    "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _int, _ptr, _f32, _int, _int, _int],
+    "loraplex_silu_mul_f32": [_ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
     "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
@@ -253,8 +253,10 @@ def gemv_kernel() -> Gemv | None:
 
 
 class FusedOps:
-    """Fused elementwise steps of a decoder layer (CPU float32); same contract as
-    ``engine.fused.TorchOps``."""
+    """Fused elementwise steps of a decoder layer (CPU, float32 math); same contract as
+    ``engine.fused.TorchOps``, bfloat16 ``delta``/``gate_up`` and ``out_dtype`` included."""
+
+    _NARROW = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm = lib.loraplex_add_rms_norm_f32
@@ -262,23 +264,26 @@ class FusedOps:
         self._rope = lib.loraplex_rope_f32
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         t, dim = h.shape
         assert h.stride(1) == 1 and weight.is_contiguous() and h.dtype == weight.dtype == torch.float32
         if delta is not None:
-            assert delta.shape == h.shape and delta.stride(1) == 1 and delta.dtype == torch.float32
-        out = torch.empty_like(h, memory_format=torch.contiguous_format)
+            assert delta.shape == h.shape and delta.stride(1) == 1 and delta.dtype in self._NARROW
+        out = torch.empty((t, dim), dtype=out_dtype or h.dtype)
+        assert out.dtype in self._NARROW
         self._norm(h.data_ptr(), h.stride(0), delta.data_ptr() if delta is not None else None,
-                   delta.stride(0) if delta is not None else 0, out.data_ptr(), out.stride(0), weight.data_ptr(),
-                   eps, t, dim, torch.get_num_threads())
+                   delta.stride(0) if delta is not None else 0,
+                   delta is not None and delta.dtype == torch.bfloat16, out.data_ptr(), out.stride(0),
+                   out.dtype == torch.bfloat16, weight.data_ptr(), eps, t, dim, torch.get_num_threads())
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         t = gate_up.shape[0]
-        assert gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * inter and gate_up.dtype == torch.float32
-        out = gate_up.new_empty((t, inter))
-        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t, inter,
-                       torch.get_num_threads())
+        assert gate_up.stride(1) == 1 and gate_up.shape[1] == 2 * inter and gate_up.dtype in self._NARROW
+        out = torch.empty((t, inter), dtype=out_dtype or gate_up.dtype)
+        assert out.dtype in self._NARROW
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), gate_up.dtype == torch.bfloat16, out.data_ptr(),
+                       out.stride(0), out.dtype == torch.bfloat16, t, inter, torch.get_num_threads())
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

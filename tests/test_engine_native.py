@@ -27,7 +27,8 @@ def _reference(q, k_pool, v_pool, table, lens, block_size, rows):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (8, 8, 32, 4), (16, 2, 128, 16), (4, 1, 80, 8)])
+                         [(9, 3, 64, 16), (8, 4, 64, 16), (16, 4, 64, 8), (4, 4, 64, 16), (8, 8, 32, 4),
+                          (16, 2, 128, 16), (4, 1, 80, 8)])
 @pytest.mark.parametrize("scattered", [False, True], ids=["rows-0..B", "mixed-rows"])
 def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, scattered):
     gen = torch.Generator().manual_seed(heads * 31 + head_dim + block_size)
@@ -120,6 +121,41 @@ def test_fused_ops_match_torch_definitions():
         got = nat.rope(x, cos, sin)
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
         assert got.data_ptr() == x.data_ptr() and torch.equal(qkv[:, 4 * 32:], before_tail)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_fused_ops_read_and_write_bfloat16_as_widening_and_rounding(rows):
+    """The bfloat16 variants (a bfloat16 matmul output in, the next matmul's bfloat16 input out)
+    are exactly the float32 steps on the widened input, rounded to nearest even: the four
+    norm variants share one summation order, so none can round a value differently."""
+    from engine.fused import TorchOps
+    from engine.native import fused_ops
+
+    nat, ref = fused_ops(), TorchOps()
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 576, generator=gen) * 4
+    weight = torch.randn(576, generator=gen)
+    delta = (torch.randn(rows, 576, generator=gen) * 2).bfloat16()
+    for d in (delta, None):
+        h32, h16 = h.clone(), h.clone()
+        expect = nat.add_rms_norm(h32, d.float() if d is not None else None, weight, 1e-5)
+        got = nat.add_rms_norm(h16, d, weight, 1e-5, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(h16, h32)
+        assert torch.equal(got, expect.bfloat16())
+        assert torch.equal(nat.add_rms_norm(h.clone(), d, weight, 1e-5), expect)
+        torch.testing.assert_close(ref.add_rms_norm(h.clone(), d, weight, 1e-5, torch.bfloat16).float(),
+                                   got.float(), rtol=1e-2, atol=1e-2)
+    gu = (torch.randn(rows, 2 * 1536, generator=gen) * 6).bfloat16()
+    gu[0, :3] = torch.tensor([-120.0, 88.0, float("nan")])
+    expect = nat.silu_mul(gu.float(), 1536)
+    exact = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(nat.silu_mul(gu, 1536, torch.float32), expect, **exact)
+    got = nat.silu_mul(gu, 1536, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expect.bfloat16(), **exact)
+    assert torch.isnan(got[0, 2]), "NaN stays NaN (the engine's non-finite check sees it)"
+    torch.testing.assert_close(ref.silu_mul(gu, 1536, torch.bfloat16).float(), got.float(), rtol=1e-2, atol=1e-5,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize(("n_out", "n_in", "bias"), [(576, 576, False), (963, 577, True), (3, 40, True), (1, 1, False)])

@@ -96,6 +96,20 @@ def test_bf16_weights_hold_the_base_in_half_the_memory_and_keep_the_rest_float32
     engine.lora_runtime.manager.close()
 
 
+def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_world):
+    """A step without LoRA rows hands each bfloat16 matmul output to the next step as it is
+    (the norms and SwiGLU read and write bfloat16): the logits are bit for bit those of the
+    path that widens every output to float32 and rounds it again, prefill and decode alike."""
+    base_dir, *_ = lora_world
+    engine = tiny_engine(base_dir, weights="bfloat16")
+    assert engine.model.bf16_flow, "bfloat16 matrices with the native elementwise steps"
+    assert not tiny_engine(base_dir).model.bf16_flow
+    prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    narrow = forced_logits(engine, prompt, 17)
+    engine.model.bf16_flow = False
+    assert torch.equal(forced_logits(engine, prompt, 17), narrow)
+
+
 NEW = 5
 
 

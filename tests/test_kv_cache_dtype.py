@@ -112,7 +112,8 @@ def test_the_same_bytes_hold_twice_the_blocks_in_bfloat16():
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (8, 8, 32, 4), (16, 2, 128, 16), (4, 1, 80, 8)])
+                         [(9, 3, 64, 16), (8, 4, 64, 16), (16, 4, 64, 8), (8, 8, 32, 4), (16, 2, 128, 16),
+                          (4, 1, 80, 8)])
 @pytest.mark.parametrize("scattered", [False, True], ids=["rows-0..B", "mixed-rows"])
 def test_bf16_kv_kernel_matches_softmax_over_the_widened_pools(heads, kv_heads, head_dim, block_size, scattered):
     gen = torch.Generator().manual_seed(heads * 17 + head_dim + block_size)

@@ -8,7 +8,8 @@
  * ``blocks[b * nb + p / block_size] * block_size + p % block_size``. Work is split over
  * (sequence, kv head) pairs; each pair scores its ``g = heads / kv_heads`` query heads
  * against the sequence's keys (two-pass softmax in a per-thread buffer), then
- * accumulates the weighted values. Compared with gathering the blocks into a
+ * accumulates the weighted values (with head dim 64 and 2-4 query heads per KV head, for all
+ * of them in one pass over the values: each value row loaded once). Compared with gathering the blocks into a
  * contiguous copy first, K/V are read once instead of read, written and read again.
  *    loraplex_decode_attention_bf16kv: the same over bfloat16 pools (``LORAPLEX_KV_CACHE_DTYPE``):
  *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
@@ -28,7 +29,9 @@
  *
  * 4. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
- *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place).
+ *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place). The math is
+ *    float32; the first two also read a bfloat16 matmul output and write the bfloat16 input of
+ *    the next one (bfloat16 base weights), saving the separate conversion passes.
  *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
@@ -40,6 +43,10 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_RANK 1024
+/* Key blocks decode attention asks for ahead of the one it computes (see attend_task). */
+#ifndef KV_PREFETCH_BLOCKS
+#define KV_PREFETCH_BLOCKS 4
+#endif
 /* Elementwise kernels fork threads only above this many elements: a decode batch's rows
  * are a few microseconds of work, less than waking a sleeping OpenMP thread. */
 #define PARALLEL_MIN_ELEMS (1 << 16)
@@ -124,6 +131,41 @@ static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4],
 }
 #endif
 
+#ifdef __AVX512F__
+/* out_j = inv_j * sum_p scores_j[p] v_p for ``G`` (2..4, constant at the call) query heads of
+ * head dim 64 at once: each value row is loaded (and widened) once for all of them, and the
+ * G x 4 accumulators are independent FMA chains. */
+static inline __attribute__((always_inline)) void pv_heads_hd64(
+    const int G, const float *scores, int len, const void *vbase, const int64_t *table, int block_size,
+    const int kv_bf16, const float *inv, float *ob)
+{
+    __m512 a[4][4];
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+    const int64_t block_elems = (int64_t)block_size * 64;
+    for (int p0 = 0; p0 < len; p0 += block_size) {
+        const int n = len - p0 < block_size ? len - p0 : block_size;
+        const int64_t vb = table[p0 / block_size] * block_elems;
+        for (int t = 0; t < n; t++) {
+            const int64_t vp = vb + (int64_t)t * 64;
+            const __m512 v0 = kv_load16(vbase, vp, kv_bf16), v1 = kv_load16(vbase, vp + 16, kv_bf16),
+                         v2 = kv_load16(vbase, vp + 32, kv_bf16), v3 = kv_load16(vbase, vp + 48, kv_bf16);
+            for (int j = 0; j < G; j++) {
+                const __m512 w = _mm512_set1_ps(scores[(int64_t)j * len + p0 + t]);
+                a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
+                a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
+                a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
+                a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);
+            }
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        const __m512 s = _mm512_set1_ps(inv[j]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(ob + j * 64 + c * 16, _mm512_mul_ps(a[j][c], s));
+    }
+}
+#endif
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
  * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
  * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
@@ -137,6 +179,12 @@ static inline __attribute__((always_inline)) void attend_task(
 {
     const int64_t block_elems = (int64_t)block_size * head_dim;
     const int64_t elem_bytes = kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
+#ifdef __AVX512F__
+    const int joint_pv = head_dim == 64 && g >= 2 && g <= 4;  /* the heads' values in one pass */
+#else
+    const int joint_pv = 0;
+#endif
+    float invs[MAX_GROUP];
     for (int j = 0; j < g; j++) {
         const float *qj = qb + (int64_t)j * q_stride_head;
         float *sj = scores + (int64_t)j * len;
@@ -146,16 +194,18 @@ static inline __attribute__((always_inline)) void attend_task(
             const int n = len - p0 < block_size ? len - p0 : block_size;
             const int64_t kb = table[p0 / block_size] * block_elems;
             if (j == 0) {
-                /* first pass over the keys: ask for the next key block and this value block
-                 * now, so scattered blocks arrive while this one is computed */
+                /* first pass over the keys: ask for the key block KV_PREFETCH_BLOCKS ahead (the
+                 * first ones too, at the start) and this value block now, so scattered blocks
+                 * arrive while earlier ones are computed: one block of compute is shorter than
+                 * a memory round trip */
                 const int64_t bytes = block_elems * elem_bytes;
                 const char *vb = (const char *)vbase + kb * elem_bytes;
-                const char *kn = p0 + block_size < len
-                    ? (const char *)kbase + table[p0 / block_size + 1] * block_elems * elem_bytes : NULL;
-                for (int64_t c = 0; c < bytes; c += 64) {
-                    __builtin_prefetch(vb + c, 0, 3);
-                    if (kn != NULL) __builtin_prefetch(kn + c, 0, 3);
+                const int bi = p0 / block_size, nblk = (len + block_size - 1) / block_size;
+                for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
+                    const char *kn = (const char *)kbase + table[bi + a] * block_elems * elem_bytes;
+                    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
                 }
+                for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
             }
             int t = 0;
 #ifdef __AVX512F__
@@ -206,6 +256,8 @@ static inline __attribute__((always_inline)) void attend_task(
         }
         /* out_j = sum_p w_p v_p / sum */
         const float inv = 1.0f / sum;
+        invs[j] = inv;
+        if (joint_pv) continue;  /* after the last head: pv_heads_hd64 */
         float *oj = ob + (int64_t)j * head_dim;
 #ifdef __AVX512F__
         if (head_dim == 64) {  /* the accumulator in four registers, two keys in flight */
@@ -258,6 +310,15 @@ static inline __attribute__((always_inline)) void attend_task(
 #pragma omp simd
         for (int i = 0; i < head_dim; i++) oj[i] = acc[i] * inv;
     }
+#ifdef __AVX512F__
+    if (joint_pv) {
+        if (g == 2) pv_heads_hd64(2, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+        else if (g == 3) pv_heads_hd64(3, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+        else pv_heads_hd64(4, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+    }
+#else
+    (void)invs;
+#endif
 }
 
 /* ``attend_task`` with a constant head dim where it is a common one. */
@@ -371,6 +432,14 @@ static inline float bf16_to_f32(uint16_t h)
 {
     union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
     return c.f;
+}
+
+/* float32 to the nearest bfloat16 (ties to even, as torch's conversion); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float x)
+{
+    union { uint32_t u; float f; } c = { .f = x };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
@@ -589,53 +658,92 @@ int loraplex_gemv_bf16(
     return 0;
 }
 
+/* One row of add_rms_norm: ``delta_bf16``/``out_bf16`` are constants at each call site, so each
+ * variant compiles to its own vector loop; the float32 arithmetic is the same in all four, so a
+ * bfloat16 output is exactly the float32 one rounded (as a bfloat16 matmul rounds its input). */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+    float *hr, const void *delta, void *out, const float *weight, float eps, int dim,
+    const int delta_bf16, const int out_bf16)
+{
+    if (delta != NULL) {
+#pragma omp simd
+        for (int i = 0; i < dim; i++)
+            hr[i] += delta_bf16 ? bf16_to_f32(((const uint16_t *)delta)[i]) : ((const float *)delta)[i];
+    }
+    /* the sum of squares in its own loop, the same in every variant: the same summation order */
+    float ss = 0.0f;
+#pragma omp simd reduction(+:ss)
+    for (int i = 0; i < dim; i++) ss += hr[i] * hr[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)dim + eps);
+    if (out_bf16) {
+#pragma omp simd
+        for (int i = 0; i < dim; i++) ((uint16_t *)out)[i] = f32_to_bf16(hr[i] * inv * weight[i]);
+    } else {
+#pragma omp simd
+        for (int i = 0; i < dim; i++) ((float *)out)[i] = hr[i] * inv * weight[i];
+    }
+}
+
 int loraplex_add_rms_norm_f32(
-    float *h, int64_t h_stride, const float *delta, int64_t delta_stride,
-    float *out, int64_t out_stride, const float *weight, float eps,
+    float *h, int64_t h_stride, const void *delta, int64_t delta_stride, int delta_bf16,
+    void *out, int64_t out_stride, int out_bf16, const float *weight, float eps,
     int rows, int dim, int num_threads)
 {
-    /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row. */
+    /* h += delta (when delta is not NULL), then out = h / rms(h) * weight, per row, in float32;
+     * delta (read) and out (written) float32 or bfloat16; strides count elements. */
+    const int64_t de = delta_bf16 ? 2 : 4, oe = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
         float *hr = h + (int64_t)t * h_stride;
-        float *orow = out + (int64_t)t * out_stride;
-        float ss = 0.0f;
-        if (delta != NULL) {
-            const float *dr = delta + (int64_t)t * delta_stride;
-#pragma omp simd reduction(+:ss)
-            for (int i = 0; i < dim; i++) {
-                const float v = hr[i] + dr[i];
-                hr[i] = v;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+:ss)
-            for (int i = 0; i < dim; i++) ss += hr[i] * hr[i];
-        }
-        const float inv = 1.0f / __builtin_sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int i = 0; i < dim; i++) orow[i] = hr[i] * inv * weight[i];
+        const void *dr = delta != NULL ? (const char *)delta + t * delta_stride * de : NULL;
+        void *orow = (char *)out + t * out_stride * oe;
+        if (delta_bf16 && out_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 1, 1);
+        else if (delta_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 1, 0);
+        else if (out_bf16) add_rms_norm_row(hr, dr, orow, weight, eps, dim, 0, 1);
+        else add_rms_norm_row(hr, dr, orow, weight, eps, dim, 0, 0);
     }
     return 0;
 }
 
+/* silu(g) * u in float32 (silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so no exponent overflows). */
+static inline __attribute__((always_inline)) float silu_mul1(float x, float u)
+{
+    const float e = exp_nonpos(-__builtin_fabsf(x));
+    const float num = x >= 0.0f ? 1.0f : e;
+    return x * (num / (1.0f + e)) * u;
+}
+
 int loraplex_silu_mul_f32(
-    const float *gate_up, int64_t gu_stride, float *out, int64_t out_stride,
+    const void *gate_up, int64_t gu_stride, int gu_bf16, void *out, int64_t out_stride, int out_bf16,
     int rows, int inter, int num_threads)
 {
-    /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]; silu(g) = g * sigmoid(g),
-     * sigmoid from exp(-|g|) so no exponent overflows. */
+    /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i] in float32; gate_up (read) and out
+     * (written) float32 or bfloat16, a bfloat16 out being the float32 result rounded; strides
+     * count elements. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
-        const float *g = gate_up + (int64_t)t * gu_stride;
-        const float *u = g + inter;
-        float *o = out + (int64_t)t * out_stride;
+        if (gu_bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + (int64_t)t * gu_stride, *u = g + inter;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + (int64_t)t * out_stride;
 #pragma omp simd
-        for (int i = 0; i < inter; i++) {
-            const float x = g[i];
-            const float e = exp_nonpos(-__builtin_fabsf(x));
-            const float num = x >= 0.0f ? 1.0f : e;
-            o[i] = x * (num / (1.0f + e)) * u[i];
+                for (int i = 0; i < inter; i++) o[i] = f32_to_bf16(silu_mul1(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
+            } else {
+                float *o = (float *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = silu_mul1(bf16_to_f32(g[i]), bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + (int64_t)t * gu_stride, *u = g + inter;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = f32_to_bf16(silu_mul1(g[i], u[i]));
+            } else {
+                float *o = (float *)out + (int64_t)t * out_stride;
+#pragma omp simd
+                for (int i = 0; i < inter; i++) o[i] = silu_mul1(g[i], u[i]);
+            }
         }
     }
     return 0;
