@@ -157,13 +157,13 @@ class BlockLinear:
 
 
 class Int8Linear(BlockLinear):
-    """8-bit ``W`` (:class:`engine.quant.PackedQ8`); ``kernel``: ``engine.native.Q8Matmul``."""
+    """8-bit ``W`` (:class:`engine.quant.PackedQ8`); ``kernel``: ``engine.native.q8_matmul_kernel()``."""
 
     reference = staticmethod(q8_matmul_reference)
 
 
 class Int4Linear(BlockLinear):
-    """4-bit ``W`` (:class:`engine.quant.PackedQ4`); ``kernel``: ``engine.native.Q4Matmul``."""
+    """4-bit ``W`` (:class:`engine.quant.PackedQ4`); ``kernel``: ``engine.native.q4_matmul_kernel()``."""
 
     reference = staticmethod(q4_matmul_reference)
 
@@ -174,7 +174,7 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
                 q8_kernel: Callable | None = None,
                 q4_kernel: Callable | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
-    ``engine.native.Q8Matmul`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.Q4Matmul``
+    ``engine.native.q8_matmul_kernel()`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.q4_matmul_kernel()``
     for a 4-bit one)."""
     if isinstance(weight, PackedQ8 | PackedQ4):
         if activations != torch.float32 or weight.q.device.type != "cpu":

@@ -43,10 +43,9 @@ from engine.kv_cache import KVCache
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
+    BlockMatmul,
     FusedOps,
     Gemv,
-    Q4Matmul,
-    Q8Matmul,
     decode_attention_kernel,
     fused_ops,
     gemv_kernel,
@@ -62,7 +61,7 @@ log = logging.getLogger("loraplex.engine.model")
 
 class _LayerLinears:
     def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
-                 q8: Q8Matmul | None, q4: Q4Matmul | None) -> None:
+                 q8: BlockMatmul | None, q4: BlockMatmul | None) -> None:
         self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4)
         self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4)
         self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4)

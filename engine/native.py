@@ -22,7 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -305,14 +305,16 @@ def fused_ops() -> FusedOps | None:
     return FusedOps(lib) if lib is not None else None
 
 
-class Q8Matmul:
-    """``x @ W.T + bias`` for float32 rows ``x`` and 8-bit ``W`` packed by ``engine.quant.pack_q8``
-    (the activations quantized per row and block of 32; see ``engine/csrc/cpu_kernels.c``)."""
+class BlockMatmul:
+    """``x @ W.T + bias`` for float32 rows ``x`` and a ``W`` in blocks of 32 inputs packed by
+    ``engine.quant`` (8-bit ``pack_q8``, 4-bit ``pack_q4``): the activations quantized per row
+    and block of 32; see ``engine/csrc/cpu_kernels.c``. ``extra``: the packed weight's third
+    array (the 8-bit compensations ``comp``, the 4-bit offsets ``m``)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_q8_matmul_f32
+    def __init__(self, fn: Callable[..., int], extra: str, bits: int) -> None:
+        self._fn, self._extra, self._bits = fn, extra, bits
 
-    def __call__(self, x: torch.Tensor, w: PackedQ8, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: PackedQ8 | PackedQ4, bias: torch.Tensor | None) -> torch.Tensor:
         m, k = x.shape
         assert k == w.in_features and x.dtype == torch.float32 and x.device.type == "cpu"
         assert bias is None or (bias.is_contiguous() and bias.shape == (w.out_features,)
@@ -322,46 +324,22 @@ class Q8Matmul:
         y = x.new_empty((m, w.out_features))
         if m == 0:
             return y
-        rc = self._fn(x.data_ptr(), x.stride(0), m, k, w.q.data_ptr(), w.d.data_ptr(), w.comp.data_ptr(),
-                      w.out_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
+        rc = self._fn(x.data_ptr(), x.stride(0), m, k, w.q.data_ptr(), w.d.data_ptr(),
+                      getattr(w, self._extra).data_ptr(), w.out_features,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
                       torch.get_num_threads())
         if rc != 0:
-            raise MemoryError("native 8-bit matmul: no memory for the quantized activations")
+            raise MemoryError(f"native {self._bits}-bit matmul: no memory for the quantized activations")
         return y
 
 
 @lru_cache(maxsize=1)
-def q8_matmul_kernel() -> Q8Matmul | None:
+def q8_matmul_kernel() -> BlockMatmul | None:
     lib = _library()
-    return Q8Matmul(lib) if lib is not None else None
-
-
-class Q4Matmul:
-    """``x @ W.T + bias`` for float32 rows ``x`` and 4-bit ``W`` packed by ``engine.quant.pack_q4``
-    (the activations quantized per row and block of 32; see ``engine/csrc/cpu_kernels.c``)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_q4_matmul_f32
-
-    def __call__(self, x: torch.Tensor, w: PackedQ4, bias: torch.Tensor | None) -> torch.Tensor:
-        m, k = x.shape
-        assert k == w.in_features and x.dtype == torch.float32 and x.device.type == "cpu"
-        assert bias is None or (bias.is_contiguous() and bias.shape == (w.out_features,)
-                                and bias.dtype == torch.float32)
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = x.new_empty((m, w.out_features))
-        if m == 0:
-            return y
-        rc = self._fn(x.data_ptr(), x.stride(0), m, k, w.q.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
-                      w.out_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
-                      torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("native 4-bit matmul: no memory for the quantized activations")
-        return y
+    return BlockMatmul(lib.loraplex_q8_matmul_f32, "comp", 8) if lib is not None else None
 
 
 @lru_cache(maxsize=1)
-def q4_matmul_kernel() -> Q4Matmul | None:
+def q4_matmul_kernel() -> BlockMatmul | None:
     lib = _library()
-    return Q4Matmul(lib) if lib is not None else None
+    return BlockMatmul(lib.loraplex_q4_matmul_f32, "m", 4) if lib is not None else None
