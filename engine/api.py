@@ -25,6 +25,7 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
@@ -53,6 +54,7 @@ from engine.protocol import (
 from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
 from engine.sequence import SeqEvent, Sequence
+from engine.threads import single_threaded
 from engine.worker_auth import WorkerSecretMiddleware
 from loraplex.settings import Settings
 from loraplex.tool_calls import parse_output
@@ -382,6 +384,10 @@ class WorkerLifespan:
     @contextlib.asynccontextmanager
     async def __call__(self, app: Starlette) -> AsyncIterator[None]:
         eng = await self._load()
+        # Blocking work this loop hands to threads (adapter loads, unloads, the warm start) never
+        # forms an OpenMP team beside the engine's (engine.threads).
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="loraplex-worker-io", initializer=single_threaded))
         started_here = not eng.running_thread
         eng.start()
         if self.warm_start:

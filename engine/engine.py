@@ -46,6 +46,7 @@ from engine.sampler import sample, token_logprobs
 from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
+from engine.threads import release_team
 from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
@@ -207,7 +208,9 @@ class Engine:
                              native_kernels=config.native_kernels, matmul_dtype=matmul_dtype)
         reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
         tok = TextTokenizer.from_model_path(path, reader)
-        return cls(model, tok, config, model_path=path)
+        engine = cls(model, tok, config, model_path=path)
+        release_team()  # loading ran parallel ops here: this thread's team would slow the engine's
+        return engine
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Engine:
@@ -232,6 +235,7 @@ class Engine:
             from engine.admission_policy import FairAdmission
 
             engine.scheduler.policy = FairAdmission(None)
+        release_team()
         return engine
 
     def enable_lora(self, settings: Settings, **manager_kw: Any) -> None:
@@ -563,6 +567,7 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        release_team()  # the caller's OpenMP team would slow the engine thread's (engine.threads)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()

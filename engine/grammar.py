@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.threads import single_threaded
 from loraplex.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class Grammars:
         if not constrained:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar", initializer=single_threaded)
         return StepMask(self._pool, constrained, len(rows), self.vocab_size)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ from engine.lora.sources import (
     read_verified,
     sources_from_settings,
 )
+from engine.threads import single_threaded
 from loraplex.modelinfo import ModelInfo
 from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
@@ -177,8 +178,10 @@ class AdapterManager:
         self._device_policy = policy()
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load")
-        self._fetch_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-fetch")
+        self._pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-load",
+                                        initializer=single_threaded)
+        self._fetch_pool = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="lora-fetch",
+                                              initializer=single_threaded)
         """Loads that must download first: a stalled store holds these threads, never the ones that
         load adapters already on local disk."""
         self._free = {c: list(bank.slot_ids(c)) for c in range(len(bank.rank_classes))}
