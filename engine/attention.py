@@ -60,14 +60,16 @@ def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttent
 
 
 def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tensor,
-                    num_kv_heads: int, kernel: DecodeAttention | None = None) -> torch.Tensor:
+                    num_kv_heads: int, kernel: DecodeAttention | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``q``: ``[T, H, d]``, rotated and pre-scaled by ``1/sqrt(d)``; this step's K/V already
-    written. Returns ``[T, H*d]``."""
+    written. Returns ``[T, H*d]`` in ``q``'s dtype, or rounded to ``out_dtype`` where the
+    native kernel writes it (bfloat16: the next matmul's input)."""
     t, h, d = q.shape
     g = h // num_kv_heads
     if kernel is not None:
         assert ctx.row_blocks is not None and ctx.row_lens is not None, "prepare_attention first"
-        out = q.new_empty((t, h * d))
+        out = q.new_empty((t, h * d), dtype=out_dtype or q.dtype)
         kernel(q, cache.k[layer], cache.v[layer], ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cache.block_size,
                out)
         return out

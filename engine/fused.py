@@ -6,8 +6,12 @@
 * ``silu_mul(gate_up, inter, out_dtype=None)``: SwiGLU, ``silu(gate_up[:, :inter]) *
   gate_up[:, inter:]``, in ``gate_up``'s dtype, or computed in float32 and returned in
   ``out_dtype`` when that is given (a bfloat16 matmul output in, the next one's input out);
-* ``rope(x, cos, sin)``: rotary embedding of ``x [T, heads, head_dim]`` with the tables of
-  ``engine.rotary.RotaryEmbedding.tables``; may rotate in place, returns the result.
+* ``rope_store(qkv, bias, cos, sin, cache, layer, slots, heads)``: a fused q|k|v matmul output
+  ``[T, (heads + 2 kv_heads) * head_dim]`` (float32, or the bfloat16 sums of a bfloat16 matmul)
+  widened to float32 plus ``bias`` (or none), q and k rotated with the tables of
+  ``engine.rotary.RotaryEmbedding.tables``, k and v stored in layer ``layer`` of the KV ``cache``
+  at ``slots [T]`` (``KVCache.write``: rounded to the pools' dtype); returns q, float32
+  ``[T, heads, head_dim]``.
 
 :class:`TorchOps` is the definition (any device and dtype); on CPU float32 the model uses
 ``engine.native.FusedOps``, the same steps as single-pass C loops (one op instead of 3-6
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
 
 
 class TorchOps:
@@ -34,7 +40,19 @@ class TorchOps:
         out = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         return out if out_dtype is None else out.to(out_dtype)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope_store(self, qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int) -> torch.Tensor:
+        t = qkv.shape[0]
+        kv_heads, d = cache.num_kv_heads, cache.head_dim
+        x = qkv.to(cos.dtype) if bias is None else qkv.to(cos.dtype) + bias
+        qk = self.rope(x[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+        cache.write(layer, slots, qk[:, heads:], x[:, (heads + kv_heads) * d:].view(t, kv_heads, d))
+        return qk[:, :heads]
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x [T, heads, head_dim]``: ``x * cos + rotate_half(x) * sin`` (the
+        sign of ``rotate_half`` is in ``sin``)."""
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return torch.addcmul(x * cos, swapped, sin)

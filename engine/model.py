@@ -143,7 +143,7 @@ class DecoderModel:
         w = self.w
         lora = ctx.lora
         qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        nh, nkv = cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         ops = self.ops
         h = F.embedding(ctx.input_ids, w.embed).to(self.dtype)
@@ -155,14 +155,15 @@ class DecoderModel:
         delta = None  # the previous layer's MLP output, added into h by the next norm
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
             x = ops.add_rms_norm(h, delta, lw.input_norm, eps, narrow)
-            qkv = lin.qkv(x)
-            q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
+            if narrow is not None:  # the bfloat16 sums; the bias goes in with the widening
+                qkv, bias = lin.qkv.bf16(x), lin.qkv.bias
+            else:
+                qkv, bias = lin.qkv(x), None
             if lora is not None:
+                q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
                 lora.apply_many(i, x, (("q_proj", q), ("k_proj", k), ("v_proj", v)))
-            qk = ops.rope(qkv[:, :qs + kvs].view(t, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            cache.write(i, ctx.slot_mapping, k, v.view(t, nkv, hd))
-            a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel)
+            q = ops.rope_store(qkv, bias, cos, sin, cache, i, ctx.slot_mapping, nh)
+            a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel, narrow)
             if narrow is not None:
                 x = ops.add_rms_norm(h, lin.o.bf16(a), lw.post_norm, eps, narrow)
                 delta = lin.down.bf16(ops.silu_mul(lin.gate_up.bf16(x), inter, narrow))

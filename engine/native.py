@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache import KVCache
 from engine.quant import PackedQ4, PackedQ8
 
 log = logging.getLogger("loraplex.engine.native")
@@ -39,16 +40,17 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                      _int, _int, _int, _int, _int, _int, _int],
+                                      _int, _int, _int, _int, _int, _int, _int, _int],
     "loraplex_decode_attention_bf16kv": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                         _int, _int, _int, _int, _int, _int, _int],
+                                         _int, _int, _int, _int, _int, _int, _int, _int],
     "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
                                _int, _int, _int, _int],
     "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _int, _ptr, _f32, _int, _int, _int],
     "loraplex_silu_mul_f32": [_ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
-    "loraplex_rope_f32": [_ptr, _i64, _int, _int, _int, _ptr, _ptr, _i64, _i64, _int],
+    "loraplex_rope_store_f32": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64,
+                                _ptr, _int, _int, _int, _int, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
 }
@@ -112,8 +114,9 @@ def _library() -> ctypes.CDLL | None:
 
 class DecodeAttention:
     """``out[rows[b]] = softmax(q[rows[b]] . K_b) V_b`` for every decoding sequence ``b``,
-    K/V read from the paged pools in place (see ``engine/csrc/cpu_kernels.c``). ``q`` and
-    ``out`` are float32; the pools float32 or bfloat16 (widened on load, the math in float32)."""
+    K/V read from the paged pools in place (see ``engine/csrc/cpu_kernels.c``). ``q`` is
+    float32; the pools float32 or bfloat16 (widened on load, the math in float32); ``out``
+    float32, or bfloat16 (the float32 result rounded: a bfloat16 matmul's input)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.loraplex_decode_attention_f32,
@@ -127,7 +130,8 @@ class DecodeAttention:
         ``out``: ``[T, H*d]`` (row dim may be strided); ``rows``: ``[B]`` int64 or None (0..B-1)."""
         _, h, d = q.shape
         hk = k_pool.shape[0]
-        assert q.dtype == out.dtype == torch.float32 and q.stride(2) == 1 and out.stride(1) == 1
+        assert q.dtype == torch.float32 and q.stride(2) == 1 and out.stride(1) == 1
+        assert out.dtype in (torch.float32, torch.bfloat16)
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and blocks.is_contiguous()
         assert k_pool.dtype == v_pool.dtype and k_pool.dtype in self._fns, f"KV pools in {k_pool.dtype}"
         assert blocks.dtype == torch.int64 and lens.dtype == torch.int64 and lens.is_contiguous()
@@ -135,7 +139,7 @@ class DecodeAttention:
         rc = self._fns[k_pool.dtype](q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr() if rows is not None else None,
                       k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1],
                       blocks.data_ptr(), nb, lens.data_ptr(), out.data_ptr(), out.stride(0),
-                      b, h, hk, d, block_size, max_len, torch.get_num_threads())
+                      out.dtype == torch.bfloat16, b, h, hk, d, block_size, max_len, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native decode attention failed ({rc}): heads {h}/{hk}, head dim {d}")
 
@@ -261,7 +265,7 @@ class FusedOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm = lib.loraplex_add_rms_norm_f32
         self._silu_mul = lib.loraplex_silu_mul_f32
-        self._rope = lib.loraplex_rope_f32
+        self._rope_store = lib.loraplex_rope_store_f32
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -286,17 +290,26 @@ class FusedOps:
                        out.stride(0), out.dtype == torch.bfloat16, t, inter, torch.get_num_threads())
         return out
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, heads, d = x.shape
-        assert x.stride(2) == 1 and x.stride(1) == d and x.dtype == cos.dtype == sin.dtype == torch.float32
-        assert cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(2) == 1
-        assert cos.shape[0] == t and cos.shape[1] in (1, heads) and cos.shape[2] == d
-        head_stride = 0 if cos.shape[1] == 1 else cos.stride(1)
-        rc = self._rope(x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                        head_stride, torch.get_num_threads())
+    def rope_store(self, qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int) -> torch.Tensor:
+        t, width = qkv.shape
+        kv_heads, d = cache.num_kv_heads, cache.head_dim
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        assert width == (heads + 2 * kv_heads) * d and qkv.stride(1) == 1 and qkv.dtype in self._NARROW
+        assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == width)
+        assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.stride() == sin.stride()
+        assert cos.stride(2) == 1 and cos.shape[0] == t and cos.shape[1] in (1, heads + kv_heads) and cos.shape[2] == d
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype in self._NARROW
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == t
+        q = torch.empty((t, heads, d), dtype=torch.float32)
+        rc = self._rope_store(qkv.data_ptr(), qkv.stride(0), qkv.dtype == torch.bfloat16,
+                              bias.data_ptr() if bias is not None else None, cos.data_ptr(), sin.data_ptr(),
+                              cos.stride(0), 0 if cos.shape[1] == 1 else cos.stride(1), q.data_ptr(), heads * d,
+                              k_pool.data_ptr(), v_pool.data_ptr(), k_pool.dtype == torch.bfloat16, k_pool.shape[1],
+                              slots.data_ptr(), t, heads, kv_heads, d, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native rotary embedding failed ({rc}): head dim {d}")
-        return x
+        return q
 
 
 @lru_cache(maxsize=1)

@@ -53,6 +53,10 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, scatter
     untouched = torch.ones(t, dtype=torch.bool)
     untouched[rows] = False
     assert bool((out[untouched] == 7.0).all())  # rows not decoding are left alone
+    # A bfloat16 out (the o projection's input): the same float32 result, rounded to nearest even.
+    out16 = torch.full((t, heads * head_dim), 7.0).bfloat16()
+    kernel(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, out16, rows=rows if scattered else None)
+    assert torch.equal(out16[rows], out[rows].bfloat16()) and bool((out16[untouched] == 7.0).all())
 
 
 def test_large_scores_do_not_overflow():
@@ -110,17 +114,44 @@ def test_fused_ops_match_torch_definitions():
     gu = torch.randn(33, 2 * 80, generator=gen) * 6
     gu[0, :4] = torch.tensor([-120.0, -88.0, 88.0, 120.0])
     torch.testing.assert_close(nat.silu_mul(gu, 80), ref.silu_mul(gu, 80), rtol=1e-5, atol=1e-6)
-    # RoPE in place on a head slice of a fused qkv buffer, per-head and broadcast tables.
+
+
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_torch_definition(qkv_dtype, kv_dtype):
+    """Bias, RoPE (per-head and broadcast tables) and the K/V store at scattered slots of a
+    fused q|k|v output, float32 or bfloat16 sums, into float32 or bfloat16 pools: q as torch
+    computes it, k and v stored where torch stores them, every other slot untouched."""
+    from engine.config import ModelConfig
+    from engine.fused import TorchOps
+    from engine.kv_cache import KVCache
+    from engine.native import fused_ops
+
+    nat, ref = fused_ops(), TorchOps()
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, t = 4, 2, 32, 9
+    cfg = ModelConfig(architecture="llama", hidden_size=heads * d, intermediate_size=8, num_layers=2,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=d, vocab_size=16, context_length=64)
+    slots = torch.randperm(64, generator=gen)[:t]
     for per_head in (True, False):
-        qkv = torch.randn(9, 6 * 32, generator=gen)
-        x = qkv[:, :4 * 32].view(9, 4, 32)
-        cos = torch.randn(9, 4 if per_head else 1, 32, generator=gen)
-        sin = torch.randn(9, 4 if per_head else 1, 32, generator=gen)
-        expect = ref.rope(x.clone(), cos, sin)
-        before_tail = qkv[:, 4 * 32:].clone()
-        got = nat.rope(x, cos, sin)
-        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-        assert got.data_ptr() == x.data_ptr() and torch.equal(qkv[:, 4 * 32:], before_tail)
+        for with_bias in (True, False):
+            wide = torch.randn(t, (heads + 2 * kv_heads) * d + 8, generator=gen) * 3
+            qkv = wide.to(qkv_dtype)[:, :(heads + 2 * kv_heads) * d]  # row-strided, as a matmul slice
+            bias = torch.randn((heads + 2 * kv_heads) * d, generator=gen) if with_bias else None
+            cos = torch.randn(t, heads + kv_heads if per_head else 1, d, generator=gen)
+            sin = torch.randn(t, heads + kv_heads if per_head else 1, d, generator=gen)
+            caches = [KVCache(cfg, 4, 16, torch.device("cpu"), kv_dtype, torch.float32) for _ in range(2)]
+            got = nat.rope_store(qkv, bias, cos, sin, caches[0], 1, slots, heads)
+            expect = ref.rope_store(qkv, bias, cos, sin, caches[1], 1, slots, heads)
+            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+            tol = dict(rtol=1e-5, atol=1e-5) if kv_dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+            for pool in ("k", "v"):
+                a, b = getattr(caches[0], pool), getattr(caches[1], pool)
+                torch.testing.assert_close(a[1].float(), b[1].float(), **tol)
+                assert a[1][:, slots].abs().sum() > 0 and torch.equal(a[0], torch.zeros_like(a[0]))
+                untouched = torch.ones(64, dtype=torch.bool)
+                untouched[slots] = False
+                assert torch.equal(a[1][:, untouched], torch.zeros_like(a[1][:, untouched]))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 70])

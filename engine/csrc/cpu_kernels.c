@@ -14,6 +14,8 @@
  *    loraplex_decode_attention_bf16kv: the same over bfloat16 pools (``LORAPLEX_KV_CACHE_DTYPE``):
  *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
  *    the softmax and the output stay float32; half the bytes to stream per cached token.
+ *    Either writes its output in float32, or rounded to bfloat16 (``out_bf16``: the input of a
+ *    bfloat16 o projection, without a separate conversion pass).
  *
  * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
  *    adapter slot (decode-like batches: few rows per adapter). Per row,
@@ -29,7 +31,8 @@
  *
  * 4. Fused elementwise steps of a decoder layer, each one pass over its rows:
  *    loraplex_add_rms_norm_f32 (residual add + RMSNorm), loraplex_silu_mul_f32
- *    (SwiGLU's silu(gate) * up) and loraplex_rope_f32 (rotary embedding in place). The math is
+ *    (SwiGLU's silu(gate) * up) and loraplex_rope_store_f32 (a fused q|k|v output's bias and
+ *    rotary embedding, q out in float32, k and v into the paged pools). The math is
  *    float32; the first two also read a bfloat16 matmul output and write the bfloat16 input of
  *    the next one (bfloat16 base weights), saving the separate conversion passes.
  *
@@ -50,6 +53,21 @@
 /* Elementwise kernels fork threads only above this many elements: a decode batch's rows
  * are a few microseconds of work, less than waking a sleeping OpenMP thread. */
 #define PARALLEL_MIN_ELEMS (1 << 16)
+
+/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
+    return c.f;
+}
+
+/* float32 to the nearest bfloat16 (ties to even, as torch's conversion); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float x)
+{
+    union { uint32_t u; float f; } c = { .f = x };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
 
 /* exp(x) for x <= 0 (Cephes-style range reduction + degree-6 polynomial, ~2 ulp);
  * written branch-free so the compiler vectorizes the loop that calls it. */
@@ -340,7 +358,7 @@ static int decode_attention(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
     const void *k_pool, const void *v_pool, int64_t pool_slots,
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
-    float *out, int64_t out_stride_row,
+    void *out, int64_t out_stride_row, int out_bf16,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int max_len, int num_threads, const int kv_bf16)
 {
@@ -353,13 +371,15 @@ static int decode_attention(
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)(max_len > 0 ? max_len : 1));
-        if (scores == NULL) {
+        /* a task's float32 output, rounded into a bfloat16 out */
+        float *obuf = out_bf16 ? (float *)malloc(sizeof(float) * (size_t)g * (size_t)head_dim) : NULL;
+        if (scores == NULL || (out_bf16 && obuf == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 2)
         for (int task = 0; task < tasks; task++) {
-            if (scores == NULL) continue;
+            if (scores == NULL || (out_bf16 && obuf == NULL)) continue;
             const int b = task / num_kv_heads;
             const int kh = task % num_kv_heads;
             const int len = (int)lens[b];
@@ -368,15 +388,22 @@ static int decode_attention(
             const void *vbase = (const char *)v_pool + kh * head_bytes;
             const int64_t row = rows != NULL ? rows[b] : b;
             const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
-            float *ob = out + row * out_stride_row + (int64_t)kh * g * head_dim;
+            const int64_t o0 = row * out_stride_row + (int64_t)kh * g * head_dim;
+            float *ob = out_bf16 ? obuf : (float *)out + o0;
             /* The parallel region is outlined with kv_bf16 a variable: branch here, outside the
              * loops, so each branch compiles its own constant-type vector loops. */
             if (kv_bf16)
                 attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 1, scores, ob);
             else
                 attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 0, scores, ob);
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + o0;
+#pragma omp simd
+                for (int i = 0; i < g * head_dim; i++) o[i] = f32_to_bf16(obuf[i]);
+            }
         }
         free(scores);
+        free(obuf);
     }
     return failed ? -2 : 0;
 }
@@ -385,12 +412,12 @@ int loraplex_decode_attention_f32(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
     const float *k_pool, const float *v_pool, int64_t pool_slots,
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
-    float *out, int64_t out_stride_row,
+    void *out, int64_t out_stride_row, int out_bf16,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int max_len, int num_threads)
 {
     return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
-                            blocks_per_seq, lens, out, out_stride_row, num_seqs, num_heads, num_kv_heads, head_dim,
+                            blocks_per_seq, lens, out, out_stride_row, out_bf16, num_seqs, num_heads, num_kv_heads, head_dim,
                             block_size, max_len, num_threads, 0);
 }
 
@@ -398,12 +425,12 @@ int loraplex_decode_attention_bf16kv(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
     const uint16_t *k_pool, const uint16_t *v_pool, int64_t pool_slots,
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
-    float *out, int64_t out_stride_row,
+    void *out, int64_t out_stride_row, int out_bf16,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int max_len, int num_threads)
 {
     return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
-                            blocks_per_seq, lens, out, out_stride_row, num_seqs, num_heads, num_kv_heads, head_dim,
+                            blocks_per_seq, lens, out, out_stride_row, out_bf16, num_seqs, num_heads, num_kv_heads, head_dim,
                             block_size, max_len, num_threads, 1);
 }
 
@@ -425,21 +452,6 @@ static inline void dot4(const float *m, int64_t ld, const float *x, int n, float
     s[1] = s1;
     s[2] = s2;
     s[3] = s3;
-}
-
-/* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)h << 16 };
-    return c.f;
-}
-
-/* float32 to the nearest bfloat16 (ties to even, as torch's conversion); NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float x)
-{
-    union { uint32_t u; float f; } c = { .f = x };
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 static inline void dot4_bf16(const uint16_t *m, int64_t ld, const float *x, int n, float s[4])
@@ -749,31 +761,70 @@ int loraplex_silu_mul_f32(
     return 0;
 }
 
-int loraplex_rope_f32(
-    float *x, int64_t row_stride, int rows, int heads, int head_dim,
+int loraplex_rope_store_f32(
+    const void *qkv, int64_t qkv_stride, int qkv_bf16, const float *bias,
     const float *cos, const float *sin, int64_t cs_row_stride, int64_t cs_head_stride,
-    int num_threads)
+    float *q_out, int64_t q_stride,
+    void *k_pool, void *v_pool, int kv_bf16, int64_t pool_slots, const int64_t *slots,
+    int rows, int heads, int kv_heads, int head_dim, int num_threads)
 {
-    /* In place, per row and head: x = x * cos + rotate(x) * sin with rotate(x) = [x2, x1]
-     * (the halves swapped; rotate_half's sign is already folded into sin). */
+    /* Per row t of a fused q|k|v matmul output (float32 or bfloat16; strides count elements):
+     * widen, add ``bias`` [(heads + 2 kv_heads) * head_dim] (or none), rotate the q and k heads
+     * (x * cos + rotate(x) * sin with rotate(x) = [x2, x1]: rotate_half's sign is folded into
+     * sin; a table head stride of 0 broadcasts one row over the heads), write q to ``q_out``
+     * (float32) and k and v to the pools ``[kv_heads, pool_slots, head_dim]`` at slot
+     * ``slots[t]`` (float32, or rounded to the nearest bfloat16, ties to even). */
     const int half = head_dim / 2;
     if (head_dim > MAX_HEAD_DIM || 2 * half != head_dim) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    const int all = heads + 2 * kv_heads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * all * head_dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < rows; t++) {
-        for (int hh = 0; hh < heads; hh++) {
-            float *v = x + (int64_t)t * row_stride + (int64_t)hh * head_dim;
-            const float *c = cos + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
-            const float *sn = sin + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
-            float lo[MAX_HEAD_DIM / 2], hi[MAX_HEAD_DIM / 2];
+        const int64_t row = (int64_t)t * qkv_stride;
+        for (int hh = 0; hh < all; hh++) {
+            const int64_t col = (int64_t)hh * head_dim;
+            float x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+            if (qkv_bf16) {
+                const uint16_t *src = (const uint16_t *)qkv + row + col;
 #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                lo[i] = v[i];
-                hi[i] = v[half + i];
+                for (int i = 0; i < head_dim; i++) x[i] = bf16_to_f32(src[i]);
+            } else {
+                const float *src = (const float *)qkv + row + col;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) x[i] = src[i];
             }
+            if (bias != NULL) {
 #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                v[i] = lo[i] * c[i] + hi[i] * sn[i];
-                v[half + i] = hi[i] * c[half + i] + lo[i] * sn[half + i];
+                for (int i = 0; i < head_dim; i++) x[i] += bias[col + i];
+            }
+            const float *res = x;
+            if (hh < heads + kv_heads) {  /* a q or k head: rotate */
+                const float *c = cos + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
+                const float *sn = sin + (int64_t)t * cs_row_stride + (int64_t)hh * cs_head_stride;
+#pragma omp simd
+                for (int i = 0; i < half; i++) {
+                    y[i] = x[i] * c[i] + x[half + i] * sn[i];
+                    y[half + i] = x[half + i] * c[half + i] + x[i] * sn[half + i];
+                }
+                res = y;
+            }
+            if (hh < heads) {
+                float *dst = q_out + (int64_t)t * q_stride + col;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) dst[i] = res[i];
+                continue;
+            }
+            const int is_v = hh >= heads + kv_heads;
+            const int64_t kh = hh - heads - (is_v ? kv_heads : 0);
+            const int64_t at = (kh * pool_slots + slots[t]) * head_dim;
+            void *pool = is_v ? v_pool : k_pool;
+            if (kv_bf16) {
+                uint16_t *dst = (uint16_t *)pool + at;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(res[i]);
+            } else {
+                float *dst = (float *)pool + at;
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) dst[i] = res[i];
             }
         }
     }
