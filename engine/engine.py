@@ -68,6 +68,8 @@ class EngineConfig:
     kv_block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    burst_batched_tokens: int = 0
+    """A step's token budget while a burst of prompts waits (``engine.scheduler``); 0: no wider."""
     max_waiting: int = 256
     max_model_len: int = 0
     native_kernels: bool = True
@@ -167,6 +169,7 @@ class Engine:
                                         kv_dtype, model.dtype)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                   burst_batched_tokens=config.burst_batched_tokens,
                                    max_waiting=config.max_waiting)
         eos = set(cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -225,7 +228,8 @@ class Engine:
             device=settings.device, dtype=settings.dtype, weights=settings.weights,
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_bytes=settings.kv_cache_bytes,
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens, max_waiting=settings.max_waiting,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            burst_batched_tokens=settings.burst_batched_tokens, max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)
         engine = cls.from_path(path, config)
         engine.info = describe_model(path, name=settings.model_name or None, shape=engine.model.cfg)

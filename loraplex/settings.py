@@ -205,6 +205,9 @@ class Settings:
     """Most sequences running in one batch."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step (prefill chunks + decode rows)."""
+    burst_batched_tokens: int = 4096
+    """Token budget of a step while the waiting prompts hold more tokens than
+    ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider."""
     max_waiting: int = 256
     """Bounded waiting queue; a full queue answers 503."""
     max_model_len: int = 0

@@ -215,3 +215,32 @@ def test_samples_wait_for_the_parent_prompt_then_share_it():
     s.finish(parent)
     s.finish(child)
     assert s.allocator.num_free == 16
+
+
+def test_burst_budget_widens_steps_only_while_the_queue_exceeds_the_budget():
+    s = Scheduler(BlockAllocator(256, 4), max_num_seqs=16, max_num_batched_tokens=32, max_waiting=16,
+                  burst_batched_tokens=100)
+    # Steady traffic: two prompts fit the budget; the step stays at 32 tokens at most.
+    for _ in range(2):
+        s.add(_seq(12))
+    out = s.schedule()
+    assert out.num_tokens == 24
+    _run(s, out)
+    # A burst: 8 prompts of 12 (96 tokens queued > 32): one step takes them all, with the two
+    # decode rows (98 <= 100).
+    burst = [_seq(12) for _ in range(8)]
+    for q in burst:
+        s.add(q)
+    out = s.schedule()
+    assert out.num_tokens == 98 and {id(q) for q, n in out.chunks if n == 12} == {id(q) for q in burst}
+    _run(s, out)
+    # A bigger burst is capped at the burst budget, and the rest waits for the next step.
+    for _ in range(6):
+        s.add(_seq(20))
+    out = s.schedule()
+    assert out.num_tokens == 100
+    # Without a burst budget the same queue gets the plain budget.
+    plain = _sched(blocks=256, budget=32, seqs=16)
+    for _ in range(6):
+        plain.add(_seq(20))
+    assert plain.schedule().num_tokens == 32
