@@ -9,10 +9,10 @@ Packing is CPU float32 only; elsewhere this is ``F.linear``.
 
 ``BF16Linear`` keeps the weight in bfloat16 under float32 activations (``LORAPLEX_WEIGHTS``):
 the input is rounded to bfloat16, the products summed in float32 and the sums rounded to
-bfloat16 (oneDNN's bfloat16 matmul, prepacked, on CPUs with AVX512-BF16 or AMX; the native
-bfloat16 ``gemv`` does the same for one row), then widened to float32 for the bias and the rest
-of the layer. Half the weight bytes, and on such CPUs twice the
-multiply-add rate of float32.
+bfloat16 (on AMX CPUs the native tile kernel, ``engine.native.AMXMatmul``, for every batch size;
+else oneDNN's bfloat16 matmul, prepacked, on CPUs with AVX512-BF16, and the native bfloat16
+``gemv`` for one row), then widened to float32 for the bias and the rest of the layer. Half the
+weight bytes, and on such CPUs twice the multiply-add rate of float32.
 
 ``Int8Linear`` keeps the weight in 8 bits, one scale per block of 32 inputs (``engine.quant``,
 ``LORAPLEX_WEIGHTS=int8``): each input row is quantized the same way on the fly and the blocks'
@@ -26,11 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
+
+if TYPE_CHECKING:
+    from engine.native import AMXMatmul
 
 
 @lru_cache(maxsize=1)
@@ -107,18 +111,26 @@ class BF16Linear:
     """``y = x @ weight.T + bias`` for float32 ``x``, ``bias`` and ``y`` and a bfloat16 ``weight``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0,
-                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> None:
-        """``gemv``: as for :class:`Linear` (``engine.native.Gemv`` takes bfloat16 weights)."""
+                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+                 amx: AMXMatmul | None = None) -> None:
+        """``gemv``: as for :class:`Linear` (``engine.native.Gemv`` takes bfloat16 weights);
+        ``amx``: ``engine.native.amx_matmul_kernel()``, which then runs every batch size (the
+        weight packed for it instead of for oneDNN)."""
         assert weight.dtype == torch.bfloat16
         self.weight = weight
         self.bias = bias
-        self.gemv = gemv if gemv is not None and weight.is_contiguous() else None
+        self.amx = amx if amx is not None and weight.device.type == "cpu" and amx.fits(weight) else None
+        self.tiles = self.amx.pack(weight) if self.amx is not None else None
+        self.gemv = gemv if gemv is not None and weight.is_contiguous() and self.amx is None else None
         self.packed: torch.Tensor | None = None
-        if pack_batch > 0 and weight.device.type == "cpu" and onednn_bf16_packing_available():
+        if (pack_batch > 0 and self.amx is None and weight.device.type == "cpu"
+                and onednn_bf16_packing_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32, or bfloat16 (already rounded: the same result)."""
+        if self.amx is not None:
+            return self.amx(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], self.bias, torch.float32)
         if x.shape[0] == 1 and self.gemv is not None and x.dtype == torch.float32:
             return self.gemv(x, self.weight, self.bias)
         y = self.bf16(x).float()
@@ -130,6 +142,8 @@ class BF16Linear:
         """The bfloat16 sums before the widening and the bias (for a next step that reads
         bfloat16, ``engine.native.FusedOps``): ``x`` float32 or bfloat16."""
         xb = x.to(torch.bfloat16)
+        if self.amx is not None:
+            return self.amx(xb, self.tiles, self.weight.shape[0])
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(xb.contiguous(), self.packed, None, "none", [], "")
         return F.linear(xb, self.weight)
@@ -172,10 +186,11 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
                 pack_batch: int = 0,
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
                 q8_kernel: Callable | None = None,
-                q4_kernel: Callable | None = None) -> Linear | BF16Linear | BlockLinear:
+                q4_kernel: Callable | None = None,
+                amx: AMXMatmul | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
     ``engine.native.q8_matmul_kernel()`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.q4_matmul_kernel()``
-    for a 4-bit one)."""
+    for a 4-bit one, ``amx``: ``engine.native.amx_matmul_kernel()`` for a bfloat16 one)."""
     if isinstance(weight, PackedQ8 | PackedQ4):
         if activations != torch.float32 or weight.q.device.type != "cpu":
             raise ValueError("8-bit and 4-bit weights run on CPU under float32 activations")
@@ -183,5 +198,5 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
             return Int4Linear(weight, bias, q4_kernel)
         return Int8Linear(weight, bias, q8_kernel)
     if weight.dtype == torch.bfloat16 and activations == torch.float32:
-        return BF16Linear(weight, bias, pack_batch, gemv)
+        return BF16Linear(weight, bias, pack_batch, gemv, amx)
     return Linear(weight, bias, pack_batch, gemv)

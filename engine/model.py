@@ -43,9 +43,11 @@ from engine.kv_cache import KVCache
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
+    AMXMatmul,
     BlockMatmul,
     FusedOps,
     Gemv,
+    amx_matmul_kernel,
     decode_attention_kernel,
     fused_ops,
     gemv_kernel,
@@ -61,11 +63,11 @@ log = logging.getLogger("loraplex.engine.model")
 
 class _LayerLinears:
     def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
-                 q8: BlockMatmul | None, q4: BlockMatmul | None) -> None:
-        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4)
-        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4)
-        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4)
-        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4)
+                 q8: BlockMatmul | None, q4: BlockMatmul | None, amx: AMXMatmul | None) -> None:
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4, amx)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4, amx)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4, amx)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4, amx)
 
 
 class DecoderModel:
@@ -108,8 +110,10 @@ class DecoderModel:
         if quantized and q8 is None:
             log.warning("%s weights without the native kernels: their matmuls run in torch, several times slower",
                         name)
-        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4) for lw in self.w.layers]
-        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv)
+        # bfloat16 matrices on AMX: every batch size through the native tile kernel.
+        amx = amx_matmul_kernel() if native_kernels and cpu_f32 else None
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, amx) for lw in self.w.layers]
+        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, amx=amx)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         # bfloat16 matrices under float32 activations with the native elementwise steps: a step

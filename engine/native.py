@@ -53,6 +53,8 @@ _SIGNATURES = {
                                 _ptr, _int, _int, _int, _int, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
+    "loraplex_amx_init": [],
+    "loraplex_amx_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
 }
 
 
@@ -356,3 +358,64 @@ def q8_matmul_kernel() -> BlockMatmul | None:
 def q4_matmul_kernel() -> BlockMatmul | None:
     lib = _library()
     return BlockMatmul(lib.loraplex_q4_matmul_f32, "m", 4) if lib is not None else None
+
+
+class AMXMatmul:
+    """``y = x @ W.T`` for bfloat16 ``x`` and ``W`` on AMX tiles (``engine/csrc``, section 7): the
+    float32 sums rounded to bfloat16, as oneDNN's bfloat16 matmul rounds them (the same values:
+    the same products summed in the same order), returned in bfloat16, or widened to float32
+    plus a bias. ``W`` is packed once (:meth:`pack`) into the tiles' layout.
+
+    Against oneDNN's prepacked bfloat16 matmul on 2 threads of an AMX Xeon, weights streamed
+    from memory: 1.3-1.5x faster at 32 rows (27-30 GB/s of weights against 20), twice as fast
+    as the native ``gemv`` for one row, and about even over a 1000-token prefill step."""
+
+    BLOCK = 32
+    """``W``'s rows (outputs) and columns (inputs) must be multiples of this."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_amx_matmul_bf16
+
+    @classmethod
+    def fits(cls, weight: torch.Tensor) -> bool:
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and n % cls.BLOCK == 0 and k % cls.BLOCK == 0
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` bfloat16 to 16 x 32 tiles in AMX's pair layout (tile (nb, kb), row r, column c,
+        lane j = ``W[16 nb + c, 32 kb + 2 r + j]``), tile after tile."""
+        n, k = weight.shape
+        return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+    def __call__(self, x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``x`` ``[m, k]`` bfloat16 (unit column stride); ``bias`` only with a float32 out."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and tiles.numel() == n * k
+        assert out_dtype in (torch.float32, torch.bfloat16) and (bias is None or out_dtype == torch.float32)
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n)
+        y = torch.empty((m, n), dtype=out_dtype)
+        rc = self._fn(x.data_ptr(), x.stride(0), m, k, tiles.data_ptr(), n,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
+                      out_dtype == torch.bfloat16, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native AMX matmul failed ({rc}): {m}x{k} by {n}x{k}")
+        return y
+
+
+@lru_cache(maxsize=1)
+def amx_matmul_kernel() -> AMXMatmul | None:
+    """The AMX bfloat16 matmul where this build has it (``-march=native`` on a CPU with AMX-BF16)
+    and the kernel grants this process AMX state; else None."""
+    lib = _library()
+    if lib is None or lib.loraplex_amx_init() != 0:
+        return None
+    kernel = AMXMatmul(lib)
+    w = torch.randn(32, 64).bfloat16()  # one check that the tiles compute what oneDNN would
+    x = torch.randn(3, 64).bfloat16()
+    if not torch.allclose(kernel(x, kernel.pack(w), 32, out_dtype=torch.float32),
+                          (x.float() @ w.float().T).bfloat16().float(), rtol=1e-2, atol=1e-2):
+        log.warning("native AMX matmul disagrees with torch; not used")
+        return None
+    return kernel

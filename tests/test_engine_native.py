@@ -263,3 +263,46 @@ def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
     want = paged_attention(ctx, cache, 0, q, kv_heads, None)
     assert got.shape == want.shape == (ctx.num_tokens, heads * head_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize(("n_out", "n_in"), [(64, 32), (96, 576), (576, 1536)])
+def test_amx_matmul_rounds_like_onednn(rows, n_out, n_in):
+    """The AMX tile kernel: every batch size (partial 16- and 32-row blocks, several column
+    chunks), bfloat16 out as oneDNN's bfloat16 matmul writes it, float32 out as that widened plus
+    the bias."""
+    from engine.linear import cpu_flags
+
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    amx = native.amx_matmul_kernel()
+    assert amx is not None, "AMX-BF16 CPU: the native kernel must build and run"
+    gen = torch.Generator().manual_seed(rows * 7 + n_out)
+    w = torch.randn(n_out, n_in, generator=gen).bfloat16()
+    b = torch.randn(n_out, generator=gen)
+    wide = torch.randn(rows, n_in + 32, generator=gen).bfloat16()
+    x = wide[:, :n_in]  # row-strided, as a slice of a wider buffer
+    tiles = amx.pack(w)
+    y16 = amx(x, tiles, n_out)
+    expect = torch.nn.functional.linear(x, w)  # oneDNN's bfloat16 matmul
+    exact = x.double() @ w.double().T
+    assert y16.dtype == torch.bfloat16 and y16.shape == (rows, n_out)
+    assert ((y16.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-5).all()
+    assert (y16 == expect).float().mean() > 0.99  # the same sums, rounded the same way
+    y32 = amx(x, tiles, n_out, b, torch.float32)
+    assert torch.equal(y32, y16.float() + b)
+
+
+def test_bf16_linear_runs_every_batch_size_on_amx():
+    from engine.linear import BF16Linear, cpu_flags
+
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    w = torch.randn(64, 96).bfloat16()
+    lin = BF16Linear(w, torch.randn(64), pack_batch=32, gemv=native.gemv_kernel(), amx=native.amx_matmul_kernel())
+    assert lin.amx is not None and lin.packed is None and lin.gemv is None  # one packed copy, not two
+    odd = BF16Linear(torch.randn(48, 96).bfloat16(), None, amx=native.amx_matmul_kernel())
+    assert odd.amx is None  # 48 outputs: not a multiple of 32, oneDNN's path
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(lin(x), (x.bfloat16().float() @ w.float().T) + lin.bias, rtol=1e-2, atol=1e-2)

@@ -36,9 +36,14 @@
  *    float32; the first two also read a bfloat16 matmul output and write the bfloat16 input of
  *    the next one (bfloat16 base weights), saving the separate conversion passes.
  *
+ * 5.-6. loraplex_q8_matmul_f32 / loraplex_q4_matmul_f32: 8- and 4-bit weight matmuls.
+ *
+ * 7. loraplex_amx_matmul_bf16: bfloat16 matmul on AMX tiles, any batch size.
+ *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
  */
+#define _DEFAULT_SOURCE /* syscall() under -std=c11 */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1213,3 +1218,151 @@ int loraplex_q4_matmul_f32(
     free(xd);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * 7. loraplex_amx_matmul_bf16: y = x W^T for bfloat16 x and W on AMX tiles (float32 sums).
+ *
+ * W [n, k] is packed once (engine.native.AMXMatmul.pack) into 16 x 32 tiles in AMX's pair
+ * layout: tile (nb, kb), for output columns 16 nb .. 16 nb + 15 and inputs 32 kb .. 32 kb + 31,
+ * holds at row r, column c, lane j the weight W[16 nb + c][32 kb + 2 r + j] (1 KiB, contiguous;
+ * a column block's tiles follow each other, so a block streams as one run of memory). Each thread
+ * takes pairs of column blocks (32 outputs) and runs every 32-row block of x through them: four
+ * 16 x 16 float32 accumulator tiles, two tiles of x (16 rows x 32 inputs each, loaded in place
+ * from x's rows) and two of W per step of 32 inputs. The sums are rounded to bfloat16 (as
+ * oneDNN's bfloat16 matmul rounds its output) and written as bfloat16, or widened back to
+ * float32 plus ``bias``. k and n must be multiples of 32.
+ *
+ * Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
+ * loraplex_amx_init asks for it once; without it the first tile instruction would fault.
+ * --------------------------------------------------------------------------------------------- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_CHUNK 8
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int loraplex_amx_init(void)
+{
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+struct amx_config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles: 0-3 accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31),
+ * 4-5 x (rows 0-15, 16-31), 6-7 W (columns 0-15, 16-31). ``m0``/``m1``: rows of x in each half. */
+static void amx_configure(int m0, int m1)
+{
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline void amx_store_block(const float *c, int rows, int cols0, int n, const float *bias, void *y,
+                                   int64_t y_stride, int64_t r0, int y_bf16)
+{
+    for (int r = 0; r < rows; r++) {
+        const float *cr = c + r * 16;
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + (r0 + r) * y_stride + cols0;
+#pragma omp simd
+            for (int j = 0; j < 16; j++) yr[j] = f32_to_bf16(cr[j]);
+        } else {
+            float *yr = (float *)y + (r0 + r) * y_stride + cols0;
+#pragma omp simd
+            for (int j = 0; j < 16; j++)
+                yr[j] = bf16_to_f32(f32_to_bf16(cr[j])) + (bias != NULL ? bias[cols0 + j] : 0.0f);
+        }
+    }
+    (void)n;
+}
+
+int loraplex_amx_matmul_bf16(
+    const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
+    const float *bias, void *y, int64_t y_stride, int y_bf16, int num_threads)
+{
+    /* x [m, k] bfloat16 (rows x_stride apart), y [m, n] bfloat16 or float32 (rows y_stride
+     * apart); wt as packed for n outputs and k inputs. */
+    if (k % 32 != 0 || n % 32 != 0 || m < 1 || num_threads < 1) return -1;
+    const int kbs = k / 32, pairs = n / 32;
+    const int64_t xs_bytes = x_stride * (int64_t)sizeof(uint16_t);
+    /* Chunks of up to AMX_CHUNK column pairs, a whole number per thread: a chunk's W tiles stay in
+     * L2 while every 32-row block of x passes through them, so x is read once per chunk rather
+     * than once per pair (1000 rows through gate|up: 1.9 ms before, 1.56 ms with chunks of 8). */
+    const int chunks = num_threads * ((pairs + num_threads * AMX_CHUNK - 1) / (num_threads * AMX_CHUNK));
+    const int per_chunk = (pairs + chunks - 1) / chunks;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float c[4][256];
+        int configured = -1;  /* m0 * 64 + m1 of the loaded configuration */
+#pragma omp for schedule(static)
+        for (int ch = 0; ch < chunks; ch++)
+        for (int r0 = 0; r0 < m; r0 += 32)
+        for (int p = ch * per_chunk; p < (ch + 1) * per_chunk && p < pairs; p++) {
+            const uint16_t *b0 = wt + (int64_t)(2 * p) * kbs * 512, *b1 = b0 + (int64_t)kbs * 512;
+            {
+                const int m0 = m - r0 < 16 ? m - r0 : 16;
+                const int m1 = m - r0 - m0 < 16 ? m - r0 - m0 : 16;
+                if (configured != m0 * 64 + m1) {
+                    amx_configure(m0, m1);
+                    configured = m0 * 64 + m1;
+                }
+                const uint16_t *xa = x + (int64_t)r0 * x_stride, *xb = xa + 16 * x_stride;
+                _tile_zero(0);
+                _tile_zero(1);
+                if (m1) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int kb = 0; kb < kbs; kb++) {
+                    _tile_loadd(6, b0 + (int64_t)kb * 512, 64);
+                    _tile_loadd(7, b1 + (int64_t)kb * 512, 64);
+                    _tile_loadd(4, xa + kb * 32, xs_bytes);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (m1) {
+                        _tile_loadd(5, xb + kb * 32, xs_bytes);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                amx_store_block(c[0], m0, 32 * p, n, bias, y, y_stride, r0, y_bf16);
+                amx_store_block(c[1], m0, 32 * p + 16, n, bias, y, y_stride, r0, y_bf16);
+                if (m1) {
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                    amx_store_block(c[2], m1, 32 * p, n, bias, y, y_stride, r0 + 16, y_bf16);
+                    amx_store_block(c[3], m1, 32 * p + 16, n, bias, y, y_stride, r0 + 16, y_bf16);
+                }
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+    return 0;
+}
+#else
+int loraplex_amx_init(void) { return -1; }
+
+int loraplex_amx_matmul_bf16(
+    const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
+    const float *bias, void *y, int64_t y_stride, int y_bf16, int num_threads)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)wt; (void)n; (void)bias; (void)y; (void)y_stride;
+    (void)y_bf16; (void)num_threads;
+    return -1;
+}
+#endif
