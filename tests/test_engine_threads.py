@@ -19,8 +19,9 @@ from engine.threads import _gomp, release_team, single_threaded
 from tests.engine_fixtures import make_tiny_model
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[int]:
+    """This process's OS thread ids (other tests' threads come and go: compare sets, not counts)."""
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
 def parallel_op() -> None:
@@ -72,7 +73,7 @@ def test_a_parallel_op_forms_a_team_that_outlives_it() -> None:
     def body() -> int:
         base = os_threads()
         parallel_op()
-        return os_threads() - base
+        return len(os_threads() - base)
 
     assert on_thread(body) >= 1
 
@@ -81,23 +82,23 @@ def test_release_team_lets_the_pool_threads_exit() -> None:
     def body() -> tuple[int, bool]:
         base = os_threads()
         parallel_op()
-        formed = os_threads() - base
+        pool = os_threads() - base
         assert release_team()
-        return formed, wait_for(lambda: os_threads() == base)
+        return len(pool), wait_for(lambda: not pool & os_threads())
 
     formed, gone = on_thread(body)
     assert formed >= 1 and gone
 
 
 def test_single_threaded_helper_never_forms_a_team() -> None:
-    def body() -> tuple[int, int, int]:
+    def body() -> tuple[int, set[int], int]:
         single_threaded()
         base = os_threads()
         parallel_op()
         return torch.get_num_threads(), os_threads() - base, int(torch.ones(1 << 22).sum())
 
-    n, extra, total = on_thread(body)
-    assert (n, extra, total) == (1, 0, 1 << 22)
+    n, new, total = on_thread(body)
+    assert (n, new, total) == (1, set(), 1 << 22)
     # the process default is untouched: a fresh thread still gets two
     assert on_thread(torch.get_num_threads) == 2
 
@@ -107,23 +108,25 @@ def test_single_threaded_as_pool_initializer() -> None:
         assert pool.submit(torch.get_num_threads).result() == 1
         base = os_threads()  # the pool's thread included
         pool.submit(parallel_op).result()
-        assert os_threads() == base
+        assert not os_threads() - base
 
 
 def test_loading_and_starting_the_engine_give_the_callers_team_back(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "m")
 
-    def body() -> tuple[int, int]:
+    def body() -> tuple[bool, bool]:
         base = os_threads()
         eng = Engine.from_path(model, EngineConfig(kv_cache_bytes=8 << 20))
-        after_load = os_threads() - base
+        load_left_none = wait_for(lambda: not os_threads() - base)  # loading's team is gone
+        before = os_threads()
         parallel_op()  # this thread forms a team again
-        eng.start()  # the engine thread (and its team) start; this thread's team goes
-        try:  # the idle engine thread is the one left (no step ran: it has no team yet)
-            return after_load, int(wait_for(lambda: os_threads() - base == 1))
+        pool = os_threads() - before
+        assert pool
+        eng.start()  # the engine thread starts; this thread's team goes
+        try:
+            return load_left_none, wait_for(lambda: not pool & os_threads())
         finally:
             eng.stop()
 
-    after_load, ok = on_thread(body)
-    assert after_load == 0
-    assert ok == 1
+    load_left_none, released = on_thread(body)
+    assert load_left_none and released
