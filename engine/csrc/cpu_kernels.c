@@ -1270,7 +1270,7 @@ static void amx_configure(int m0, int m1)
     _tile_loadconfig(&cfg);
 }
 
-static inline void amx_store_block(const float *c, int rows, int cols0, int n, const float *bias, void *y,
+static inline void amx_store_block(const float *c, int rows, int cols0, const float *bias, void *y,
                                    int64_t y_stride, int64_t r0, int y_bf16)
 {
     for (int r = 0; r < rows; r++) {
@@ -1286,7 +1286,6 @@ static inline void amx_store_block(const float *c, int rows, int cols0, int n, c
                 yr[j] = bf16_to_f32(f32_to_bf16(cr[j])) + (bias != NULL ? bias[cols0 + j] : 0.0f);
         }
     }
-    (void)n;
 }
 
 int loraplex_amx_matmul_bf16(
@@ -1340,13 +1339,13 @@ int loraplex_amx_matmul_bf16(
                 }
                 _tile_stored(0, c[0], 64);
                 _tile_stored(1, c[1], 64);
-                amx_store_block(c[0], m0, 32 * p, n, bias, y, y_stride, r0, y_bf16);
-                amx_store_block(c[1], m0, 32 * p + 16, n, bias, y, y_stride, r0, y_bf16);
+                amx_store_block(c[0], m0, 32 * p, bias, y, y_stride, r0, y_bf16);
+                amx_store_block(c[1], m0, 32 * p + 16, bias, y, y_stride, r0, y_bf16);
                 if (m1) {
                     _tile_stored(2, c[2], 64);
                     _tile_stored(3, c[3], 64);
-                    amx_store_block(c[2], m1, 32 * p, n, bias, y, y_stride, r0 + 16, y_bf16);
-                    amx_store_block(c[3], m1, 32 * p + 16, n, bias, y, y_stride, r0 + 16, y_bf16);
+                    amx_store_block(c[2], m1, 32 * p, bias, y, y_stride, r0 + 16, y_bf16);
+                    amx_store_block(c[3], m1, 32 * p + 16, bias, y, y_stride, r0 + 16, y_bf16);
                 }
             }
         }
