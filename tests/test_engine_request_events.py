@@ -39,6 +39,7 @@ def test_a_burst_from_the_engine_thread_arrives_in_order_with_one_wake_up():
             toks = []
             while True:
                 ev = await s.next()
+                assert ev.seq_id == streams.index(s)  # only this request's events reach its queue
                 toks.extend(ev.new_token_ids)
                 if ev.finished:
                     break
