@@ -36,7 +36,7 @@ log = logging.getLogger("loraplex.engine.native")
 CSRC = Path(__file__).with_name("csrc")
 # -ffp-contract=fast: fuse a*b+c into FMA instructions (ISO C mode turns that off); every
 # kernel here is multiply-add loops, and the fused form is faster and no less accurate.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11"]
 _i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,

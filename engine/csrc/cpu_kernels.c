@@ -189,6 +189,80 @@ static inline __attribute__((always_inline)) void pv_heads_hd64(
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+
+/* 8 consecutive pool elements from ``i`` as float32 (bfloat16 widened by a shift). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *pool, int64_t i, const int kv_bf16)
+{
+    if (kv_bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)pool + i);
+}
+
+/* AVX2's dot16_hd64: s[t] = q . k_t for the 8 consecutive keys of head dim 64 starting at element
+ * ``k0``; returns their max. Each query chunk is loaded once for the 8 keys, and the 8 per-key
+ * vectors are summed across lanes together (hadd tree + one 128-bit fold). */
+static inline __attribute__((always_inline)) float dot8_hd64(const float *q, const void *kbase, int64_t k0,
+                                                             const int kv_bf16, float *s)
+{
+    __m256 a[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int t = 0; t < 8; t++) a[t] = _mm256_mul_ps(q0, kv_load8(kbase, k0 + (int64_t)t * 64, kv_bf16));
+    for (int c = 8; c < 64; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qc, kv_load8(kbase, k0 + (int64_t)t * 64 + c, kv_bf16), a[t]);
+    }
+    /* per 128-bit half: key t's partial sums, keys 0..3 then 4..7 */
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 e = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm256_storeu_ps(s, e);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* AVX2's pv_heads_hd64 for ``G`` (1..3, constant at the call) query heads of head dim 64: two
+ * passes of 32 dims each, so the G x 4 accumulators and a value row's 4 vectors fit the 16
+ * registers; each value row is loaded (and widened) once per pass for all G heads. */
+static inline __attribute__((always_inline)) void pv_heads_hd64(
+    const int G, const float *scores, int len, const void *vbase, const int64_t *table, int block_size,
+    const int kv_bf16, const float *inv, float *ob)
+{
+    const int64_t block_elems = (int64_t)block_size * 64;
+    for (int half = 0; half < 64; half += 32) {
+        __m256 a[3][4];
+        for (int j = 0; j < G; j++)
+            for (int c = 0; c < 4; c++) a[j][c] = _mm256_setzero_ps();
+        for (int p0 = 0; p0 < len; p0 += block_size) {
+            const int n = len - p0 < block_size ? len - p0 : block_size;
+            const int64_t vb = table[p0 / block_size] * block_elems + half;
+            for (int t = 0; t < n; t++) {
+                const int64_t vp = vb + (int64_t)t * 64;
+                const __m256 v0 = kv_load8(vbase, vp, kv_bf16), v1 = kv_load8(vbase, vp + 8, kv_bf16),
+                             v2 = kv_load8(vbase, vp + 16, kv_bf16), v3 = kv_load8(vbase, vp + 24, kv_bf16);
+                for (int j = 0; j < G; j++) {
+                    const __m256 w = _mm256_broadcast_ss(scores + (int64_t)j * len + p0 + t);
+                    a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+                    a[j][2] = _mm256_fmadd_ps(w, v2, a[j][2]);
+                    a[j][3] = _mm256_fmadd_ps(w, v3, a[j][3]);
+                }
+            }
+        }
+        for (int j = 0; j < G; j++) {
+            const __m256 s = _mm256_set1_ps(inv[j]);
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(ob + j * 64 + half + c * 8, _mm256_mul_ps(a[j][c], s));
+        }
+    }
+}
+#endif
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
  * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
  * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
@@ -204,6 +278,8 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t elem_bytes = kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
 #ifdef __AVX512F__
     const int joint_pv = head_dim == 64 && g >= 2 && g <= 4;  /* the heads' values in one pass */
+#elif defined(ATTN_AVX2)
+    const int joint_pv = head_dim == 64;  /* the heads' values, three heads per pass */
 #else
     const int joint_pv = 0;
 #endif
@@ -240,6 +316,12 @@ static inline __attribute__((always_inline)) void attend_task(
                     m = m16 > m ? m16 : m;
                 }
             }
+#elif defined(ATTN_AVX2)
+            if (head_dim == 64)
+                for (; t + 8 <= n; t += 8) {
+                    const float m8 = dot8_hd64(qj, kbase, kb + (int64_t)t * head_dim, kv_bf16, sj + p0 + t);
+                    m = m8 > m ? m8 : m;
+                }
 #endif
             for (; t + 4 <= n; t += 4) {  /* four keys at a time: independent accumulators */
                 const int64_t k0 = kb + (int64_t)t * head_dim, k1 = k0 + head_dim, k2 = k1 + head_dim,
@@ -339,6 +421,15 @@ static inline __attribute__((always_inline)) void attend_task(
         else if (g == 3) pv_heads_hd64(3, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
         else pv_heads_hd64(4, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
     }
+#elif defined(ATTN_AVX2)
+    if (joint_pv)
+        for (int j0 = 0; j0 < g; j0 += 3) {
+            const float *sc = scores + (int64_t)j0 * len;
+            float *o = ob + (int64_t)j0 * 64;
+            if (g - j0 >= 3) pv_heads_hd64(3, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
+            else if (g - j0 == 2) pv_heads_hd64(2, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
+            else pv_heads_hd64(1, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
+        }
 #else
     (void)invs;
 #endif
