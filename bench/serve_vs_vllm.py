@@ -13,7 +13,8 @@ each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses ada
   bfloat16 where the CPU multiplies bfloat16 natively, else float32: ``--worker-weights``),
   driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 where
-  the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for the adapter cases, without LoRA for the base cases;
+  the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for
+  the adapter cases, without LoRA for the base cases;
 * ``inprocess``: the engine on the same settings in a process of its own (as the servers: a
   session of its own too, so the kernel schedules it as it does them), the clients being its
   listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
