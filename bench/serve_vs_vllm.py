@@ -26,11 +26,15 @@ adapter loaded, the batch shapes run and, where a server compiles, compiled). A 
 then counts for ``--seconds`` the tokens that arrive (tokens/s); the time to first token
 (p50/p99) is over every request sent before the window closes, the opening burst of
 ``--clients`` requests included; then in-flight requests are dropped once they have their
-first token. Prints a table with ratios and the load average, writes
-``bench/results/serve_vs_vllm.json``.
+first token. For the worker (its ``/metrics``) and the in-process engine (the same counters)
+the engine's steps in the window are read too: mean step time, tokens per step and the share
+of the window spent in steps ("busy"; a step counts when it ends, so a prefill burst's long step
+across an edge of the window can push it past 1). Slower steps mean the engine shares its CPUs,
+fewer tokens per step a batch that runs short of requests, lower busy an engine left waiting.
+Prints a table with ratios and the load average, writes ``bench/results/serve_vs_vllm.json``.
 
     python bench/serve_vs_vllm.py [--quick] [--cases prompt-heavy/8,single] [--seconds 60]
-                                  [--servers worker,vllm,inprocess] [--vllm-python PY]
+                                  [--servers worker,vllm,inprocess] [--rounds 3] [--vllm-python PY]
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ RANK = 16
 NUM_ADAPTERS = 32
 PROMPT_POOL = 512
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
+_STEP_METRICS = {"loraplex_worker_step_seconds_sum": "step_s", "loraplex_worker_step_seconds_count": "steps",
+                 "loraplex_worker_step_tokens_total": "step_tokens"}
 
 
 @dataclass(frozen=True)
@@ -112,13 +118,38 @@ class Tally:
         if self.t0 <= t < self.t1:
             self.tokens += n
 
+    steps: dict[str, float] = field(default_factory=dict)
+    """The engine's step counters over the window (loraplex only): see :func:`step_counters`."""
+
     def result(self) -> dict[str, Any]:
         q = sorted(self.ttft)
-        return {"tok_s": self.tokens / (self.t1 - self.t0), "requests": self.requests,
-                "ttft_p50_s": q[len(q) // 2] if q else None,
-                "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
-                "ttft_mean_s": statistics.fmean(q) if q else None,
-                "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5]}
+        window = self.t1 - self.t0
+        out = {"tok_s": self.tokens / window, "requests": self.requests,
+               "ttft_p50_s": q[len(q) // 2] if q else None,
+               "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
+               "ttft_mean_s": statistics.fmean(q) if q else None,
+               "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5]}
+        if self.steps.get("steps"):
+            n = self.steps["steps"]
+            # Where served and in-process differ: slower steps (the engine thread shares its CPUs),
+            # fewer tokens per step (the batch runs short of requests), or less of the window in steps.
+            out.update(steps=n, step_ms=1e3 * self.steps["step_s"] / n, tokens_per_step=self.steps["step_tokens"] / n,
+                       busy=self.steps["step_s"] / window)
+        return out
+
+
+def step_counters(metrics_text: str) -> dict[str, float]:
+    """The engine's step counters from a worker's Prometheus text."""
+    out = {}
+    for line in metrics_text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in _STEP_METRICS:
+            out[_STEP_METRICS[name]] = float(rest.rsplit(" ", 1)[1])
+    return out
+
+
+def counter_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b[k] - a[k] for k in b if k in a}
 
 
 def requests_of(case: Case, vocab: int) -> Callable[[int, int], tuple[list[int], int | None]]:
@@ -287,9 +318,20 @@ async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seco
             if got != case.new and time.monotonic() < tally.t1:
                 tally.wrong_lengths += 1
 
+    async def scrape(session: Any) -> None:
+        if not isinstance(server, WorkerServer):
+            return
+        seen = []
+        for t in (tally.t0, tally.t1):
+            await asyncio.sleep(max(0.0, t - time.monotonic()))
+            async with session.get(server.url + "/metrics") as resp:
+                seen.append(step_counters(await resp.text()))
+        tally.steps = counter_delta(*seen)
+
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        outcomes = await asyncio.gather(*(client(i, session) for i in range(case.clients)), return_exceptions=True)
+        outcomes = await asyncio.gather(scrape(session), *(client(i, session) for i in range(case.clients)),
+                                        return_exceptions=True)
     tally.errors = [repr(o) for o in outcomes if isinstance(o, BaseException)]
     return tally.result()
 
@@ -343,6 +385,15 @@ def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup
         with lock:
             sent_seqs.append(seq)
 
+    def scrape() -> None:
+        seen = []
+        for t in (tally.t0, tally.t1):
+            time.sleep(max(0.0, t - time.monotonic()))
+            seen.append(step_counters(engine.metrics.render().decode()))
+        tally.steps = counter_delta(*seen)
+
+    scraper = threading.Thread(target=scrape, name="bench-scrape", daemon=True)
+    scraper.start()
     for i in range(case.clients):
         send(i, 0)
     if not done.wait(warmup + seconds + 900):
@@ -351,6 +402,7 @@ def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup
         stragglers = list(sent_seqs)
     for seq in stragglers:  # dropped at their first token after the window (no-op for the finished)
         engine.abort(seq)
+    scraper.join()
     return tally.result()
 
 
@@ -368,8 +420,10 @@ def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any
         r["loadavg_before"], r["loadavg_after"] = before, loadavg()
         out[case.name] = r
         p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
+        steps = (f"  steps {r['step_ms']:.1f} ms x {r['tokens_per_step']:.1f} tokens, busy {r['busy']:.2f}"
+                 if "steps" in r else "")
         print(f"  {label:9} {case.name:20} {r['tok_s']:8.1f} tok/s  TTFT p50 {p50} s  "
-              f"({r['requests']} requests, load {before[0]:.1f})"
+              f"({r['requests']} requests, load {before[0]:.1f}){steps}"
               f"{'  WRONG LENGTHS ' + str(r['wrong_lengths']) if r['wrong_lengths'] else ''}"
               f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
               flush=True)
@@ -404,6 +458,7 @@ def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: in
     import torch
 
     from engine.engine import Engine
+    from engine.metrics import WorkerMetrics
 
     torch.set_num_threads(args.threads)
     out: dict[str, dict[str, Any]] = {}
@@ -411,6 +466,7 @@ def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: in
         group = [c for c in cases if bool(c.adapters) == lora]
         if group:
             engine = Engine.from_settings(settings.replace(max_loras=NUM_ADAPTERS if lora else 0))
+            engine.metrics = WorkerMetrics(engine, "inprocess")  # what the worker keeps, for the step counters
             engine.start()
             try:
                 out.update(run_cases("inprocess", group, lambda case, engine=engine: _inprocess_case(
@@ -486,6 +542,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="measuring window per case")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the window")
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every server this many times, alternating, and report each case's median round")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every server")
     ap.add_argument("--worker-dtype", default="float32")
     ap.add_argument("--worker-weights", default=None,
@@ -522,6 +580,46 @@ def main() -> int:
         return run(args, cases, Path(tmp))
 
 
+def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path, model: Path, vocab: int,
+               dirs: list[Path], refs: list[Any], worker_env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """One server's pass over the cases (started, measured, stopped)."""
+    if name == "worker":
+        env = dict(os.environ, **worker_env)
+        return http_phase(
+            lambda lora, env=env: WorkerServer(tmp / "worker.log", model,
+                                               dict(env, LORAPLEX_MAX_LORAS=str(NUM_ADAPTERS if lora else 0)),
+                                               [r.to_dict() for r in refs], args.threads),
+            cases, vocab, args, start_timeout=300)
+    if name == "vllm":
+        python = vllm_python(args.vllm_python)
+        cpus = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+        return http_phase(
+            lambda lora, python=python, cpus=cpus: VLLMServer(tmp / "vllm.log", python, model, dirs if lora else None,
+                                                              args.vllm_dtype, args.clients, cpus),
+            cases, vocab, args, start_timeout=900)
+    if name == "inprocess":
+        spec = tmp / "inprocess.json"
+        spec.write_text(json.dumps({"env": worker_env, "model": str(model), "refs": [r.to_dict() for r in refs],
+                                    "cases": [c.name for c in cases], "clients": args.clients,
+                                    "threads": args.threads, "warmup": args.warmup, "seconds": args.seconds,
+                                    "vocab": vocab, "out": str(tmp / "inprocess-result.json")}))
+        subprocess.run([sys.executable, __file__, "--inprocess-child", str(spec)], check=True,
+                       start_new_session=True)
+        return json.loads((tmp / "inprocess-result.json").read_text())
+    raise ValueError(f"unknown server {name!r}")
+
+
+def median_of_rounds(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per case, the round with the median tokens/s (its TTFT and step figures with it); the
+    machine drifts by 10-20% between runs, so ``--rounds`` alternates the servers and keeps
+    every round's tokens/s in ``rounds_tok_s``."""
+    out = {}
+    for case in rounds[0]:
+        by_speed = sorted((r[case] for r in rounds if case in r), key=lambda r: r["tok_s"])
+        out[case] = dict(by_speed[(len(by_speed) - 1) // 2], rounds_tok_s=[r[case]["tok_s"] for r in rounds])
+    return out
+
+
 def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     from engine.export_hf import export_hf
     from engine.fetch_demo import fetch_demo
@@ -547,39 +645,22 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
                   "LORAPLEX_LORA_RANK_CLASSES": str(RANK), "LORAPLEX_MAX_LORA_RANK": str(RANK)}
     print(f"model {model} ({args.threads} threads); {len(cases)} cases, {args.clients} clients, "
           f"{args.warmup:.0f} s warm-up + {args.seconds:.0f} s per case; load average {loadavg()}", flush=True)
-    res: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = {}
     started = loadavg()
-    for name in args.servers.split(","):
-        if name == "worker":
-            env = dict(os.environ, **worker_env)
-            res["worker"] = http_phase(
-                lambda lora, env=env: WorkerServer(tmp / "worker.log", model,
-                                                   dict(env, LORAPLEX_MAX_LORAS=str(NUM_ADAPTERS if lora else 0)),
-                                                   [r.to_dict() for r in refs], args.threads),
-                cases, vocab, args, start_timeout=300)
-        elif name == "vllm":
-            python = vllm_python(args.vllm_python)
-            cpus = f"0-{args.threads - 1}" if args.threads > 1 else "0"
-            res["vllm"] = http_phase(
-                lambda lora, python=python, cpus=cpus: VLLMServer(tmp / "vllm.log", python, model, dirs if lora else None,
-                                                                  args.vllm_dtype, args.clients, cpus),
-                cases, vocab, args, start_timeout=900)
-        elif name == "inprocess":
-            spec = tmp / "inprocess.json"
-            spec.write_text(json.dumps({"env": worker_env, "model": str(model), "refs": [r.to_dict() for r in refs],
-                                        "cases": [c.name for c in cases], "clients": args.clients,
-                                        "threads": args.threads, "warmup": args.warmup, "seconds": args.seconds,
-                                        "vocab": vocab, "out": str(tmp / "inprocess-result.json")}))
-            subprocess.run([sys.executable, __file__, "--inprocess-child", str(spec)], check=True,
-                           start_new_session=True)
-            res["inprocess"] = json.loads((tmp / "inprocess-result.json").read_text())
+    for rnd in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {rnd + 1} of {args.rounds}", flush=True)
+        for name in args.servers.split(","):
+            runs.setdefault(name, []).append(run_server(name, args, cases, tmp, model, vocab, dirs, refs, worker_env))
+    res = {name: median_of_rounds(rs) for name, rs in runs.items()}
     rows = print_table(cases, res)
     print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "serve_vs_vllm.json"
     out.write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
-        "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "worker_dtype": args.worker_dtype,
+        "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
+        "worker_dtype": args.worker_dtype,
         "worker_weights": args.worker_weights,
         "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(), "rows": rows,
         "raw": res}, indent=2))
