@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
 
 if TYPE_CHECKING:
-    from engine.native import AMXMatmul
+    from engine.native import AMXMatmul, PanelMatmul
 
 
 @lru_cache(maxsize=1)
@@ -89,11 +89,17 @@ class Linear:
     """``y = x @ weight.T + bias``; ``weight`` stays available (shapes, LoRA, benchmarks)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0,
-                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> None:
-        """``gemv(x, weight, bias)``: single-row products (``engine.native.Gemv``, CPU float32)."""
+                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+                 panel: PanelMatmul | None = None) -> None:
+        """``gemv(x, weight, bias)``: single-row products (``engine.native.Gemv``, CPU float32);
+        ``panel``: ``engine.native.panel_matmul_kernel()``, for batches up to its ``MAX_ROWS``
+        (the weight packed for it too: one more float32 copy of it)."""
         self.weight = weight
         self.bias = bias
         self.gemv = gemv if gemv is not None and weight.is_contiguous() else None
+        usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous()
+        self.panel = panel if panel is not None and usable else None
+        self.panels = self.panel.pack(weight) if self.panel is not None else None
         self.packed: torch.Tensor | None = None
         if (pack_batch > 0 and weight.device.type == "cpu" and weight.dtype == torch.float32
                 and onednn_packing_available()):
@@ -102,6 +108,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.gemv is not None:
             return self.gemv(x, self.weight, self.bias)
+        if self.panel is not None and x.shape[0] <= self.panel.MAX_ROWS and x.dtype == torch.float32:
+            return self.panel(x if x.stride(1) == 1 else x.contiguous(), self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -187,10 +195,12 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
                 q8_kernel: Callable | None = None,
                 q4_kernel: Callable | None = None,
-                amx: AMXMatmul | None = None) -> Linear | BF16Linear | BlockLinear:
+                amx: AMXMatmul | None = None,
+                panel: PanelMatmul | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
     ``engine.native.q8_matmul_kernel()`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.q4_matmul_kernel()``
-    for a 4-bit one, ``amx``: ``engine.native.amx_matmul_kernel()`` for a bfloat16 one)."""
+    for a 4-bit one, ``amx``: ``engine.native.amx_matmul_kernel()`` for a bfloat16 one, ``panel``:
+    ``engine.native.panel_matmul_kernel()`` for a float32 one)."""
     if isinstance(weight, PackedQ8 | PackedQ4):
         if activations != torch.float32 or weight.q.device.type != "cpu":
             raise ValueError("8-bit and 4-bit weights run on CPU under float32 activations")
@@ -199,4 +209,4 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
         return Int8Linear(weight, bias, q8_kernel)
     if weight.dtype == torch.bfloat16 and activations == torch.float32:
         return BF16Linear(weight, bias, pack_batch, gemv, amx)
-    return Linear(weight, bias, pack_batch, gemv)
+    return Linear(weight, bias, pack_batch, gemv, panel)

@@ -47,10 +47,12 @@ from engine.native import (
     BlockMatmul,
     FusedOps,
     Gemv,
+    PanelMatmul,
     amx_matmul_kernel,
     decode_attention_kernel,
     fused_ops,
     gemv_kernel,
+    panel_matmul_kernel,
     q4_matmul_kernel,
     q8_matmul_kernel,
 )
@@ -63,11 +65,12 @@ log = logging.getLogger("loraplex.engine.model")
 
 class _LayerLinears:
     def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
-                 q8: BlockMatmul | None, q4: BlockMatmul | None, amx: AMXMatmul | None) -> None:
-        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4, amx)
-        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4, amx)
-        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4, amx)
-        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4, amx)
+                 q8: BlockMatmul | None, q4: BlockMatmul | None, amx: AMXMatmul | None,
+                 panel: PanelMatmul | None) -> None:
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4, amx, panel)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4, amx, panel)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4, amx, panel)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4, amx, panel)
 
 
 class DecoderModel:
@@ -112,8 +115,11 @@ class DecoderModel:
                         name)
         # bfloat16 matrices on AMX: every batch size through the native tile kernel.
         amx = amx_matmul_kernel() if native_kernels and cpu_f32 else None
-        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, amx) for lw in self.w.layers]
-        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, amx=amx)
+        # float32 matrices on AVX2 without AVX-512: decode batches through the native panel kernel.
+        panel = panel_matmul_kernel() if native_kernels and cpu_f32 else None
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, amx, panel) for lw in self.w.layers]
+        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, amx=amx,
+                                                        panel=panel)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         # bfloat16 matrices under float32 activations with the native elementwise steps: a step

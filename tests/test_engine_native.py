@@ -306,3 +306,35 @@ def test_bf16_linear_runs_every_batch_size_on_amx():
     for rows in (1, 5, 40):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(lin(x), (x.bfloat16().float() @ w.float().T) + lin.bias, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows,n_out,n_in", [(2, 16, 8), (5, 40, 64), (6, 48, 576), (7, 960, 576), (13, 33, 1536),
+                                              (32, 3072, 576), (256, 24, 17)])
+def test_panel_matmul_matches_linear(rows, n_out, n_in):
+    """The float32 panel kernel (AVX2 CPUs without AVX-512): partial 6-row blocks and 16-column
+    panels, a bias or none, row-strided input; and Linear routes decode batches through it."""
+    from engine.linear import Linear, cpu_flags
+
+    flags = cpu_flags()
+    if "avx512f" in flags or not {"avx2", "fma"} <= flags:
+        pytest.skip("the panel kernel is built for AVX2 + FMA CPUs without AVX-512")
+    panel = native.panel_matmul_kernel()
+    assert panel is not None, "AVX2 CPU: the native panel kernel must build and run"
+    gen = torch.Generator().manual_seed(rows * 31 + n_out)
+    w = torch.randn(n_out, n_in, generator=gen)
+    b = torch.randn(n_out, generator=gen)
+    wide = torch.randn(rows, n_in + 8, generator=gen)
+    x = wide[:, :n_in]
+    panels = panel.pack(w)
+    exact = x.double() @ w.double().T
+    tol = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    for bias in (None, b):
+        y = panel(x, panels, n_out, bias)
+        want = exact + (0 if bias is None else bias.double())
+        assert y.shape == (rows, n_out) and ((y.double() - want).abs() <= tol).all()
+    lin = Linear(w, b, pack_batch=32, panel=panel)
+    assert lin.panels is not None
+    assert ((lin(x).double() - exact - b.double()).abs() <= tol).all()
+    big = torch.randn(panel.MAX_ROWS + 1, n_in, generator=gen)  # past the panel kernel: oneDNN
+    assert ((lin(big).double() - big.double() @ w.double().T - b.double()).abs() <= 1e-4 * (
+        big.double().abs() @ w.double().abs().T) + 1e-5).all()
