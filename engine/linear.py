@@ -146,6 +146,18 @@ class BF16Linear:
             y += self.bias
         return y
 
+    @property
+    def fuses_swiglu(self) -> bool:
+        """Whether :meth:`swiglu` runs (on the AMX kernel, for a weight without bias)."""
+        return self.amx is not None and self.bias is None
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """For a fused gate|up weight: ``silu(gate) * up`` in bfloat16 from the rounded sums, what
+        ``FusedOps.silu_mul(self.bf16(x), n // 2, torch.bfloat16)`` returns, without the ``[m, n]``
+        sums in between (:attr:`fuses_swiglu` only)."""
+        assert self.amx is not None and self.tiles is not None and self.bias is None
+        return self.amx(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], swiglu=True)
+
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 sums before the widening and the bias (for a next step that reads
         bfloat16, ``engine.native.FusedOps``): ``x`` float32 or bfloat16."""

@@ -130,6 +130,9 @@ class DecoderModel:
         self.bf16_flow = (isinstance(self.ops, FusedOps) and all(
             isinstance(getattr(lin, n), BF16Linear) for lin in self.layers for n in ("qkv", "o", "gate_up", "down"))
             and all(lin.o.bias is None and lin.down.bias is None for lin in self.layers))
+        # ... and SwiGLU in the gate|up matmul's epilogue where that runs on the AMX kernel.
+        self.fused_swiglu = self.bf16_flow and all(
+            isinstance(lin.gate_up, BF16Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -176,7 +179,11 @@ class DecoderModel:
             a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel, narrow)
             if narrow is not None:
                 x = ops.add_rms_norm(h, lin.o.bf16(a), lw.post_norm, eps, narrow)
-                delta = lin.down.bf16(ops.silu_mul(lin.gate_up.bf16(x), inter, narrow))
+                if self.fused_swiglu:
+                    m = lin.gate_up.swiglu(x)
+                else:
+                    m = ops.silu_mul(lin.gate_up.bf16(x), inter, narrow)
+                delta = lin.down.bf16(m)
                 continue
             o = lin.o(a)
             if lora is not None:

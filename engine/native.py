@@ -59,7 +59,7 @@ _SIGNATURES = {
     "loraplex_f32_panel_pack": [_ptr, _int, _int, _ptr],
     "loraplex_f32_panel_matmul": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_amx_init": [],
-    "loraplex_amx_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int],
+    "loraplex_amx_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
 }
 
 
@@ -431,16 +431,21 @@ class AMXMatmul:
         return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
     def __call__(self, x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """``x`` ``[m, k]`` bfloat16 (unit column stride); ``bias`` only with a float32 out."""
+                 out_dtype: torch.dtype = torch.bfloat16, swiglu: bool = False) -> torch.Tensor:
+        """``x`` ``[m, k]`` bfloat16 (unit column stride); ``bias`` only with a float32 out.
+        ``swiglu``: ``W`` is a fused gate|up projection (gate the first ``n / 2`` rows) and the result
+        is ``silu(gate) * up`` ``[m, n / 2]`` of the rounded sums, as
+        ``FusedOps.silu_mul(self(x, tiles, n), n // 2, out_dtype)`` computes it, in one pass."""
         m, k = x.shape
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and tiles.numel() == n * k
         assert out_dtype in (torch.float32, torch.bfloat16) and (bias is None or out_dtype == torch.float32)
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n)
-        y = torch.empty((m, n), dtype=out_dtype)
+        assert not (swiglu and bias is not None)
+        cols = n // 2 if swiglu else n
+        y = torch.empty((m, cols), dtype=out_dtype)
         rc = self._fn(x.data_ptr(), x.stride(0), m, k, tiles.data_ptr(), n,
-                      bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
-                      out_dtype == torch.bfloat16, torch.get_num_threads())
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), cols,
+                      out_dtype == torch.bfloat16, swiglu, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native AMX matmul failed ({rc}): {m}x{k} by {n}x{k}")
         return y

@@ -293,6 +293,34 @@ def test_amx_matmul_rounds_like_onednn(rows, n_out, n_in):
     assert torch.equal(y32, y16.float() + b)
 
 
+
+@pytest.mark.parametrize("rows", [1, 7, 17, 32, 45, 100])
+@pytest.mark.parametrize(("inter", "n_in"), [(16, 32), (48, 96), (1536, 576)])
+def test_amx_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):
+    """SwiGLU in the AMX kernel's epilogue (gate block p with up block p + n/32): bit for bit what
+    the bfloat16 gate|up matmul followed by ``FusedOps.silu_mul`` computes, in both out dtypes;
+    and the model's gate|up linear fuses it."""
+    from engine.linear import BF16Linear, cpu_flags
+
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    amx, ops = native.amx_matmul_kernel(), native.fused_ops()
+    assert amx is not None and ops is not None
+    gen = torch.Generator().manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, n_in, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(rows, n_in + 32, generator=gen).bfloat16()[:, :n_in]
+    tiles = amx.pack(w)
+    sums = amx(x, tiles, 2 * inter)
+    for dt in (torch.bfloat16, torch.float32):
+        got = amx(x, tiles, 2 * inter, out_dtype=dt, swiglu=True)
+        assert got.shape == (rows, inter) and got.dtype == dt
+        assert torch.equal(got, ops.silu_mul(sums, inter, dt))
+    lin = BF16Linear(w, None, amx=amx)
+    assert lin.fuses_swiglu and not BF16Linear(w, torch.zeros(2 * inter), amx=amx).fuses_swiglu
+    assert torch.equal(lin.swiglu(x), ops.silu_mul(lin.bf16(x), inter, torch.bfloat16))
+    reference = torch.nn.functional.silu(sums[:, :inter].float()) * sums[:, inter:].float()
+    torch.testing.assert_close(lin.swiglu(x).float(), reference, rtol=2 ** -7, atol=1e-3)
+
 def test_bf16_linear_runs_every_batch_size_on_amx():
     from engine.linear import BF16Linear, cpu_flags
 

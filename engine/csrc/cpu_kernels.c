@@ -1326,6 +1326,12 @@ int loraplex_q4_matmul_f32(
  * oneDNN's bfloat16 matmul rounds its output) and written as bfloat16, or widened back to
  * float32 plus ``bias``. k and n must be multiples of 32.
  *
+ * With ``swiglu`` set, W is a fused gate|up projection (gate rows 0 .. n/2 - 1, up rows n/2 ..
+ * n - 1) and the kernel writes SwiGLU's product instead of the sums: pair p is gate block p with
+ * up block p + n/32, and y [m, n/2] gets silu(g) * u of the bfloat16-rounded sums (the float32
+ * math of loraplex_silu_mul_f32, so the same numbers as the matmul followed by it), without
+ * writing the [m, n] sums or reading them back.
+ *
  * Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
  * loraplex_amx_init asks for it once; without it the first tile instruction would fault.
  * --------------------------------------------------------------------------------------------- */
@@ -1364,6 +1370,28 @@ static void amx_configure(int m0, int m1)
     _tile_loadconfig(&cfg);
 }
 
+/* SwiGLU of a gate block ``g`` and its up block ``u`` (16 x 16 float32 sums each) into y's columns
+ * cols0 .. cols0 + 15, bfloat16 or float32: the sums rounded to bfloat16 first, as the unfused
+ * matmul's output would be. */
+static inline void amx_store_swiglu(const float *g, const float *u, int rows, int cols0, void *y,
+                                    int64_t y_stride, int64_t r0, int y_bf16)
+{
+    for (int r = 0; r < rows; r++) {
+        const float *gr = g + r * 16, *ur = u + r * 16;
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + (r0 + r) * y_stride + cols0;
+#pragma omp simd
+            for (int j = 0; j < 16; j++)
+                yr[j] = f32_to_bf16(silu_mul1(bf16_to_f32(f32_to_bf16(gr[j])), bf16_to_f32(f32_to_bf16(ur[j]))));
+        } else {
+            float *yr = (float *)y + (r0 + r) * y_stride + cols0;
+#pragma omp simd
+            for (int j = 0; j < 16; j++)
+                yr[j] = silu_mul1(bf16_to_f32(f32_to_bf16(gr[j])), bf16_to_f32(f32_to_bf16(ur[j])));
+        }
+    }
+}
+
 static inline void amx_store_block(const float *c, int rows, int cols0, const float *bias, void *y,
                                    int64_t y_stride, int64_t r0, int y_bf16)
 {
@@ -1384,11 +1412,11 @@ static inline void amx_store_block(const float *c, int rows, int cols0, const fl
 
 int loraplex_amx_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
-    const float *bias, void *y, int64_t y_stride, int y_bf16, int num_threads)
+    const float *bias, void *y, int64_t y_stride, int y_bf16, int swiglu, int num_threads)
 {
-    /* x [m, k] bfloat16 (rows x_stride apart), y [m, n] bfloat16 or float32 (rows y_stride
-     * apart); wt as packed for n outputs and k inputs. */
-    if (k % 32 != 0 || n % 32 != 0 || m < 1 || num_threads < 1) return -1;
+    /* x [m, k] bfloat16 (rows x_stride apart), y [m, n] (swiglu: [m, n / 2]) bfloat16 or float32
+     * (rows y_stride apart); wt as packed for n outputs and k inputs. */
+    if (k % 32 != 0 || n % 32 != 0 || m < 1 || num_threads < 1 || (swiglu && bias != NULL)) return -1;
     const int kbs = k / 32, pairs = n / 32;
     const int64_t xs_bytes = x_stride * (int64_t)sizeof(uint16_t);
     /* Chunks of up to AMX_CHUNK column pairs, a whole number per thread: a chunk's W tiles stay in
@@ -1404,7 +1432,8 @@ int loraplex_amx_matmul_bf16(
         for (int ch = 0; ch < chunks; ch++)
         for (int r0 = 0; r0 < m; r0 += 32)
         for (int p = ch * per_chunk; p < (ch + 1) * per_chunk && p < pairs; p++) {
-            const uint16_t *b0 = wt + (int64_t)(2 * p) * kbs * 512, *b1 = b0 + (int64_t)kbs * 512;
+            const uint16_t *b0 = wt + (int64_t)(swiglu ? p : 2 * p) * kbs * 512,
+                           *b1 = b0 + (int64_t)(swiglu ? pairs : 1) * kbs * 512;
             {
                 const int m0 = m - r0 < 16 ? m - r0 : 16;
                 const int m1 = m - r0 - m0 < 16 ? m - r0 - m0 : 16;
@@ -1433,13 +1462,20 @@ int loraplex_amx_matmul_bf16(
                 }
                 _tile_stored(0, c[0], 64);
                 _tile_stored(1, c[1], 64);
-                amx_store_block(c[0], m0, 32 * p, bias, y, y_stride, r0, y_bf16);
-                amx_store_block(c[1], m0, 32 * p + 16, bias, y, y_stride, r0, y_bf16);
                 if (m1) {
                     _tile_stored(2, c[2], 64);
                     _tile_stored(3, c[3], 64);
-                    amx_store_block(c[2], m1, 32 * p, bias, y, y_stride, r0 + 16, y_bf16);
-                    amx_store_block(c[3], m1, 32 * p + 16, bias, y, y_stride, r0 + 16, y_bf16);
+                }
+                if (swiglu) {
+                    amx_store_swiglu(c[0], c[1], m0, 16 * p, y, y_stride, r0, y_bf16);
+                    if (m1) amx_store_swiglu(c[2], c[3], m1, 16 * p, y, y_stride, r0 + 16, y_bf16);
+                } else {
+                    amx_store_block(c[0], m0, 32 * p, bias, y, y_stride, r0, y_bf16);
+                    amx_store_block(c[1], m0, 32 * p + 16, bias, y, y_stride, r0, y_bf16);
+                    if (m1) {
+                        amx_store_block(c[2], m1, 32 * p, bias, y, y_stride, r0 + 16, y_bf16);
+                        amx_store_block(c[3], m1, 32 * p + 16, bias, y, y_stride, r0 + 16, y_bf16);
+                    }
                 }
             }
         }
@@ -1452,10 +1488,10 @@ int loraplex_amx_init(void) { return -1; }
 
 int loraplex_amx_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
-    const float *bias, void *y, int64_t y_stride, int y_bf16, int num_threads)
+    const float *bias, void *y, int64_t y_stride, int y_bf16, int swiglu, int num_threads)
 {
     (void)x; (void)x_stride; (void)m; (void)k; (void)wt; (void)n; (void)bias; (void)y; (void)y_stride;
-    (void)y_bf16; (void)num_threads;
+    (void)y_bf16; (void)swiglu; (void)num_threads;
     return -1;
 }
 #endif
