@@ -30,11 +30,12 @@ def _reference(q, k_pool, v_pool, table, lens, block_size, rows):
                          [(9, 3, 64, 16), (8, 4, 64, 16), (16, 4, 64, 8), (4, 4, 64, 16), (8, 8, 32, 4),
                           (16, 2, 128, 16), (4, 1, 80, 8)])
 @pytest.mark.parametrize("scattered", [False, True], ids=["rows-0..B", "mixed-rows"])
-def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, scattered):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, scattered, kv_dtype):
     gen = torch.Generator().manual_seed(heads * 31 + head_dim + block_size)
     num_blocks, batch = 64, 5
-    k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
-    v_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    v_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
     # Lengths on and off block edges, one of a single token; tables padded with block 0.
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size])
     nb = 5
@@ -263,6 +264,36 @@ def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
     want = paged_attention(ctx, cache, 0, q, kv_heads, None)
     assert got.shape == want.shape == (ctx.num_tokens, heads * head_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_prefill_chunks_match_reference(kv_dtype):
+    """Rows of prefill chunks (one block table, consecutive lengths: grouped so a group's keys are
+    widened once) beside decode rows, a chunk longer than a group, and a row of another
+    sequence whose length continues the chunk before it: each row attends to its own keys only."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(23)
+    num_blocks, nb = 64, 4
+    k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    v_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    seq_tables = [perm[i * nb:(i + 1) * nb] for i in range(4)]
+    # (sequence, lengths): a decode row, a 37-row chunk from the start, two rows of another
+    # sequence at lengths 38 and 39, a decode row of the second sequence, then a 3-row chunk.
+    plan = [(0, [50]), (1, list(range(1, 38))), (2, [38, 39]), (1, [38]), (3, [7, 8, 9])]
+    tables, lens = [], []
+    for s_i, ls in plan:
+        for n in ls:
+            tables.append(seq_tables[s_i])
+            lens.append(n)
+    table = torch.stack(tables).contiguous()
+    lens_t = torch.tensor(lens)
+    t = len(lens)
+    q = torch.randn(t, heads, head_dim, generator=gen) * 2
+    out = torch.empty(t, heads * head_dim)
+    kernel(q, k_pool, v_pool, table, lens_t, int(lens_t.max()), block_size, out)
+    ref = _reference(q, k_pool, v_pool, table, lens_t, block_size, torch.arange(t))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100])

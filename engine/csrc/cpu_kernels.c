@@ -55,6 +55,8 @@
 #define MAX_HEAD_DIM 512
 #define MAX_RANK 1024
 /* Key blocks decode attention asks for ahead of the one it computes (see attend_task). */
+/* Rows of one prefill chunk that share one widening of their keys (see decode_attention). */
+#define GROUP_ROWS 16
 #ifndef KV_PREFETCH_BLOCKS
 #define KV_PREFETCH_BLOCKS 4
 #endif
@@ -267,18 +269,22 @@ static inline __attribute__((always_inline)) void pv_heads_hd64(
 #endif
 
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
- * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and pool
- * element type (``kv_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
+ * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and element
+ * types (``k_bf16``/``v_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
  * code; heads are the outer loop, so one head's query (or output accumulator) stays in
  * registers while the sequence's keys (values) stream past, reread from L1/L2 for the next
- * head. ``kbase``/``vbase`` point at the kv head's first slot; offsets below count elements. */
+ * head. ``kbase``/``vbase`` point at the kv head's first slot, ``ktable``/``vtable`` map the
+ * sequence's block i to its block in them (the keys may be a widened copy, see ``widen_keys``);
+ * ``prefetch``: ask for the blocks ahead (not needed when ``widen_keys`` did). Offsets below
+ * count elements. */
 static inline __attribute__((always_inline)) void attend_task(
-    const float *qb, int64_t q_stride_head, const void *kbase, const void *vbase,
-    const int64_t *table, int len, int block_size, int g, const int head_dim, const int kv_bf16,
-    float *scores, float *ob)
+    const float *qb, int64_t q_stride_head, const void *kbase, const int64_t *ktable, const int k_bf16,
+    const void *vbase, const int64_t *vtable, const int v_bf16, const int prefetch,
+    int len, int block_size, int g, const int head_dim, float *scores, float *ob)
 {
     const int64_t block_elems = (int64_t)block_size * head_dim;
-    const int64_t elem_bytes = kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
+    const int64_t k_bytes = k_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
+    const int64_t v_bytes = v_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
 #ifdef __AVX512F__
     const int joint_pv = head_dim == 64 && g >= 2 && g <= 4;  /* the heads' values in one pass */
 #elif defined(ATTN_AVX2)
@@ -294,20 +300,19 @@ static inline __attribute__((always_inline)) void attend_task(
         float m = -3.0e38f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
-            const int64_t kb = table[p0 / block_size] * block_elems;
-            if (j == 0) {
+            const int64_t kb = ktable[p0 / block_size] * block_elems;
+            if (j == 0 && prefetch) {
                 /* first pass over the keys: ask for the key block KV_PREFETCH_BLOCKS ahead (the
                  * first ones too, at the start) and this value block now, so scattered blocks
                  * arrive while earlier ones are computed: one block of compute is shorter than
                  * a memory round trip */
-                const int64_t bytes = block_elems * elem_bytes;
-                const char *vb = (const char *)vbase + kb * elem_bytes;
                 const int bi = p0 / block_size, nblk = (len + block_size - 1) / block_size;
                 for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
-                    const char *kn = (const char *)kbase + table[bi + a] * block_elems * elem_bytes;
-                    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
+                    const char *kn = (const char *)kbase + ktable[bi + a] * block_elems * k_bytes;
+                    for (int64_t c = 0; c < block_elems * k_bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
                 }
-                for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
+                const char *vb = (const char *)vbase + vtable[bi] * block_elems * v_bytes;
+                for (int64_t c = 0; c < block_elems * v_bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
             }
             int t = 0;
 #ifdef __AVX512F__
@@ -315,14 +320,14 @@ static inline __attribute__((always_inline)) void attend_task(
                 const __m512 qv[4] = {_mm512_loadu_ps(qj), _mm512_loadu_ps(qj + 16), _mm512_loadu_ps(qj + 32),
                                       _mm512_loadu_ps(qj + 48)};
                 for (; t + 16 <= n; t += 16) {
-                    const float m16 = dot16_hd64(qv, kbase, kb + (int64_t)t * head_dim, kv_bf16, sj + p0 + t);
+                    const float m16 = dot16_hd64(qv, kbase, kb + (int64_t)t * head_dim, k_bf16, sj + p0 + t);
                     m = m16 > m ? m16 : m;
                 }
             }
 #elif defined(ATTN_AVX2)
             if (head_dim == 64)
                 for (; t + 8 <= n; t += 8) {
-                    const float m8 = dot8_hd64(qj, kbase, kb + (int64_t)t * head_dim, kv_bf16, sj + p0 + t);
+                    const float m8 = dot8_hd64(qj, kbase, kb + (int64_t)t * head_dim, k_bf16, sj + p0 + t);
                     m = m8 > m ? m8 : m;
                 }
 #endif
@@ -333,10 +338,10 @@ static inline __attribute__((always_inline)) void attend_task(
 #pragma omp simd reduction(+:s0, s1, s2, s3)
                 for (int i = 0; i < head_dim; i++) {
                     const float qi = qj[i];
-                    s0 += qi * kv_at(kbase, k0 + i, kv_bf16);
-                    s1 += qi * kv_at(kbase, k1 + i, kv_bf16);
-                    s2 += qi * kv_at(kbase, k2 + i, kv_bf16);
-                    s3 += qi * kv_at(kbase, k3 + i, kv_bf16);
+                    s0 += qi * kv_at(kbase, k0 + i, k_bf16);
+                    s1 += qi * kv_at(kbase, k1 + i, k_bf16);
+                    s2 += qi * kv_at(kbase, k2 + i, k_bf16);
+                    s3 += qi * kv_at(kbase, k3 + i, k_bf16);
                 }
                 sj[p0 + t] = s0;
                 sj[p0 + t + 1] = s1;
@@ -349,7 +354,7 @@ static inline __attribute__((always_inline)) void attend_task(
                 const int64_t kp = kb + (int64_t)t * head_dim;
                 float s = 0.0f;
 #pragma omp simd reduction(+:s)
-                for (int i = 0; i < head_dim; i++) s += qj[i] * kv_at(kbase, kp + i, kv_bf16);
+                for (int i = 0; i < head_dim; i++) s += qj[i] * kv_at(kbase, kp + i, k_bf16);
                 sj[p0 + t] = s;
                 m = s > m ? s : m;
             }
@@ -372,27 +377,27 @@ static inline __attribute__((always_inline)) void attend_task(
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
             for (int p0 = 0; p0 < len; p0 += block_size) {
                 const int n = len - p0 < block_size ? len - p0 : block_size;
-                const int64_t vb = table[p0 / block_size] * block_elems;
+                const int64_t vb = vtable[p0 / block_size] * block_elems;
                 int t = 0;
                 for (; t + 2 <= n; t += 2) {
                     const __m512 w = _mm512_set1_ps(sj[p0 + t]), x = _mm512_set1_ps(sj[p0 + t + 1]);
                     const int64_t vp = vb + (int64_t)t * 64;
-                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, kv_bf16), a0);
-                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, kv_bf16), a1);
-                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, kv_bf16), a2);
-                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, kv_bf16), a3);
-                    b0 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 64, kv_bf16), b0);
-                    b1 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 80, kv_bf16), b1);
-                    b2 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 96, kv_bf16), b2);
-                    b3 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 112, kv_bf16), b3);
+                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, v_bf16), a0);
+                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, v_bf16), a1);
+                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, v_bf16), a2);
+                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, v_bf16), a3);
+                    b0 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 64, v_bf16), b0);
+                    b1 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 80, v_bf16), b1);
+                    b2 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 96, v_bf16), b2);
+                    b3 = _mm512_fmadd_ps(x, kv_load16(vbase, vp + 112, v_bf16), b3);
                 }
                 if (t < n) {
                     const __m512 w = _mm512_set1_ps(sj[p0 + t]);
                     const int64_t vp = vb + (int64_t)t * 64;
-                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, kv_bf16), a0);
-                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, kv_bf16), a1);
-                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, kv_bf16), a2);
-                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, kv_bf16), a3);
+                    a0 = _mm512_fmadd_ps(w, kv_load16(vbase, vp, v_bf16), a0);
+                    a1 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 16, v_bf16), a1);
+                    a2 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 32, v_bf16), a2);
+                    a3 = _mm512_fmadd_ps(w, kv_load16(vbase, vp + 48, v_bf16), a3);
                 }
             }
             const __m512 vinv = _mm512_set1_ps(inv);
@@ -407,12 +412,12 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int i = 0; i < head_dim; i++) acc[i] = 0.0f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
-            const int64_t vb = table[p0 / block_size] * block_elems;
+            const int64_t vb = vtable[p0 / block_size] * block_elems;
             for (int t = 0; t < n; t++) {
                 const float w = sj[p0 + t];
                 const int64_t vp = vb + (int64_t)t * head_dim;
 #pragma omp simd
-                for (int i = 0; i < head_dim; i++) acc[i] += w * kv_at(vbase, vp + i, kv_bf16);
+                for (int i = 0; i < head_dim; i++) acc[i] += w * kv_at(vbase, vp + i, v_bf16);
             }
         }
 #pragma omp simd
@@ -420,18 +425,18 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 #ifdef __AVX512F__
     if (joint_pv) {
-        if (g == 2) pv_heads_hd64(2, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
-        else if (g == 3) pv_heads_hd64(3, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
-        else pv_heads_hd64(4, scores, len, vbase, table, block_size, kv_bf16, invs, ob);
+        if (g == 2) pv_heads_hd64(2, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else if (g == 3) pv_heads_hd64(3, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else pv_heads_hd64(4, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
     }
 #elif defined(ATTN_AVX2)
     if (joint_pv)
         for (int j0 = 0; j0 < g; j0 += 3) {
             const float *sc = scores + (int64_t)j0 * len;
             float *o = ob + (int64_t)j0 * 64;
-            if (g - j0 >= 3) pv_heads_hd64(3, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
-            else if (g - j0 == 2) pv_heads_hd64(2, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
-            else pv_heads_hd64(1, sc, len, vbase, table, block_size, kv_bf16, invs + j0, o);
+            if (g - j0 >= 3) pv_heads_hd64(3, sc, len, vbase, vtable, block_size, v_bf16, invs + j0, o);
+            else if (g - j0 == 2) pv_heads_hd64(2, sc, len, vbase, vtable, block_size, v_bf16, invs + j0, o);
+            else pv_heads_hd64(1, sc, len, vbase, vtable, block_size, v_bf16, invs + j0, o);
         }
 #else
     (void)invs;
@@ -440,16 +445,44 @@ static inline __attribute__((always_inline)) void attend_task(
 
 /* ``attend_task`` with a constant head dim where it is a common one. */
 static inline __attribute__((always_inline)) void attend_head_dim(
-    const float *qb, int64_t q_stride_head, const void *kbase, const void *vbase,
-    const int64_t *table, int len, int block_size, int g, int head_dim, const int kv_bf16,
-    float *scores, float *ob)
+    const float *qb, int64_t q_stride_head, const void *kbase, const int64_t *ktable, const int k_bf16,
+    const void *vbase, const int64_t *vtable, const int v_bf16, const int prefetch,
+    int len, int block_size, int g, int head_dim, float *scores, float *ob)
 {
     if (head_dim == 64)
-        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 64, kv_bf16, scores, ob);
+        attend_task(qb, q_stride_head, kbase, ktable, k_bf16, vbase, vtable, v_bf16, prefetch, len, block_size, g,
+                    64, scores, ob);
     else if (head_dim == 128)
-        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, 128, kv_bf16, scores, ob);
+        attend_task(qb, q_stride_head, kbase, ktable, k_bf16, vbase, vtable, v_bf16, prefetch, len, block_size, g,
+                    128, scores, ob);
     else
-        attend_task(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, kv_bf16, scores, ob);
+        attend_task(qb, q_stride_head, kbase, ktable, k_bf16, vbase, vtable, v_bf16, prefetch, len, block_size, g,
+                    head_dim, scores, ob);
+}
+
+/* A task's keys widened once from bfloat16 into ``dst`` (the sequence's block i at
+ * dst + i * block_size * head_dim) for the ``g`` heads that each read all of them: widening in
+ * every head's pass cost more vector work than the dot products (two shuffles per 16 elements
+ * against one FMA). Asks for the key blocks ahead and the value blocks on the way, as
+ * attend_task's first pass does. */
+static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int len,
+                              int block_size, int head_dim, float *dst)
+{
+    const int64_t block_elems = (int64_t)block_size * head_dim;
+    const int nblk = (len + block_size - 1) / block_size;
+    for (int bi = 0; bi < nblk; bi++) {
+        for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
+            const char *kn = (const char *)(kbase + table[bi + a] * block_elems);
+            for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(kn + c, 0, 3);
+        }
+        const char *vb = (const char *)(vbase + table[bi] * block_elems);
+        for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(vb + c, 0, 3);
+        const int64_t n = (int64_t)(len - bi * block_size < block_size ? len - bi * block_size : block_size);
+        const uint16_t *src = kbase + table[bi] * block_elems;
+        float *d = dst + (int64_t)bi * block_elems;
+#pragma omp simd
+        for (int64_t i = 0; i < n * head_dim; i++) d[i] = bf16_to_f32(src[i]);
+    }
 }
 
 /* Both exported decode-attention kernels: pools of float32 or bfloat16 (``kv_bf16``). */
@@ -463,8 +496,23 @@ static int decode_attention(
 {
     const int g = num_heads / num_kv_heads;
     if (g > MAX_GROUP || head_dim > MAX_HEAD_DIM || g * num_kv_heads != num_heads) return -1;
-    const int tasks = num_seqs * num_kv_heads;
     const int64_t head_bytes = pool_slots * head_dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+    const int widen = kv_bf16 && g > 1;  /* several heads read each key: widen it once (widen_keys) */
+    const int64_t max_blocks = (max_len > 0 ? max_len : 1) / block_size + 1;
+    /* Consecutive rows of one prefill chunk (the same block table, each one position further)
+     * form a group whose keys are widened once for all its rows: a row alone would widen all
+     * the keys before it again. group[i] is the first row of group i, group[ngroups] = num_seqs. */
+    int *group = (int *)malloc(sizeof(int) * (size_t)(num_seqs + 1));
+    if (group == NULL) return -2;
+    int ngroups = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        const int64_t *tb = blocks + (int64_t)b * blocks_per_seq;
+        const int joins = widen && b > 0 && b - group[ngroups - 1] < GROUP_ROWS && lens[b] == lens[b - 1] + 1
+                          && memcmp(tb, tb - blocks_per_seq, sizeof(int64_t) * (size_t)blocks_per_seq) == 0;
+        if (!joins) group[ngroups++] = b;
+    }
+    group[ngroups] = num_seqs;
+    const int tasks = ngroups * num_kv_heads;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -472,38 +520,58 @@ static int decode_attention(
         float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)(max_len > 0 ? max_len : 1));
         /* a task's float32 output, rounded into a bfloat16 out */
         float *obuf = out_bf16 ? (float *)malloc(sizeof(float) * (size_t)g * (size_t)head_dim) : NULL;
-        if (scores == NULL || (out_bf16 && obuf == NULL)) {
+        /* a task's widened keys, and the identity block table that reads them */
+        float *kwide = widen ? (float *)malloc(sizeof(float) * (size_t)(max_blocks * block_size * head_dim)) : NULL;
+        int64_t *ident = widen ? (int64_t *)malloc(sizeof(int64_t) * (size_t)max_blocks) : NULL;
+        const int ok = scores != NULL && (!out_bf16 || obuf != NULL) && (!widen || (kwide != NULL && ident != NULL));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 2)
+        if (ident != NULL)
+            for (int64_t i = 0; i < max_blocks; i++) ident[i] = i;
+#pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) {
-            if (scores == NULL || (out_bf16 && obuf == NULL)) continue;
-            const int b = task / num_kv_heads;
+            if (!ok) continue;
+            const int gi = task / num_kv_heads;
             const int kh = task % num_kv_heads;
-            const int len = (int)lens[b];
-            const int64_t *table = blocks + (int64_t)b * blocks_per_seq;
+            const int first = group[gi], end = group[gi + 1];
+            const int64_t *table = blocks + (int64_t)first * blocks_per_seq;
             const void *kbase = (const char *)k_pool + kh * head_bytes;
             const void *vbase = (const char *)v_pool + kh * head_bytes;
-            const int64_t row = rows != NULL ? rows[b] : b;
-            const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
-            const int64_t o0 = row * out_stride_row + (int64_t)kh * g * head_dim;
-            float *ob = out_bf16 ? obuf : (float *)out + o0;
-            /* The parallel region is outlined with kv_bf16 a variable: branch here, outside the
-             * loops, so each branch compiles its own constant-type vector loops. */
-            if (kv_bf16)
-                attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 1, scores, ob);
-            else
-                attend_head_dim(qb, q_stride_head, kbase, vbase, table, len, block_size, g, head_dim, 0, scores, ob);
-            if (out_bf16) {
-                uint16_t *o = (uint16_t *)out + o0;
+            if (widen)  /* the keys of the group's longest row: every row's keys */
+                widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
+                           head_dim, kwide);
+            for (int b = first; b < end; b++) {
+                const int len = (int)lens[b];
+                const int64_t row = rows != NULL ? rows[b] : b;
+                const float *qb = q + row * q_stride_row + (int64_t)kh * g * q_stride_head;
+                const int64_t o0 = row * out_stride_row + (int64_t)kh * g * head_dim;
+                float *ob = out_bf16 ? obuf : (float *)out + o0;
+                /* The parallel region is outlined with kv_bf16 a variable: branch here, outside the
+                 * loops, so each branch compiles its own constant-type vector loops. */
+                if (widen)
+                    attend_head_dim(qb, q_stride_head, kwide, ident, 0, vbase, table, 1, 0, len, block_size, g,
+                                    head_dim, scores, ob);
+                else if (kv_bf16)
+                    attend_head_dim(qb, q_stride_head, kbase, table, 1, vbase, table, 1, 1, len, block_size, g,
+                                    head_dim, scores, ob);
+                else
+                    attend_head_dim(qb, q_stride_head, kbase, table, 0, vbase, table, 0, 1, len, block_size, g,
+                                    head_dim, scores, ob);
+                if (out_bf16) {
+                    uint16_t *o = (uint16_t *)out + o0;
 #pragma omp simd
-                for (int i = 0; i < g * head_dim; i++) o[i] = f32_to_bf16(obuf[i]);
+                    for (int i = 0; i < g * head_dim; i++) o[i] = f32_to_bf16(obuf[i]);
+                }
             }
         }
         free(scores);
         free(obuf);
+        free(kwide);
+        free(ident);
     }
+    free(group);
     return failed ? -2 : 0;
 }
 
