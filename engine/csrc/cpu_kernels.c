@@ -1407,6 +1407,9 @@ int loraplex_q4_matmul_f32(
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_CHUNK 8
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 2
+#endif
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -1516,11 +1519,23 @@ int loraplex_amx_matmul_bf16(
                     _tile_zero(2);
                     _tile_zero(3);
                 }
+                /* Each load right before the first product that reads it (tiles are not renamed:
+                 * a load waits for the products still reading the tile's last contents), and W's
+                 * tiles asked for ahead: a 32-row LM head (49152 x 576) went from 290-300 to
+                 * 390-430 GFLOP/s on 2 threads of a Sapphire Rapids, a 32-row gate|up by ~10%. */
                 for (int kb = 0; kb < kbs; kb++) {
-                    _tile_loadd(6, b0 + (int64_t)kb * 512, 64);
-                    _tile_loadd(7, b1 + (int64_t)kb * 512, 64);
+                    /* W's tiles AMX_PREFETCH steps ahead into L1: a tile load that misses stalls
+                     * the products behind it (past the block's end: the next block's first tiles) */
+                    const char *n0 = (const char *)(b0 + (int64_t)(kb + AMX_PREFETCH) * 512);
+                    const char *n1 = (const char *)(b1 + (int64_t)(kb + AMX_PREFETCH) * 512);
+                    for (int c = 0; c < 1024; c += 64) {
+                        _mm_prefetch(n0 + c, _MM_HINT_T0);
+                        _mm_prefetch(n1 + c, _MM_HINT_T0);
+                    }
                     _tile_loadd(4, xa + kb * 32, xs_bytes);
+                    _tile_loadd(6, b0 + (int64_t)kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, b1 + (int64_t)kb * 512, 64);
                     _tile_dpbf16ps(1, 4, 7);
                     if (m1) {
                         _tile_loadd(5, xb + kb * 32, xs_bytes);
