@@ -41,6 +41,7 @@ from engine.grammar import Grammars
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
+from engine.native import RowScan
 from engine.quant import INT4, QUANTIZED
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import QueueFullError, Scheduler
@@ -393,7 +394,7 @@ class Engine:
                 return True
         finally:
             self._end_forward()
-        bad = self._non_finite(ctx, logits)
+        bad = self._non_finite(ctx, logits, self.model.scan)
         keep = None
         if bad:
             keep = [j for j, i in enumerate(ctx.sample_seqs) if i not in bad]
@@ -403,7 +404,7 @@ class Engine:
         if masks is not None:
             logits = masks.apply(logits, keep)
             self.mask_s += masks.fill_s
-        tokens = sample(logits, sampling)
+        tokens = sample(logits, sampling, self.model.scan)
         logprobs = token_logprobs(raw, sampling, tokens)
         now = time.monotonic()
         with self._lock:
@@ -425,10 +426,13 @@ class Engine:
 
     # ------------------------------------------------------------------ containment
     @staticmethod
-    def _non_finite(ctx: BatchContext, logits: torch.Tensor) -> set[int]:
+    def _non_finite(ctx: BatchContext, logits: torch.Tensor, scan: RowScan | None = None) -> set[int]:
         """Indices (into ``ctx.seqs``) of sequences with a non-finite hidden row or logits row."""
         row_ok = ctx.row_finite
-        logit_ok = torch.isfinite(logits.sum(dim=1))  # NaN/Inf anywhere makes the row sum non-finite
+        if scan is not None and scan.fits(logits):
+            logit_ok = scan.finite(logits)
+        else:
+            logit_ok = torch.isfinite(logits.sum(dim=1))  # NaN/Inf anywhere makes the row sum non-finite
         if bool(logit_ok.all()) and (row_ok is None or bool(row_ok.all())):
             return set()
         bad = {ctx.sample_seqs[j] for j in (~logit_ok).nonzero().flatten().tolist()}

@@ -55,6 +55,7 @@ from engine.native import (
     panel_matmul_kernel,
     q4_matmul_kernel,
     q8_matmul_kernel,
+    row_scan_kernel,
 )
 from engine.quant import INT4, QUANTIZED
 from engine.rotary import RotaryEmbedding
@@ -122,6 +123,8 @@ class DecoderModel:
                                                         panel=panel)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
+        self.scan = row_scan_kernel() if native_kernels and device.type == "cpu" else None
+        """The logits' per-row argmax and finiteness in one native pass (``engine.native.RowScan``), or None."""
         # bfloat16 matrices under float32 activations with the native elementwise steps: a step
         # without LoRA rows keeps each matmul's bfloat16 output as the next step's input (the
         # norms and SwiGLU read it and write the next matmul's bfloat16 input) instead of widening

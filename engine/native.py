@@ -60,6 +60,7 @@ _SIGNATURES = {
     "loraplex_f32_panel_matmul": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_amx_init": [],
     "loraplex_amx_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
+    "loraplex_scan_rows_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _int],
 }
 
 
@@ -360,6 +361,45 @@ class FusedOps:
 def fused_ops() -> FusedOps | None:
     lib = _library()
     return FusedOps(lib) if lib is not None else None
+
+
+class RowScan:
+    """One pass over float32 rows (logits) for what the engine asks of each step's: the index of
+    each row's maximum (:meth:`argmax`, as ``x.max(dim=-1).indices``: the first one, a NaN
+    counting as the largest) and whether each row is finite (:meth:`finite`, as
+    ``torch.isfinite(x).all(dim=-1)``), on the threads the rows split between."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.loraplex_scan_rows_f32
+
+    @staticmethod
+    def fits(x: torch.Tensor) -> bool:
+        """Whether ``x`` is what the kernel reads: float32 ``[rows, cols]`` on CPU, unit column stride."""
+        return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and x.shape[1] > 0
+
+    def _scan(self, x: torch.Tensor, argmax: torch.Tensor | None, finite: torch.Tensor | None) -> None:
+        assert self.fits(x)
+        rows, cols = x.shape
+        rc = self._fn(x.data_ptr(), x.stride(0), rows, cols, argmax.data_ptr() if argmax is not None else None,
+                      finite.data_ptr() if finite is not None else None, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native row scan failed ({rc}): {rows}x{cols}")
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._scan(x, out, None)
+        return out
+
+    def finite(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.bool)
+        self._scan(x, None, out)
+        return out
+
+
+@lru_cache(maxsize=1)
+def row_scan_kernel() -> RowScan | None:
+    lib = _library()
+    return RowScan(lib) if lib is not None else None
 
 
 class BlockMatmul:

@@ -397,3 +397,28 @@ def test_panel_matmul_matches_linear(rows, n_out, n_in):
     big = torch.randn(panel.MAX_ROWS + 1, n_in, generator=gen)  # past the panel kernel: oneDNN
     assert ((lin(big).double() - big.double() @ w.double().T - b.double()).abs() <= 1e-4 * (
         big.double().abs() @ w.double().abs().T) + 1e-5).all()
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 100, 49152])
+def test_row_scan_matches_torch_max_and_isfinite(cols):
+    """The logits' argmax (first maximum; a NaN counts as the largest) and per-row finiteness in
+    one pass: ties inside and across the 16 lanes and in the tail, NaN and infinite rows, an
+    all -inf row, rows strided as a slice of a wider tensor."""
+    scan = native.row_scan_kernel()
+    assert scan is not None
+    gen = torch.Generator().manual_seed(cols)
+    wide = torch.randn(12, cols + 7, generator=gen)
+    x = wide[:, :cols]
+    x[1] = x[1].round()  # many ties
+    x[2, -1] = x[2].max() + 1  # the maximum in the tail
+    x[3] = 2.0  # all equal: index 0
+    x[4, cols // 2] = float("nan")
+    x[5, cols - 1] = float("inf")
+    x[6] = float("-inf")
+    x[7, cols // 3] = float("-inf")
+    x[8, 0] = float("nan")
+    x[8, cols - 1] = float("nan")
+    x[9, cols - 1] = x[9].max()  # a tie with an earlier maximum: the earlier one wins
+    assert torch.equal(scan.argmax(x), x.max(dim=-1).indices)
+    assert torch.equal(scan.finite(x), torch.isfinite(x).all(dim=-1))
+    assert scan.fits(x) and not scan.fits(x.double()) and not scan.fits(x.t())

@@ -1693,3 +1693,76 @@ int loraplex_f32_panel_matmul(const float *x, int64_t x_stride, int m, int k, co
     return -1;
 }
 #endif
+
+/* ---------------------------------------------------------------------------------------------
+ * 9. loraplex_scan_rows_f32: per row of float32 logits, in one pass, the index of the maximum
+ * (the first one; a NaN counts as larger than any number, as torch's max(dim) has it) and
+ * whether every value is finite. After each step's LM head the engine asked torch for both
+ * (max(-1) and isfinite(sum(1))), two passes over [32, 49152] floats on one thread each.
+ * Either output may be NULL. Sixteen lanes keep their own first maximum (strictly larger
+ * replaces), then the lanes' largest value with the smallest index wins.
+ * --------------------------------------------------------------------------------------------- */
+#define SCAN_LANES 16
+
+static inline int scan_beats(float v, int64_t i, float best, int64_t at)
+{
+    const int v_nan = v != v, best_nan = best != best;
+    if (v_nan || best_nan) return v_nan && (!best_nan || i < at);
+    return v > best || (v == best && i < at);
+}
+
+int loraplex_scan_rows_f32(const float *x, int64_t stride, int rows, int cols, int64_t *argmax, uint8_t *finite,
+                           int num_threads)
+{
+    if (rows < 0 || cols < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * cols >= PARALLEL_MIN_ELEMS)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (int64_t)r * stride;
+        if (argmax == NULL) {  /* finiteness alone: v * 0 stays 0 unless v is infinite or NaN */
+            float z = 0.0f;
+#pragma omp simd reduction(+:z)
+            for (int c = 0; c < cols; c++) z += xr[c] * 0.0f;
+            if (finite != NULL) finite[r] = z == 0.0f;
+            continue;
+        }
+        float best[SCAN_LANES], zero[SCAN_LANES];
+        int32_t at[SCAN_LANES];
+        for (int l = 0; l < SCAN_LANES; l++) {
+            best[l] = -__builtin_inff();
+            at[l] = l;
+            zero[l] = 0.0f;
+        }
+        int c = 0;
+        for (; c + SCAN_LANES <= cols; c += SCAN_LANES) {
+#pragma omp simd
+            for (int l = 0; l < SCAN_LANES; l++) {
+                const float v = xr[c + l];
+                /* larger, or the lane's first NaN (NaN compares false both ways) */
+                const int takes = v > best[l] || (v != v && best[l] == best[l]);
+                best[l] = takes ? v : best[l];
+                at[l] = takes ? c + l : at[l];
+                zero[l] += v * 0.0f;  /* stays 0 unless some value is infinite or NaN */
+            }
+        }
+        float bv = best[0], z = zero[0];
+        int64_t bi = at[0] < cols ? at[0] : 0;
+        for (int l = 1; l < SCAN_LANES && l < cols; l++) {
+            z += zero[l];
+            if (scan_beats(best[l], at[l], bv, bi)) {
+                bv = best[l];
+                bi = at[l];
+            }
+        }
+        for (; c < cols; c++) {
+            const float v = xr[c];
+            z += v * 0.0f;
+            if (scan_beats(v, c, bv, bi)) {
+                bv = v;
+                bi = c;
+            }
+        }
+        if (argmax != NULL) argmax[r] = bi;
+        if (finite != NULL) finite[r] = z == 0.0f;
+    }
+    return 0;
+}
