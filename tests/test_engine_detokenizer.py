@@ -116,7 +116,7 @@ def _run_scripted(eng: Engine, cases: list[tuple[list[int], SamplingParams]],
                   monkeypatch) -> list[tuple[list[SeqEvent], str]]:
     """Requests whose sampled tokens are the scripts, all at once: the real steps, forward and events."""
     scripts: dict[int, list[int]] = {}
-    monkeypatch.setattr(engine_module, "sample", lambda logits, seqs: [scripts[s.seq_id].pop(0) for s in seqs])
+    monkeypatch.setattr(engine_module, "sample", lambda logits, seqs, scan=None: [scripts[s.seq_id].pop(0) for s in seqs])
     runs = []
     for ids, params in cases:
         events: list[SeqEvent] = []
