@@ -134,8 +134,7 @@ class DecoderModel:
             isinstance(getattr(lin, n), BF16Linear) for lin in self.layers for n in ("qkv", "o", "gate_up", "down"))
             and all(lin.o.bias is None and lin.down.bias is None for lin in self.layers))
         # ... and SwiGLU in the gate|up matmul's epilogue where that runs on the AMX kernel.
-        self.fused_swiglu = self.bf16_flow and all(
-            isinstance(lin.gate_up, BF16Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
+        self.fused_swiglu = self.bf16_flow and all(lin.gate_up.fuses_swiglu for lin in self.layers)
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 

@@ -54,9 +54,9 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_RANK 1024
-/* Key blocks decode attention asks for ahead of the one it computes (see attend_task). */
 /* Rows of one prefill chunk that share one widening of their keys (see decode_attention). */
 #define GROUP_ROWS 16
+/* Key blocks decode attention asks for ahead of the one it computes (see attend_task). */
 #ifndef KV_PREFETCH_BLOCKS
 #define KV_PREFETCH_BLOCKS 4
 #endif
