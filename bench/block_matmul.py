@@ -2,9 +2,11 @@
 
 The demo model's fused projection shapes (SmolLM2-135M: q|k|v 960x576, o 576x576, gate|up
 3072x576, down 576x1536) with random weights, at 1, 32 and 256 rows, each through the layer
-class the engine builds for the format (``engine.linear.make_linear``: oneDNN-prepacked float32
-and bfloat16, the native gemv for one row, the native 8-bit and 4-bit kernels). Median of
-repeated calls after a warm-up; the ratio is float32's time over the format's.
+class the engine builds for the format (``engine.linear.make_linear``: oneDNN-prepacked float32,
+bfloat16 on the native tile kernel where the CPU has AMX or AVX512-BF16, else oneDNN-prepacked,
+the native gemv for one row, the native 8-bit and 4-bit kernels), plus oneDNN's prepacked
+bfloat16 matmul beside the tile kernel. Median of repeated calls after a warm-up; the ratio is
+float32's time over the format's.
 
 Prints a table and writes ``bench/results/block_matmul.json``.
 
@@ -23,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from engine.linear import make_linear
-from engine.native import gemv_kernel, q4_matmul_kernel, q8_matmul_kernel
+from engine.linear import BF16Linear, make_linear
+from engine.native import gemv_kernel, q4_matmul_kernel, q8_matmul_kernel, tile_matmul_kernel
 from engine.quant import pack_q4, pack_q8, quantize_q4, quantize_q8
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-"""(out, in) of the demo model's fused projections."""
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+"""(out, in) of the demo model's fused projections and its LM head."""
 
 
 def timeit(fn, min_time: float) -> float:
@@ -49,7 +51,8 @@ def layers(w: torch.Tensor, pack_batch: int) -> dict[str, object]:
     gemv = gemv_kernel()
     return {
         "float32": make_linear(w, None, torch.float32, pack_batch, gemv),
-        "bfloat16": make_linear(w.bfloat16(), None, torch.float32, pack_batch, gemv),
+        "bfloat16": make_linear(w.bfloat16(), None, torch.float32, pack_batch, gemv, tile=tile_matmul_kernel()),
+        "bf16-onednn": BF16Linear(w.bfloat16(), None, pack_batch, gemv),
         "int8": make_linear(pack_q8(quantize_q8(w)), None, torch.float32, q8_kernel=q8_matmul_kernel()),
         "int4": make_linear(pack_q4(quantize_q4(w)), None, torch.float32, q4_kernel=q4_matmul_kernel()),
     }
@@ -66,8 +69,10 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     out = []
-    print(f"{'proj':>8} | {'rows':>4} | {'float32 us':>10} | {'bf16 us':>8} | {'int8 us':>8} | {'int4 us':>8} | "
-          f"{'bf16 x':>6} | {'int8 x':>6} | {'int4 x':>6}")
+    tile = tile_matmul_kernel()
+    print(f"bfloat16: {'the ' + tile.isa + ' tile kernel' if tile else 'oneDNN (no native bfloat16 kernel here)'}")
+    print(f"{'proj':>8} | {'rows':>4} | {'float32 us':>10} | {'bf16 us':>8} | {'onednn bf16 us':>14} | {'int8 us':>8} | "
+          f"{'int4 us':>8} | {'bf16 x':>6} | {'int8 x':>6} | {'int4 x':>6}")
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen) * 0.05
         for m in rows:
@@ -78,11 +83,13 @@ def main() -> int:
             row = {"projection": name, "out": n, "in": k, "rows": m, **{f"{f}_s": s for f, s in t.items()}}
             out.append(row)
             ref = t["float32"]
-            print(f"{name:>8} | {m:>4} | {ref * 1e6:>10.1f} | {t['bfloat16'] * 1e6:>8.1f} | {t['int8'] * 1e6:>8.1f} | "
+            print(f"{name:>8} | {m:>4} | {ref * 1e6:>10.1f} | {t['bfloat16'] * 1e6:>8.1f} | "
+                  f"{t['bf16-onednn'] * 1e6:>14.1f} | {t['int8'] * 1e6:>8.1f} | "
                   f"{t['int4'] * 1e6:>8.1f} | {ref / t['bfloat16']:>6.2f} | {ref / t['int8']:>6.2f} | "
                   f"{ref / t['int4']:>6.2f}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+            "bf16_kernel": tile.isa if tile else "onednn",
             "load_average": os.getloadavg()}
     (RESULTS / "block_matmul.json").write_text(json.dumps({"machine": meta, "args": vars(args), "matmuls": out,
                                                            "time": time.time()}, indent=2))

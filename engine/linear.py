@@ -9,9 +9,9 @@ Packing is CPU float32 only; elsewhere this is ``F.linear``.
 
 ``BF16Linear`` keeps the weight in bfloat16 under float32 activations (``LORAPLEX_WEIGHTS``):
 the input is rounded to bfloat16, the products summed in float32 and the sums rounded to
-bfloat16 (on AMX CPUs the native tile kernel, ``engine.native.AMXMatmul``, for every batch size;
-else oneDNN's bfloat16 matmul, prepacked, on CPUs with AVX512-BF16, and the native bfloat16
-``gemv`` for one row), then widened to float32 for the bias and the rest of the layer. Half the
+bfloat16 (on CPUs with AMX or AVX512-BF16 the native tile kernel, ``engine.native.TileMatmul``, for
+every batch size; elsewhere oneDNN's bfloat16 matmul, prepacked, and the native bfloat16 ``gemv``
+for one row), then widened to float32 for the bias and the rest of the layer. Half the
 weight bytes, and on such CPUs twice the multiply-add rate of float32.
 
 ``Int8Linear`` keeps the weight in 8 bits, one scale per block of 32 inputs (``engine.quant``,
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
 
 if TYPE_CHECKING:
-    from engine.native import AMXMatmul, PanelMatmul
+    from engine.native import PanelMatmul, TileMatmul
 
 
 @lru_cache(maxsize=1)
@@ -120,25 +120,25 @@ class BF16Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack_batch: int = 0,
                  gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                 amx: AMXMatmul | None = None) -> None:
+                 tile: TileMatmul | None = None) -> None:
         """``gemv``: as for :class:`Linear` (``engine.native.Gemv`` takes bfloat16 weights);
-        ``amx``: ``engine.native.amx_matmul_kernel()``, which then runs every batch size (the
+        ``tile``: ``engine.native.tile_matmul_kernel()``, which then runs every batch size (the
         weight packed for it instead of for oneDNN)."""
         assert weight.dtype == torch.bfloat16
         self.weight = weight
         self.bias = bias
-        self.amx = amx if amx is not None and weight.device.type == "cpu" and amx.fits(weight) else None
-        self.tiles = self.amx.pack(weight) if self.amx is not None else None
-        self.gemv = gemv if gemv is not None and weight.is_contiguous() and self.amx is None else None
+        self.tile = tile if tile is not None and weight.device.type == "cpu" and tile.fits(weight) else None
+        self.tiles = self.tile.pack(weight) if self.tile is not None else None
+        self.gemv = gemv if gemv is not None and weight.is_contiguous() and self.tile is None else None
         self.packed: torch.Tensor | None = None
-        if (pack_batch > 0 and self.amx is None and weight.device.type == "cpu"
+        if (pack_batch > 0 and self.tile is None and weight.device.type == "cpu"
                 and onednn_bf16_packing_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32, or bfloat16 (already rounded: the same result)."""
-        if self.amx is not None:
-            return self.amx(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], self.bias, torch.float32)
+        if self.tile is not None:
+            return self.tile(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], self.bias, torch.float32)
         if x.shape[0] == 1 and self.gemv is not None and x.dtype == torch.float32:
             return self.gemv(x, self.weight, self.bias)
         y = self.bf16(x).float()
@@ -148,22 +148,22 @@ class BF16Linear:
 
     @property
     def fuses_swiglu(self) -> bool:
-        """Whether :meth:`swiglu` runs (on the AMX kernel, for a weight without bias)."""
-        return self.amx is not None and self.bias is None
+        """Whether :meth:`swiglu` runs (on the tile kernel, for a weight without bias)."""
+        return self.tile is not None and self.bias is None
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """For a fused gate|up weight: ``silu(gate) * up`` in bfloat16 from the rounded sums, what
         ``FusedOps.silu_mul(self.bf16(x), n // 2, torch.bfloat16)`` returns, without the ``[m, n]``
         sums in between (:attr:`fuses_swiglu` only)."""
-        assert self.amx is not None and self.tiles is not None and self.bias is None
-        return self.amx(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], swiglu=True)
+        assert self.tile is not None and self.tiles is not None and self.bias is None
+        return self.tile(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], swiglu=True)
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 sums before the widening and the bias (for a next step that reads
         bfloat16, ``engine.native.FusedOps``): ``x`` float32 or bfloat16."""
         xb = x.to(torch.bfloat16)
-        if self.amx is not None:
-            return self.amx(xb, self.tiles, self.weight.shape[0])
+        if self.tile is not None:
+            return self.tile(xb, self.tiles, self.weight.shape[0])
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(xb.contiguous(), self.packed, None, "none", [], "")
         return F.linear(xb, self.weight)
@@ -207,11 +207,11 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
                 q8_kernel: Callable | None = None,
                 q4_kernel: Callable | None = None,
-                amx: AMXMatmul | None = None,
+                tile: TileMatmul | None = None,
                 panel: PanelMatmul | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
     ``engine.native.q8_matmul_kernel()`` for an 8-bit ``weight``, ``q4_kernel``: ``engine.native.q4_matmul_kernel()``
-    for a 4-bit one, ``amx``: ``engine.native.amx_matmul_kernel()`` for a bfloat16 one, ``panel``:
+    for a 4-bit one, ``tile``: ``engine.native.tile_matmul_kernel()`` for a bfloat16 one, ``panel``:
     ``engine.native.panel_matmul_kernel()`` for a float32 one)."""
     if isinstance(weight, PackedQ8 | PackedQ4):
         if activations != torch.float32 or weight.q.device.type != "cpu":
@@ -220,5 +220,5 @@ def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor |
             return Int4Linear(weight, bias, q4_kernel)
         return Int8Linear(weight, bias, q8_kernel)
     if weight.dtype == torch.bfloat16 and activations == torch.float32:
-        return BF16Linear(weight, bias, pack_batch, gemv, amx)
+        return BF16Linear(weight, bias, pack_batch, gemv, tile)
     return Linear(weight, bias, pack_batch, gemv, panel)

@@ -43,12 +43,11 @@ from engine.kv_cache import KVCache
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
-    AMXMatmul,
     BlockMatmul,
     FusedOps,
     Gemv,
     PanelMatmul,
-    amx_matmul_kernel,
+    TileMatmul,
     decode_attention_kernel,
     fused_ops,
     gemv_kernel,
@@ -56,6 +55,7 @@ from engine.native import (
     q4_matmul_kernel,
     q8_matmul_kernel,
     row_scan_kernel,
+    tile_matmul_kernel,
 )
 from engine.quant import INT4, QUANTIZED
 from engine.rotary import RotaryEmbedding
@@ -66,12 +66,12 @@ log = logging.getLogger("loraplex.engine.model")
 
 class _LayerLinears:
     def __init__(self, lw: LayerWeights, act: torch.dtype, pack_batch: int, gemv: Gemv | None,
-                 q8: BlockMatmul | None, q4: BlockMatmul | None, amx: AMXMatmul | None,
+                 q8: BlockMatmul | None, q4: BlockMatmul | None, tile: TileMatmul | None,
                  panel: PanelMatmul | None) -> None:
-        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4, amx, panel)
-        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4, amx, panel)
-        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4, amx, panel)
-        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4, amx, panel)
+        self.qkv = make_linear(lw.qkv, lw.qkv_bias, act, pack_batch, gemv, q8, q4, tile, panel)
+        self.o = make_linear(lw.o, None, act, pack_batch, gemv, q8, q4, tile, panel)
+        self.gate_up = make_linear(lw.gate_up, None, act, pack_batch, gemv, q8, q4, tile, panel)
+        self.down = make_linear(lw.down, None, act, pack_batch, gemv, q8, q4, tile, panel)
 
 
 class DecoderModel:
@@ -114,12 +114,12 @@ class DecoderModel:
         if quantized and q8 is None:
             log.warning("%s weights without the native kernels: their matmuls run in torch, several times slower",
                         name)
-        # bfloat16 matrices on AMX: every batch size through the native tile kernel.
-        amx = amx_matmul_kernel() if native_kernels and cpu_f32 else None
+        # bfloat16 matrices on AMX or AVX512-BF16: every batch size through the native tile kernel.
+        tile = tile_matmul_kernel() if native_kernels and cpu_f32 else None
         # float32 matrices on AVX2 without AVX-512: decode batches through the native panel kernel.
         panel = panel_matmul_kernel() if native_kernels and cpu_f32 else None
-        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, amx, panel) for lw in self.w.layers]
-        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, amx=amx,
+        self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, tile, panel) for lw in self.w.layers]
+        self.lm_head: Linear | BF16Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, tile=tile,
                                                         panel=panel)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
@@ -133,7 +133,7 @@ class DecoderModel:
         self.bf16_flow = (isinstance(self.ops, FusedOps) and all(
             isinstance(getattr(lin, n), BF16Linear) for lin in self.layers for n in ("qkv", "o", "gate_up", "down"))
             and all(lin.o.bias is None and lin.down.bias is None for lin in self.layers))
-        # ... and SwiGLU in the gate|up matmul's epilogue where that runs on the AMX kernel.
+        # ... and SwiGLU in the gate|up matmul's epilogue where that runs on the tile kernel.
         self.fused_swiglu = self.bf16_flow and all(lin.gate_up.fuses_swiglu for lin in self.layers)
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)

@@ -58,8 +58,8 @@ _SIGNATURES = {
     "loraplex_f32_panel_available": [],
     "loraplex_f32_panel_pack": [_ptr, _int, _int, _ptr],
     "loraplex_f32_panel_matmul": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int],
-    "loraplex_amx_init": [],
-    "loraplex_amx_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
+    "loraplex_tile_matmul_init": [],
+    "loraplex_tile_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
     "loraplex_scan_rows_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _int],
 }
 
@@ -442,11 +442,12 @@ def q4_matmul_kernel() -> BlockMatmul | None:
     return BlockMatmul(lib.loraplex_q4_matmul_f32, "m", 4) if lib is not None else None
 
 
-class AMXMatmul:
-    """``y = x @ W.T`` for bfloat16 ``x`` and ``W`` on AMX tiles (``engine/csrc``, section 7): the
-    float32 sums rounded to bfloat16, as oneDNN's bfloat16 matmul rounds them (the same values:
-    the same products summed in the same order), returned in bfloat16, or widened to float32
-    plus a bias. ``W`` is packed once (:meth:`pack`) into the tiles' layout.
+class TileMatmul:
+    """``y = x @ W.T`` for bfloat16 ``x`` and ``W`` (``engine/csrc``, section 7), on AMX tiles or,
+    on CPUs with AVX512-BF16 but no AMX, on ``vdpbf16ps``: the float32 sums rounded to bfloat16, as
+    oneDNN's bfloat16 matmul rounds them (the same products summed in the same order), returned in
+    bfloat16, or widened to float32 plus a bias. ``W`` is packed once (:meth:`pack`) into AMX's
+    tile layout, which is also one ``vdpbf16ps`` operand per tile row.
 
     Against oneDNN's prepacked bfloat16 matmul on 2 threads of an AMX Xeon, weights streamed
     from memory: 1.3-1.5x faster at 32 rows (27-30 GB/s of weights against 20), twice as fast
@@ -455,8 +456,10 @@ class AMXMatmul:
     BLOCK = 32
     """``W``'s rows (outputs) and columns (inputs) must be multiples of this."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_amx_matmul_bf16
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self._fn = lib.loraplex_tile_matmul_bf16
+        self.isa = isa
+        """``amx`` or ``avx512_bf16``: the build that runs."""
 
     @classmethod
     def fits(cls, weight: torch.Tensor) -> bool:
@@ -487,22 +490,23 @@ class AMXMatmul:
                       bias.data_ptr() if bias is not None else None, y.data_ptr(), cols,
                       out_dtype == torch.bfloat16, swiglu, torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"native AMX matmul failed ({rc}): {m}x{k} by {n}x{k}")
+            raise RuntimeError(f"native {self.isa} matmul failed ({rc}): {m}x{k} by {n}x{k}")
         return y
 
 
 @lru_cache(maxsize=1)
-def amx_matmul_kernel() -> AMXMatmul | None:
-    """The AMX bfloat16 matmul where this build has it (``-march=native`` on a CPU with AMX-BF16)
-    and the kernel grants this process AMX state; else None."""
+def tile_matmul_kernel() -> TileMatmul | None:
+    """The native bfloat16 matmul where this build has it (``-march=native`` on a CPU with AMX-BF16,
+    and the kernel grants this process AMX state, or with AVX512-BF16); else None."""
     lib = _library()
-    if lib is None or lib.loraplex_amx_init() != 0:
+    isa = {1: "amx", 2: "avx512_bf16"}.get(lib.loraplex_tile_matmul_init()) if lib is not None else None
+    if isa is None:
         return None
-    kernel = AMXMatmul(lib)
+    kernel = TileMatmul(lib, isa)
     w = torch.randn(32, 64).bfloat16()  # one check that the tiles compute what oneDNN would
     x = torch.randn(3, 64).bfloat16()
     if not torch.allclose(kernel(x, kernel.pack(w), 32, out_dtype=torch.float32),
                           (x.float() @ w.float().T).bfloat16().float(), rtol=1e-2, atol=1e-2):
-        log.warning("native AMX matmul disagrees with torch; not used")
+        log.warning("native %s matmul disagrees with torch; not used", isa)
         return None
     return kernel

@@ -299,72 +299,72 @@ def test_kernel_prefill_chunks_match_reference(kv_dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 301])
 @pytest.mark.parametrize(("n_out", "n_in"), [(64, 32), (96, 576), (576, 1536)])
-def test_amx_matmul_rounds_like_onednn(rows, n_out, n_in):
-    """The AMX tile kernel: every batch size (partial 16- and 32-row blocks, several column
-    chunks), bfloat16 out as oneDNN's bfloat16 matmul writes it, float32 out as that widened plus
-    the bias."""
-    from engine.linear import cpu_flags
+def test_tile_matmul_rounds_like_onednn(rows, n_out, n_in):
+    """The native bfloat16 tile kernel (AMX or AVX512-BF16): every batch size (partial row blocks
+    of either build, several column chunks, rows split between threads from 256 rows on 2),
+    bfloat16 out as oneDNN's bfloat16 matmul writes it, float32 out as that widened plus the bias."""
+    from engine.linear import cpu_has_bf16_matmul
 
-    if "amx_bf16" not in cpu_flags():
-        pytest.skip("this CPU has no AMX-BF16")
-    amx = native.amx_matmul_kernel()
-    assert amx is not None, "AMX-BF16 CPU: the native kernel must build and run"
+    if not cpu_has_bf16_matmul():
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
+    tk = native.tile_matmul_kernel()
+    assert tk is not None, "AMX-BF16 or AVX512-BF16 CPU: the native kernel must build and run"
     gen = torch.Generator().manual_seed(rows * 7 + n_out)
     w = torch.randn(n_out, n_in, generator=gen).bfloat16()
     b = torch.randn(n_out, generator=gen)
     wide = torch.randn(rows, n_in + 32, generator=gen).bfloat16()
     x = wide[:, :n_in]  # row-strided, as a slice of a wider buffer
-    tiles = amx.pack(w)
-    y16 = amx(x, tiles, n_out)
+    tiles = tk.pack(w)
+    y16 = tk(x, tiles, n_out)
     expect = torch.nn.functional.linear(x, w)  # oneDNN's bfloat16 matmul
     exact = x.double() @ w.double().T
     assert y16.dtype == torch.bfloat16 and y16.shape == (rows, n_out)
     assert ((y16.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-5).all()
     assert (y16 == expect).float().mean() > 0.99  # the same sums, rounded the same way
-    y32 = amx(x, tiles, n_out, b, torch.float32)
+    y32 = tk(x, tiles, n_out, b, torch.float32)
     assert torch.equal(y32, y16.float() + b)
 
 
 
-@pytest.mark.parametrize("rows", [1, 7, 17, 32, 45, 100])
+@pytest.mark.parametrize("rows", [1, 7, 17, 32, 45, 100, 301])
 @pytest.mark.parametrize(("inter", "n_in"), [(16, 32), (48, 96), (1536, 576)])
-def test_amx_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):
-    """SwiGLU in the AMX kernel's epilogue (gate block p with up block p + n/32): bit for bit what
+def test_tile_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):
+    """SwiGLU in the tile kernel's epilogue (gate block p with up block p + n/32): bit for bit what
     the bfloat16 gate|up matmul followed by ``FusedOps.silu_mul`` computes, in both out dtypes;
     and the model's gate|up linear fuses it."""
-    from engine.linear import BF16Linear, cpu_flags
+    from engine.linear import BF16Linear, cpu_has_bf16_matmul
 
-    if "amx_bf16" not in cpu_flags():
-        pytest.skip("this CPU has no AMX-BF16")
-    amx, ops = native.amx_matmul_kernel(), native.fused_ops()
-    assert amx is not None and ops is not None
+    if not cpu_has_bf16_matmul():
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
+    tk, ops = native.tile_matmul_kernel(), native.fused_ops()
+    assert tk is not None and ops is not None
     gen = torch.Generator().manual_seed(rows + inter)
     w = (torch.randn(2 * inter, n_in, generator=gen) * 0.2).bfloat16()
     x = torch.randn(rows, n_in + 32, generator=gen).bfloat16()[:, :n_in]
-    tiles = amx.pack(w)
-    sums = amx(x, tiles, 2 * inter)
+    tiles = tk.pack(w)
+    sums = tk(x, tiles, 2 * inter)
     for dt in (torch.bfloat16, torch.float32):
-        got = amx(x, tiles, 2 * inter, out_dtype=dt, swiglu=True)
+        got = tk(x, tiles, 2 * inter, out_dtype=dt, swiglu=True)
         assert got.shape == (rows, inter) and got.dtype == dt
         assert torch.equal(got, ops.silu_mul(sums, inter, dt))
-    lin = BF16Linear(w, None, amx=amx)
-    assert lin.fuses_swiglu and not BF16Linear(w, torch.zeros(2 * inter), amx=amx).fuses_swiglu
+    lin = BF16Linear(w, None, tile=tk)
+    assert lin.fuses_swiglu and not BF16Linear(w, torch.zeros(2 * inter), tile=tk).fuses_swiglu
     assert torch.equal(lin.swiglu(x), ops.silu_mul(lin.bf16(x), inter, torch.bfloat16))
     reference = torch.nn.functional.silu(sums[:, :inter].float()) * sums[:, inter:].float()
     torch.testing.assert_close(lin.swiglu(x).float(), reference, rtol=2 ** -7, atol=1e-3)
 
-def test_bf16_linear_runs_every_batch_size_on_amx():
-    from engine.linear import BF16Linear, cpu_flags
+def test_bf16_linear_runs_every_batch_size_on_the_tile_kernel():
+    from engine.linear import BF16Linear, cpu_has_bf16_matmul
 
-    if "amx_bf16" not in cpu_flags():
-        pytest.skip("this CPU has no AMX-BF16")
+    if not cpu_has_bf16_matmul():
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
     w = torch.randn(64, 96).bfloat16()
-    lin = BF16Linear(w, torch.randn(64), pack_batch=32, gemv=native.gemv_kernel(), amx=native.amx_matmul_kernel())
-    assert lin.amx is not None and lin.packed is None and lin.gemv is None  # one packed copy, not two
-    odd = BF16Linear(torch.randn(48, 96).bfloat16(), None, amx=native.amx_matmul_kernel())
-    assert odd.amx is None  # 48 outputs: not a multiple of 32, oneDNN's path
+    lin = BF16Linear(w, torch.randn(64), pack_batch=32, gemv=native.gemv_kernel(), tile=native.tile_matmul_kernel())
+    assert lin.tile is not None and lin.packed is None and lin.gemv is None  # one packed copy, not two
+    odd = BF16Linear(torch.randn(48, 96).bfloat16(), None, tile=native.tile_matmul_kernel())
+    assert odd.tile is None  # 48 outputs: not a multiple of 32, oneDNN's path
     for rows in (1, 5, 40):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(lin(x), (x.bfloat16().float() @ w.float().T) + lin.bias, rtol=1e-2, atol=1e-2)

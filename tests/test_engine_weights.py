@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import BF16Linear, Linear, cpu_flags
+from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul
 from engine.native import gemv_kernel
 from engine.scoring import agreement, forced_logits
 from engine.sequence import SamplingParams
@@ -106,7 +106,7 @@ def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_wor
     assert not tiny_engine(base_dir).model.bf16_flow
     prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(5)).tolist()
     narrow = forced_logits(engine, prompt, 17)
-    if "amx_bf16" in cpu_flags():  # SwiGLU in the gate|up matmul's epilogue: the same bits again
+    if cpu_has_bf16_matmul():  # SwiGLU in the gate|up matmul's epilogue: the same bits again
         assert engine.model.fused_swiglu
         engine.model.fused_swiglu = False
         assert torch.equal(forced_logits(engine, prompt, 17), narrow)

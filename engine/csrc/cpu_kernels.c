@@ -38,7 +38,7 @@
  *
  * 5.-6. loraplex_q8_matmul_f32 / loraplex_q4_matmul_f32: 8- and 4-bit weight matmuls.
  *
- * 7. loraplex_amx_matmul_bf16: bfloat16 matmul on AMX tiles, any batch size.
+ * 7. loraplex_tile_matmul_bf16: bfloat16 matmul on AMX tiles or AVX512-BF16, any batch size.
  *
  * 8. loraplex_f32_panel_matmul: float32 matmul for a few rows (decode batches) on AVX2 CPUs
  *    without AVX-512, with the weights packed once into panels of 16 output columns.
@@ -1382,17 +1382,22 @@ int loraplex_q4_matmul_f32(
 }
 
 /* ---------------------------------------------------------------------------------------------
- * 7. loraplex_amx_matmul_bf16: y = x W^T for bfloat16 x and W on AMX tiles (float32 sums).
+ * 7. loraplex_tile_matmul_bf16: y = x W^T for bfloat16 x and W (float32 sums), any batch size,
+ *    on AMX tiles, or with AVX512-BF16's vdpbf16ps on CPUs without AMX (AMD Zen 4 and later).
  *
- * W [n, k] is packed once (engine.native.AMXMatmul.pack) into 16 x 32 tiles in AMX's pair
+ * W [n, k] is packed once (engine.native.TileMatmul.pack) into 16 x 32 tiles in AMX's pair
  * layout: tile (nb, kb), for output columns 16 nb .. 16 nb + 15 and inputs 32 kb .. 32 kb + 31,
  * holds at row r, column c, lane j the weight W[16 nb + c][32 kb + 2 r + j] (1 KiB, contiguous;
  * a column block's tiles follow each other, so a block streams as one run of memory). Each thread
- * takes pairs of column blocks (32 outputs) and runs every 32-row block of x through them: four
- * 16 x 16 float32 accumulator tiles, two tiles of x (16 rows x 32 inputs each, loaded in place
- * from x's rows) and two of W per step of 32 inputs. The sums are rounded to bfloat16 (as
- * oneDNN's bfloat16 matmul rounds its output) and written as bfloat16, or widened back to
- * float32 plus ``bias``. k and n must be multiples of 32.
+ * takes pairs of column blocks (32 outputs) and runs every TILE_ROWS-row block of x through them.
+ *  - AMX: four 16 x 16 float32 accumulator tiles, two tiles of x (16 rows x 32 inputs each, loaded
+ *    in place from x's rows) and two of W per step of 32 inputs.
+ *  - AVX512-BF16: a tile's row r (16 columns x inputs 2r, 2r + 1) is exactly one vdpbf16ps operand
+ *    against a broadcast of an x row's input pair, so up to 12 rows x 2 column blocks accumulate in
+ *    24 zmm registers while the pair's two blocks stream past once.
+ * Either way the sums over the inputs run in order, pair by pair, as oneDNN's bfloat16 matmul sums
+ * them; they are rounded to bfloat16 (as that matmul rounds its output) and written as bfloat16,
+ * or widened back to float32 plus ``bias``. k and n must be multiples of 32.
  *
  * With ``swiglu`` set, W is a fused gate|up projection (gate rows 0 .. n/2 - 1, up rows n/2 ..
  * n - 1) and the kernel writes SwiGLU's product instead of the sums: pair p is gate block p with
@@ -1400,22 +1405,23 @@ int loraplex_q4_matmul_f32(
  * math of loraplex_silu_mul_f32, so the same numbers as the matmul followed by it), without
  * writing the [m, n] sums or reading them back.
  *
- * Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
- * loraplex_amx_init asks for it once; without it the first tile instruction would fault.
+ * loraplex_tile_matmul_init says which build runs: 1 AMX, 2 AVX512-BF16, -1 neither. Linux hands
+ * AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): init asks for it once;
+ * without it the first tile instruction would fault.
  * --------------------------------------------------------------------------------------------- */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_CHUNK 8
+#define TILE_ROWS 32
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 2
 #endif
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-int loraplex_amx_init(void)
+int loraplex_tile_matmul_init(void)
 {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
 }
 
 struct amx_config {
@@ -1441,11 +1447,124 @@ static void amx_configure(int m0, int m1)
     _tile_loadconfig(&cfg);
 }
 
-/* SwiGLU of a gate block ``g`` and its up block ``u`` (16 x 16 float32 sums each) into y's columns
+/* ``rows`` (1..32) rows of x from ``xa`` against column blocks ``b0`` and ``b1``: the float32 sums
+ * into c0 and c1 (16 per row). ``configured``: this thread's loaded tile configuration. */
+static inline void tile_pair(const uint16_t *xa, int64_t x_stride, int rows, int kbs, const uint16_t *b0,
+                             const uint16_t *b1, float *c0, float *c1, int *configured)
+{
+    const int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
+    const int64_t xs_bytes = x_stride * (int64_t)sizeof(uint16_t);
+    if (*configured != m0 * 64 + m1) {
+        amx_configure(m0, m1);
+        *configured = m0 * 64 + m1;
+    }
+    const uint16_t *xb = xa + 16 * x_stride;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (m1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    /* Each load right before the first product that reads it (tiles are not renamed: a load
+     * waits for the products still reading the tile's last contents), and W's tiles asked for
+     * ahead: a 32-row LM head (49152 x 576) went from 290-300 to 390-430 GFLOP/s on 2 threads of
+     * a Sapphire Rapids, a 32-row gate|up by ~10%. */
+    for (int kb = 0; kb < kbs; kb++) {
+        /* W's tiles AMX_PREFETCH steps ahead into L1: a tile load that misses stalls the products
+         * behind it (past the block's end: the next block's first tiles) */
+        const char *n0 = (const char *)(b0 + (int64_t)(kb + AMX_PREFETCH) * 512);
+        const char *n1 = (const char *)(b1 + (int64_t)(kb + AMX_PREFETCH) * 512);
+        for (int c = 0; c < 1024; c += 64) {
+            _mm_prefetch(n0 + c, _MM_HINT_T0);
+            _mm_prefetch(n1 + c, _MM_HINT_T0);
+        }
+        _tile_loadd(4, xa + kb * 32, xs_bytes);
+        _tile_loadd(6, b0 + (int64_t)kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + (int64_t)kb * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (m1) {
+            _tile_loadd(5, xb + kb * 32, xs_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+    if (m1) {
+        _tile_stored(2, c0 + 256, 64);
+        _tile_stored(3, c1 + 256, 64);
+    }
+}
+
+static inline void tile_done(int configured)
+{
+    if (configured >= 0) _tile_release();
+}
+#elif defined(__AVX512BF16__)
+#define TILE_ROWS 12
+/* Tiles of W asked for ahead into L1, one tile row per input pair (one tile ahead: 6-8% on a
+ * Zen 4 core at 32 and 256 rows). */
+#ifndef DP_PREFETCH
+#define DP_PREFETCH 1
+#endif
+
+int loraplex_tile_matmul_init(void) { return 2; }
+
+/* ``rows`` (constant at each call) rows of x against column blocks ``b0`` and ``b1``: 2 x rows
+ * accumulators; per input pair, one load of each block's tile row and one broadcast per x row. */
+static inline __attribute__((always_inline)) void dp_pair(const uint16_t *xa, int64_t x_stride, const int rows,
+                                                          int kbs, const uint16_t *b0, const uint16_t *b1,
+                                                          float *c0, float *c1)
+{
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int i = 0; i < rows; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int kb = 0; kb < kbs; kb++) {
+        const uint16_t *w0 = b0 + (int64_t)kb * 512, *w1 = b1 + (int64_t)kb * 512, *xk = xa + kb * 32;
+        for (int r = 0; r < 16; r++) {
+            _mm_prefetch((const char *)(w0 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + 32 * r);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + 32 * r);
+            for (int i = 0; i < rows; i++) {
+                int32_t pair;
+                memcpy(&pair, xk + i * x_stride + 2 * r, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                a0[i] = _mm512_dpbf16_ps(a0[i], xb, v0);
+                a1[i] = _mm512_dpbf16_ps(a1[i], xb, v1);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm512_storeu_ps(c0 + 16 * i, a0[i]);
+        _mm512_storeu_ps(c1 + 16 * i, a1[i]);
+    }
+}
+
+static inline void tile_pair(const uint16_t *xa, int64_t x_stride, int rows, int kbs, const uint16_t *b0,
+                             const uint16_t *b1, float *c0, float *c1, int *configured)
+{
+    (void)configured;
+    switch (rows) {
+#define DP_ROWS(r) case r: dp_pair(xa, x_stride, r, kbs, b0, b1, c0, c1); break;
+    DP_ROWS(1) DP_ROWS(2) DP_ROWS(3) DP_ROWS(4) DP_ROWS(5) DP_ROWS(6)
+    DP_ROWS(7) DP_ROWS(8) DP_ROWS(9) DP_ROWS(10) DP_ROWS(11) DP_ROWS(12)
+#undef DP_ROWS
+    }
+}
+
+static inline void tile_done(int configured) { (void)configured; }
+#endif
+
+#ifdef TILE_ROWS
+#define TILE_CHUNK 8
+#define TILE_SPLIT_ROWS 128
+
+/* SwiGLU of a gate block ``g`` and its up block ``u`` (float32 sums, 16 per row) into y's columns
  * cols0 .. cols0 + 15, bfloat16 or float32: the sums rounded to bfloat16 first, as the unfused
  * matmul's output would be. */
-static inline void amx_store_swiglu(const float *g, const float *u, int rows, int cols0, void *y,
-                                    int64_t y_stride, int64_t r0, int y_bf16)
+static inline void tile_store_swiglu(const float *g, const float *u, int rows, int cols0, void *y,
+                                     int64_t y_stride, int64_t r0, int y_bf16)
 {
     for (int r = 0; r < rows; r++) {
         const float *gr = g + r * 16, *ur = u + r * 16;
@@ -1463,8 +1582,8 @@ static inline void amx_store_swiglu(const float *g, const float *u, int rows, in
     }
 }
 
-static inline void amx_store_block(const float *c, int rows, int cols0, const float *bias, void *y,
-                                   int64_t y_stride, int64_t r0, int y_bf16)
+static inline void tile_store_block(const float *c, int rows, int cols0, const float *bias, void *y,
+                                    int64_t y_stride, int64_t r0, int y_bf16)
 {
     for (int r = 0; r < rows; r++) {
         const float *cr = c + r * 16;
@@ -1481,7 +1600,7 @@ static inline void amx_store_block(const float *c, int rows, int cols0, const fl
     }
 }
 
-int loraplex_amx_matmul_bf16(
+int loraplex_tile_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
     const float *bias, void *y, int64_t y_stride, int y_bf16, int swiglu, int num_threads)
 {
@@ -1489,87 +1608,46 @@ int loraplex_amx_matmul_bf16(
      * (rows y_stride apart); wt as packed for n outputs and k inputs. */
     if (k % 32 != 0 || n % 32 != 0 || m < 1 || num_threads < 1 || (swiglu && bias != NULL)) return -1;
     const int kbs = k / 32, pairs = n / 32;
-    const int64_t xs_bytes = x_stride * (int64_t)sizeof(uint16_t);
-    /* Chunks of up to AMX_CHUNK column pairs, a whole number per thread: a chunk's W tiles stay in
-     * L2 while every 32-row block of x passes through them, so x is read once per chunk rather
-     * than once per pair (1000 rows through gate|up: 1.9 ms before, 1.56 ms with chunks of 8). */
-    const int chunks = num_threads * ((pairs + num_threads * AMX_CHUNK - 1) / (num_threads * AMX_CHUNK));
+    /* Chunks of up to TILE_CHUNK column pairs: a chunk's W tiles stay in L2 while every row block
+     * of x passes through them, so x is read once per chunk rather than once per pair (AMX, 1000
+     * rows through gate|up: 1.9 ms before, 1.56 ms with chunks of 8). Work items are (chunk, row
+     * part): a few rows split by column chunks, a whole number per thread; from TILE_SPLIT_ROWS
+     * rows per thread on, by rows, each thread taking all chunks of its rows (Zen 4, 2 threads:
+     * 3200 x 576 x 1536 took 15.2 ms split by columns, 13.9 split by rows; oneDNN 13.3). */
+    const int rparts = m >= TILE_SPLIT_ROWS * num_threads ? num_threads : 1;
+    const int per_thread = rparts > 1 ? 1 : num_threads;
+    const int chunks = per_thread * ((pairs + per_thread * TILE_CHUNK - 1) / (per_thread * TILE_CHUNK));
     const int per_chunk = (pairs + chunks - 1) / chunks;
+    const int rstep = ((m + rparts - 1) / rparts + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
 #pragma omp parallel num_threads(num_threads)
     {
-        float c[4][256];
-        int configured = -1;  /* m0 * 64 + m1 of the loaded configuration */
+        float c0[TILE_ROWS * 16], c1[TILE_ROWS * 16];
+        int configured = -1;
 #pragma omp for schedule(static)
-        for (int ch = 0; ch < chunks; ch++)
-        for (int r0 = 0; r0 < m; r0 += 32)
+        for (int it = 0; it < rparts * chunks; it++) {
+        const int ch = it % chunks, rbeg = it / chunks * rstep, rend = rbeg + rstep < m ? rbeg + rstep : m;
+        for (int r0 = rbeg; r0 < rend; r0 += TILE_ROWS)
         for (int p = ch * per_chunk; p < (ch + 1) * per_chunk && p < pairs; p++) {
             const uint16_t *b0 = wt + (int64_t)(swiglu ? p : 2 * p) * kbs * 512,
                            *b1 = b0 + (int64_t)(swiglu ? pairs : 1) * kbs * 512;
-            {
-                const int m0 = m - r0 < 16 ? m - r0 : 16;
-                const int m1 = m - r0 - m0 < 16 ? m - r0 - m0 : 16;
-                if (configured != m0 * 64 + m1) {
-                    amx_configure(m0, m1);
-                    configured = m0 * 64 + m1;
-                }
-                const uint16_t *xa = x + (int64_t)r0 * x_stride, *xb = xa + 16 * x_stride;
-                _tile_zero(0);
-                _tile_zero(1);
-                if (m1) {
-                    _tile_zero(2);
-                    _tile_zero(3);
-                }
-                /* Each load right before the first product that reads it (tiles are not renamed:
-                 * a load waits for the products still reading the tile's last contents), and W's
-                 * tiles asked for ahead: a 32-row LM head (49152 x 576) went from 290-300 to
-                 * 390-430 GFLOP/s on 2 threads of a Sapphire Rapids, a 32-row gate|up by ~10%. */
-                for (int kb = 0; kb < kbs; kb++) {
-                    /* W's tiles AMX_PREFETCH steps ahead into L1: a tile load that misses stalls
-                     * the products behind it (past the block's end: the next block's first tiles) */
-                    const char *n0 = (const char *)(b0 + (int64_t)(kb + AMX_PREFETCH) * 512);
-                    const char *n1 = (const char *)(b1 + (int64_t)(kb + AMX_PREFETCH) * 512);
-                    for (int c = 0; c < 1024; c += 64) {
-                        _mm_prefetch(n0 + c, _MM_HINT_T0);
-                        _mm_prefetch(n1 + c, _MM_HINT_T0);
-                    }
-                    _tile_loadd(4, xa + kb * 32, xs_bytes);
-                    _tile_loadd(6, b0 + (int64_t)kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(7, b1 + (int64_t)kb * 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (m1) {
-                        _tile_loadd(5, xb + kb * 32, xs_bytes);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                if (m1) {
-                    _tile_stored(2, c[2], 64);
-                    _tile_stored(3, c[3], 64);
-                }
-                if (swiglu) {
-                    amx_store_swiglu(c[0], c[1], m0, 16 * p, y, y_stride, r0, y_bf16);
-                    if (m1) amx_store_swiglu(c[2], c[3], m1, 16 * p, y, y_stride, r0 + 16, y_bf16);
-                } else {
-                    amx_store_block(c[0], m0, 32 * p, bias, y, y_stride, r0, y_bf16);
-                    amx_store_block(c[1], m0, 32 * p + 16, bias, y, y_stride, r0, y_bf16);
-                    if (m1) {
-                        amx_store_block(c[2], m1, 32 * p, bias, y, y_stride, r0 + 16, y_bf16);
-                        amx_store_block(c[3], m1, 32 * p + 16, bias, y, y_stride, r0 + 16, y_bf16);
-                    }
-                }
+            const int rows = rend - r0 < TILE_ROWS ? rend - r0 : TILE_ROWS;
+            tile_pair(x + (int64_t)r0 * x_stride, x_stride, rows, kbs, b0, b1, c0, c1, &configured);
+            if (swiglu) {
+                tile_store_swiglu(c0, c1, rows, 16 * p, y, y_stride, r0, y_bf16);
+            } else {
+                tile_store_block(c0, rows, 32 * p, bias, y, y_stride, r0, y_bf16);
+                tile_store_block(c1, rows, 32 * p + 16, bias, y, y_stride, r0, y_bf16);
             }
         }
-        if (configured >= 0) _tile_release();
+        }
+        tile_done(configured);
     }
     return 0;
 }
 #else
-int loraplex_amx_init(void) { return -1; }
+int loraplex_tile_matmul_init(void) { return -1; }
 
-int loraplex_amx_matmul_bf16(
+int loraplex_tile_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
     const float *bias, void *y, int64_t y_stride, int y_bf16, int swiglu, int num_threads)
 {
