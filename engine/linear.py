@@ -195,6 +195,17 @@ class Int8Linear(BlockLinear):
 
     reference = staticmethod(q8_matmul_reference)
 
+    @property
+    def fuses_swiglu(self) -> bool:
+        """Whether :meth:`swiglu` runs (the native kernel's fused SwiGLU, for a weight without bias)."""
+        return self.kernel is not None and self.bias is None and self.kernel.fuses_swiglu(self.weight)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """For a fused gate|up weight: ``silu(gate) * up``, what ``FusedOps.silu_mul(self(x), n // 2)``
+        returns, without the ``[m, n]`` sums in between (:attr:`fuses_swiglu` only)."""
+        assert self.fuses_swiglu
+        return self.kernel.swiglu(x, self.weight)  # type: ignore[union-attr]
+
 
 class Int4Linear(BlockLinear):
     """4-bit ``W`` (:class:`engine.quant.PackedQ4`); ``kernel``: ``engine.native.q4_matmul_kernel()``."""

@@ -40,7 +40,7 @@ from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
-from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
+from engine.linear import BF16Linear, Int8Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
     BlockMatmul,
@@ -135,6 +135,10 @@ class DecoderModel:
             and all(lin.o.bias is None and lin.down.bias is None for lin in self.layers))
         # ... and SwiGLU in the gate|up matmul's epilogue where that runs on the tile kernel.
         self.fused_swiglu = self.bf16_flow and all(lin.gate_up.fuses_swiglu for lin in self.layers)
+        # 8-bit weights: SwiGLU in the gate|up matmul's epilogue for steps without LoRA rows (the
+        # float32 math of FusedOps.silu_mul on the same sums: the same numbers).
+        self.q8_swiglu = isinstance(self.ops, FusedOps) and all(
+            isinstance(lin.gate_up, Int8Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -191,6 +195,9 @@ class DecoderModel:
             if lora is not None:
                 lora.apply_many(i, a, (("o_proj", o),))
             x = ops.add_rms_norm(h, o, lw.post_norm, eps)
+            if lora is None and self.q8_swiglu:
+                delta = lin.down(lin.gate_up.swiglu(x))
+                continue
             gu = lin.gate_up(x)
             gate, up = gu[:, :inter], gu[:, inter:]
             if lora is not None:

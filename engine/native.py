@@ -54,6 +54,7 @@ _SIGNATURES = {
     "loraplex_rope_store_f32": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64,
                                 _ptr, _int, _int, _int, _int, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
+    "loraplex_q8_swiglu_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _int],
     "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_f32_panel_available": [],
     "loraplex_f32_panel_pack": [_ptr, _int, _int, _ptr],
@@ -406,18 +407,21 @@ class BlockMatmul:
     """``x @ W.T + bias`` for float32 rows ``x`` and a ``W`` in blocks of 32 inputs packed by
     ``engine.quant`` (8-bit ``pack_q8``, 4-bit ``pack_q4``): the activations quantized per row
     and block of 32; see ``engine/csrc/cpu_kernels.c``. ``extra``: the packed weight's third
-    array (the 8-bit compensations ``comp``, the 4-bit offsets ``m``)."""
+    array (the 8-bit compensations ``comp``, the 4-bit offsets ``m``). ``swiglu_fn``: the
+    kernel's fused SwiGLU entry point, where it has one (8 bits on AVX512-VNNI)."""
 
-    def __init__(self, fn: Callable[..., int], extra: str, bits: int) -> None:
-        self._fn, self._extra, self._bits = fn, extra, bits
+    def __init__(self, fn: Callable[..., int], extra: str, bits: int, swiglu_fn: Callable[..., int] | None = None) -> None:
+        self._fn, self._extra, self._bits, self._swiglu_fn = fn, extra, bits, swiglu_fn
+
+    def _check(self, x: torch.Tensor, w: PackedQ8 | PackedQ4) -> torch.Tensor:
+        assert x.shape[1] == w.in_features and x.dtype == torch.float32 and x.device.type == "cpu"
+        return x if x.stride(1) == 1 else x.contiguous()
 
     def __call__(self, x: torch.Tensor, w: PackedQ8 | PackedQ4, bias: torch.Tensor | None) -> torch.Tensor:
-        m, k = x.shape
-        assert k == w.in_features and x.dtype == torch.float32 and x.device.type == "cpu"
+        x = self._check(x, w)
         assert bias is None or (bias.is_contiguous() and bias.shape == (w.out_features,)
                                 and bias.dtype == torch.float32)
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        m, k = x.shape
         y = x.new_empty((m, w.out_features))
         if m == 0:
             return y
@@ -429,11 +433,33 @@ class BlockMatmul:
             raise MemoryError(f"native {self._bits}-bit matmul: no memory for the quantized activations")
         return y
 
+    def fuses_swiglu(self, w: PackedQ8 | PackedQ4) -> bool:
+        """Whether :meth:`swiglu` runs for the fused gate|up weight ``w``."""
+        return self._swiglu_fn is not None and isinstance(w, PackedQ8) and w.out_features % 32 == 0
+
+    def swiglu(self, x: torch.Tensor, w: PackedQ8) -> torch.Tensor:
+        """For a fused gate|up ``w`` (no bias): ``silu(gate) * up`` ``[m, n / 2]``, what
+        ``FusedOps.silu_mul(self(x, w, None), n // 2)`` returns, without the ``[m, n]`` sums."""
+        assert self.fuses_swiglu(w) and self._swiglu_fn is not None
+        x = self._check(x, w)
+        m, k = x.shape
+        y = x.new_empty((m, w.out_features // 2))
+        if m == 0:
+            return y
+        rc = self._swiglu_fn(x.data_ptr(), x.stride(0), m, k, w.q.data_ptr(), w.d.data_ptr(), w.comp.data_ptr(),
+                             w.out_features, y.data_ptr(), y.stride(0), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native 8-bit matmul: no memory for the quantized activations")
+        return y
+
 
 @lru_cache(maxsize=1)
 def q8_matmul_kernel() -> BlockMatmul | None:
     lib = _library()
-    return BlockMatmul(lib.loraplex_q8_matmul_f32, "comp", 8) if lib is not None else None
+    if lib is None:
+        return None
+    vnni = "avx512_vnni" in _cpu_flags().split()  # the build with the fused SwiGLU
+    return BlockMatmul(lib.loraplex_q8_matmul_f32, "comp", 8, lib.loraplex_q8_swiglu_f32 if vnni else None)
 
 
 @lru_cache(maxsize=1)

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import BF16Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul
+from engine.linear import BF16Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul, cpu_has_vnni
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel
-from engine.native import CFLAGS, CSRC, q8_matmul_kernel
+from engine.native import CFLAGS, CSRC, fused_ops, q8_matmul_kernel
 from engine.quant import BLOCK, TILE, pack_q8, q8_matmul_reference, quantize_blocks, quantize_q8
 from engine.scoring import agreement, forced_logits
 from loraplex.settings import Settings
@@ -95,7 +95,7 @@ def test_reference_is_the_blockwise_quantized_product():
     assert rel_err(y, exact) < 0.02 and rel_err(x.round(decimals=1) @ w.T, exact) > 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 100])
+@pytest.mark.parametrize("rows", [1, 3, 32, 100, 301])  # 301: split between threads by rows
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_native_kernel_equals_the_reference(rows, k, n):
     kernel = q8_matmul_kernel()
@@ -113,6 +113,30 @@ def test_native_kernel_equals_the_reference(rows, k, n):
     wide = torch.cat([x, torch.randn(rows, 7, generator=gen)], dim=1)[:, :k]
     assert torch.equal(Int8Linear(pack_q8(qw), bias, kernel)(wide), got)
     assert torch.allclose(Int8Linear(pack_q8(qw), bias, None)(x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 301])
+@pytest.mark.parametrize(("k", "n"), [(100, 64), (96, 160)])
+def test_fused_swiglu_equals_the_matmul_then_silu_mul(rows, k, n):
+    """The kernel's SwiGLU epilogue (a fused gate|up weight): the same bits as the matmul
+    followed by the native silu_mul, for every row count (row blocks of 1-6, the row split)."""
+    kernel = q8_matmul_kernel()
+    assert kernel is not None, "the native kernels build on this machine"
+    lin = Int8Linear(pack_q8(quantize_q8(_weight(k, n, rows))), None, kernel)
+    if not cpu_has_vnni():
+        assert not lin.fuses_swiglu  # the portable builds have no fused epilogue
+        return
+    assert lin.fuses_swiglu
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    got = lin.swiglu(x)
+    assert got.shape == (rows, n // 2)
+    want = fused_ops().silu_mul(lin(x), n // 2)
+    assert torch.equal(got, want)
+    # Rows alone give the rows of the batch.
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(lin.swiglu(x[r:r + 1]), got[r:r + 1])
+    assert not Int8Linear(lin.weight, torch.zeros(n), kernel).fuses_swiglu  # a bias: not fused
+    assert not Int8Linear(pack_q8(quantize_q8(_weight(k, n - 16, 1))), None, kernel).fuses_swiglu
 
 
 # Builds of the kernel for CPUs without AVX512-VNNI: plain C (any x86-64) and AVX2's maddubs
@@ -284,7 +308,13 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     assert isinstance(int8.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
     assert int8.model.w.lm_head.dtype == table and int8.model.w.embed.dtype == table
     assert int8.model.w.layers[0].input_norm.dtype == torch.float32
-    assert int8.cache.k[0].dtype == torch.float32
+    assert int8.cache.k[0].dtype == torch.bfloat16  # auto: bfloat16 K/V under narrow matrices
+    # Steps without LoRA rows run SwiGLU in the gate|up matmul's epilogue (AVX512-VNNI): the same bits.
+    assert int8.model.q8_swiglu == cpu_has_vnni()
+    prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    fused = forced_logits(int8, prompt, 17)
+    int8.model.q8_swiglu = False
+    assert torch.equal(forced_logits(int8, prompt, 17), fused)
     rt = attach_runtime(int8, model_info(base_dir), root / "cache-mem")
     # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16
     # (as under bfloat16 base weights: 32 adapters' A/B outweigh the 8-bit matrices per step).

@@ -10,7 +10,9 @@
  * against the sequence's keys (two-pass softmax in a per-thread buffer), then
  * accumulates the weighted values (with head dim 64 and 2-4 query heads per KV head, for all
  * of them in one pass over the values: each value row loaded once). Compared with gathering the blocks into a
- * contiguous copy first, K/V are read once instead of read, written and read again.
+ * contiguous copy first, K/V are read once instead of read, written and read again. Over
+ * bfloat16 pools a thread takes its next pair as it starts one and prefetches that pair's
+ * blocks while widening the current one's keys.
  *    loraplex_decode_attention_bf16kv: the same over bfloat16 pools (``LORAPLEX_KV_CACHE_DTYPE``):
  *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
  *    the softmax and the output stay float32; half the bytes to stream per cached token.
@@ -460,17 +462,36 @@ static inline __attribute__((always_inline)) void attend_head_dim(
                     head_dim, scores, ob);
 }
 
+/* What a thread computes next (decode_attention): its kv head's bfloat16 pools, block table
+ * and length (0: nothing next), for prefetching while the current task runs. */
+struct kv_next {
+    const uint16_t *k, *v;
+    const int64_t *table;
+    int len;
+};
+
 /* A task's keys widened once from bfloat16 into ``dst`` (the sequence's block i at
  * dst + i * block_size * head_dim) for the ``g`` heads that each read all of them: widening in
  * every head's pass cost more vector work than the dot products (two shuffles per 16 elements
  * against one FMA). Asks for the key blocks ahead and the value blocks on the way, as
  * attend_task's first pass does. */
 static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int len,
-                              int block_size, int head_dim, float *dst)
+                              int block_size, int head_dim, float *dst, const struct kv_next *next)
 {
     const int64_t block_elems = (int64_t)block_size * head_dim;
     const int nblk = (len + block_size - 1) / block_size;
     for (int bi = 0; bi < nblk; bi++) {
+        if (next->len > 0) {  /* this block's share of the next task's blocks, into L2 */
+            const int nn = (next->len + block_size - 1) / block_size;
+            for (int a = bi * nn / nblk; a < (bi + 1) * nn / nblk; a++) {
+                const char *kn = (const char *)(next->k + next->table[a] * block_elems);
+                const char *vn = (const char *)(next->v + next->table[a] * block_elems);
+                for (int64_t c = 0; c < block_elems * 2; c += 64) {
+                    __builtin_prefetch(kn + c, 0, 2);
+                    __builtin_prefetch(vn + c, 0, 2);
+                }
+            }
+        }
         for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
             const char *kn = (const char *)(kbase + table[bi + a] * block_elems);
             for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(kn + c, 0, 3);
@@ -513,7 +534,7 @@ static int decode_attention(
     }
     group[ngroups] = num_seqs;
     const int tasks = ngroups * num_kv_heads;
-    int failed = 0;
+    int failed = 0, next_task = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -530,18 +551,33 @@ static int decode_attention(
         }
         if (ident != NULL)
             for (int64_t i = 0; i < max_blocks; i++) ident[i] = i;
-#pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < tasks; task++) {
+        /* Tasks are handed out one at a time (their lengths differ), each thread taking its next
+         * one as it starts the current one, so that the next one's K/V blocks are fetched while
+         * the current one computes (with the widened keys: decode rows of 100-200 tokens waited
+         * on memory for half their time without it). */
+        int task = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+        while (task < tasks) {
+            const int upcoming = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            struct kv_next nx = {NULL, NULL, NULL, 0};
+            if (widen && upcoming < tasks) {
+                const int ng = upcoming / num_kv_heads, nk = upcoming % num_kv_heads;
+                nx.k = (const uint16_t *)((const char *)k_pool + nk * head_bytes);
+                nx.v = (const uint16_t *)((const char *)v_pool + nk * head_bytes);
+                nx.table = blocks + (int64_t)group[ng] * blocks_per_seq;
+                nx.len = (int)lens[group[ng + 1] - 1];
+            }
+            const int current = task;
+            task = upcoming;
             if (!ok) continue;
-            const int gi = task / num_kv_heads;
-            const int kh = task % num_kv_heads;
+            const int gi = current / num_kv_heads;
+            const int kh = current % num_kv_heads;
             const int first = group[gi], end = group[gi + 1];
             const int64_t *table = blocks + (int64_t)first * blocks_per_seq;
             const void *kbase = (const char *)k_pool + kh * head_bytes;
             const void *vbase = (const char *)v_pool + kh * head_bytes;
             if (widen)  /* the keys of the group's longest row: every row's keys */
                 widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
-                           head_dim, kwide);
+                           head_dim, kwide, &nx);
             for (int b = first; b < end; b++) {
                 const int len = (int)lens[b];
                 const int64_t row = rows != NULL ? rows[b] : b;
@@ -1011,9 +1047,12 @@ int loraplex_rope_store_f32(
  * one 512-bit load); then the tile's 16 scales per block (float32) and 16 compensations
  * (int32, 128 * sum of the block's q). With AVX512-VNNI, one _mm512_dpbusd_epi32 multiplies a
  * group by 4 activations broadcast to all lanes: dpbusd takes unsigned x signed bytes, so the
- * activations are stored + 128 and the compensation subtracted per block. Up to 8 rows of x
- * share each weight load. Without AVX512-VNNI the same layout runs through AVX2's
- * _mm256_maddubs_epi16, and without AVX2 through plain C loops.
+ * activations are stored + 128 and the compensation subtracted per block. Two tiles go through
+ * together (q8_tile2: 6 rows x 2 tiles of int32 sums and float32 accumulators in 24 registers,
+ * each broadcast activation group feeding both tiles), and while a pair's row blocks run, the
+ * next pair's weights are prefetched. loraplex_q8_swiglu_f32 pairs each gate tile with its up
+ * tile instead and writes silu(gate) * up. Without AVX512-VNNI the same layout runs one tile at a
+ * time through AVX2's _mm256_maddubs_epi16, and without AVX2 through plain C loops.
  * Rows n and inputs k need not be multiples of 16 / 32: the pack pads with zeros.
  * --------------------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -1023,8 +1062,31 @@ int loraplex_rope_store_f32(
 
 #define Q8_BLOCK 32
 #define Q8_TILE 16
+#define Q8_SPLIT_ROWS 128
+#define Q8_RCHUNK 48
 
 /* One row of x to blocks of 32: xq = round(x / d) + 128 (uint8), xd = d = absmax / 127. */
+#ifdef Q8_VNNI
+static void q8_quantize_row(const float *x, int k, int nb, uint8_t *xq, float *xd)
+{
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int b = 0; b < nb; b++) {
+        const int i0 = b * Q8_BLOCK;
+        const int len = k - i0 < Q8_BLOCK ? k - i0 : Q8_BLOCK;
+        const __mmask16 m0 = len >= 16 ? 0xFFFF : (__mmask16)((1u << len) - 1u);
+        const __mmask16 m1 = len >= 32 ? 0xFFFF : len <= 16 ? 0 : (__mmask16)((1u << (len - 16)) - 1u);
+        const __m512 a = _mm512_maskz_loadu_ps(m0, x + i0), c = _mm512_maskz_loadu_ps(m1, x + i0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        xd[b] = d;
+        /* cvtps rounds to nearest even (the default rounding, as rintf) */
+        const __m512 vid = _mm512_set1_ps(id);
+        _mm_storeu_si128((__m128i *)(xq + i0), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, vid)), off)));
+        _mm_storeu_si128((__m128i *)(xq + i0 + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(c, vid)), off)));
+    }
+}
+#else
 static void q8_quantize_row(const float *x, int k, int nb, uint8_t *xq, float *xd)
 {
     for (int b = 0; b < nb; b++) {
@@ -1042,6 +1104,8 @@ static void q8_quantize_row(const float *x, int k, int nb, uint8_t *xq, float *x
             xq[i0 + i] = (uint8_t)((int)__builtin_rintf(i < len ? x[i0 + i] * id : 0.0f) + 128);
     }
 }
+
+#endif
 
 #ifdef Q8_VNNI
 /* ``mr`` rows of x against one tile of 16 output rows; always inlined with a constant ``mr``. */
@@ -1073,6 +1137,65 @@ static inline __attribute__((always_inline)) void q8_tile(
     const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bv));
+}
+
+#define Q8_ROWS2 6
+/* ``mr`` rows of x against two tiles (adjacent ones, or with ``swiglu`` a gate tile and its up
+ * tile): each broadcast activation group feeds both tiles' products. The same per-row arithmetic
+ * as q8_tile, in the same order. */
+static inline __attribute__((always_inline)) void q8_tile2(
+    const int8_t *w0, const float *d0, const int32_t *c0, const int8_t *w1, const float *d1, const int32_t *c1,
+    const uint8_t *xq, int64_t xq_stride, const float *xd, int nb, const int mr, float *y, int64_t y_stride,
+    const float *bias, int cols1, int swiglu, const char *pf0, const char *pf1, int pf_lines)
+{
+    __m512 acc0[Q8_ROWS2], acc1[Q8_ROWS2];
+    for (int r = 0; r < mr; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        for (int l = 0; l < pf_lines; l++) {
+            _mm_prefetch(pf0 + ((int64_t)b * pf_lines + l) * 64, _MM_HINT_T0);
+            _mm_prefetch(pf1 + ((int64_t)b * pf_lines + l) * 64, _MM_HINT_T0);
+        }
+        __m512i i0[Q8_ROWS2], i1[Q8_ROWS2];
+        for (int r = 0; r < mr; r++) i0[r] = i1[r] = _mm512_setzero_si512();
+        const int8_t *wa = w0 + (int64_t)b * Q8_BLOCK * Q8_TILE, *wb = w1 + (int64_t)b * Q8_BLOCK * Q8_TILE;
+        for (int g = 0; g < Q8_BLOCK / 4; g++) {
+            const __m512i va = _mm512_loadu_si512((const void *)(wa + g * 64));
+            const __m512i vb = _mm512_loadu_si512((const void *)(wb + g * 64));
+            for (int r = 0; r < mr; r++) {
+                int32_t a4;
+                memcpy(&a4, xq + r * xq_stride + b * Q8_BLOCK + g * 4, 4);
+                const __m512i xa = _mm512_set1_epi32(a4);
+                i0[r] = _mm512_dpbusd_epi32(i0[r], xa, va);
+                i1[r] = _mm512_dpbusd_epi32(i1[r], xa, vb);
+            }
+        }
+        const __m512i ca = _mm512_loadu_si512((const void *)(c0 + b * Q8_TILE));
+        const __m512i cb = _mm512_loadu_si512((const void *)(c1 + b * Q8_TILE));
+        const __m512 da = _mm512_loadu_ps(d0 + b * Q8_TILE), db = _mm512_loadu_ps(d1 + b * Q8_TILE);
+        for (int r = 0; r < mr; r++) {
+            const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+            acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i0[r], ca)), _mm512_mul_ps(da, dx), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i1[r], cb)), _mm512_mul_ps(db, dx), acc1[r]);
+        }
+    }
+    if (swiglu) {  /* the tiles are a gate tile and its up tile: y gets silu(gate) * up */
+        for (int r = 0; r < mr; r++) {
+            float g[Q8_TILE], u[Q8_TILE];
+            _mm512_storeu_ps(g, acc0[r]);
+            _mm512_storeu_ps(u, acc1[r]);
+            float *yr = y + r * y_stride;
+#pragma omp simd
+            for (int j = 0; j < Q8_TILE; j++) yr[j] = silu_mul1(g[j], u[j]);
+        }
+        return;
+    }
+    const __mmask16 mask = (__mmask16)((1u << cols1) - 1u);
+    const __m512 ba = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * y_stride, _mm512_add_ps(acc0[r], ba));
+        _mm512_mask_storeu_ps(y + r * y_stride + 16, mask, _mm512_add_ps(acc1[r], bb));
+    }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1134,15 +1257,16 @@ static inline void q8_tile(
 }
 #endif
 
-int loraplex_q8_matmul_f32(
+/* The driver of both entry points below: y = x W^T (+ bias), or with ``swiglu`` (W a fused
+ * gate|up weight, n a multiple of 32, no bias) y [m, n / 2] = silu(gate) * up. */
+static int q8_matmul(
     const float *x, int64_t x_stride, int m, int k, const int8_t *wq, const float *wd, const int32_t *wc,
-    int n, const float *bias, float *y, int64_t y_stride, int num_threads)
+    int n, const float *bias, float *y, int64_t y_stride, int swiglu, int num_threads)
 {
-    /* x [m, k] (rows x_stride apart), y [m, n] (rows y_stride apart); wq/wd/wc as packed by
-     * engine.quant.pack_q8 for n rows and k inputs. Returns 1 when out of memory. */
     const int nb = (k + Q8_BLOCK - 1) / Q8_BLOCK;
     const int tiles = (n + Q8_TILE - 1) / Q8_TILE;
     const int64_t kp = (int64_t)nb * Q8_BLOCK;
+    const int64_t tile_q = (int64_t)nb * Q8_BLOCK * Q8_TILE, tile_s = (int64_t)nb * Q8_TILE;
     uint8_t *xq = malloc((size_t)m * (size_t)kp);
     float *xd = malloc(sizeof(float) * (size_t)m * (size_t)nb);
     if (!xq || !xd) {
@@ -1151,15 +1275,69 @@ int loraplex_q8_matmul_f32(
         return 1;
     }
     const int threads = (int64_t)m * n * k < PARALLEL_MIN_ELEMS ? 1 : num_threads;
+#ifdef Q8_VNNI
+    /* Work items (row chunk, tile pair). A few rows: one chunk, split between threads by pairs
+     * (each thread streams its part of W once). From Q8_SPLIT_ROWS rows per thread on, chunks of
+     * about Q8_RCHUNK rows, each thread taking whole chunks: a chunk's activations stay in L1/L2
+     * while the weights pass (Zen 4, 2 threads, 3200 x 576 x 3072: 25.8 ms by pairs over all
+     * rows with single tiles, 21.1 by chunks with pairs). */
+    const int pairs = swiglu ? tiles / 2 : (tiles + 1) / 2;
+    const int per = (m + threads - 1) / threads;
+    int rchunk = m;
+    if (m >= Q8_SPLIT_ROWS * threads) {
+        const int cpt = (per + Q8_RCHUNK - 1) / Q8_RCHUNK;
+        rchunk = (per + cpt - 1) / cpt;
+    }
+    const int rchunks = (m + rchunk - 1) / rchunk;
+#else
+    (void)swiglu;
+#endif
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++) q8_quantize_row(x + r * x_stride, k, nb, xq + r * kp, xd + (int64_t)r * nb);
+#ifdef Q8_VNNI
+#pragma omp for schedule(static)
+        for (int it = 0; it < rchunks * pairs; it++) {
+            const int p = it % pairs, r0 = it / pairs * rchunk, r1 = r0 + rchunk < m ? r0 + rchunk : m;
+            const int t = swiglu ? p : 2 * p, o = t * Q8_TILE;
+            const int t1 = swiglu ? p + pairs : t + 1;
+            const float *bt = bias ? bias + o : NULL;
+            /* row blocks of at most Q8_ROWS2, as even as they go */
+            const int rows = r1 - r0, blocks = (rows + Q8_ROWS2 - 1) / Q8_ROWS2;
+            /* While the row blocks run, the next pair's weights are fetched: each block asks for
+             * its share of them (from memory a pair's first row block would wait on its weights:
+             * a 32-row decode step streamed them at 7 GB/s). */
+            const int tn = swiglu ? t + 1 : t + 2, tn1 = swiglu ? t1 + 1 : t1 + 2;
+            const int pf_lines = it + 1 < rchunks * pairs && it % pairs + 1 < pairs
+                                 ? (int)((tile_q / 64 + (int64_t)blocks * nb - 1) / ((int64_t)blocks * nb)) : 0;
+            for (int i = 0, r = r0; i < blocks; i++) {
+                const int mr = rows / blocks + (i < rows % blocks);
+                const char *pf0 = (const char *)(wq + tn * tile_q) + (int64_t)i * nb * pf_lines * 64;
+                const char *pf1 = (const char *)(wq + (tn1 < tiles ? tn1 : tn) * tile_q) + (int64_t)i * nb * pf_lines * 64;
+                if (t1 < tiles) {
+                    const int cols1 = n - t1 * Q8_TILE < Q8_TILE ? n - t1 * Q8_TILE : Q8_TILE;
+                    switch (mr) {
+#define Q8_PAIR(R) case R: q8_tile2(wq + t * tile_q, wd + t * tile_s, wc + t * tile_s, wq + t1 * tile_q, \
+                                    wd + t1 * tile_s, wc + t1 * tile_s, xq + r * kp, kp, xd + (int64_t)r * nb, nb, \
+                                    R, y + r * y_stride + o, y_stride, bt, cols1, swiglu, pf0, pf1, pf_lines); break;
+                    Q8_PAIR(1) Q8_PAIR(2) Q8_PAIR(3) Q8_PAIR(4) Q8_PAIR(5) Q8_PAIR(6)
+#undef Q8_PAIR
+                    }
+                } else {  /* an odd last tile */
+                    for (int j = 0; j < mr; j++)
+                        q8_tile(wq + t * tile_q, wd + t * tile_s, wc + t * tile_s, xq + (r + j) * kp, kp,
+                                xd + (int64_t)(r + j) * nb, nb, 1, y + (r + j) * y_stride + o, y_stride, bt, n - o);
+                }
+                r += mr;
+            }
+        }
+#else
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            const int8_t *wt = wq + (int64_t)t * nb * Q8_BLOCK * Q8_TILE;
-            const float *wdt = wd + (int64_t)t * nb * Q8_TILE;
-            const int32_t *wct = wc + (int64_t)t * nb * Q8_TILE;
+            const int8_t *wt = wq + t * tile_q;
+            const float *wdt = wd + t * tile_s;
+            const int32_t *wct = wc + t * tile_s;
             const int o = t * Q8_TILE;
             const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
             const float *bt = bias ? bias + o : NULL;
@@ -1174,10 +1352,38 @@ int loraplex_q8_matmul_f32(
                 q8_tile(wt, wdt, wct, xq + r * kp, kp, xd + (int64_t)r * nb, nb, 1, y + r * y_stride + o, y_stride,
                         bt, cols);
         }
+#endif
     }
     free(xq);
     free(xd);
     return 0;
+}
+
+int loraplex_q8_matmul_f32(
+    const float *x, int64_t x_stride, int m, int k, const int8_t *wq, const float *wd, const int32_t *wc,
+    int n, const float *bias, float *y, int64_t y_stride, int num_threads)
+{
+    /* x [m, k] (rows x_stride apart), y [m, n] (rows y_stride apart); wq/wd/wc as packed by
+     * engine.quant.pack_q8 for n rows and k inputs. Returns 1 when out of memory. */
+    return q8_matmul(x, x_stride, m, k, wq, wd, wc, n, bias, y, y_stride, 0, num_threads);
+}
+
+int loraplex_q8_swiglu_f32(
+    const float *x, int64_t x_stride, int m, int k, const int8_t *wq, const float *wd, const int32_t *wc,
+    int n, float *y, int64_t y_stride, int num_threads)
+{
+    /* W a fused gate|up weight (gate rows 0 .. n/2 - 1, up rows n/2 .. n - 1), packed as above;
+     * y [m, n / 2] = silu(gate) * up (loraplex_silu_mul_f32's float32 math on the sums), without
+     * the [m, n] sums. AVX512-VNNI builds only (-1 elsewhere, or when n is not a multiple of 32);
+     * 1 when out of memory. */
+#ifdef Q8_VNNI
+    if (n % (2 * Q8_TILE) != 0) return -1;
+    return q8_matmul(x, x_stride, m, k, wq, wd, wc, n, NULL, y, y_stride, 1, num_threads);
+#else
+    (void)x; (void)x_stride; (void)m; (void)k; (void)wq; (void)wd; (void)wc; (void)n; (void)y; (void)y_stride;
+    (void)num_threads;
+    return -1;
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------------
