@@ -5,8 +5,8 @@ One process, the demo model loaded once per format: ``LORAPLEX_WEIGHTS=auto`` (f
 reference, its KV cache float32 too), ``bfloat16`` (the base's matrices in bfloat16), ``int8``
 (the projections in 8-bit blocks of 32, ``engine.quant``) and ``int4`` (in 4-bit blocks: the demo
 file's Q4_1 blocks as stored), all under float32 activations (LoRA and attention stay float32; the
-others' KV cache in ``--kv-cache-dtype``: ``auto``, the default, is bfloat16 with bfloat16 weights
-and float32 with int8 and int4 ones, ``float32`` measures the weights alone). Memory: the base
+others' KV cache in ``--kv-cache-dtype``: ``auto``, the default, is bfloat16 under each of them,
+``float32`` measures the weights alone). Memory: the base
 model's weight bytes as loaded (all of it, embedding table and LM head included, and the
 projections alone). For each case (base only, 32 distinct rank-16 adapters on all seven projections; batch 32,
 128-token prompts, 64 new tokens, greedy, EOS ignored) the engines run in alternating rounds and

@@ -139,13 +139,14 @@ def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, matmul_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: ``auto`` is bfloat16 where the base's matrices are bfloat16 under
-    float32 activations on CPU (half the bytes per cached token: twice the tokens in the same
-    memory, half the bytes decode attention streams), else the activations' ``dtype``; ``bfloat16`` also under float32 activations (K/V rounded
-    on write, widened for the attention math)."""
+    """The KV cache's dtype: ``auto`` is bfloat16 where the base's matrices are narrower than
+    float32 (bfloat16, int8 or int4) under float32 activations on CPU (half the bytes per cached
+    token: twice the tokens in the same memory, half the bytes decode attention streams), else the
+    activations' ``dtype``; ``bfloat16`` also under float32 activations (K/V rounded on write,
+    widened for the attention math)."""
     if kv_cache_dtype in ("", "auto"):
-        bf16_weights = matmul_dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu"
-        return torch.bfloat16 if bf16_weights else dtype
+        narrow = matmul_dtype != torch.float32 and dtype == torch.float32 and device.type == "cpu"
+        return torch.bfloat16 if narrow else dtype
     kv = _DTYPES.get(kv_cache_dtype)
     if kv not in (torch.float32, torch.bfloat16):
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r} (use auto, float32 or bfloat16)")

@@ -191,7 +191,7 @@ class Settings:
     ``int4`` the embedding table and LM head are not quantized (bfloat16 on CPUs with AVX512-BF16 or AMX,
     else float32); the KV cache follows ``kv_cache_dtype``."""
     kv_cache_dtype: str = "auto"
-    """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16 on CPU under float32 activations,
+    """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16, int8 or int4 on CPU under float32 activations,
     else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the
     attention math: half the bytes per token, so twice the tokens in ``kv_cache_bytes`` and half the bytes decode
     attention streams)."""
