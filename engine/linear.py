@@ -202,8 +202,7 @@ class Int8Linear(BlockLinear):
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """For a fused gate|up weight: ``silu(gate) * up``, what ``FusedOps.silu_mul(self(x), n // 2)``
-        returns, without the ``[m, n]`` sums in between (:attr:`fuses_swiglu` only)."""
-        assert self.fuses_swiglu
+        returns, without the ``[m, n]`` sums in between (:attr:`fuses_swiglu` only: the kernel checks)."""
         return self.kernel.swiglu(x, self.weight)  # type: ignore[union-attr]
 
 
