@@ -52,6 +52,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
@@ -1871,7 +1872,9 @@ int loraplex_tile_matmul_bf16(
  * loop (87 GMAC/s). This is the classic register-blocked kernel: W packed once at load
  * (loraplex_f32_panel_pack) into panels of 16 output columns, panel p holding W[16p + j, i] at
  * [i * 16 + j]; a 6-row x 16-column block of y lives in 12 ymm accumulators while the panel
- * streams through (2 loads and 6 broadcasts per 12 FMAs). The threads split the panels. The
+ * streams through (2 loads and 6 broadcasts per 12 FMAs). The threads split the panels, and
+ * each thread prefetches its next panel while the current one's row blocks run (a 32-row step's
+ * matmuls over 30 layers of weights streamed from memory: 1.15-1.2x faster than without). The
  * accumulators are named variables (an array of them is spilled to the stack each iteration
  * by GCC, a quarter of the speed).
  * --------------------------------------------------------------------------------------------- */
@@ -1901,22 +1904,29 @@ int loraplex_f32_panel_pack(const float *w, int n, int k, float *out)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #define PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-/* ``mr`` (1..6, constant at each call) rows of x against one panel. */
+/* ``mr`` (1..6, constant at each call) rows of x against one panel. Every ``pf_every``
+ * iterations one line of the next panel (``pf``, this block's share of it; NULL: none) is
+ * prefetched, so the next panel arrives while this one is still being read from cache. */
 static inline __attribute__((always_inline)) void panel_block(
     const float *x, int64_t x_stride, const float *wp, int k, const int mr, float *y, int64_t y_stride,
-    const float *bias, int cols)
+    const float *bias, int cols, const char *pf, int pf_every)
 {
 #define PANEL_DECL(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
     PANEL_ROWS(PANEL_DECL)
-    for (int i = 0; i < k; i++) {
-        const __m256 w0 = _mm256_loadu_ps(wp + (int64_t)i * PANEL), w1 = _mm256_loadu_ps(wp + (int64_t)i * PANEL + 8);
+    int i = 0;
+    for (int64_t line = 0; i < k; line++) {
+        if (pf) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+        const int end = pf && i + pf_every < k ? i + pf_every : k;
+        for (; i < end; i++) {
+            const __m256 w0 = _mm256_loadu_ps(wp + (int64_t)i * PANEL), w1 = _mm256_loadu_ps(wp + (int64_t)i * PANEL + 8);
 #define PANEL_FMA(r)                                                        \
-        if (r < mr) {                                                       \
-            const __m256 a = _mm256_broadcast_ss(x + r * x_stride + i);     \
-            lo##r = _mm256_fmadd_ps(a, w0, lo##r);                          \
-            hi##r = _mm256_fmadd_ps(a, w1, hi##r);                          \
+            if (r < mr) {                                                   \
+                const __m256 a = _mm256_broadcast_ss(x + r * x_stride + i); \
+                lo##r = _mm256_fmadd_ps(a, w0, lo##r);                      \
+                hi##r = _mm256_fmadd_ps(a, w1, hi##r);                      \
+            }
+            PANEL_ROWS(PANEL_FMA)
         }
-        PANEL_ROWS(PANEL_FMA)
     }
     float b[PANEL] = {0};
     if (bias)
@@ -1945,25 +1955,42 @@ int loraplex_f32_panel_matmul(const float *x, int64_t x_stride, int m, int k, co
                               const float *bias, float *y, int64_t y_stride, int num_threads)
 {
     /* x [m, k] (rows x_stride apart), wp as packed by loraplex_f32_panel_pack for n and k,
-     * y [m, n] (rows y_stride apart). */
+     * y [m, n] (rows y_stride apart). Each thread takes a contiguous run of panels; the rows go
+     * in even blocks of at most 6 (32 rows: 6+6+5+5+5+5, not 6x5+2, whose 2-row block would
+     * cost nearly a 6-row block's time: its 4 accumulators wait on the FMA latency). Block ``b`` of a panel prefetches the lines
+     * ``b * share ..`` of the thread's next panel (a panel row of 16 floats is one 64-byte line),
+     * so the next panel's trip from memory overlaps this one's work instead of stalling its first
+     * block. */
     const int panels = (n + PANEL - 1) / PANEL;
     const int threads = (int64_t)m * n * k < PARALLEL_MIN_ELEMS ? 1 : num_threads;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < panels; p++) {
-        const float *w = wp + (int64_t)p * k * PANEL;
-        const int o = p * PANEL, cols = n - o < PANEL ? n - o : PANEL;
-        const float *bp = bias ? bias + o : NULL;
-        int r = 0;
-        for (; r + 6 <= m; r += 6) panel_block(x + r * x_stride, x_stride, w, k, 6, y + r * y_stride + o, y_stride, bp, cols);
-        const float *xr = x + r * x_stride;
-        float *yr = y + r * y_stride + o;
-        switch (m - r) {
-        case 5: panel_block(xr, x_stride, w, k, 5, yr, y_stride, bp, cols); break;
-        case 4: panel_block(xr, x_stride, w, k, 4, yr, y_stride, bp, cols); break;
-        case 3: panel_block(xr, x_stride, w, k, 3, yr, y_stride, bp, cols); break;
-        case 2: panel_block(xr, x_stride, w, k, 2, yr, y_stride, bp, cols); break;
-        case 1: panel_block(xr, x_stride, w, k, 1, yr, y_stride, bp, cols); break;
-        default: break;
+    const int blocks = (m + 5) / 6, base = m / (blocks ? blocks : 1), extra = m % (blocks ? blocks : 1);
+    const int share = blocks ? (k + blocks - 1) / blocks : 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        for (int p = p0; p < p1; p++) {
+            const float *w = wp + (int64_t)p * k * PANEL;
+            const char *next = p + 1 < p1 ? (const char *)(w + (int64_t)k * PANEL) : NULL;
+            const int o = p * PANEL, cols = n - o < PANEL ? n - o : PANEL;
+            const float *bp = bias ? bias + o : NULL;
+            int r = 0;
+            for (int b = 0; b < blocks; b++) {
+                const int mr = base + (b < extra);
+                const float *xr = x + r * x_stride;
+                float *yr = y + r * y_stride + o;
+                const char *pf = next ? next + (int64_t)b * share * 64 : NULL;
+                switch (mr) {
+                case 6: panel_block(xr, x_stride, w, k, 6, yr, y_stride, bp, cols, pf, blocks); break;
+                case 5: panel_block(xr, x_stride, w, k, 5, yr, y_stride, bp, cols, pf, blocks); break;
+                case 4: panel_block(xr, x_stride, w, k, 4, yr, y_stride, bp, cols, pf, blocks); break;
+                case 3: panel_block(xr, x_stride, w, k, 3, yr, y_stride, bp, cols, pf, blocks); break;
+                case 2: panel_block(xr, x_stride, w, k, 2, yr, y_stride, bp, cols, pf, blocks); break;
+                case 1: panel_block(xr, x_stride, w, k, 1, yr, y_stride, bp, cols, pf, blocks); break;
+                default: break;
+                }
+                r += mr;
+            }
         }
     }
     return 0;
