@@ -5,7 +5,8 @@ MKL's sgemm repacks the weight matrix on every call, which dominates when the ba
 blocked layout runs about 1.5-2.5x faster. A single row (one sequence decoding) is a
 matrix-vector product: the native ``gemv`` kernel when given (it streams the weights at
 close to memory bandwidth; ``F.linear`` reached about a third of it), else ``F.linear``.
-Packing is CPU float32 only; elsewhere this is ``F.linear``.
+Packing is CPU float32 only; elsewhere this is ``F.linear``. On AVX2 CPUs without AVX-512 the
+native panel kernel (``engine.native.PanelMatmul``) takes oneDNN's place for every batch.
 
 ``BF16Linear`` keeps the weight in bfloat16 under float32 activations (``LORAPLEX_WEIGHTS``):
 the input is rounded to bfloat16, the products summed in float32 and the sums rounded to
@@ -92,8 +93,8 @@ class Linear:
                  gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
                  panel: PanelMatmul | None = None) -> None:
         """``gemv(x, weight, bias)``: single-row products (``engine.native.Gemv``, CPU float32);
-        ``panel``: ``engine.native.panel_matmul_kernel()``, for batches up to its ``MAX_ROWS``
-        (the weight packed for it too: one more float32 copy of it)."""
+        ``panel``: ``engine.native.panel_matmul_kernel()``, for every batch of more than one row
+        (the weight packed for it instead of for oneDNN: one more float32 copy of it)."""
         self.weight = weight
         self.bias = bias
         self.gemv = gemv if gemv is not None and weight.is_contiguous() else None
@@ -101,14 +102,14 @@ class Linear:
         self.panel = panel if panel is not None and usable else None
         self.panels = self.panel.pack(weight) if self.panel is not None else None
         self.packed: torch.Tensor | None = None
-        if (pack_batch > 0 and weight.device.type == "cpu" and weight.dtype == torch.float32
+        if (pack_batch > 0 and self.panel is None and weight.device.type == "cpu" and weight.dtype == torch.float32
                 and onednn_packing_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, pack_batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.gemv is not None:
             return self.gemv(x, self.weight, self.bias)
-        if self.panel is not None and x.shape[0] <= self.panel.MAX_ROWS and x.dtype == torch.float32:
+        if self.panel is not None and x.dtype == torch.float32:
             return self.panel(x if x.stride(1) == 1 else x.contiguous(), self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
