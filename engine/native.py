@@ -269,7 +269,7 @@ class PanelMatmul:
     """``x @ weight.T + bias`` in float32, the weight packed once into panels of 16 output
     columns (:meth:`pack`); built for AVX2 CPUs without AVX-512, where it runs a 32-row decode
     step's matmuls 1.1-1.6x faster than oneDNN's prepacked linear and prefill's 300-3200 rows
-    1.05-1.3x (see ``engine/csrc/cpu_kernels.c``)."""
+    1.05-1.2x (see ``engine/csrc/cpu_kernels.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack = lib.loraplex_f32_panel_pack

@@ -374,7 +374,7 @@ def test_bf16_linear_runs_every_batch_size_on_the_tile_kernel():
                                               (31, 1000, 97), (32, 3072, 576), (256, 24, 17)])
 def test_panel_matmul_matches_linear(rows, n_out, n_in):
     """The float32 panel kernel (AVX2 CPUs without AVX-512): even row blocks of up to 6, partial
-    16-column panels, a bias or none, row-strided input; and Linear routes decode batches through it."""
+    16-column panels, a bias or none, row-strided input; and Linear routes every batch through it."""
     from engine.linear import Linear, cpu_flags
 
     flags = cpu_flags()
