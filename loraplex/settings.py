@@ -188,8 +188,9 @@ class Settings:
     (the same with 4-bit blocks of 32 with a scale and an offset each, GGUF Q4_1's form, under a fifth of
     float32's bytes; GGUF Q4_0/Q4_1 tensors are used as stored, Q8_0 ones stay 8-bit). Either way the LoRA
     math, attention and norms stay float32 and adapters' A/B are held in bfloat16; under ``int8`` and
-    ``int4`` the embedding table and LM head are not quantized (bfloat16 on CPUs with AVX512-BF16 or AMX,
-    else float32); the KV cache follows ``kv_cache_dtype``."""
+    ``int4`` the embedding table is not quantized (bfloat16 on CPUs with AVX512-BF16 or AMX, else float32)
+    and the LM head reads it, except on CPUs with AVX512-VNNI but no AMX, where it is held in 8 bits (Q8_0)
+    too; the KV cache follows ``kv_cache_dtype``."""
     kv_cache_dtype: str = "auto"
     """The KV cache's dtype: ``auto`` (bfloat16 when ``weights`` is bfloat16, int8 or int4 on CPU under float32 activations,
     else ``dtype``), ``float32`` or ``bfloat16`` (K/V rounded to bfloat16 on write, widened to float32 for the

@@ -27,8 +27,8 @@ import torch
 from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul, cpu_has_vnni
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
-from engine.model import DecoderModel
-from engine.native import CFLAGS, CSRC, fused_ops, q8_matmul_kernel
+from engine.model import DecoderModel, q8_lm_head
+from engine.native import CFLAGS, CSRC, fused_ops, q8_matmul_kernel, tile_matmul_kernel
 from engine.quant import BLOCK, TILE, pack_q8, q8_matmul_reference, quantize_blocks, quantize_q8
 from engine.scoring import agreement, forced_logits
 from loraplex.settings import Settings
@@ -303,9 +303,15 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     assert int8.model.weight_bytes < f32.model.weight_bytes
     layer = int8.model.layers[0]
     assert all(isinstance(getattr(layer, n), Int8Linear) for n in projections)
-    # The embedding table and LM head are not quantized: bfloat16 where the CPU multiplies it natively.
+    # The embedding table is not quantized: bfloat16 where the CPU multiplies it natively. The LM
+    # head reads the same table, or on CPUs with AVX512-VNNI but no AMX its 8-bit blocks.
     table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-    assert isinstance(int8.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
+    if q8_lm_head(tile_matmul_kernel()):
+        assert isinstance(int8.model.lm_head, Int8Linear)
+        head = int8.model.lm_head.weight.unpack().dequantize()
+        assert rel_err(head, int8.model.w.lm_head.float()) < 0.01
+    else:
+        assert isinstance(int8.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
     assert int8.model.w.lm_head.dtype == table and int8.model.w.embed.dtype == table
     assert int8.model.w.layers[0].input_norm.dtype == torch.float32
     assert int8.cache.k[0].dtype == torch.bfloat16  # auto: bfloat16 K/V under narrow matrices
