@@ -91,8 +91,8 @@ class DecoderModel:
         the base's matrices in bfloat16 while everything else, LoRA included, stays float32;
         ``torch.int8`` (CPU, float32 activations) keeps the projections in 8-bit blocks
         (``engine.quant``), the embedding table and LM head in bfloat16 on CPUs with native
-        bfloat16 matmuls, else float32 (the LM head in 8 bits where :func:`q8_lm_head`); ``engine.quant.INT4`` the same in 4-bit blocks (projections
-        loaded in 8 bits stay 8-bit)."""
+        bfloat16 matmuls, else float32 (the LM head in 8 bits where :func:`q8_lm_head`);
+        ``engine.quant.INT4`` the same in 4-bit blocks (projections loaded in 8 bits stay 8-bit)."""
         self.cfg: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
@@ -125,13 +125,14 @@ class DecoderModel:
         # float32 matrices on AVX2 without AVX-512: decode batches through the native panel kernel.
         panel = panel_matmul_kernel() if native_kernels and cpu_f32 else None
         self.layers = [_LayerLinears(lw, dtype, pack_batch, gemv, q8, q4, tile, panel) for lw in self.w.layers]
-        self.lm_head: Linear | BF16Linear | Int8Linear = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv,
-                                                                     tile=tile, panel=panel)
+        self.lm_head: Linear | BF16Linear | Int8Linear
         if quantized and q8 is not None and q8_lm_head(tile):
             # The LM head in 8 bits too (Q8_0 blocks, as llama.cpp's Q8_0 models hold theirs; the
             # table the embedding reads stays as it is): where vpdpbusd outruns the bfloat16
             # kernel, a 32-row decode step's LM head went 5.7-6.2 -> 4.0-4.2 ms on a Zen 4.
             self.lm_head = Int8Linear(pack_q8(quantize_q8(self.w.lm_head.float())), None, q8)
+        else:
+            self.lm_head = make_linear(self.w.lm_head, None, dtype, pack_batch, gemv, tile=tile, panel=panel)
         self.decode_kernel = decode_attention_kernel() if native_kernels and cpu_f32 else None
         self.ops = (fused_ops() if native_kernels and cpu_f32 else None) or TorchOps()
         self.scan = row_scan_kernel() if native_kernels and device.type == "cpu" else None

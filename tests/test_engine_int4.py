@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import BF16Linear, Int4Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul
+from engine.linear import Int4Linear, Int8Linear, cpu_flags
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
-from engine.model import DecoderModel, q8_lm_head
-from engine.native import CFLAGS, CSRC, q4_matmul_kernel, tile_matmul_kernel
+from engine.model import DecoderModel
+from engine.native import CFLAGS, CSRC, q4_matmul_kernel
 from engine.quant import (
     BLOCK,
     INT4,
@@ -57,7 +57,7 @@ from tests.lora_fixtures import (
     save_tiny_llama,
     tiny_engine,
 )
-from tests.test_engine_int8 import write_quantized_gguf
+from tests.test_engine_int8 import assert_table_and_head, write_quantized_gguf
 from tests.test_engine_weights import assert_rows_isolated
 
 SHAPES = [(96, 40), (100, 33), (160, 70)]
@@ -319,16 +319,7 @@ def test_int4_weights_hold_the_base_in_under_a_fifth_of_the_memory(lora_world):
     for lw4, lw32 in zip(int4.model.w.layers, f32.model.w.layers, strict=True):
         for f in projections:
             assert rel_err(getattr(lw4, f).unpack().dequantize(), getattr(lw32, f)) < 1e-6
-    # The embedding table is not quantized: bfloat16 where the CPU multiplies it natively. The LM
-    # head reads the same table, or on CPUs with AVX512-VNNI but no AMX its 8-bit blocks.
-    table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-    if q8_lm_head(tile_matmul_kernel()):
-        assert isinstance(int4.model.lm_head, Int8Linear)
-        head = int4.model.lm_head.weight.unpack().dequantize()
-        assert rel_err(head, int4.model.w.lm_head.float()) < 0.01
-    else:
-        assert isinstance(int4.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
-    assert int4.model.w.lm_head.dtype == table and int4.model.w.embed.dtype == table
+    assert_table_and_head(int4.model)
     assert int4.model.w.layers[0].input_norm.dtype == torch.float32
     assert int4.cache.k[0].dtype == torch.bfloat16  # auto: bfloat16 K/V under narrow matrices
     rt = attach_runtime(int4, model_info(base_dir), root / "cache-mem")

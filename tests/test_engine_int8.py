@@ -283,6 +283,19 @@ def test_gguf_q8_0_projections_stay_the_files_blocks(tmp_path):
     assert rel_err(a, forced_logits(tiny_engine(base_dir), ids, prompt_len)) > 1e-4
 
 
+def assert_table_and_head(model: DecoderModel) -> None:
+    """Under 8- or 4-bit weights the embedding table is not quantized (bfloat16 where the CPU
+    multiplies it natively); the LM head reads the same table, or on CPUs with AVX512-VNNI but no
+    AMX its 8-bit blocks."""
+    table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    if q8_lm_head(tile_matmul_kernel()):
+        assert isinstance(model.lm_head, Int8Linear)
+        assert rel_err(model.lm_head.weight.unpack().dequantize(), model.w.lm_head.float()) < 0.01
+    else:
+        assert isinstance(model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
+    assert model.w.lm_head.dtype == table and model.w.embed.dtype == table
+
+
 # --- engines --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -303,16 +316,7 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     assert int8.model.weight_bytes < f32.model.weight_bytes
     layer = int8.model.layers[0]
     assert all(isinstance(getattr(layer, n), Int8Linear) for n in projections)
-    # The embedding table is not quantized: bfloat16 where the CPU multiplies it natively. The LM
-    # head reads the same table, or on CPUs with AVX512-VNNI but no AMX its 8-bit blocks.
-    table = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-    if q8_lm_head(tile_matmul_kernel()):
-        assert isinstance(int8.model.lm_head, Int8Linear)
-        head = int8.model.lm_head.weight.unpack().dequantize()
-        assert rel_err(head, int8.model.w.lm_head.float()) < 0.01
-    else:
-        assert isinstance(int8.model.lm_head, BF16Linear if table == torch.bfloat16 else Linear)
-    assert int8.model.w.lm_head.dtype == table and int8.model.w.embed.dtype == table
+    assert_table_and_head(int8.model)
     assert int8.model.w.layers[0].input_norm.dtype == torch.float32
     assert int8.cache.k[0].dtype == torch.bfloat16  # auto: bfloat16 K/V under narrow matrices
     # Steps without LoRA rows run SwiGLU in the gate|up matmul's epilogue (AVX512-VNNI): the same bits.
