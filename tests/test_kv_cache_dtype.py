@@ -19,7 +19,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineConfig, resolve_kv_cache_dtype
 from engine.kv_cache import KVCache, block_bytes
-from engine.native import decode_attention_kernel
+from engine.native import DecodeAttention, _library, decode_attention_kernel, tile_matmul_kernel
 from engine.scoring import agreement, forced_logits
 from loraplex.settings import Settings
 from tests.engine_fixtures import demo_gguf  # noqa: F401  (fixture)
@@ -51,6 +51,15 @@ from tests.test_engine_weights import assert_rows_isolated
 CPU = torch.device("cpu")
 kernel = decode_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernels did not build here")
+_tiles = tile_matmul_kernel()
+HAS_AMX = _tiles is not None and _tiles.isa == "amx"
+PATHS = [pytest.param(False, id="vector"),
+         pytest.param(True, id="amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX on this CPU"))]
+
+
+def _path_kernel(amx: bool) -> DecodeAttention:
+    """The decode kernel with its scores on AMX tiles or on the vector path."""
+    return DecodeAttention(_library(), amx=amx)
 
 
 def _cfg(layers: int = 2, kv_heads: int = 3, head_dim: int = 8) -> ModelConfig:
@@ -115,7 +124,9 @@ def test_the_same_bytes_hold_twice_the_blocks_in_bfloat16():
                          [(9, 3, 64, 16), (8, 4, 64, 16), (16, 4, 64, 8), (8, 8, 32, 4), (16, 2, 128, 16),
                           (4, 1, 80, 8)])
 @pytest.mark.parametrize("scattered", [False, True], ids=["rows-0..B", "mixed-rows"])
-def test_bf16_kv_kernel_matches_softmax_over_the_widened_pools(heads, kv_heads, head_dim, block_size, scattered):
+@pytest.mark.parametrize("amx", PATHS)
+def test_bf16_kv_kernel_matches_softmax_over_the_widened_pools(heads, kv_heads, head_dim, block_size, scattered,
+                                                                 amx):
     gen = torch.Generator().manual_seed(heads * 17 + head_dim + block_size)
     num_blocks, batch, nb = 64, 5, 5
     k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).bfloat16()
@@ -128,7 +139,8 @@ def test_bf16_kv_kernel_matches_softmax_over_the_widened_pools(heads, kv_heads, 
     q = torch.randn(t, heads + 2 * kv_heads, head_dim, generator=gen)[:, :heads] * 2
     rows = torch.tensor([1, 2, 4, 5, 7]) if scattered else torch.arange(batch)
     out = torch.full((t, heads * head_dim), 7.0)
-    kernel(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, out, rows=rows if scattered else None)
+    _path_kernel(amx)(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, out,
+                      rows=rows if scattered else None)
     ref = _reference(q, k_pool.float(), v_pool.float(), table, lens, block_size, rows)
     # float32 scores of up to ~60 (q * 2, unscaled) leave ~1e-5 in the softmax. Measured over
     # 30 seeds of these shapes: the float32 kernel over the widened values errs by up to
@@ -137,6 +149,59 @@ def test_bf16_kv_kernel_matches_softmax_over_the_widened_pools(heads, kv_heads, 
     untouched = torch.ones(t, dtype=torch.bool)
     untouched[rows] = False
     assert bool((out[untouched] == 7.0).all())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX on this CPU")
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(9, 3, 16), (8, 4, 32), (4, 4, 16), (8, 2, 16)])
+def test_amx_scores_match_the_vector_path_for_prefill_groups_and_stale_blocks(heads, kv_heads, block_size):
+    """The AMX path (queries split into three bfloat16 parts) against the vector path and a float64
+    softmax: decode rows, a prefill chunk's rows (one block table, each one key longer: they share
+    a pass, up to 16 query columns), both outputs, and non-finite stale keys past every length."""
+    gen = torch.Generator().manual_seed(heads * 7 + block_size)
+    num_blocks, nb, d = 48, 6, 64
+    k_pool = torch.randn(kv_heads, num_blocks * block_size, d, generator=gen).bfloat16()
+    v_pool = torch.randn(kv_heads, num_blocks * block_size, d, generator=gen).bfloat16()
+    chunk = 11  # prefill rows of one sequence, lengths 70..80
+    decode = torch.tensor([1, 17, block_size * 3 + 5])
+    lens = torch.cat([decode, torch.arange(70, 70 + chunk)])
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(lens), nb, dtype=torch.int64)
+    used = set()
+    for b in range(len(decode)):
+        n = -(-int(decode[b]) // block_size)
+        table[b, :n] = perm[b * nb:b * nb + n]
+        used.update(table[b, :n].tolist())
+    n = -(-80 // block_size)
+    table[len(decode):, :n] = perm[3 * nb:3 * nb + n]
+    used.update(perm[3 * nb:3 * nb + n].tolist())
+    for blk in used:  # slots past each row's length hold stale non-finite keys and values
+        for pool in (k_pool, v_pool):
+            seg = pool[:, blk * block_size:(blk + 1) * block_size]
+            seg[:, :] = torch.where(torch.rand(seg.shape, generator=gen) < 0.5, seg, float("nan"))
+    slots_in_use = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, length in enumerate(lens.tolist()):
+        pos = torch.arange(length)
+        slots_in_use[table[b][pos // block_size] * block_size + pos % block_size] = True
+    for pool in (k_pool, v_pool):
+        fresh = torch.randn(pool.shape, generator=gen).bfloat16()
+        pool[:, slots_in_use] = fresh[:, slots_in_use]
+    q = torch.randn(len(lens), heads, d, generator=gen) * 8 / d ** 0.5
+    ref = _reference(q, k_pool.float(), v_pool.float(), table, lens, block_size, torch.arange(len(lens)))
+    outs = {}
+    for amx in (False, True):
+        out = torch.empty(len(lens), heads * d)
+        _path_kernel(amx)(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, out)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=3e-5)
+        low = torch.empty(len(lens), heads * d, dtype=torch.bfloat16)
+        _path_kernel(amx)(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, low)
+        assert bool(torch.isfinite(low.float()).all())
+        outs[amx] = out
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_engine_kernel_scores_on_amx_where_the_cpu_has_it():
+    assert kernel.amx == HAS_AMX
 
 
 @needs_kernel

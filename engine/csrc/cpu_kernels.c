@@ -17,7 +17,9 @@
  *    each K/V element is widened to float32 on load (exact: a 16-bit shift), q, the scores,
  *    the softmax and the output stay float32; half the bytes to stream per cached token.
  *    Either writes its output in float32, or rounded to bfloat16 (``out_bf16``: the input of a
- *    bfloat16 o projection, without a separate conversion pass).
+ *    bfloat16 o projection, without a separate conversion pass). With ``allow_amx`` on a CPU with
+ *    AMX (and the tiles granted, see loraplex_tile_matmul_init), the scores come from AMX tiles
+ *    (amx_attend_rows), to float32 rounding the same.
  *
  * 2. loraplex_lora_rows_f32: multi-LoRA shrink + expand for rows that each name their own
  *    adapter slot (decode-like batches: few rows per adapter). Per row,
@@ -66,6 +68,25 @@
 /* Elementwise kernels fork threads only above this many elements: a decode batch's rows
  * are a few microseconds of work, less than waking a sleeping OpenMP thread. */
 #define PARALLEL_MIN_ELEMS (1 << 16)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct amx_config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Set by loraplex_tile_matmul_init once the kernel has granted this process AMX state: decode
+ * attention uses the tiles only then. */
+static int amx_granted;
+#endif
 
 /* bfloat16 -> float32 is exact: the 16 bits are the top half of the float's. */
 static inline float bf16_to_f32(uint16_t h)
@@ -163,12 +184,12 @@ static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4],
 #endif
 
 #ifdef __AVX512F__
-/* out_j = inv_j * sum_p scores_j[p] v_p for ``G`` (2..4, constant at the call) query heads of
+/* out_j = inv_j * sum_p scores_j[p] v_p for ``G`` (1..4, constant at the call) query heads of
  * head dim 64 at once: each value row is loaded (and widened) once for all of them, and the
- * G x 4 accumulators are independent FMA chains. */
+ * G x 4 accumulators are independent FMA chains. scores_j[p] is ``scores[j * hs + p * ps]``. */
 static inline __attribute__((always_inline)) void pv_heads_hd64(
-    const int G, const float *scores, int len, const void *vbase, const int64_t *table, int block_size,
-    const int kv_bf16, const float *inv, float *ob)
+    const int G, const float *scores, int64_t hs, int64_t ps, int len, const void *vbase, const int64_t *table,
+    int block_size, const int kv_bf16, const float *inv, float *ob)
 {
     __m512 a[4][4];
     for (int j = 0; j < G; j++)
@@ -182,7 +203,7 @@ static inline __attribute__((always_inline)) void pv_heads_hd64(
             const __m512 v0 = kv_load16(vbase, vp, kv_bf16), v1 = kv_load16(vbase, vp + 16, kv_bf16),
                          v2 = kv_load16(vbase, vp + 32, kv_bf16), v3 = kv_load16(vbase, vp + 48, kv_bf16);
             for (int j = 0; j < G; j++) {
-                const __m512 w = _mm512_set1_ps(scores[(int64_t)j * len + p0 + t]);
+                const __m512 w = _mm512_set1_ps(scores[(int64_t)j * hs + (int64_t)(p0 + t) * ps]);
                 a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
                 a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
                 a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
@@ -428,9 +449,9 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 #ifdef __AVX512F__
     if (joint_pv) {
-        if (g == 2) pv_heads_hd64(2, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
-        else if (g == 3) pv_heads_hd64(3, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
-        else pv_heads_hd64(4, scores, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        if (g == 2) pv_heads_hd64(2, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else if (g == 3) pv_heads_hd64(3, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else pv_heads_hd64(4, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
     }
 #elif defined(ATTN_AVX2)
     if (joint_pv)
@@ -476,29 +497,38 @@ struct kv_next {
  * every head's pass cost more vector work than the dot products (two shuffles per 16 elements
  * against one FMA). Asks for the key blocks ahead and the value blocks on the way, as
  * attend_task's first pass does. */
+/* Prefetches of a task over bfloat16 pools as it reaches its block ``bi`` of ``nblk``: this block's
+ * share of the next task's K/V blocks into L2, the key block KV_PREFETCH_BLOCKS ahead (the first
+ * ones too, at the start) and this value block into L1. */
+static inline __attribute__((always_inline)) void prefetch_kv_block(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int bi,
+                                     int nblk, int64_t block_elems, int block_size, const struct kv_next *next)
+{
+    if (next->len > 0) {
+        const int nn = (next->len + block_size - 1) / block_size;
+        for (int a = bi * nn / nblk; a < (bi + 1) * nn / nblk; a++) {
+            const char *kn = (const char *)(next->k + next->table[a] * block_elems);
+            const char *vn = (const char *)(next->v + next->table[a] * block_elems);
+            for (int64_t c = 0; c < block_elems * 2; c += 64) {
+                __builtin_prefetch(kn + c, 0, 2);
+                __builtin_prefetch(vn + c, 0, 2);
+            }
+        }
+    }
+    for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
+        const char *kn = (const char *)(kbase + table[bi + a] * block_elems);
+        for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(kn + c, 0, 3);
+    }
+    const char *vb = (const char *)(vbase + table[bi] * block_elems);
+    for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(vb + c, 0, 3);
+}
+
 static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int len,
                               int block_size, int head_dim, float *dst, const struct kv_next *next)
 {
     const int64_t block_elems = (int64_t)block_size * head_dim;
     const int nblk = (len + block_size - 1) / block_size;
     for (int bi = 0; bi < nblk; bi++) {
-        if (next->len > 0) {  /* this block's share of the next task's blocks, into L2 */
-            const int nn = (next->len + block_size - 1) / block_size;
-            for (int a = bi * nn / nblk; a < (bi + 1) * nn / nblk; a++) {
-                const char *kn = (const char *)(next->k + next->table[a] * block_elems);
-                const char *vn = (const char *)(next->v + next->table[a] * block_elems);
-                for (int64_t c = 0; c < block_elems * 2; c += 64) {
-                    __builtin_prefetch(kn + c, 0, 2);
-                    __builtin_prefetch(vn + c, 0, 2);
-                }
-            }
-        }
-        for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
-            const char *kn = (const char *)(kbase + table[bi + a] * block_elems);
-            for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(kn + c, 0, 3);
-        }
-        const char *vb = (const char *)(vbase + table[bi] * block_elems);
-        for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(vb + c, 0, 3);
+        prefetch_kv_block(kbase, vbase, table, bi, nblk, block_elems, block_size, next);
         const int64_t n = (int64_t)(len - bi * block_size < block_size ? len - bi * block_size : block_size);
         const uint16_t *src = kbase + table[bi] * block_elems;
         float *d = dst + (int64_t)bi * block_elems;
@@ -507,6 +537,123 @@ static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, cons
     }
 }
 
+#ifdef HAVE_AMX
+/* Decode attention's scores on AMX tiles (bfloat16 pools, head dim 64, block size a multiple of 16,
+ * up to 4 query heads per kv head). A tile of 16 keys (16 rows x 32 dims, loaded in place from a
+ * block: its keys are 128 bytes apart) times a tile of query columns (32 dims in pairs x 16
+ * columns) gives 16 keys' scores for every column in one product, where the vector path widens
+ * the keys and reduces a 16-lane product across lanes per key and head. The tiles multiply
+ * bfloat16, so each query is split into three bfloat16 parts (hi + mid + lo: 24 significant bits,
+ * float32's), each multiplied into the same sums: the products are exact in float32 and summed in
+ * float32, so the scores match the vector path's to float32 rounding. A prefill group's rows go
+ * ``16 / g`` rows per pass. The softmax and the values (pv_heads_hd64) are the vector path's. */
+#define AMX_COLS 16
+
+static void amx_attention_configure(void)
+{
+    struct amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 3; t++) {  /* 0: scores (16 keys x 16 columns), 1: keys, 2: queries */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows ``r0 .. r1 - 1`` of a group (one block table; lengths ``lens``, ascending) against kv head
+ * ``kh``'s keys ``kbase`` / values ``vbase``. ``qpack``: 3072 bfloat16 (the parts' two 16 x 32
+ * tiles each, zeroed before the first task), ``sc``: 16 columns of scores, each as long as the longest row's blocks, ``first``:
+ * this is the group's first pass (it prefetches). */
+static void amx_attend_rows(
+    const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows, int r0, int r1, int kh,
+    int g, const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, const int64_t *lens, int block_size,
+    uint16_t *qpack, float *sc, void *out, int64_t out_stride_row, int out_bf16, float *obuf, int first,
+    const struct kv_next *next)
+{
+    const int nq = (r1 - r0) * g;  /* query columns (those past nq hold earlier tasks' queries: unread) */
+    const int64_t block_elems = (int64_t)block_size * 64;
+    uint32_t *qpairs = (uint32_t *)qpack;
+    for (int n = 0; n < nq; n++) {
+        const int64_t row = rows != NULL ? rows[r0 + n / g] : r0 + n / g;
+        const float *qn = q + row * q_stride_row + (int64_t)(kh * g + n % g) * q_stride_head;
+        uint16_t h[3][64];
+#pragma omp simd
+        for (int d = 0; d < 64; d++) {
+            float rest = qn[d];
+            for (int part = 0; part < 3; part++) {
+                h[part][d] = f32_to_bf16(rest);
+                rest -= bf16_to_f32(h[part][d]);
+            }
+        }
+        /* part p's tile for dims 32 kb .., row r (dims 2r, 2r + 1), column n: one 32-bit pair */
+        for (int part = 0; part < 3; part++)
+            for (int r = 0; r < 32; r++)
+                qpairs[part * 512 + (r / 16) * 256 + (r % 16) * 16 + n] =
+                    (uint32_t)h[part][2 * r] | (uint32_t)h[part][2 * r + 1] << 16;
+    }
+    const int len = (int)lens[r1 - 1];
+    const int nblk = (len + block_size - 1) / block_size;
+    const int64_t cs = (int64_t)nblk * block_size;  /* a column's stride in sc */
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(AMX_COLS));
+    float c[16 * AMX_COLS] __attribute__((aligned(64)));
+    for (int bi = 0; bi < nblk; bi++) {
+        if (first) prefetch_kv_block(kbase, vbase, table, bi, nblk, block_elems, block_size, next);
+        const uint16_t *kb = kbase + table[bi] * block_elems;
+        for (int k0 = 0; k0 < block_size && bi * block_size + k0 < len; k0 += 16) {
+            _tile_zero(0);
+            for (int half = 0; half < 2; half++) {
+                _tile_loadd(1, kb + k0 * 64 + half * 32, 128);
+                for (int part = 0; part < 3; part++) {  /* hi, mid, lo: the large parts first */
+                    _tile_loadd(2, qpack + part * 1024 + half * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+            }
+            _tile_stored(0, c, AMX_COLS * sizeof(float));
+            const int64_t p = (int64_t)bi * block_size + k0;
+            for (int n = 0; n < nq; n++)  /* column n's 16 keys, into its own row of sc */
+                _mm512_storeu_ps(sc + n * cs + p, _mm512_i32gather_ps(across, c + n, 4));
+        }
+    }
+    /* each column's softmax over its row's keys (a key past the row's length, stale bytes of a
+     * block included, is never read) and its values */
+    float inv[AMX_COLS];
+    for (int n = 0; n < nq; n++) {
+        float *sn = sc + n * cs;
+        const int ln = (int)lens[r0 + n / g];
+        float m = -3.0e38f;
+#pragma omp simd reduction(max:m)
+        for (int p = 0; p < ln; p++) m = sn[p] > m ? sn[p] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int p = 0; p < ln; p++) {
+            const float e = exp_nonpos(sn[p] - m);
+            sn[p] = e;
+            sum += e;
+        }
+        inv[n] = 1.0f / sum;
+    }
+    for (int b = r0; b < r1; b++) {
+        const int n0 = (b - r0) * g;
+        const int64_t row = rows != NULL ? rows[b] : b;
+        const int64_t o0 = row * out_stride_row + (int64_t)kh * g * 64;
+        float *ob = out_bf16 ? obuf : (float *)out + o0;
+        const float *sb = sc + n0 * cs;
+        const int lb = (int)lens[b];
+        if (g == 1) pv_heads_hd64(1, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else if (g == 2) pv_heads_hd64(2, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else if (g == 3) pv_heads_hd64(3, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else pv_heads_hd64(4, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + o0;
+#pragma omp simd
+            for (int i = 0; i < g * 64; i++) o[i] = f32_to_bf16(obuf[i]);
+        }
+    }
+}
+#endif
+
 /* Both exported decode-attention kernels: pools of float32 or bfloat16 (``kv_bf16``). */
 static int decode_attention(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows,
@@ -514,12 +661,19 @@ static int decode_attention(
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
     void *out, int64_t out_stride_row, int out_bf16,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    int max_len, int num_threads, const int kv_bf16)
+    int max_len, int num_threads, const int kv_bf16, int allow_amx)
 {
     const int g = num_heads / num_kv_heads;
     if (g > MAX_GROUP || head_dim > MAX_HEAD_DIM || g * num_kv_heads != num_heads) return -1;
     const int64_t head_bytes = pool_slots * head_dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
-    const int widen = kv_bf16 && g > 1;  /* several heads read each key: widen it once (widen_keys) */
+#ifdef HAVE_AMX
+    const int amx = allow_amx && kv_bf16 && head_dim == 64 && g <= 4 && block_size % 16 == 0
+                    && __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);  /* amx_attend_rows */
+#else
+    const int amx = 0;
+    (void)allow_amx;
+#endif
+    const int widen = kv_bf16 && g > 1 && !amx;  /* several heads read each key: widen it once (widen_keys) */
     const int64_t max_blocks = (max_len > 0 ? max_len : 1) / block_size + 1;
     /* Consecutive rows of one prefill chunk (the same block table, each one position further)
      * form a group whose keys are widened once for all its rows: a row alone would widen all
@@ -529,7 +683,7 @@ static int decode_attention(
     int ngroups = 0;
     for (int b = 0; b < num_seqs; b++) {
         const int64_t *tb = blocks + (int64_t)b * blocks_per_seq;
-        const int joins = widen && b > 0 && b - group[ngroups - 1] < GROUP_ROWS && lens[b] == lens[b - 1] + 1
+        const int joins = (widen || amx) && b > 0 && b - group[ngroups - 1] < GROUP_ROWS && lens[b] == lens[b - 1] + 1
                           && memcmp(tb, tb - blocks_per_seq, sizeof(int64_t) * (size_t)blocks_per_seq) == 0;
         if (!joins) group[ngroups++] = b;
     }
@@ -545,13 +699,20 @@ static int decode_attention(
         /* a task's widened keys, and the identity block table that reads them */
         float *kwide = widen ? (float *)malloc(sizeof(float) * (size_t)(max_blocks * block_size * head_dim)) : NULL;
         int64_t *ident = widen ? (int64_t *)malloc(sizeof(int64_t) * (size_t)max_blocks) : NULL;
-        const int ok = scores != NULL && (!out_bf16 || obuf != NULL) && (!widen || (kwide != NULL && ident != NULL));
+        /* the AMX path's scores (16 columns per key) and query tiles */
+        float *sc = amx ? (float *)malloc(sizeof(float) * (size_t)(max_blocks * block_size * 16)) : NULL;
+        uint16_t *qpack = amx ? (uint16_t *)calloc(3072, sizeof(uint16_t)) : NULL;
+        const int ok = scores != NULL && (!out_bf16 || obuf != NULL) && (!widen || (kwide != NULL && ident != NULL))
+                       && (!amx || (sc != NULL && qpack != NULL));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
         if (ident != NULL)
             for (int64_t i = 0; i < max_blocks; i++) ident[i] = i;
+#ifdef HAVE_AMX
+        if (amx) amx_attention_configure();
+#endif
         /* Tasks are handed out one at a time (their lengths differ), each thread taking its next
          * one as it starts the current one, so that the next one's K/V blocks are fetched while
          * the current one computes (with the widened keys: decode rows of 100-200 tokens waited
@@ -560,7 +721,7 @@ static int decode_attention(
         while (task < tasks) {
             const int upcoming = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             struct kv_next nx = {NULL, NULL, NULL, 0};
-            if (widen && upcoming < tasks) {
+            if ((widen || amx) && upcoming < tasks) {
                 const int ng = upcoming / num_kv_heads, nk = upcoming % num_kv_heads;
                 nx.k = (const uint16_t *)((const char *)k_pool + nk * head_bytes);
                 nx.v = (const uint16_t *)((const char *)v_pool + nk * head_bytes);
@@ -576,6 +737,16 @@ static int decode_attention(
             const int64_t *table = blocks + (int64_t)first * blocks_per_seq;
             const void *kbase = (const char *)k_pool + kh * head_bytes;
             const void *vbase = (const char *)v_pool + kh * head_bytes;
+#ifdef HAVE_AMX
+            if (amx) {
+                const int per_pass = AMX_COLS / g;
+                for (int r0 = first; r0 < end; r0 += per_pass)
+                    amx_attend_rows(q, q_stride_row, q_stride_head, rows, r0, r0 + per_pass < end ? r0 + per_pass : end,
+                                    kh, g, (const uint16_t *)kbase, (const uint16_t *)vbase, table, lens, block_size,
+                                    qpack, sc, out, out_stride_row, out_bf16, obuf, r0 == first, &nx);
+                continue;
+            }
+#endif
             if (widen)  /* the keys of the group's longest row: every row's keys */
                 widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
                            head_dim, kwide, &nx);
@@ -607,6 +778,11 @@ static int decode_attention(
         free(obuf);
         free(kwide);
         free(ident);
+        free(sc);
+        free(qpack);
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(group);
     return failed ? -2 : 0;
@@ -622,7 +798,7 @@ int loraplex_decode_attention_f32(
 {
     return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
                             blocks_per_seq, lens, out, out_stride_row, out_bf16, num_seqs, num_heads, num_kv_heads, head_dim,
-                            block_size, max_len, num_threads, 0);
+                            block_size, max_len, num_threads, 0, 0);
 }
 
 int loraplex_decode_attention_bf16kv(
@@ -631,11 +807,11 @@ int loraplex_decode_attention_bf16kv(
     const int64_t *blocks, int64_t blocks_per_seq, const int64_t *lens,
     void *out, int64_t out_stride_row, int out_bf16,
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    int max_len, int num_threads)
+    int max_len, int num_threads, int allow_amx)
 {
     return decode_attention(q, q_stride_row, q_stride_head, rows, k_pool, v_pool, pool_slots, blocks,
                             blocks_per_seq, lens, out, out_stride_row, out_bf16, num_seqs, num_heads, num_kv_heads, head_dim,
-                            block_size, max_len, num_threads, 1);
+                            block_size, max_len, num_threads, 1, allow_amx);
 }
 
 /* s[k] = m[k] . x for the four rows m[0..3] (row stride ld) of a matrix: four independent
@@ -1616,9 +1792,7 @@ int loraplex_q4_matmul_f32(
  * AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): init asks for it once;
  * without it the first tile instruction would fault.
  * --------------------------------------------------------------------------------------------- */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef HAVE_AMX
 #define TILE_ROWS 32
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 2
@@ -1628,16 +1802,10 @@ int loraplex_q4_matmul_f32(
 
 int loraplex_tile_matmul_init(void)
 {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    const int ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    __atomic_store_n(&amx_granted, ok, __ATOMIC_RELEASE);
+    return ok ? 1 : -1;
 }
-
-struct amx_config {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 /* Tiles: 0-3 accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31),
  * 4-5 x (rows 0-15, 16-31), 6-7 W (columns 0-15, 16-31). ``m0``/``m1``: rows of x in each half. */
