@@ -41,34 +41,68 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
+    """Block ids for sequences, kept in runs where the pool allows.
+
+    Decode attention streams each sequence's K and V block by block; blocks that follow each other
+    in the pool are read as one stream, scattered ones each pay a memory round trip (2 cores of a
+    Sapphire Rapids, 32 rows of 144 tokens over 30 layers of bfloat16 blocks: 10.5-11.1 ms
+    scattered, 7.1-7.2 ms with each sequence's blocks in order). So a sequence grows into the
+    block after its last one when that one is free (``after``), and a new sequence's first blocks
+    come from a cursor that then moves past the room its request may grow into (``reserve``):
+    the next sequence starts beyond it. The room is not held: when the cursor comes round to it
+    (the pool is busy), any free block is taken, and a sequence whose next block is gone grows
+    into whatever block is free."""
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Popped from the end: low ids are used first.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
+        self._cursor = 0
+        """Where the next block without a predecessor is looked for (then onward, wrapping)."""
         self._shared: dict[int, int] = {}
         """Holders beyond the first, of blocks more than one sequence holds."""
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._num_free
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+    def allocate(self, n: int, after: int | None = None, reserve: int = 0) -> list[int]:
+        """``n`` blocks, each the one after the previous where it is free; the first after block
+        ``after`` (a sequence's last), else at the cursor, which then skips ``reserve`` blocks in
+        all from the first (the room the sequence may grow into)."""
+        if n > self._num_free:
+            raise OutOfBlocksError(f"need {n} KV blocks, {self._num_free} free")
+        free = self._is_free
+        out: list[int] = []
+        prev = after
+        for _ in range(n):
+            nxt = prev + 1 if prev is not None else -1
+            if 0 <= nxt < self.num_blocks and free[nxt]:
+                b = nxt
+            else:
+                b = free.find(1, self._cursor)
+                if b < 0:
+                    b = free.find(1)
+                self._cursor = b + 1
+            free[b] = 0
+            out.append(b)
+            prev = b
+        self._num_free -= n
+        if after is None and n and reserve > n:
+            self._cursor = (out[0] + reserve) % self.num_blocks
         return out
 
     def share(self, blocks: list[int]) -> None:
@@ -91,9 +125,12 @@ class BlockAllocator:
                 else:
                     self._shared[b] = k - 1
             blocks = last
-        self._free.extend(reversed(blocks))
-        if len(self._free) > self.num_blocks:
-            raise RuntimeError("KV block freed twice")
+        free = self._is_free
+        for b in blocks:
+            if free[b]:
+                raise RuntimeError("KV block freed twice")
+            free[b] = 1
+        self._num_free += len(blocks)
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

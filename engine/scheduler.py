@@ -175,6 +175,14 @@ class Scheduler:
             return budget
         return min(self.burst_batched_tokens, queued + len(self.running))
 
+    def _room(self, seq: Sequence) -> int:
+        """Blocks the sequence may come to hold (its prompt and ``max_tokens``, within its context):
+        the room ``BlockAllocator.allocate`` leaves after its first blocks."""
+        total = seq.num_tokens + max(0, seq.params.max_tokens - len(seq.output_ids))
+        if seq.max_total_len:
+            total = min(total, seq.max_total_len)
+        return self.allocator.blocks_for(total)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         alloc = self.allocator
@@ -202,7 +210,8 @@ class Scheduler:
                 self.finish(seq)
                 out.failed.append(seq)
                 continue
-            seq.block_table.extend(alloc.allocate(need))
+            seq.block_table.extend(alloc.allocate(need, after=seq.block_table[-1] if seq.block_table else None,
+                                                  reserve=self._room(seq)))
             out.chunks.append((seq, n))
             chosen.append(seq)
             budget -= n
@@ -243,7 +252,7 @@ class Scheduler:
                 break  # head of line waits for blocks; nothing jumps ahead of it
             admitted.add(id(seq))
             alloc.share(shared)
-            seq.block_table = shared + alloc.allocate(need)
+            seq.block_table = shared + alloc.allocate(need, reserve=self._room(seq) - len(shared))
             seq.num_computed = start
             if partial is not None:
                 out.copies.append((partial, seq.block_table[len(shared)]))

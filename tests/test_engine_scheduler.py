@@ -39,6 +39,41 @@ def test_allocator_allocates_and_frees():
     assert a.blocks_for(17) == 2
 
 
+def test_allocator_keeps_a_sequences_blocks_in_runs_while_the_pool_allows():
+    a = BlockAllocator(32, 4)
+    first = a.allocate(2, reserve=6)  # a prompt of 2 blocks that may grow to 6
+    other = a.allocate(2, reserve=4)  # the next sequence starts past that room
+    assert (first, other) == ([0, 1], [6, 7])
+    assert a.allocate(1, after=first[-1]) == [2]  # growth: the block after its last
+    assert a.allocate(1, after=other[-1]) == [8]
+    # The block after is taken: any free one (at the cursor), correct if not contiguous.
+    taken = a.allocate(1, after=5)
+    assert taken == [10]
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free([2, 2])
+    # A full pool hands out whatever is free, the room of others included.
+    b = BlockAllocator(6, 4)
+    x = b.allocate(1, reserve=5)
+    assert sorted(b.allocate(5)) == [1, 2, 3, 4, 5] and b.num_free == 0
+    b.free(x)
+    assert b.allocate(1, after=5) == [0]
+
+
+def test_scheduler_grows_each_sequence_into_the_blocks_after_its_own():
+    """Interleaved decoding sequences keep their blocks in order (decode attention reads them as
+    one stream), their prompts spaced by prompt + max_tokens."""
+    s = _sched(blocks=64, bs=4, budget=64, seqs=4)
+    seqs = [_seq(6, max_tokens=10) for _ in range(3)]
+    for q in seqs:
+        s.add(q)
+    for _ in range(9):
+        _run(s, s.schedule())
+    for q in seqs:
+        t = q.block_table
+        assert len(t) == 4 and t == list(range(t[0], t[0] + 4)), t
+    assert sorted(q.block_table[0] for q in seqs) == [0, 4, 8]
+
+
 def test_budget_chunks_long_prompt_and_mixes_decode():
     s = _sched(budget=32)
     short, long = _seq(5), _seq(70)
