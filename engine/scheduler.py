@@ -210,8 +210,7 @@ class Scheduler:
                 self.finish(seq)
                 out.failed.append(seq)
                 continue
-            seq.block_table.extend(alloc.allocate(need, after=seq.block_table[-1] if seq.block_table else None,
-                                                  reserve=self._room(seq)))
+            seq.block_table.extend(alloc.allocate(need, after=seq.block_table[-1] if seq.block_table else None))
             out.chunks.append((seq, n))
             chosen.append(seq)
             budget -= n

@@ -492,16 +492,12 @@ struct kv_next {
     int len;
 };
 
-/* A task's keys widened once from bfloat16 into ``dst`` (the sequence's block i at
- * dst + i * block_size * head_dim) for the ``g`` heads that each read all of them: widening in
- * every head's pass cost more vector work than the dot products (two shuffles per 16 elements
- * against one FMA). Asks for the key blocks ahead and the value blocks on the way, as
- * attend_task's first pass does. */
 /* Prefetches of a task over bfloat16 pools as it reaches its block ``bi`` of ``nblk``: this block's
  * share of the next task's K/V blocks into L2, the key block KV_PREFETCH_BLOCKS ahead (the first
  * ones too, at the start) and this value block into L1. */
-static inline __attribute__((always_inline)) void prefetch_kv_block(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int bi,
-                                     int nblk, int64_t block_elems, int block_size, const struct kv_next *next)
+static inline __attribute__((always_inline)) void prefetch_kv_block(
+    const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int bi, int nblk, int64_t block_elems,
+    int block_size, const struct kv_next *next)
 {
     if (next->len > 0) {
         const int nn = (next->len + block_size - 1) / block_size;
@@ -522,6 +518,11 @@ static inline __attribute__((always_inline)) void prefetch_kv_block(const uint16
     for (int64_t c = 0; c < block_elems * 2; c += 64) __builtin_prefetch(vb + c, 0, 3);
 }
 
+/* A task's keys widened once from bfloat16 into ``dst`` (the sequence's block i at
+ * dst + i * block_size * head_dim) for the ``g`` heads that each read all of them: widening in
+ * every head's pass cost more vector work than the dot products (two shuffles per 16 elements
+ * against one FMA). Asks for the key blocks ahead and the value blocks on the way, as
+ * attend_task's first pass does. */
 static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, int len,
                               int block_size, int head_dim, float *dst, const struct kv_next *next)
 {
@@ -563,8 +564,8 @@ static void amx_attention_configure(void)
 
 /* Rows ``r0 .. r1 - 1`` of a group (one block table; lengths ``lens``, ascending) against kv head
  * ``kh``'s keys ``kbase`` / values ``vbase``. ``qpack``: 3072 bfloat16 (the parts' two 16 x 32
- * tiles each, zeroed before the first task), ``sc``: 16 columns of scores, each as long as the longest row's blocks, ``first``:
- * this is the group's first pass (it prefetches). */
+ * tiles each, zeroed before the first task), ``sc``: 16 columns of scores, each as long as the
+ * longest row's blocks, ``first``: this is the group's first pass (it prefetches). */
 static void amx_attend_rows(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows, int r0, int r1, int kh,
     int g, const uint16_t *kbase, const uint16_t *vbase, const int64_t *table, const int64_t *lens, int block_size,
