@@ -122,6 +122,73 @@ static inline float exp_nonpos(float x) {
     return y * p;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* 16 lanes at a time, for the loops that dominate a prefill step's elementwise work (a 3200-token
+ * step's fused SwiGLU epilogue was half the gate|up matmul's time as the compiler vectorized
+ * silu_mul1 and f32_to_bf16, 8 lanes wide with a division). Where these exist, every SwiGLU (the
+ * separate pass, the tile and the 8-bit kernels' epilogues) goes through silu_mul16, so the fused
+ * and unfused paths still compute the same numbers. */
+
+/* f32_to_bf16 of each lane, the bfloat16 in the lane's low 16 bits. */
+static inline __attribute__((always_inline)) __m512i bf16_bits16(__m512 v)
+{
+    const __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+}
+
+static inline __attribute__((always_inline)) __m256i f32x16_to_bf16(__m512 v)
+{
+    return _mm512_cvtepi32_epi16(bf16_bits16(v));
+}
+
+/* Each lane rounded to bfloat16 and widened back: bf16_to_f32(f32_to_bf16(x)). */
+static inline __attribute__((always_inline)) __m512 round16_bf16(__m512 v)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+
+static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp_nonpos, 16 lanes (the same reduction and polynomial). */
+static inline __attribute__((always_inline)) __m512 exp16_nonpos(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* NaN stays NaN: max returns its second operand */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i p = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(p));
+}
+
+/* silu(x) * u, 16 lanes: silu_mul1's math with the division as a reciprocal estimate and one
+ * Newton step (within an ulp of the quotient; a 512-bit division is ten times the cost). */
+static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 x, __m512 u)
+{
+    const __m512 neg = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
+    const __m512 e = exp16_nonpos(neg), one = _mm512_set1_ps(1.0f);
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
+    const __m512 d = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(d);
+    const __m512 r1 = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_mul_ps(num, r1)), u);
+}
+#endif
+
 /* Element ``i`` of a K/V pool as float32: the pool holds float32 (``kv_bf16`` 0) or bfloat16
  * (``kv_bf16`` 1) values, widened exactly (the 16 bits are the top half of the float's).
  * Called with a constant ``kv_bf16``, so each kernel variant compiles to its own vector loads. */
@@ -547,7 +614,10 @@ static inline void widen_keys(const uint16_t *kbase, const uint16_t *vbase, cons
  * bfloat16, so each query is split into three bfloat16 parts (hi + mid + lo: 24 significant bits,
  * float32's), each multiplied into the same sums: the products are exact in float32 and summed in
  * float32, so the scores match the vector path's to float32 rounding. A prefill group's rows go
- * ``16 / g`` rows per pass. The softmax and the values (pv_heads_hd64) are the vector path's. */
+ * ``16 / g`` rows per pass (a group being a whole number of passes); there the scores stay key-major
+ * as the tile stores them and the softmax runs down all 16 columns at once (against gathering each
+ * column into a row, and packing the queries element by element: 32 prefill chunks of 100 tokens
+ * over 30 layers, 126 -> 81 ms on 2 cores of a Xeon). The values go through pv_heads_hd64. */
 #define AMX_COLS 16
 
 static void amx_attention_configure(void)
@@ -564,7 +634,7 @@ static void amx_attention_configure(void)
 
 /* Rows ``r0 .. r1 - 1`` of a group (one block table; lengths ``lens``, ascending) against kv head
  * ``kh``'s keys ``kbase`` / values ``vbase``. ``qpack``: 3072 bfloat16 (the parts' two 16 x 32
- * tiles each, zeroed before the first task), ``sc``: 16 columns of scores, each as long as the
+ * tiles each, zeroed before the first task), ``sc``: 16 scores per key (one per column) for the
  * longest row's blocks, ``first``: this is the group's first pass (it prefetches). */
 static void amx_attend_rows(
     const float *q, int64_t q_stride_row, int64_t q_stride_head, const int64_t *rows, int r0, int r1, int kh,
@@ -574,28 +644,36 @@ static void amx_attend_rows(
 {
     const int nq = (r1 - r0) * g;  /* query columns (those past nq hold earlier tasks' queries: unread) */
     const int64_t block_elems = (int64_t)block_size * 64;
+    /* Column n's parts: part p's 32 dim pairs of dims 32 h .. 32 h + 31 are one vector, scattered
+     * down column n of the part's tile for those dims (pair r at qpairs[p * 512 + h * 256 + 16 r + n]). */
+    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(AMX_COLS));
     uint32_t *qpairs = (uint32_t *)qpack;
     for (int n = 0; n < nq; n++) {
         const int64_t row = rows != NULL ? rows[r0 + n / g] : r0 + n / g;
         const float *qn = q + row * q_stride_row + (int64_t)(kh * g + n % g) * q_stride_head;
-        uint16_t h[3][64];
-#pragma omp simd
-        for (int d = 0; d < 64; d++) {
-            float rest = qn[d];
-            for (int part = 0; part < 3; part++) {
-                h[part][d] = f32_to_bf16(rest);
-                rest -= bf16_to_f32(h[part][d]);
+        __m512 rest[4] = {_mm512_loadu_ps(qn), _mm512_loadu_ps(qn + 16), _mm512_loadu_ps(qn + 32),
+                          _mm512_loadu_ps(qn + 48)};
+        for (int part = 0; part < 3; part++) {
+            __m512i h[4];
+            for (int c = 0; c < 4; c++) {
+                h[c] = bf16_bits16(rest[c]);
+                rest[c] = _mm512_sub_ps(rest[c], _mm512_castsi512_ps(_mm512_slli_epi32(h[c], 16)));
+            }
+            for (int half = 0; half < 2; half++) {
+                const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(h[2 * half])),
+                                                         _mm512_cvtepi32_epi16(h[2 * half + 1]), 1);
+                _mm512_i32scatter_epi32(qpairs + part * 512 + half * 256 + n, down, pairs, 4);
             }
         }
-        /* part p's tile for dims 32 kb .., row r (dims 2r, 2r + 1), column n: one 32-bit pair */
-        for (int part = 0; part < 3; part++)
-            for (int r = 0; r < 32; r++)
-                qpairs[part * 512 + (r / 16) * 256 + (r % 16) * 16 + n] =
-                    (uint32_t)h[part][2 * r] | (uint32_t)h[part][2 * r + 1] << 16;
     }
+    /* Many columns (a prefill pass): the scores key-major as the tile stores them, key p's 16 at
+     * sc + 16 p, and the softmax down all columns at once. A few (decode rows): each column's
+     * scores gathered into a row of its own (at sc + n * cs), its softmax along it. */
+    const int by_key = nq > AMX_COLS / 2;
     const int len = (int)lens[r1 - 1];
     const int nblk = (len + block_size - 1) / block_size;
-    const int64_t cs = (int64_t)nblk * block_size;  /* a column's stride in sc */
+    const int64_t cs = (int64_t)nblk * block_size;
     const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32(AMX_COLS));
     float c[16 * AMX_COLS] __attribute__((aligned(64)));
@@ -611,41 +689,60 @@ static void amx_attend_rows(
                     _tile_dpbf16ps(0, 1, 2);
                 }
             }
-            _tile_stored(0, c, AMX_COLS * sizeof(float));
             const int64_t p = (int64_t)bi * block_size + k0;
-            for (int n = 0; n < nq; n++)  /* column n's 16 keys, into its own row of sc */
-                _mm512_storeu_ps(sc + n * cs + p, _mm512_i32gather_ps(across, c + n, 4));
+            if (by_key) {
+                _tile_stored(0, sc + p * AMX_COLS, AMX_COLS * sizeof(float));
+                continue;
+            }
+            _tile_stored(0, c, AMX_COLS * sizeof(float));
+            for (int n = 0; n < nq; n++) _mm512_storeu_ps(sc + n * cs + p, _mm512_i32gather_ps(across, c + n, 4));
         }
     }
-    /* each column's softmax over its row's keys (a key past the row's length, stale bytes of a
-     * block included, is never read) and its values */
+    /* each column's softmax over its own row's keys (a key past the row's length, stale bytes of a
+     * block included, is never read, or masked: its weight is 0), then each row's values */
     float inv[AMX_COLS];
-    for (int n = 0; n < nq; n++) {
-        float *sn = sc + n * cs;
-        const int ln = (int)lens[r0 + n / g];
-        float m = -3.0e38f;
+    if (!by_key)
+        for (int n = 0; n < nq; n++) {
+            float *sn = sc + n * cs;
+            const int ln = (int)lens[r0 + n / g];
+            float m = -3.0e38f;
 #pragma omp simd reduction(max:m)
-        for (int p = 0; p < ln; p++) m = sn[p] > m ? sn[p] : m;
-        float sum = 0.0f;
+            for (int p = 0; p < ln; p++) m = sn[p] > m ? sn[p] : m;
+            float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
-        for (int p = 0; p < ln; p++) {
-            const float e = exp_nonpos(sn[p] - m);
-            sn[p] = e;
-            sum += e;
+            for (int p = 0; p < ln; p++) {
+                const float e = exp_nonpos(sn[p] - m);
+                sn[p] = e;
+                sum += e;
+            }
+            inv[n] = 1.0f / sum;
         }
-        inv[n] = 1.0f / sum;
+    int lens_n[AMX_COLS];
+    for (int n = 0; n < AMX_COLS; n++) lens_n[n] = n < nq ? (int)lens[r0 + n / g] : 0;
+    const __m512i lv = _mm512_loadu_si512(lens_n);
+    __m512 m = _mm512_set1_ps(-3.0e38f), sum = _mm512_setzero_ps();
+    for (int p = 0; by_key && p < len; p++)
+        m = _mm512_mask_max_ps(m, _mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)), m, _mm512_loadu_ps(sc + p * AMX_COLS));
+    for (int p = 0; by_key && p < len; p++) {
+        float *sp = sc + p * AMX_COLS;
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)),
+                                             exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sp), m)));
+        _mm512_storeu_ps(sp, e);
+        sum = _mm512_add_ps(sum, e);
     }
+    if (by_key) _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));  /* columns past nq: unread */
+    const int64_t hs = by_key ? 1 : cs, ps = by_key ? AMX_COLS : 1;
     for (int b = r0; b < r1; b++) {
         const int n0 = (b - r0) * g;
         const int64_t row = rows != NULL ? rows[b] : b;
         const int64_t o0 = row * out_stride_row + (int64_t)kh * g * 64;
         float *ob = out_bf16 ? obuf : (float *)out + o0;
-        const float *sb = sc + n0 * cs;
+        const float *sb = sc + n0 * hs;
         const int lb = (int)lens[b];
-        if (g == 1) pv_heads_hd64(1, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
-        else if (g == 2) pv_heads_hd64(2, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
-        else if (g == 3) pv_heads_hd64(3, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
-        else pv_heads_hd64(4, sb, cs, 1, lb, vbase, table, block_size, 1, inv + n0, ob);
+        if (g == 1) pv_heads_hd64(1, sb, hs, ps, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else if (g == 2) pv_heads_hd64(2, sb, hs, ps, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else if (g == 3) pv_heads_hd64(3, sb, hs, ps, lb, vbase, table, block_size, 1, inv + n0, ob);
+        else pv_heads_hd64(4, sb, hs, ps, lb, vbase, table, block_size, 1, inv + n0, ob);
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + o0;
 #pragma omp simd
@@ -682,9 +779,15 @@ static int decode_attention(
     int *group = (int *)malloc(sizeof(int) * (size_t)(num_seqs + 1));
     if (group == NULL) return -2;
     int ngroups = 0;
+#ifdef HAVE_AMX
+    /* on AMX a whole number of passes (a pass takes AMX_COLS / g rows, see amx_attend_rows) */
+    const int group_rows = amx ? AMX_COLS / g * (GROUP_ROWS / (AMX_COLS / g)) : GROUP_ROWS;
+#else
+    const int group_rows = GROUP_ROWS;
+#endif
     for (int b = 0; b < num_seqs; b++) {
         const int64_t *tb = blocks + (int64_t)b * blocks_per_seq;
-        const int joins = (widen || amx) && b > 0 && b - group[ngroups - 1] < GROUP_ROWS && lens[b] == lens[b - 1] + 1
+        const int joins = (widen || amx) && b > 0 && b - group[ngroups - 1] < group_rows && lens[b] == lens[b - 1] + 1
                           && memcmp(tb, tb - blocks_per_seq, sizeof(int64_t) * (size_t)blocks_per_seq) == 0;
         if (!joins) group[ngroups++] = b;
     }
@@ -1106,72 +1209,6 @@ static inline __attribute__((always_inline)) float silu_mul1(float x, float u)
     return x * (num / (1.0f + e)) * u;
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-/* 16 lanes at a time, for the loops that dominate a prefill step's elementwise work (a 3200-token
- * step's fused SwiGLU epilogue was half the gate|up matmul's time as the compiler vectorized
- * silu_mul1 and f32_to_bf16, 8 lanes wide with a division). Where these exist, every SwiGLU (the
- * separate pass, the tile and the 8-bit kernels' epilogues) goes through silu_mul16, so the fused
- * and unfused paths still compute the same numbers. */
-
-/* f32_to_bf16 of each lane, the bfloat16 in the lane's low 16 bits. */
-static inline __attribute__((always_inline)) __m512i bf16_bits16(__m512 v)
-{
-    const __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
-    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
-}
-
-static inline __attribute__((always_inline)) __m256i f32x16_to_bf16(__m512 v)
-{
-    return _mm512_cvtepi32_epi16(bf16_bits16(v));
-}
-
-/* Each lane rounded to bfloat16 and widened back: bf16_to_f32(f32_to_bf16(x)). */
-static inline __attribute__((always_inline)) __m512 round16_bf16(__m512 v)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
-}
-
-static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(__m256i h)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* exp_nonpos, 16 lanes (the same reduction and polynomial). */
-static inline __attribute__((always_inline)) __m512 exp16_nonpos(__m512 x)
-{
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* NaN stays NaN: max returns its second operand */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i p = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(p));
-}
-
-/* silu(x) * u, 16 lanes: silu_mul1's math with the division as a reciprocal estimate and one
- * Newton step (within an ulp of the quotient; a 512-bit division is ten times the cost). */
-static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 x, __m512 u)
-{
-    const __m512 neg = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
-    const __m512 e = exp16_nonpos(neg), one = _mm512_set1_ps(1.0f);
-    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-    const __m512 d = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(d);
-    const __m512 r1 = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
-    return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_mul_ps(num, r1)), u);
-}
-#endif
 
 int loraplex_silu_mul_f32(
     const void *gate_up, int64_t gu_stride, int gu_bf16, void *out, int64_t out_stride, int out_bf16,
