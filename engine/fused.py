@@ -6,10 +6,12 @@
 * ``silu_mul(gate_up, inter, out_dtype=None)``: SwiGLU, ``silu(gate_up[:, :inter]) *
   gate_up[:, inter:]``, in ``gate_up``'s dtype, or computed in float32 and returned in
   ``out_dtype`` when that is given (a bfloat16 matmul output in, the next one's input out);
-* ``rope_store(qkv, bias, cos, sin, cache, layer, slots, heads)``: a fused q|k|v matmul output
-  ``[T, (heads + 2 kv_heads) * head_dim]`` (float32, or the bfloat16 sums of a bfloat16 matmul)
-  widened to float32 plus ``bias`` (or none), q and k rotated with the tables of
-  ``engine.rotary.RotaryEmbedding.tables``, k and v stored in layer ``layer`` of the KV ``cache``
+* ``rope_store(qkv, bias, cos, sin, cache, layer, slots, heads, head_scale=None)``: a fused q|k|v
+  matmul output ``[T, (heads + 2 kv_heads) * head_dim]`` (float32, or the bfloat16 sums of a
+  bfloat16 matmul) widened to float32 plus ``bias`` (or none), q and k rotated with the tables of
+  ``engine.rotary.RotaryEmbedding.tables`` (``[T, 1 or heads + kv_heads, head_dim]``), each head's
+  cos and sin times ``head_scale [heads + kv_heads]`` where given (the attention scale folded
+  into the queries), k and v stored in layer ``layer`` of the KV ``cache``
   at ``slots [T]`` (``KVCache.write``: rounded to the pools' dtype); returns q, float32
   ``[T, heads, head_dim]``.
 
@@ -41,9 +43,13 @@ class TorchOps:
         return out if out_dtype is None else out.to(out_dtype)
 
     def rope_store(self, qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int) -> torch.Tensor:
+                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int,
+                   head_scale: torch.Tensor | None = None) -> torch.Tensor:
         t = qkv.shape[0]
         kv_heads, d = cache.num_kv_heads, cache.head_dim
+        if head_scale is not None:
+            scale = head_scale.view(1, -1, 1)
+            cos, sin = cos * scale, sin * scale
         x = qkv.to(cos.dtype) if bias is None else qkv.to(cos.dtype) + bias
         qk = self.rope(x[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
         cache.write(layer, slots, qk[:, heads:], x[:, (heads + kv_heads) * d:].view(t, kv_heads, d))

@@ -180,7 +180,7 @@ class DecoderModel:
         ops = self.ops
         h = F.embedding(ctx.input_ids, w.embed).to(self.dtype)
         # RoPE for q and k heads together; the query heads also carry the attention scale.
-        cos, sin = self.rope.tables(ctx.positions, self.head_scale)
+        cos, sin = self.rope.tables(ctx.positions)
         prepare_attention(ctx, nkv, self.decode_kernel)
         t = h.shape[0]
         narrow = torch.bfloat16 if self.bf16_flow and lora is None and t > 1 else None
@@ -194,7 +194,7 @@ class DecoderModel:
             if lora is not None:
                 q, k, v = qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:]
                 lora.apply_many(i, x, (("q_proj", q), ("k_proj", k), ("v_proj", v)))
-            q = ops.rope_store(qkv, bias, cos, sin, cache, i, ctx.slot_mapping, nh)
+            q = ops.rope_store(qkv, bias, cos, sin, cache, i, ctx.slot_mapping, nh, self.head_scale)
             a = paged_attention(ctx, cache, i, q, nkv, self.decode_kernel, narrow)
             if narrow is not None:
                 x = ops.add_rms_norm(h, lin.o.bf16(a), lw.post_norm, eps, narrow)

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
     "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _int, _ptr, _f32, _int, _int, _int],
     "loraplex_silu_mul_f32": [_ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
-    "loraplex_rope_store_f32": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int, _i64,
+    "loraplex_rope_store_f32": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64,
                                 _ptr, _int, _int, _int, _int, _int],
     "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
     "loraplex_q8_swiglu_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _int],
@@ -346,7 +346,8 @@ class FusedOps:
         return out
 
     def rope_store(self, qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int) -> torch.Tensor:
+                   cache: KVCache, layer: int, slots: torch.Tensor, heads: int,
+                   head_scale: torch.Tensor | None = None) -> torch.Tensor:
         t, width = qkv.shape
         kv_heads, d = cache.num_kv_heads, cache.head_dim
         k_pool, v_pool = cache.k[layer], cache.v[layer]
@@ -356,10 +357,13 @@ class FusedOps:
         assert cos.stride(2) == 1 and cos.shape[0] == t and cos.shape[1] in (1, heads + kv_heads) and cos.shape[2] == d
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.dtype == v_pool.dtype in self._NARROW
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == t
+        assert head_scale is None or (head_scale.dtype == torch.float32 and head_scale.is_contiguous()
+                                      and head_scale.numel() == heads + kv_heads)
         q = torch.empty((t, heads, d), dtype=torch.float32)
         rc = self._rope_store(qkv.data_ptr(), qkv.stride(0), qkv.dtype == torch.bfloat16,
                               bias.data_ptr() if bias is not None else None, cos.data_ptr(), sin.data_ptr(),
-                              cos.stride(0), 0 if cos.shape[1] == 1 else cos.stride(1), q.data_ptr(), heads * d,
+                              cos.stride(0), 0 if cos.shape[1] == 1 else cos.stride(1),
+                              head_scale.data_ptr() if head_scale is not None else None, q.data_ptr(), heads * d,
                               k_pool.data_ptr(), v_pool.data_ptr(), k_pool.dtype == torch.bfloat16, k_pool.shape[1],
                               slots.data_ptr(), t, heads, kv_heads, d, torch.get_num_threads())
         if rc != 0:

@@ -51,20 +51,13 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = cfg.head_dim // 2
 
-    def tables(self, positions: torch.Tensor, head_scale: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin rows for the step's positions, ``[T, 1 or heads, head_dim]``.
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows for the step's positions, ``[T, 1, head_dim]`` (one row for every
+        head; ``engine.fused``'s ``rope_store`` takes a per-head factor beside them).
 
-        The sign of ``rotate_half`` is folded into ``sin`` (first half negated), and an
-        optional per-head factor (``head_scale [heads]``, e.g. the attention scale for the
-        query heads) into both, so applying them (``engine.fused``) is one pass over q and k together.
+        The sign of ``rotate_half`` is folded into ``sin`` (first half negated).
         """
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         h = self.half
-        sin = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
-        if head_scale is not None:
-            scale = head_scale.view(1, -1, 1)
-            cos = cos * scale
-            sin = sin * scale
-        return cos, sin
+        return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)

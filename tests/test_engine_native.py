@@ -123,9 +123,10 @@ def test_fused_ops_match_torch_definitions():
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_matches_torch_definition(qkv_dtype, kv_dtype):
-    """Bias, RoPE (per-head and broadcast tables) and the K/V store at scattered slots of a
-    fused q|k|v output, float32 or bfloat16 sums, into float32 or bfloat16 pools: q as torch
-    computes it, k and v stored where torch stores them, every other slot untouched."""
+    """Bias, RoPE (per-head and broadcast tables, with and without a per-head factor) and the K/V
+    store at scattered slots of a fused q|k|v output, float32 or bfloat16 sums, into float32 or
+    bfloat16 pools: q as torch computes it, k and v stored where torch stores them, every other
+    slot untouched."""
     from engine.config import ModelConfig
     from engine.fused import TorchOps
     from engine.kv_cache import KVCache
@@ -144,10 +145,18 @@ def test_rope_store_matches_torch_definition(qkv_dtype, kv_dtype):
             bias = torch.randn((heads + 2 * kv_heads) * d, generator=gen) if with_bias else None
             cos = torch.randn(t, heads + kv_heads if per_head else 1, d, generator=gen)
             sin = torch.randn(t, heads + kv_heads if per_head else 1, d, generator=gen)
+            scale = torch.rand(heads + kv_heads, generator=gen) + 0.1 if with_bias else None
             caches = [KVCache(cfg, 4, 16, torch.device("cpu"), kv_dtype, torch.float32) for _ in range(2)]
-            got = nat.rope_store(qkv, bias, cos, sin, caches[0], 1, slots, heads)
-            expect = ref.rope_store(qkv, bias, cos, sin, caches[1], 1, slots, heads)
+            got = nat.rope_store(qkv, bias, cos, sin, caches[0], 1, slots, heads, scale)
+            expect = ref.rope_store(qkv, bias, cos, sin, caches[1], 1, slots, heads, scale)
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+            if scale is not None:  # the same numbers as the tables with the factor folded in
+                plain = nat.rope_store(qkv, bias, cos * scale.view(1, -1, 1), sin * scale.view(1, -1, 1),
+                                       KVCache(cfg, 4, 16, torch.device("cpu"), kv_dtype, torch.float32), 1, slots,
+                                       heads)
+                assert torch.equal(got, plain) and not torch.allclose(got, ref.rope_store(
+                    qkv, bias, cos, sin, KVCache(cfg, 4, 16, torch.device("cpu"), kv_dtype, torch.float32), 1, slots,
+                    heads))
             tol = dict(rtol=1e-5, atol=1e-5) if kv_dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
             for pool in ("k", "v"):
                 a, b = getattr(caches[0], pool), getattr(caches[1], pool)
