@@ -48,8 +48,10 @@ class RotaryEmbedding:
         freqs = torch.outer(pos, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
-        self.half = cfg.head_dim // 2
+        # rotate_half's sign folded in once: the first half negated
+        half = cfg.head_dim // 2
+        sin = emb.sin()
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows for the step's positions, ``[T, 1, head_dim]`` (one row for every
@@ -57,7 +59,4 @@ class RotaryEmbedding:
 
         The sign of ``rotate_half`` is folded into ``sin`` (first half negated).
         """
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        h = self.half
-        return cos, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

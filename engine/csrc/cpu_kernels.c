@@ -701,7 +701,23 @@ static void amx_attend_rows(
     /* each column's softmax over its own row's keys (a key past the row's length, stale bytes of a
      * block included, is never read, or masked: its weight is 0), then each row's values */
     float inv[AMX_COLS];
-    if (!by_key)
+    if (by_key) {
+        int lens_n[AMX_COLS];
+        for (int n = 0; n < AMX_COLS; n++) lens_n[n] = n < nq ? (int)lens[r0 + n / g] : 0;
+        const __m512i lv = _mm512_loadu_si512(lens_n);
+        __m512 m = _mm512_set1_ps(-3.0e38f), sum = _mm512_setzero_ps();
+        for (int p = 0; p < len; p++)
+            m = _mm512_mask_max_ps(m, _mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)), m,
+                                   _mm512_loadu_ps(sc + p * AMX_COLS));
+        for (int p = 0; p < len; p++) {
+            float *sp = sc + p * AMX_COLS;
+            const __m512 e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)),
+                                                 exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sp), m)));
+            _mm512_storeu_ps(sp, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));  /* columns past nq: unread */
+    } else {
         for (int n = 0; n < nq; n++) {
             float *sn = sc + n * cs;
             const int ln = (int)lens[r0 + n / g];
@@ -717,20 +733,7 @@ static void amx_attend_rows(
             }
             inv[n] = 1.0f / sum;
         }
-    int lens_n[AMX_COLS];
-    for (int n = 0; n < AMX_COLS; n++) lens_n[n] = n < nq ? (int)lens[r0 + n / g] : 0;
-    const __m512i lv = _mm512_loadu_si512(lens_n);
-    __m512 m = _mm512_set1_ps(-3.0e38f), sum = _mm512_setzero_ps();
-    for (int p = 0; by_key && p < len; p++)
-        m = _mm512_mask_max_ps(m, _mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)), m, _mm512_loadu_ps(sc + p * AMX_COLS));
-    for (int p = 0; by_key && p < len; p++) {
-        float *sp = sc + p * AMX_COLS;
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32(p)),
-                                             exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sp), m)));
-        _mm512_storeu_ps(sp, e);
-        sum = _mm512_add_ps(sum, e);
     }
-    if (by_key) _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));  /* columns past nq: unread */
     const int64_t hs = by_key ? 1 : cs, ps = by_key ? AMX_COLS : 1;
     for (int b = r0; b < r1; b++) {
         const int n0 = (b - r0) * g;
@@ -1208,7 +1211,6 @@ static inline __attribute__((always_inline)) float silu_mul1(float x, float u)
     const float num = x >= 0.0f ? 1.0f : e;
     return x * (num / (1.0f + e)) * u;
 }
-
 
 int loraplex_silu_mul_f32(
     const void *gate_up, int64_t gu_stride, int gu_bf16, void *out, int64_t out_stride, int out_bf16,
