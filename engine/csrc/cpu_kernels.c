@@ -1706,14 +1706,47 @@ int loraplex_q8_swiglu_f32(
  * _mm256_maddubs_epi16 (pair sums at most 2 * 15 * 127: no saturation), else plain C.
  * --------------------------------------------------------------------------------------------- */
 #define Q4_TILE_BYTES (Q8_BLOCK / 2 * Q8_TILE)
+#define Q4_CHUNK_BYTES (256 * 1024)
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* One row of x to blocks of 32: xq = round(x / d) (int8), xd = d = absmax / 127 and
- * xs = d * sum(xq) (the block's weight for the offsets m). */
+ * xs = d * sum(xq) (the block's weight for the offsets m). With AVX2 whole blocks go 8 lanes at a
+ * time (the same float32 math: x * (1 / d) rounded to nearest even); a 3200-token prefill step
+ * quantizes 300M activations. */
 static void q4_quantize_row(const float *x, int k, int nb, int8_t *xq, float *xd, float *xs)
 {
     for (int b = 0; b < nb; b++) {
         const int i0 = b * Q8_BLOCK;
         const int len = k - i0 < Q8_BLOCK ? k - i0 : Q8_BLOCK;
+#ifdef __AVX2__
+        if (len == Q8_BLOCK) {
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4];
+            for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(x + i0 + 8 * c);
+            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float d = _mm_cvtss_f32(h) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4];
+            for (int c = 0; c < 4; c++) q[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], id));
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
+            /* packs work per 128-bit lane: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] ... */
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + i0),
+                                _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            xd[b] = d;
+            xs[b] = d * (float)_mm_cvtsi128_si32(u);
+            continue;
+        }
+#endif
         float amax = 0.0f;
         for (int i = 0; i < len; i++) {
             const float a = x[i0 + i] < 0 ? -x[i0 + i] : x[i0 + i];
@@ -1771,49 +1804,65 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bv));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* AVX2: rows one at a time; the tile's rows 0..7 and 8..15 in two 256-bit halves. */
-static inline void q4_tile(
+#define Q4_ROWS 4
+/* AVX2: ``mr`` rows (1..Q4_ROWS, constant at each call) against one tile, the tile's outputs 0..7
+ * and 8..15 in two 256-bit halves. Each 64 weight bytes are unpacked into nibbles once for all
+ * the rows (unpacking them again per row cost as much as the products). _mm256_maddubs_epi16
+ * takes the nibbles as its unsigned operand and the activations as its signed one; its int16
+ * pair sums are added in int16 over a whole block (8 x 2 x 15 x 127 = 30480 < 2^15) and widened
+ * once. On this ISA the integer multiply unit, not FMA, bounds the kernel: about one maddubs (32
+ * products) a cycle against two 8-lane FMAs, so 4-bit blocks outrun float32 (an 8-bit weight
+ * needs a second multiply, madd, per maddubs to stay within int16). The float32 sums stay in
+ * memory between blocks: the 16 registers hold the int16 sums, unpacked weights and broadcasts. */
+static inline __attribute__((always_inline)) void q4_tile(
     const uint8_t *wt, const float *wd, const float *wm, const int8_t *xq, int64_t xq_stride,
     const float *xd, const float *xs, int nb, const int mr, float *y, int64_t y_stride, const float *bias,
     int cols)
 {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < mr; r++) {
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            const uint8_t *wb = wt + (int64_t)b * Q4_TILE_BYTES;
-            for (int p = 0; p < 4; p++) {
+    float acc[Q4_ROWS][Q8_TILE];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < Q8_TILE; j++) acc[r][j] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        __m256i s[Q4_ROWS][2];
+        for (int r = 0; r < mr; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        const uint8_t *wb = wt + (int64_t)b * Q4_TILE_BYTES;
+        const int8_t *xb = xq + b * Q8_BLOCK;
+#pragma GCC unroll 1
+        for (int p = 0; p < 4; p++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + p * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + p * 64 + 32));
+            const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            for (int r = 0; r < mr; r++) {
                 int32_t al, ah;
-                memcpy(&al, xq + r * xq_stride + b * Q8_BLOCK + p * 4, 4);
-                memcpy(&ah, xq + r * xq_stride + b * Q8_BLOCK + 16 + p * 4, 4);
+                memcpy(&al, xb + r * xq_stride + p * 4, 4);
+                memcpy(&ah, xb + r * xq_stride + 16 + p * 4, 4);
                 const __m256i a_lo = _mm256_set1_epi32(al), a_hi = _mm256_set1_epi32(ah);
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + p * 64));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + p * 64 + 32));
-                s0 = _mm256_add_epi16(s0, _mm256_add_epi16(
-                    _mm256_maddubs_epi16(_mm256_and_si256(w0, low), a_lo),
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 4), low), a_hi)));
-                s1 = _mm256_add_epi16(s1, _mm256_add_epi16(
-                    _mm256_maddubs_epi16(_mm256_and_si256(w1, low), a_lo),
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 4), low), a_hi)));
+                s[r][0] = _mm256_add_epi16(s[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, a_lo),
+                                                                     _mm256_maddubs_epi16(h0, a_hi)));
+                s[r][1] = _mm256_add_epi16(s[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, a_lo),
+                                                                     _mm256_maddubs_epi16(h1, a_hi)));
             }
-            /* int16 lanes: 4 pairs x 4 products x 15 x 127 = 30480 < 2^15; then pairs of lanes to int32. */
-            const __m256i ia0 = _mm256_madd_epi16(s0, ones), ia1 = _mm256_madd_epi16(s1, ones);
-            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE), dx), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia1), _mm256_mul_ps(_mm256_loadu_ps(wd + b * Q8_TILE + 8), dx),
-                                   acc1);
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * Q8_TILE), sx, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * Q8_TILE + 8), sx, acc1);
         }
-        float out[Q8_TILE];
-        _mm256_storeu_ps(out, acc0);
-        _mm256_storeu_ps(out + 8, acc1);
-        for (int j = 0; j < cols; j++) y[r * y_stride + j] = out[j] + (bias ? bias[j] : 0.0f);
+        const __m256 dw0 = _mm256_loadu_ps(wd + b * Q8_TILE), dw1 = _mm256_loadu_ps(wd + b * Q8_TILE + 8);
+        const __m256 mw0 = _mm256_loadu_ps(wm + b * Q8_TILE), mw1 = _mm256_loadu_ps(wm + b * Q8_TILE + 8);
+        for (int r = 0; r < mr; r++) {
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
+            const __m256 i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][0], ones));
+            const __m256 i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][1], ones));
+            _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(mw0, sx, _mm256_fmadd_ps(i0, _mm256_mul_ps(dw0, dx),
+                                                                               _mm256_loadu_ps(acc[r]))));
+            _mm256_storeu_ps(acc[r] + 8, _mm256_fmadd_ps(mw1, sx, _mm256_fmadd_ps(i1, _mm256_mul_ps(dw1, dx),
+                                                                                   _mm256_loadu_ps(acc[r] + 8))));
+        }
     }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < cols; j++) y[r * y_stride + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
 }
 #else
+#define Q4_ROWS 4
 static inline void q4_tile(
     const uint8_t *wt, const float *wd, const float *wm, const int8_t *xq, int64_t xq_stride,
     const float *xd, const float *xs, int nb, const int mr, float *y, int64_t y_stride, const float *bias,
@@ -1865,6 +1914,7 @@ int loraplex_q4_matmul_f32(
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             q4_quantize_row(x + r * x_stride, k, nb, xq + r * kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb);
+#ifdef Q8_VNNI
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
             const uint8_t *wt = wq + (int64_t)t * nb * Q4_TILE_BYTES;
@@ -1884,6 +1934,38 @@ int loraplex_q4_matmul_f32(
                 q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 1,
                         y + r * y_stride + o, y_stride, bt, cols);
         }
+#else
+        /* Rows in chunks of about Q4_CHUNK_BYTES of activations, which stay in L2 while the tiles
+         * pass; each thread takes whole tiles of a chunk and runs its rows through them in even
+         * blocks of at most Q4_ROWS (32 rows: 8 x 4). */
+        const int rchunk = kp * Q4_ROWS < Q4_CHUNK_BYTES ? (int)(Q4_CHUNK_BYTES / kp) : Q4_ROWS;
+        for (int r0 = 0; r0 < m; r0 += rchunk) {
+            const int mc = m - r0 < rchunk ? m - r0 : rchunk;
+            const int blocks = (mc + Q4_ROWS - 1) / Q4_ROWS, base = mc / blocks, extra = mc % blocks;
+#pragma omp for schedule(static) nowait
+            for (int t = 0; t < tiles; t++) {
+                const uint8_t *wt = wq + (int64_t)t * nb * Q4_TILE_BYTES;
+                const float *wdt = wd + (int64_t)t * nb * Q8_TILE;
+                const float *wmt = wm + (int64_t)t * nb * Q8_TILE;
+                const int o = t * Q8_TILE;
+                const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
+                const float *bt = bias ? bias + o : NULL;
+                for (int i = 0, r = r0; i < blocks; i++) {
+                    const int mr = base + (i < extra);
+                    const int8_t *xr = xq + r * kp;
+                    const float *dr = xd + (int64_t)r * nb, *sr = xs + (int64_t)r * nb;
+                    float *yr = y + r * y_stride + o;
+                    switch (mr) {
+#define Q4_BLOCK_ROWS(R) case R: q4_tile(wt, wdt, wmt, xr, kp, dr, sr, nb, R, yr, y_stride, bt, cols); break;
+                    Q4_BLOCK_ROWS(4) Q4_BLOCK_ROWS(3) Q4_BLOCK_ROWS(2) Q4_BLOCK_ROWS(1)
+#undef Q4_BLOCK_ROWS
+                    default: break;
+                    }
+                    r += mr;
+                }
+            }
+        }
+#endif
     }
     free(xq);
     free(xd);
