@@ -23,7 +23,7 @@ serve: venv
 	$(VENV)/bin/loraplex serve
 
 test: venv  ## the whole suite, slow model-level and end-to-end tests included
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow and not e2e"

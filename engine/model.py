@@ -40,7 +40,15 @@ from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
-from engine.linear import BF16Linear, Int8Linear, Linear, cpu_has_bf16_matmul, cpu_has_vnni, make_linear
+from engine.linear import (
+    BF16Linear,
+    Int8Linear,
+    Linear,
+    cpu_has_avx2,
+    cpu_has_bf16_matmul,
+    cpu_has_vnni,
+    make_linear,
+)
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
     BlockMatmul,
@@ -103,9 +111,9 @@ class DecoderModel:
                         "of several rows run slower than float32 here")
         quantized = self.matmul_dtype in QUANTIZED
         name = "int4" if self.matmul_dtype == INT4 else "int8"
-        if quantized and not cpu_has_vnni():
-            log.warning("%s weights on a CPU without AVX512-VNNI: a fraction of the memory, but the portable "
-                        "kernels run slower than float32 here", name)
+        if quantized and not cpu_has_vnni() and not (self.matmul_dtype == INT4 and cpu_has_avx2()):
+            log.warning("%s weights on a CPU without AVX512-VNNI%s: a fraction of the memory, but the portable "
+                        "kernels run no faster than float32 here", name, "" if name == "int8" else " or AVX2")
         # Under 8-bit or 4-bit projections the embedding table and LM head (tied in small models)
         # are not quantized: bfloat16 where the CPU multiplies it natively (the LM head's float32
         # matmul took a fifth of an 8-bit decode step), else the activations' dtype.

@@ -186,7 +186,8 @@ class Settings:
     ``int8`` (CPU, float32 activations: 8-bit blocks of 32 with a scale each, llama.cpp's Q8_0, about a
     quarter of float32's bytes; GGUF Q8_0 tensors are used as stored; fastest with AVX512-VNNI) or ``int4``
     (the same with 4-bit blocks of 32 with a scale and an offset each, GGUF Q4_1's form, under a fifth of
-    float32's bytes; GGUF Q4_0/Q4_1 tensors are used as stored, Q8_0 ones stay 8-bit). Either way the LoRA
+    float32's bytes; GGUF Q4_0/Q4_1 tensors are used as stored, Q8_0 ones stay 8-bit; fastest with AVX512-VNNI,
+    and on AVX2-only CPUs faster than float32). Either way the LoRA
     math, attention and norms stay float32 and adapters' A/B are held in bfloat16; under ``int8`` and
     ``int4`` the embedding table is not quantized (bfloat16 on CPUs with AVX512-BF16 or AMX, else float32)
     and the LM head reads it, except on CPUs with AVX512-VNNI but no AMX, where it is held in 8 bits (Q8_0)

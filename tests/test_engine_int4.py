@@ -336,6 +336,22 @@ def test_int4_weights_hold_the_base_in_under_a_fifth_of_the_memory(lora_world):
     engine.lora_runtime.manager.close()
 
 
+@pytest.mark.parametrize(("weights", "vnni", "avx2", "warned"), [
+    ("int4", False, True, False),  # AVX2's maddubs build outruns float32: nothing to warn about
+    ("int4", False, False, True),  # plain C
+    ("int8", False, True, True),  # 8 bits need two integer multiplies a group on AVX2: no faster
+    ("int8", True, True, False),
+])
+def test_slow_block_formats_are_warned_about(lora_world, monkeypatch, caplog, weights, vnni, avx2, warned):
+    import engine.model
+
+    monkeypatch.setattr(engine.model, "cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(engine.model, "cpu_has_avx2", lambda: avx2)
+    with caplog.at_level("WARNING", logger="loraplex.engine.model"):
+        tiny_engine(lora_world[0], weights=weights)
+    assert any("no faster than float32" in r.getMessage() for r in caplog.records) == warned
+
+
 def test_mixed_batch_rows_equal_each_request_alone_with_int4_weights(lora_world):
     """Cross-tenant isolation in this format: each row of a mixed batch (base rows and nine
     adversarial adapters, prefill and decode together) equals the same request served alone,
