@@ -1914,34 +1914,16 @@ int loraplex_q4_matmul_f32(
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
             q4_quantize_row(x + r * x_stride, k, nb, xq + r * kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb);
+        /* Without VNNI, rows go in chunks of about Q4_CHUNK_BYTES of activations, which stay in L2
+         * while the tiles pass; each thread takes whole tiles of a chunk and runs its rows through
+         * them in even blocks of at most Q4_ROWS (32 rows: 8 x 4). With VNNI, one chunk. */
 #ifdef Q8_VNNI
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            const uint8_t *wt = wq + (int64_t)t * nb * Q4_TILE_BYTES;
-            const float *wdt = wd + (int64_t)t * nb * Q8_TILE;
-            const float *wmt = wm + (int64_t)t * nb * Q8_TILE;
-            const int o = t * Q8_TILE;
-            const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
-            const float *bt = bias ? bias + o : NULL;
-            int r = 0;
-            for (; r + 8 <= m; r += 8)
-                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 8,
-                        y + r * y_stride + o, y_stride, bt, cols);
-            for (; r + 4 <= m; r += 4)
-                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 4,
-                        y + r * y_stride + o, y_stride, bt, cols);
-            for (; r < m; r++)
-                q4_tile(wt, wdt, wmt, xq + r * kp, kp, xd + (int64_t)r * nb, xs + (int64_t)r * nb, nb, 1,
-                        y + r * y_stride + o, y_stride, bt, cols);
-        }
+        const int rchunk = m;
 #else
-        /* Rows in chunks of about Q4_CHUNK_BYTES of activations, which stay in L2 while the tiles
-         * pass; each thread takes whole tiles of a chunk and runs its rows through them in even
-         * blocks of at most Q4_ROWS (32 rows: 8 x 4). */
         const int rchunk = kp * Q4_ROWS < Q4_CHUNK_BYTES ? (int)(Q4_CHUNK_BYTES / kp) : Q4_ROWS;
+#endif
         for (int r0 = 0; r0 < m; r0 += rchunk) {
             const int mc = m - r0 < rchunk ? m - r0 : rchunk;
-            const int blocks = (mc + Q4_ROWS - 1) / Q4_ROWS, base = mc / blocks, extra = mc % blocks;
 #pragma omp for schedule(static) nowait
             for (int t = 0; t < tiles; t++) {
                 const uint8_t *wt = wq + (int64_t)t * nb * Q4_TILE_BYTES;
@@ -1950,22 +1932,30 @@ int loraplex_q4_matmul_f32(
                 const int o = t * Q8_TILE;
                 const int cols = n - o < Q8_TILE ? n - o : Q8_TILE;
                 const float *bt = bias ? bias + o : NULL;
+#define Q4_AT(r, R) q4_tile(wt, wdt, wmt, xq + (r) * kp, kp, xd + (int64_t)(r) * nb, xs + (int64_t)(r) * nb, \
+                            nb, R, y + (r) * y_stride + o, y_stride, bt, cols)
+#ifdef Q8_VNNI
+                int r = r0;
+                for (; r + 8 <= r0 + mc; r += 8) Q4_AT(r, 8);
+                for (; r + 4 <= r0 + mc; r += 4) Q4_AT(r, 4);
+                for (; r < r0 + mc; r++) Q4_AT(r, 1);
+#else
+                const int blocks = (mc + Q4_ROWS - 1) / Q4_ROWS, base = mc / blocks, extra = mc % blocks;
                 for (int i = 0, r = r0; i < blocks; i++) {
                     const int mr = base + (i < extra);
-                    const int8_t *xr = xq + r * kp;
-                    const float *dr = xd + (int64_t)r * nb, *sr = xs + (int64_t)r * nb;
-                    float *yr = y + r * y_stride + o;
-                    switch (mr) {
-#define Q4_BLOCK_ROWS(R) case R: q4_tile(wt, wdt, wmt, xr, kp, dr, sr, nb, R, yr, y_stride, bt, cols); break;
-                    Q4_BLOCK_ROWS(4) Q4_BLOCK_ROWS(3) Q4_BLOCK_ROWS(2) Q4_BLOCK_ROWS(1)
-#undef Q4_BLOCK_ROWS
+                    switch (mr) {  /* a constant row count for each build of q4_tile */
+                    case 4: Q4_AT(r, 4); break;
+                    case 3: Q4_AT(r, 3); break;
+                    case 2: Q4_AT(r, 2); break;
+                    case 1: Q4_AT(r, 1); break;
                     default: break;
                     }
                     r += mr;
                 }
+#endif
+#undef Q4_AT
             }
         }
-#endif
     }
     free(xq);
     free(xd);
