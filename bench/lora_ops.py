@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from engine.lora.ops import (
-    NATIVE_MAX_TOKENS_PER_ADAPTER,
     PADDED_MAX_TOKENS_PER_ADAPTER,
     PADDED_MIN_ADAPTERS,
     SegmentPlan,
@@ -38,6 +37,7 @@ from engine.lora.ops import (
     lora_padded,
     lora_reference,
     lora_segmented,
+    native_max_tokens,
     native_usable,
 )
 from loraplex.modelinfo import PROJECTIONS, ModelInfo
@@ -95,7 +95,7 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                         t["native"] += timeit(partial(lora_native, y, x, a, b, sc, plan), min_time)
                     t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), min_time)
                 us = {k: v / len(PROJECTIONS) * 1e6 for k, v in t.items()}
-                pick = choose_path(plan, cap, native=native)
+                pick = choose_path(plan, cap, native=native, native_max=native_max_tokens())
                 candidates = ("segmented", "padded", "native") if native else ("segmented", "padded")
                 best = min(candidates, key=lambda k: us[k])
                 row = {"threads": threads, "tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
@@ -188,8 +188,9 @@ def main() -> None:
         steps += run_step_table(r, threads, args.min_time, g)
     worst = max(rows, key=lambda row: row["pick_over_best"])
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other work shares this machine)")
-    print(f"heuristic (engine.lora.ops.choose_path): native (C kernel, when built) when segments <= "
-          f"{NATIVE_MAX_TOKENS_PER_ADAPTER} tokens; padded when >= {PADDED_MIN_ADAPTERS} adapters, "
+    limit = native_max_tokens()
+    print(f"heuristic (engine.lora.ops.choose_path): native (C kernel, when built) for segments of "
+          f"{'any length' if limit is None else f'<= {limit} tokens'}; padded when >= {PADDED_MIN_ADAPTERS} adapters, "
           f"segments <= {PADDED_MAX_TOKENS_PER_ADAPTER} tokens and padding <= 2x; else segmented")
     print(f"worst pick/best ratio {worst['pick_over_best']:.2f} (threads {worst['threads']}, tokens "
           f"{worst['tokens']}, adapters {worst['distinct']}, {worst['layout']})")

@@ -62,6 +62,7 @@ _SIGNATURES = {
     "loraplex_tile_matmul_init": [],
     "loraplex_tile_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
     "loraplex_scan_rows_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _int],
+    "loraplex_lora_rows_blocked": [],
 }
 
 
@@ -207,6 +208,8 @@ class LoRARows:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.loraplex_lora_rows_f32
+        # The AVX-512 build takes long segments of one adapter in blocks: prefill too.
+        self.blocked = bool(lib.loraplex_lora_rows_blocked())
 
     @staticmethod
     def table(stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> LoRATable:
@@ -235,6 +238,8 @@ class LoRARows:
         rc = self._fn(x.data_ptr(), x.stride(0), base, stride, table.n, cols, table.out_dims, table.a_ptrs,
                       table.b_ptrs, table.scale_ptrs, int(table.transposed), rows.data_ptr(), row_slots.data_ptr(),
                       int(rows.numel()), table.in_dim, table.rank, int(table.bf16), torch.get_num_threads())
+        if rc == 1:
+            raise MemoryError("native LoRA kernel: no memory for the shrunk rows")
         if rc != 0:
             raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {table.rank}")
 

@@ -48,15 +48,19 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
 
 
 @pytest.mark.skipif(not native_usable(torch.empty(0)), reason="native kernels did not build here")
-@pytest.mark.parametrize("tokens", [1, 9, 33])
-@pytest.mark.parametrize("rank", [5, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 9, 33, 200])
+@pytest.mark.parametrize("rank", [5, 8, 16, 64])
 @pytest.mark.parametrize("b_layout", ["contiguous", "transposed"])
-def test_native_kernel_matches_definition(tokens, rank, b_layout):
-    """float32 C kernel vs the float64 definition; ``out`` a column slice; base rows untouched."""
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_native_kernel_matches_definition(tokens, rank, b_layout, weights):
+    """float32 C kernel vs the float64 definition, A/B in float32 or bfloat16; ``out`` a column
+    slice; base rows untouched. 200 tokens over 6 slots give segments of ~30 rows (the AVX-512
+    build's blocked path: row blocks of 4, 16-column blocks with a masked tail, 16 or 8 rows of B
+    at a time); the shorter ones go row by row."""
     g = torch.Generator().manual_seed(tokens * 7 + rank)
-    fin, fout, num_slots = 72, 100, 6  # fout not a multiple of the kernel's 64-wide blocks
-    a = torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5
-    bt = torch.randn(num_slots, rank, fout, generator=g)
+    fin, fout, num_slots = 72, 100, 6  # neither a multiple of 16: masked tails in the blocked path
+    a = (torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5).to(weights)
+    bt = torch.randn(num_slots, rank, fout, generator=g).to(weights)
     b = bt.transpose(1, 2) if b_layout == "transposed" else bt.transpose(1, 2).contiguous()
     scale = torch.rand(num_slots, generator=g) + 0.5
     slots = torch.randint(-1, num_slots, (tokens,), generator=g)
@@ -64,7 +68,7 @@ def test_native_kernel_matches_definition(tokens, rank, b_layout):
     fused = torch.randn(tokens, fout + 30, generator=g)
     before = fused.clone()
     lora_apply(fused[:, 10:10 + fout], x, a, b, scale, SegmentPlan.build(slots), path="native")
-    adapters = {s: (a[s], b[s], float(scale[s])) for s in range(num_slots)}
+    adapters = {s: (a[s].float(), b[s].float(), float(scale[s])) for s in range(num_slots)}
     expect = before[:, 10:10 + fout].double() + _naive(x, slots.tolist(), adapters)
     torch.testing.assert_close(fused[:, 10:10 + fout].double(), expect, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused[:, :10], before[:, :10]) and torch.equal(fused[:, 10 + fout:], before[:, 10 + fout:])
@@ -99,6 +103,9 @@ def test_choose_path_heuristic():
     assert choose_path(decode, 8, native=True) == "native"
     assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4, native=True) == "native"
     assert choose_path(prefill, 8, native=True) == "segmented"
+    # The AVX-512 build's blocked segments take prefill too (native_max None).
+    assert choose_path(prefill, 8, native=True, native_max=None) == "native"
+    assert choose_path(prefill, 8, native=False, native_max=None) == "segmented"
 
 
 @pytest.mark.parametrize("capacity", [4, 12])

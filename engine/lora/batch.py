@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.lora.ops import SegmentPlan, choose_path, lora_apply
+from engine.lora.ops import SegmentPlan, choose_path, lora_apply, native_max_tokens
 from engine.lora.slots import SlotBank
 from engine.native import lora_rows_kernel
 
@@ -72,7 +72,7 @@ class LoRABatch:
                 chosen = path  # None on CUDA: lora_apply dispatches per call (Triton where it runs)
                 if chosen is None and bank.device.type == "cpu":
                     use_native = native and bank.dtype == torch.float32 and lora_rows_kernel() is not None
-                    chosen = choose_path(plan, bank.capacity(c), native=use_native)
+                    chosen = choose_path(plan, bank.capacity(c), native=use_native, native_max=native_max_tokens())
                 passes.append(_ClassPass(c, plan, chosen, native, active))
         return cls(bank, slots, passes)
 
