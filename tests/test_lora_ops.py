@@ -76,6 +76,38 @@ def test_native_kernel_matches_definition(tokens, rank, b_layout, weights):
     assert torch.equal(fused[base], before[base]), "base rows must be untouched bit for bit"
 
 
+@pytest.mark.skipif(not native_usable(torch.empty(0)), reason="native kernels did not build here")
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_native_kernel_rows_are_batch_invariant(weights):
+    """A row's delta is the same bit for bit alone, in a long segment of its adapter, among
+    other adapters' rows and at any thread count: a tenant's output must not depend on who
+    shares the step (under 8-bit weights a last-bit difference can move a quantized
+    activation and show in the logits)."""
+    g = torch.Generator().manual_seed(3)
+    fin, fout, rank, num_slots = 576, 200, 16, 4
+    a = (torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5).to(weights)
+    b = torch.randn(num_slots, rank, fout, generator=g).to(weights).transpose(1, 2)
+    scale = torch.rand(num_slots, generator=g) + 0.5
+    x = torch.randn(40, fin, generator=g)
+    y0 = torch.randn(40, fout, generator=g)
+    batches = [torch.full((40,), 2), torch.arange(40) % num_slots, torch.tensor([2] * 3 + [-1] * 30 + [1] * 7)]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for slots in batches:
+                y = y0.clone()
+                lora_apply(y, x, a, b, scale, SegmentPlan.build(slots), path="native")
+                for i in range(40):
+                    if slots[i] < 0:
+                        continue
+                    alone = y0[i:i + 1].clone()
+                    lora_apply(alone, x[i:i + 1], a, b, scale, SegmentPlan.build(slots[i:i + 1]), path="native")
+                    assert torch.equal(y[i], alone[0]), (n, slots.tolist(), i)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_plan_runs_and_segments():
     plan = SegmentPlan.build(torch.tensor([-1, 2, 2, 2, -1, 0, 0, -1]))
     assert plan.seg_slots == (0, 2)
@@ -329,7 +361,8 @@ def test_apply_many_equals_one_projection_at_a_time(path, native):
         batch.apply_many(layer, x, tuple((p, together[:, lo:hi]) for p, (lo, hi) in cols.items()))
         for p, (lo, hi) in cols.items():
             LoRABatch.build(bank, slots, path="reference").apply(layer, p, x, alone[:, lo:hi])
-        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+        # two float32 computations summing in different orders (measured up to 1.4e-5 relative)
+        torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
         assert torch.equal(together[:, 28:], fused0[:, 28:]), "v_proj: no adapter of the batch adapts it"
         assert torch.equal(together[[2, 8]], fused0[[2, 8]]), "base rows untouched"
         assert not torch.equal(together[:, :28], fused0[:, :28])

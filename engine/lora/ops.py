@@ -43,7 +43,7 @@ Row by row (an adapter's A/B come from cache for its later rows), measured by
 ``bench/lora_ops.py`` (demo shapes, rank 16, 2 threads), it beat every torch path from 1 to
 128 tokens with 8-32 adapters (4-8x padded for decode batches), and lost only to
 segmented's one GEMM pair for a single adapter's 128-token run (prefill). The AVX-512 build
-takes segments of 8 or more rows in blocks and beat segmented at every length measured (30
+takes every segment in blocks and beat segmented at every length measured (30
 layers on 2 Zen 5 threads, float32 A/B: 8 adapters x 100 rows 74 against 98 ms, one adapter x
 128 rows 10 against 14 ms; bfloat16 A/B 58 against 132 ms and 28 against 39 ms for 400 rows):
 there :func:`native_max_tokens` is unbounded."""
