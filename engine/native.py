@@ -208,7 +208,7 @@ class LoRARows:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.loraplex_lora_rows_f32
-        # The AVX-512 build takes long segments of one adapter in blocks: prefill too.
+        # The AVX-512 build takes each segment of one adapter in blocks: prefill too.
         self.blocked = bool(lib.loraplex_lora_rows_blocked())
 
     @staticmethod
