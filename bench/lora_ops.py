@@ -95,7 +95,7 @@ def run_table(stacks: dict, r: int, threads: int, min_time: float, g: torch.Gene
                         t["native"] += timeit(partial(lora_native, y, x, a, b, sc, plan), min_time)
                     t["loop"] += timeit(partial(lora_reference, y, x, a, b, sc, slots), min_time)
                 us = {k: v / len(PROJECTIONS) * 1e6 for k, v in t.items()}
-                pick = choose_path(plan, cap, native=native, native_max=native_max_tokens())
+                pick = choose_path(plan, cap, native=native, native_max=native_max_tokens(r))
                 candidates = ("segmented", "padded", "native") if native else ("segmented", "padded")
                 best = min(candidates, key=lambda k: us[k])
                 row = {"threads": threads, "tokens": tokens, "adapters": n_adapters, "distinct": distinct, "layout": layout,
@@ -188,7 +188,7 @@ def main() -> None:
         steps += run_step_table(r, threads, args.min_time, g)
     worst = max(rows, key=lambda row: row["pick_over_best"])
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other work shares this machine)")
-    limit = native_max_tokens()
+    limit = native_max_tokens(r)
     print(f"heuristic (engine.lora.ops.choose_path): native (C kernel, when built) for segments of "
           f"{'any length' if limit is None else f'<= {limit} tokens'}; padded when >= {PADDED_MIN_ADAPTERS} adapters, "
           f"segments <= {PADDED_MAX_TOKENS_PER_ADAPTER} tokens and padding <= 2x; else segmented")

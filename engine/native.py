@@ -208,7 +208,8 @@ class LoRARows:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.loraplex_lora_rows_f32
-        # The AVX-512 build takes each segment of one adapter in blocks: prefill too.
+        # The AVX-512 and AVX2 builds take each segment of one adapter in blocks (B transposed,
+        # rank a multiple of 8): prefill too (engine.lora.ops.native_max_tokens).
         self.blocked = bool(lib.loraplex_lora_rows_blocked())
 
     @staticmethod

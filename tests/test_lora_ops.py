@@ -5,10 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.linear import cpu_flags
 from engine.lora.batch import LoRABatch
-from engine.lora.ops import SegmentPlan, choose_path, lora_apply, lora_reference, native_usable
+from engine.lora.ops import (
+    NATIVE_MAX_TOKENS_PER_ADAPTER,
+    SegmentPlan,
+    choose_path,
+    lora_apply,
+    lora_reference,
+    native_max_tokens,
+    native_usable,
+)
 from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.slots import RankTooLarge, SlotBank
+from engine.native import lora_rows_kernel
 
 
 def _naive(x, slots, adapters):
@@ -54,11 +64,11 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 def test_native_kernel_matches_definition(tokens, rank, b_layout, weights):
     """float32 C kernel vs the float64 definition, A/B in float32 or bfloat16; ``out`` a column
-    slice; base rows untouched. 200 tokens over 6 slots give segments of ~30 rows (the AVX-512
-    build's blocked path: row blocks of 4, 16-column blocks with a masked tail, 16 or 8 rows of B
-    at a time); the shorter ones go row by row."""
+    slice; base rows untouched. Ranks 8-64 with B transposed take the blocked path (AVX-512 or
+    AVX2 builds: row blocks of up to 4, column blocks with a tail, 16 or 8 rows of B at a time),
+    the rest row by row; 200 tokens over 6 slots give segments of ~30 rows."""
     g = torch.Generator().manual_seed(tokens * 7 + rank)
-    fin, fout, num_slots = 72, 100, 6  # neither a multiple of 16: masked tails in the blocked path
+    fin, fout, num_slots = 70, 100, 6  # neither a multiple of 8: tails in the shrink and the expand
     a = (torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5).to(weights)
     bt = torch.randn(num_slots, rank, fout, generator=g).to(weights)
     b = bt.transpose(1, 2) if b_layout == "transposed" else bt.transpose(1, 2).contiguous()
@@ -135,9 +145,20 @@ def test_choose_path_heuristic():
     assert choose_path(decode, 8, native=True) == "native"
     assert choose_path(SegmentPlan.build(torch.tensor([3, 3, 3])), 4, native=True) == "native"
     assert choose_path(prefill, 8, native=True) == "segmented"
-    # The AVX-512 build's blocked segments take prefill too (native_max None).
+    # A blocked build's segments take prefill too (native_max None).
     assert choose_path(prefill, 8, native=True, native_max=None) == "native"
     assert choose_path(prefill, 8, native=False, native_max=None) == "segmented"
+
+
+@pytest.mark.skipif(not native_usable(torch.empty(0)), reason="native kernels did not build here")
+def test_native_max_tokens_follows_the_blocked_paths_conditions():
+    """Blocks need B transposed and a rank that is a multiple of 8; otherwise the kernel goes
+    row by row and long segments go to torch's GEMMs."""
+    blocked = lora_rows_kernel().blocked
+    assert blocked == ({"avx2", "fma"} <= cpu_flags())
+    assert native_max_tokens(16) == (None if blocked else NATIVE_MAX_TOKENS_PER_ADAPTER)
+    assert native_max_tokens(12) == NATIVE_MAX_TOKENS_PER_ADAPTER
+    assert native_max_tokens(16, b_transposed=False) == NATIVE_MAX_TOKENS_PER_ADAPTER
 
 
 @pytest.mark.parametrize("capacity", [4, 12])

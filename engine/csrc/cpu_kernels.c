@@ -1045,20 +1045,27 @@ static inline __attribute__((always_inline)) void lora_row(
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* The AVX-512 build of loraplex_lora_rows_f32 works on runs of rows that share an adapter
- * (segments). Each thread takes an even share of the rows, segment by segment; as a segment
- * starts, the next one's A and B are asked for (into L2). Per target:
- *  - shrink: t = scale * A x for blocks of up to 4 rows x 4 rows of A (16 accumulators, each A
- *    vector loaded once for the block's rows), into a per-call buffer of [rows, rank] floats;
- *  - expand: per 16-column block, up to 16 rows of B^T's block held in registers while the
- *    segment's rows go through it, two rows at a time with four partial sums each (eight
- *    independent FMA chains): B read once per segment, each y element loaded and stored once.
+/* Blocked LoRA segments (LORA_SEG): loraplex_lora_rows_f32 works on runs of rows that share an
+ * adapter (segments), with B stored transposed and a rank that is a multiple of 8. Each thread
+ * takes an even share of the rows, segment by segment; as a segment starts, the next one's A and
+ * B are asked for (into L2). Per target:
+ *  - shrink: t = scale * A x for blocks of up to 4 rows against several rows of A at once (each
+ *    A vector loaded once for the block's rows), into a per-call buffer of [rows, rank] floats;
+ *  - expand: per column block, a block of B^T's rows held in registers while the segment's rows
+ *    go through it with four partial sums each: B read once per segment, each y element loaded
+ *    and stored once per block of B's rows.
  * A row's sums run in the same order whatever its segment's length, its place in a block or the
  * thread count: its delta is the same, bit for bit, alone or in any batch (as row by row).
- * Measured (bench/lora_ops.py's shapes, 30 layers, bfloat16 A/B, 2 Zen 5 threads): 8 adapters x
- * 100 rows 97 -> 58 ms a step, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs 132 and 39);
- * decode, 8 adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms. */
+ * The ISA builds below provide lora_shrink_rows (one block of rows, every rank) and
+ * lora_expand_rows (one segment's rows, every column); lora_segments drives them.
+ *
+ * AVX-512: 16-wide, 4 rows x 4 rows of A, 16 or 8 rows of B^T per 16-column block. Measured
+ * (bench/lora_ops.py's shapes, 30 layers, bfloat16 A/B, 2 Zen 5 threads): 8 adapters x 100 rows
+ * 97 -> 58 ms a step, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs 132 and 39); decode, 8
+ * adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms.
+ * AVX2 (16 vector registers): 8-wide, rows x rows of A of 4 x 2, 2 x 4 or 1 x 8 (8 sums in
+ * registers), 8 rows of B^T per 8-column block. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LORA_SEG 1
 
 static inline __attribute__((always_inline)) __m512 lora_ld(const void *p, int64_t i, __mmask16 mk, const int wbf16)
@@ -1104,6 +1111,22 @@ static inline __attribute__((always_inline)) void lora_shrink4(
         for (int c = 0; c < 4; c++) t[q * ts + j0 + c] = sc * _mm512_reduce_add_ps(acc[q][c]);
 }
 
+#define LORA_SHRINK_ROWS 4
+
+static inline __attribute__((always_inline)) void lora_shrink_rows(
+    const float *const *xr, int R, const void *a, int in_dim, int rank, float sc, float *t, int64_t ts,
+    const int wbf16)
+{
+    for (int j0 = 0; j0 < rank; j0 += 4) {
+        switch (R) {
+        case 4: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 4, wbf16); break;
+        case 3: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 3, wbf16); break;
+        case 2: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 2, wbf16); break;
+        default: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 1, wbf16); break;
+        }
+    }
+}
+
 /* y[rows[n], o:o+16] += sum_{c < J} t_n[j0 + c] * B^T[j0 + c, o:o+16] for the m rows n of a
  * segment (B^T [rank, out_dim]; mk masks the columns past out_dim). */
 static inline __attribute__((always_inline)) void lora_expand16(
@@ -1138,6 +1161,151 @@ static inline __attribute__((always_inline)) void lora_expand16(
     }
 }
 
+static inline __attribute__((always_inline)) void lora_expand_rows(
+    const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
+    const int64_t *rows, int m, const int wbf16)
+{
+    for (int o = 0; o < out_dim; o += 16) {
+        const __mmask16 mk = out_dim - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out_dim - o)) - 1);
+        for (int j0 = 0; j0 < rank; j0 += 16) {
+            if (rank - j0 >= 16)
+                lora_expand16(bt, out_dim, o, mk, j0, 16, t, ts, y, y_stride, rows, m, wbf16);
+            else
+                lora_expand16(bt, out_dim, o, mk, j0, 8, t, ts, y, y_stride, rows, m, wbf16);
+        }
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LORA_SEG 1
+
+/* Elements i..i+7 of a float32 or bfloat16 array as float32; n < 8 (a tail) reads n and zeros. */
+static inline __attribute__((always_inline)) __m256 lora_ld8(const void *p, int64_t i, int n, const int wbf16)
+{
+    if (n >= 8) {
+        if (wbf16)
+            return _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+        return _mm256_loadu_ps((const float *)p + i);
+    }
+    float b[8] = {0};
+    for (int k = 0; k < n; k++) b[k] = load_w(p, i + k, wbf16);
+    return _mm256_loadu_ps(b);
+}
+
+static inline __attribute__((always_inline)) void lora_st8(float *p, int n, __m256 v)
+{
+    if (n >= 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    float b[8];
+    _mm256_storeu_ps(b, v);
+    for (int k = 0; k < n; k++) p[k] = b[k];
+}
+
+static inline __attribute__((always_inline)) float lora_hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One 8-wide step of lora_shrink_rc: n valid columns from i. */
+static inline __attribute__((always_inline)) void lora_shrink_step(
+    __m256 acc[6][8], const float *const *xr, const void *a, int in_dim, int j0, int i, int n, const int R,
+    const int C, const int wbf16)
+{
+    __m256 av[8];
+    for (int c = 0; c < C; c++) av[c] = lora_ld8(a, (int64_t)(j0 + c) * in_dim + i, n, wbf16);
+    for (int q = 0; q < R; q++) {
+        const __m256 xv = lora_ld8(xr[q], i, n, 0);
+        for (int c = 0; c < C; c++) acc[q][c] = _mm256_fmadd_ps(xv, av[c], acc[q][c]);
+    }
+}
+
+/* t[q * ts + j0 + c] = sc * A[j0 + c] . x_q for R rows q and C rows of A (R * C <= 12 sums). */
+static inline __attribute__((always_inline)) void lora_shrink_rc(
+    const float *const *xr, const void *a, int in_dim, int j0, float sc, float *t, int64_t ts, const int R,
+    const int C, const int wbf16)
+{
+    __m256 acc[6][8];
+    for (int q = 0; q < R; q++)
+        for (int c = 0; c < C; c++) acc[q][c] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= in_dim; i += 8) lora_shrink_step(acc, xr, a, in_dim, j0, i, 8, R, C, wbf16);
+    if (i < in_dim) lora_shrink_step(acc, xr, a, in_dim, j0, i, in_dim - i, R, C, wbf16);
+    for (int q = 0; q < R; q++)
+        for (int c = 0; c < C; c++) t[q * ts + j0 + c] = sc * lora_hsum8(acc[q][c]);
+}
+
+#define LORA_SHRINK_ROWS 6
+
+static inline __attribute__((always_inline)) void lora_shrink_rows(
+    const float *const *xr, int R, const void *a, int in_dim, int rank, float sc, float *t, int64_t ts,
+    const int wbf16)
+{
+    /* rank % 8 == 0; each sum runs over the same chunks in the same order whatever R and C */
+    switch (R) {
+    case 6: for (int j0 = 0; j0 < rank; j0 += 2) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 6, 2, wbf16); break;
+    case 5: for (int j0 = 0; j0 < rank; j0 += 2) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 5, 2, wbf16); break;
+    case 4: for (int j0 = 0; j0 < rank; j0 += 2) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 4, 2, wbf16); break;
+    case 3: for (int j0 = 0; j0 < rank; j0 += 4) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 3, 4, wbf16); break;
+    case 2: for (int j0 = 0; j0 < rank; j0 += 4) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 2, 4, wbf16); break;
+    default: for (int j0 = 0; j0 < rank; j0 += 8) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 1, 8, wbf16); break;
+    }
+}
+
+/* y[rows[q], o:o+8W] += sum_{c < rank} t_q[c] * B^T[c, o:o+8W] for R rows q (R * W <= 8 sums in
+ * registers; the last vector has nc valid columns): each element is one chain y + t_0 b_0 + t_1 b_1
+ * + ..., so its value does not depend on the tile it falls in. */
+static inline __attribute__((always_inline)) void lora_expand_tile(
+    const void *bt, int out_dim, int o, int nc, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
+    const int64_t *rows, const int R, const int W, const int wbf16)
+{
+    __m256 acc[4][8];
+    for (int q = 0; q < R; q++)
+        for (int w = 0; w < W; w++) acc[q][w] = lora_ld8(y + rows[q] * y_stride + o + 8 * w, 0, w == W - 1 ? nc : 8, 0);
+    for (int c = 0; c < rank; c++) {
+        __m256 bv[8];
+        for (int w = 0; w < W; w++) bv[w] = lora_ld8(bt, (int64_t)c * out_dim + o + 8 * w, w == W - 1 ? nc : 8, wbf16);
+        for (int q = 0; q < R; q++) {
+            const __m256 tv = _mm256_set1_ps(t[q * ts + c]);
+            for (int w = 0; w < W; w++) acc[q][w] = _mm256_fmadd_ps(tv, bv[w], acc[q][w]);
+        }
+    }
+    for (int q = 0; q < R; q++)
+        for (int w = 0; w < W; w++) lora_st8(y + rows[q] * y_stride + o + 8 * w, w == W - 1 ? nc : 8, acc[q][w]);
+}
+
+/* One block of R rows through every column: tiles of 8W columns, then 8 at a time. */
+static inline __attribute__((always_inline)) void lora_expand_block(
+    const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
+    const int64_t *rows, const int R, const int W, const int wbf16)
+{
+    int o = 0;
+    for (; o + 8 * W <= out_dim; o += 8 * W) lora_expand_tile(bt, out_dim, o, 8, rank, t, ts, y, y_stride, rows, R, W, wbf16);
+    for (; o + 8 <= out_dim; o += 8) lora_expand_tile(bt, out_dim, o, 8, rank, t, ts, y, y_stride, rows, R, 1, wbf16);
+    if (o < out_dim) lora_expand_tile(bt, out_dim, o, out_dim - o, rank, t, ts, y, y_stride, rows, R, 1, wbf16);
+}
+
+static inline __attribute__((always_inline)) void lora_expand_rows(
+    const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
+    const int64_t *rows, int m, const int wbf16)
+{
+    int n = 0;
+    for (; n + 4 <= m; n += 4) lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 4, 2, wbf16);
+    switch (m - n) {
+    case 3: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 3, 2, wbf16); break;
+    case 2: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 2, 4, wbf16); break;
+    case 1: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 1, 8, wbf16); break;
+    default: break;
+    }
+}
+#endif
+
+#ifdef LORA_SEG
 static inline __attribute__((always_inline)) void lora_segments(
     const float *x, int64_t x_stride, float *y, int64_t y_stride, int num_targets, const int64_t *y_cols,
     const int64_t *out_dims, const int64_t *a_ptrs, const int64_t *b_ptrs, const int64_t *scale_ptrs,
@@ -1148,7 +1316,7 @@ static inline __attribute__((always_inline)) void lora_segments(
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     /* An even share of the rows, segment by segment: the next segment's A and B are asked for
      * (into L2) as this one starts, then per target its rows are shrunk in blocks of up to 4 and
-     * expanded through B in 16-column blocks. */
+     * expanded through B in column blocks. */
     const int r0 = (int)((int64_t)num_rows * tid / nth), r1 = (int)((int64_t)num_rows * (tid + 1) / nth);
     for (int n = r0; n < r1;) {
         const int64_t s = row_slots[n];
@@ -1167,31 +1335,13 @@ static inline __attribute__((always_inline)) void lora_segments(
             const void *as = (const char *)(intptr_t)a_ptrs[p] + (size_t)s * rank * in_dim * es;
             const void *bs = (const char *)(intptr_t)b_ptrs[p] + (size_t)s * out_dim * rank * es;
             const float sc = ((const float *)(intptr_t)scale_ptrs[p])[s];
-            for (int q = n; q < e; q += 4) {
-                const int R = e - q < 4 ? e - q : 4;
-                const float *xr[4];
+            for (int q = n; q < e; q += LORA_SHRINK_ROWS) {
+                const int R = e - q < LORA_SHRINK_ROWS ? e - q : LORA_SHRINK_ROWS;
+                const float *xr[LORA_SHRINK_ROWS];
                 for (int u = 0; u < R; u++) xr[u] = x + rows[q + u] * x_stride;
-                float *tq = t + q * ts;
-                for (int j0 = 0; j0 < rank; j0 += 4) {
-                    switch (R) {
-                    case 4: lora_shrink4(xr, as, in_dim, j0, sc, tq, ts, 4, wbf16); break;
-                    case 3: lora_shrink4(xr, as, in_dim, j0, sc, tq, ts, 3, wbf16); break;
-                    case 2: lora_shrink4(xr, as, in_dim, j0, sc, tq, ts, 2, wbf16); break;
-                    default: lora_shrink4(xr, as, in_dim, j0, sc, tq, ts, 1, wbf16); break;
-                    }
-                }
+                lora_shrink_rows(xr, R, as, in_dim, rank, sc, t + q * ts, ts, wbf16);
             }
-            const float *tn = t + n * ts;
-            float *yp = y + y_cols[p];
-            for (int o = 0; o < out_dim; o += 16) {
-                const __mmask16 mk = out_dim - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out_dim - o)) - 1);
-                for (int j0 = 0; j0 < rank; j0 += 16) {
-                    if (rank - j0 >= 16)
-                        lora_expand16(bs, out_dim, o, mk, j0, 16, tn, ts, yp, y_stride, rows + n, e - n, wbf16);
-                    else
-                        lora_expand16(bs, out_dim, o, mk, j0, 8, tn, ts, yp, y_stride, rows + n, e - n, wbf16);
-                }
-            }
+            lora_expand_rows(bs, out_dim, rank, t + n * ts, ts, y + y_cols[p], y_stride, rows + n, e - n, wbf16);
         }
         n = e;
     }

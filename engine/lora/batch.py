@@ -72,7 +72,8 @@ class LoRABatch:
                 chosen = path  # None on CUDA: lora_apply dispatches per call (Triton where it runs)
                 if chosen is None and bank.device.type == "cpu":
                     use_native = native and bank.dtype == torch.float32 and lora_rows_kernel() is not None
-                    chosen = choose_path(plan, bank.capacity(c), native=use_native, native_max=native_max_tokens())
+                    limit = native_max_tokens(bank.rank_classes[c])  # the bank stores B transposed
+                    chosen = choose_path(plan, bank.capacity(c), native=use_native, native_max=limit)
                 passes.append(_ClassPass(c, plan, chosen, native, active))
         return cls(bank, slots, passes)
 

@@ -36,23 +36,26 @@ adapter or long segments (prefill), where segmented's in-place slices win."""
 
 
 NATIVE_MAX_TOKENS_PER_ADAPTER = 64
-"""Where the native kernel goes row by row (builds without AVX-512), it takes batches whose
-largest segment has at most this many tokens.
+"""Where the native kernel goes row by row, it takes batches whose largest segment has at
+most this many tokens.
 
 Row by row (an adapter's A/B come from cache for its later rows), measured by
 ``bench/lora_ops.py`` (demo shapes, rank 16, 2 threads), it beat every torch path from 1 to
 128 tokens with 8-32 adapters (4-8x padded for decode batches), and lost only to
-segmented's one GEMM pair for a single adapter's 128-token run (prefill). The AVX-512 build
-takes every segment in blocks and beat segmented at every length measured (30
-layers on 2 Zen 5 threads, float32 A/B: 8 adapters x 100 rows 74 against 98 ms, one adapter x
-128 rows 10 against 14 ms; bfloat16 A/B 58 against 132 ms and 28 against 39 ms for 400 rows):
-there :func:`native_max_tokens` is unbounded."""
+segmented's one GEMM pair for a single adapter's 128-token run (prefill). The AVX-512 and
+AVX2 builds take every segment in blocks (B stored transposed, as ``SlotBank`` does, and a
+rank that is a multiple of 8) and beat segmented at every length measured (30 layers on 2
+Zen 5 threads, float32 A/B: 8 adapters x 100 rows 74 against 98 ms, one adapter x 128 rows
+10 against 14 ms; bfloat16 A/B 58 against 132 ms and 28 against 39 ms for 400 rows): there
+:func:`native_max_tokens` is unbounded."""
 
 
-def native_max_tokens() -> int | None:
-    """The longest segment the native kernel is chosen for; None: any length."""
+def native_max_tokens(rank: int, b_transposed: bool = True) -> int | None:
+    """The longest segment the native kernel is chosen for, for stacks of this rank and B
+    layout (``B [S, out, r]`` as the transposed view of ``[S, r, out]``); None: any length."""
     kernel = lora_rows_kernel()
-    return None if kernel is not None and kernel.blocked else NATIVE_MAX_TOKENS_PER_ADAPTER
+    blocked = kernel is not None and kernel.blocked and b_transposed and rank % 8 == 0
+    return None if blocked else NATIVE_MAX_TOKENS_PER_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def choose_path(plan: SegmentPlan, capacity: int | None = None, native: bool = F
     ``capacity``: slots in the stack the op reads (decides whether padded-bmm can use the
     whole stack without gathering A/B); None: the plan's largest slot + 1. ``native``: the
     C kernel may be used (CPU float32 and it built), for segments of at most ``native_max``
-    tokens (None: any; :func:`native_max_tokens` is this build's).
+    tokens (None: any; :func:`native_max_tokens` is this build's for a rank and layout).
     """
     d, n = plan.num_adapters, plan.num_lora_tokens
     if d == 0:
@@ -273,7 +276,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         if y.is_cuda and _triton_available():
             path = "triton"
         else:
-            path = choose_path(plan, a.shape[0], native=native and native_usable(y), native_max=native_max_tokens())
+            limit = native_max_tokens(a.shape[1], b.transpose(1, 2).is_contiguous())
+            path = choose_path(plan, a.shape[0], native=native and native_usable(y), native_max=limit)
     if path == "native":
         lora_native(y, x, a, b, scale, plan)
     elif path == "padded":
