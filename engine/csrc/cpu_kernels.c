@@ -26,8 +26,8 @@
  *    ``y += scale * B[s] (A[s] x)``; the adapter weights (float32 or bfloat16) are streamed
  *    once per row with no gather, padding or scatter copies; the math is float32. Several projections of the same input (q/k/v,
  *    gate/up) go in one call: one parallel region instead of one per projection. The AVX-512
- *    build takes each segment of rows of one adapter in blocks (B read once per segment, 16
- *    multiply-adds per FMA), so it serves prefill segments too.
+ *    and AVX2 builds take each segment of rows of one adapter in blocks (B read once per
+ *    segment), so they serve prefill segments too.
  *
  * 3. loraplex_gemv_f32: y = W x for a single row (one-sequence decode), streaming W once.
  *    loraplex_gemv_bf16: the same with W in bfloat16 (half the bytes to stream): x is

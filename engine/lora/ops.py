@@ -46,7 +46,8 @@ segmented's one GEMM pair for a single adapter's 128-token run (prefill). The AV
 AVX2 builds take every segment in blocks (B stored transposed, as ``SlotBank`` does, and a
 rank that is a multiple of 8) and beat segmented at every length measured (30 layers on 2
 Zen 5 threads, float32 A/B: 8 adapters x 100 rows 74 against 98 ms, one adapter x 128 rows
-10 against 14 ms; bfloat16 A/B 58 against 132 ms and 28 against 39 ms for 400 rows): there
+10 against 14 ms; bfloat16 A/B 58 against 132 ms and 28 against 39 ms for 400 rows; 2 Zen 3
+threads, AVX2, bfloat16 A/B: 96-100 against 271 ms and 46-58 against 78 ms): there
 :func:`native_max_tokens` is unbounded."""
 
 
