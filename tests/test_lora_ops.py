@@ -65,8 +65,8 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
 def test_native_kernel_matches_definition(tokens, rank, b_layout, weights):
     """float32 C kernel vs the float64 definition, A/B in float32 or bfloat16; ``out`` a column
     slice; base rows untouched. Ranks 8-64 with B transposed take the blocked path (AVX-512 or
-    AVX2 builds: row blocks of up to 4, column blocks with a tail, 16 or 8 rows of B at a time),
-    the rest row by row; 200 tokens over 6 slots give segments of ~30 rows."""
+    AVX2 builds: row blocks of up to 4 or 6, column blocks or tiles with a tail), the rest row
+    by row; 200 tokens over 6 slots give segments of ~30 rows."""
     g = torch.Generator().manual_seed(tokens * 7 + rank)
     fin, fout, num_slots = 70, 100, 6  # neither a multiple of 8: tails in the shrink and the expand
     a = (torch.randn(num_slots, rank, fin, generator=g) / fin ** 0.5).to(weights)

@@ -1063,8 +1063,10 @@ static inline __attribute__((always_inline)) void lora_row(
  * (bench/lora_ops.py's shapes, 30 layers, bfloat16 A/B, 2 Zen 5 threads): 8 adapters x 100 rows
  * 97 -> 58 ms a step, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs 132 and 39); decode, 8
  * adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms.
- * AVX2 (16 vector registers): 8-wide, rows x rows of A of 4 x 2, 2 x 4 or 1 x 8 (8 sums in
- * registers), 8 rows of B^T per 8-column block. */
+ * AVX2 (16 vector registers): 8-wide; the shrink up to 6 rows against 2-8 rows of A (12 sums
+ * held), the expand tiles of R rows x 8W columns (R x W = 8 sums held) through the whole rank,
+ * one chain per output element (y + t0 b0 + t1 b1 + ...). On 2 Zen 3 threads: 8 adapters x 100
+ * rows 177-219 -> 96-100 ms a step, one adapter x 400 rows 92-111 -> 46-58 ms. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LORA_SEG 1
 
