@@ -1047,8 +1047,10 @@ static inline __attribute__((always_inline)) void lora_row(
 
 /* Blocked LoRA segments (LORA_SEG): loraplex_lora_rows_f32 works on runs of rows that share an
  * adapter (segments), with B stored transposed and a rank that is a multiple of 8. Each thread
- * takes an even share of the rows, segment by segment; as a segment starts, the next one's A and
- * B are asked for (into L2). Per target:
+ * takes an even share of the rows, segment by segment, and asks for the next segment's A and B
+ * (into L2) while it computes this one's: the AVX2 build all at once as a segment starts, the
+ * AVX-512 build (LORA_PREFETCH_STREAM) a line of the next segment's for each line of this one's
+ * it reads, so the requests stream out at the rate the data is used. Per target:
  *  - shrink: t = scale * A x for blocks of up to 4 rows against several rows of A at once (each
  *    A vector loaded once for the block's rows), into a per-call buffer of [rows, rank] floats;
  *  - expand: per column block, a block of B^T's rows held in registers while the segment's rows
@@ -1062,13 +1064,20 @@ static inline __attribute__((always_inline)) void lora_row(
  * AVX-512: 16-wide, 4 rows x 4 rows of A, 16 or 8 rows of B^T per 16-column block. Measured
  * (bench/lora_ops.py's shapes, 30 layers, bfloat16 A/B, 2 Zen 5 threads): 8 adapters x 100 rows
  * 97 -> 58 ms a step, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs 132 and 39); decode, 8
- * adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms.
+ * adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms. Streaming the next segment's
+ * lines instead of asking for them all at once (a burst of some 1,300 prefetches per segment of a
+ * q/k/v call, each holding one of the core's few line-fill buffers, stalled the loads behind it;
+ * the kernel read 5-6 GB/s a core with the burst or without any prefetch, against 12 GB/s for a
+ * plain stream), on 2 Sapphire Rapids threads, the model's calls (q/k/v, o, gate/up, down) over
+ * 30 layers: 32 adapters x 1 row 19.2-19.8 -> 15.5-16.1 ms (313 MB of bfloat16 A/B: 16 -> 20
+ * GB/s of the 24 a plain read gets), 8 x 4 rows 5.6 -> 4.9-5.0 ms, 8 x 100 rows and 1 x 400 unchanged.
  * AVX2 (16 vector registers): 8-wide; the shrink up to 6 rows against 2-8 rows of A (12 sums
  * held), the expand tiles of R rows x 8W columns (R x W = 8 sums held) through the whole rank,
  * one chain per output element (y + t0 b0 + t1 b1 + ...). On 2 Zen 3 threads: 8 adapters x 100
  * rows 177-219 -> 96-100 ms a step, one adapter x 400 rows 92-111 -> 46-58 ms. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LORA_SEG 1
+#define LORA_PREFETCH_STREAM 1
 
 static inline __attribute__((always_inline)) __m512 lora_ld(const void *p, int64_t i, __mmask16 mk, const int wbf16)
 {
@@ -1095,8 +1104,9 @@ static inline __attribute__((always_inline)) void lora_st(float *p, __mmask16 mk
 /* t[q * ts + j0 + c] = sc * A[j0 + c] . x_q for R rows q and c < 4 (A [rank, in_dim]). */
 static inline __attribute__((always_inline)) void lora_shrink4(
     const float *const *xr, const void *a, int in_dim, int j0, float sc, float *t, int64_t ts, const int R,
-    const int wbf16)
+    const int wbf16, const char *pf)
 {
+    const int es = wbf16 ? 2 : 4;
     __m512 acc[4][4];
     for (int q = 0; q < R; q++)
         for (int c = 0; c < 4; c++) acc[q][c] = _mm512_setzero_ps();
@@ -1104,6 +1114,8 @@ static inline __attribute__((always_inline)) void lora_shrink4(
         const __mmask16 mk = in_dim - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (in_dim - i)) - 1);
         __m512 av[4];
         for (int c = 0; c < 4; c++) av[c] = lora_ld(a, (int64_t)(j0 + c) * in_dim + i, mk, wbf16);
+        if (pf && ((i * es) & 63) == 0)
+            for (int c = 0; c < 4; c++) _mm_prefetch(pf + ((int64_t)(j0 + c) * in_dim + i) * es, _MM_HINT_T1);
         for (int q = 0; q < R; q++) {
             const __m512 xv = lora_ld(xr[q], i, mk, 0);
             for (int c = 0; c < 4; c++) acc[q][c] = _mm512_fmadd_ps(xv, av[c], acc[q][c]);
@@ -1117,14 +1129,14 @@ static inline __attribute__((always_inline)) void lora_shrink4(
 
 static inline __attribute__((always_inline)) void lora_shrink_rows(
     const float *const *xr, int R, const void *a, int in_dim, int rank, float sc, float *t, int64_t ts,
-    const int wbf16)
+    const int wbf16, const char *pf)
 {
     for (int j0 = 0; j0 < rank; j0 += 4) {
         switch (R) {
-        case 4: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 4, wbf16); break;
-        case 3: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 3, wbf16); break;
-        case 2: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 2, wbf16); break;
-        default: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 1, wbf16); break;
+        case 4: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 4, wbf16, pf); break;
+        case 3: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 3, wbf16, pf); break;
+        case 2: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 2, wbf16, pf); break;
+        default: lora_shrink4(xr, a, in_dim, j0, sc, t, ts, 1, wbf16, pf); break;
         }
     }
 }
@@ -1133,10 +1145,12 @@ static inline __attribute__((always_inline)) void lora_shrink_rows(
  * segment (B^T [rank, out_dim]; mk masks the columns past out_dim). */
 static inline __attribute__((always_inline)) void lora_expand16(
     const void *bt, int out_dim, int o, __mmask16 mk, int j0, const int J, const float *t, int64_t ts,
-    float *y, int64_t y_stride, const int64_t *rows, int m, const int wbf16)
+    float *y, int64_t y_stride, const int64_t *rows, int m, const int wbf16, const char *pf)
 {
     __m512 b[16];
     for (int c = 0; c < J; c++) b[c] = lora_ld(bt, (int64_t)(j0 + c) * out_dim + o, mk, wbf16);
+    if (pf && ((o * (wbf16 ? 2 : 4)) & 63) == 0)
+        for (int c = 0; c < J; c++) _mm_prefetch(pf + ((int64_t)(j0 + c) * out_dim + o) * (wbf16 ? 2 : 4), _MM_HINT_T1);
     int n = 0;
     for (; n + 2 <= m; n += 2) {
         float *y0 = y + rows[n] * y_stride + o, *y1 = y + rows[n + 1] * y_stride + o;
@@ -1165,15 +1179,15 @@ static inline __attribute__((always_inline)) void lora_expand16(
 
 static inline __attribute__((always_inline)) void lora_expand_rows(
     const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
-    const int64_t *rows, int m, const int wbf16)
+    const int64_t *rows, int m, const int wbf16, const char *pf)
 {
     for (int o = 0; o < out_dim; o += 16) {
         const __mmask16 mk = out_dim - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out_dim - o)) - 1);
         for (int j0 = 0; j0 < rank; j0 += 16) {
             if (rank - j0 >= 16)
-                lora_expand16(bt, out_dim, o, mk, j0, 16, t, ts, y, y_stride, rows, m, wbf16);
+                lora_expand16(bt, out_dim, o, mk, j0, 16, t, ts, y, y_stride, rows, m, wbf16, pf);
             else
-                lora_expand16(bt, out_dim, o, mk, j0, 8, t, ts, y, y_stride, rows, m, wbf16);
+                lora_expand16(bt, out_dim, o, mk, j0, 8, t, ts, y, y_stride, rows, m, wbf16, pf);
         }
     }
 }
@@ -1246,8 +1260,9 @@ static inline __attribute__((always_inline)) void lora_shrink_rc(
 
 static inline __attribute__((always_inline)) void lora_shrink_rows(
     const float *const *xr, int R, const void *a, int in_dim, int rank, float sc, float *t, int64_t ts,
-    const int wbf16)
+    const int wbf16, const char *pf)
 {
+    (void)pf; /* this build asks for the next segment's A and B at once (lora_segments) */
     /* rank % 8 == 0; each sum runs over the same chunks in the same order whatever R and C */
     switch (R) {
     case 6: for (int j0 = 0; j0 < rank; j0 += 2) lora_shrink_rc(xr, a, in_dim, j0, sc, t, ts, 6, 2, wbf16); break;
@@ -1294,8 +1309,9 @@ static inline __attribute__((always_inline)) void lora_expand_block(
 
 static inline __attribute__((always_inline)) void lora_expand_rows(
     const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
-    const int64_t *rows, int m, const int wbf16)
+    const int64_t *rows, int m, const int wbf16, const char *pf)
 {
+    (void)pf;
     int n = 0;
     for (; n + 4 <= m; n += 4) lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 4, 2, wbf16);
     switch (m - n) {
@@ -1316,14 +1332,14 @@ static inline __attribute__((always_inline)) void lora_segments(
     const size_t es = wbf16 ? 2 : 4;
     const int64_t ts = rank;
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    /* An even share of the rows, segment by segment: the next segment's A and B are asked for
-     * (into L2) as this one starts, then per target its rows are shrunk in blocks of up to 4 and
-     * expanded through B in column blocks. */
+    /* An even share of the rows, segment by segment: per target, its rows shrunk in blocks of
+     * LORA_SHRINK_ROWS and expanded through B, while the next segment's A and B are asked for. */
     const int r0 = (int)((int64_t)num_rows * tid / nth), r1 = (int)((int64_t)num_rows * (tid + 1) / nth);
     for (int n = r0; n < r1;) {
         const int64_t s = row_slots[n];
         int e = n + 1;
         while (e < r1 && row_slots[e] == s) e++;
+#ifndef LORA_PREFETCH_STREAM
         if (e < r1)
             for (int p = 0; p < num_targets; p++) {
                 const size_t abytes = (size_t)rank * in_dim * es, bbytes = (size_t)rank * (size_t)out_dims[p] * es;
@@ -1332,18 +1348,24 @@ static inline __attribute__((always_inline)) void lora_segments(
                 for (size_t c = 0; c < abytes; c += 64) __builtin_prefetch(an + c, 0, 2);
                 for (size_t c = 0; c < bbytes; c += 64) __builtin_prefetch(bn + c, 0, 2);
             }
+#endif
         for (int p = 0; p < num_targets; p++) {
             const int out_dim = (int)out_dims[p];
             const void *as = (const char *)(intptr_t)a_ptrs[p] + (size_t)s * rank * in_dim * es;
             const void *bs = (const char *)(intptr_t)b_ptrs[p] + (size_t)s * out_dim * rank * es;
             const float sc = ((const float *)(intptr_t)scale_ptrs[p])[s];
+            const char *pa = NULL, *pb = NULL; /* the next segment's A and B (LORA_PREFETCH_STREAM) */
+            if (e < r1) {
+                pa = (const char *)(intptr_t)a_ptrs[p] + (size_t)row_slots[e] * rank * in_dim * es;
+                pb = (const char *)(intptr_t)b_ptrs[p] + (size_t)row_slots[e] * out_dim * rank * es;
+            }
             for (int q = n; q < e; q += LORA_SHRINK_ROWS) {
                 const int R = e - q < LORA_SHRINK_ROWS ? e - q : LORA_SHRINK_ROWS;
                 const float *xr[LORA_SHRINK_ROWS];
                 for (int u = 0; u < R; u++) xr[u] = x + rows[q + u] * x_stride;
-                lora_shrink_rows(xr, R, as, in_dim, rank, sc, t + q * ts, ts, wbf16);
+                lora_shrink_rows(xr, R, as, in_dim, rank, sc, t + q * ts, ts, wbf16, q == n ? pa : NULL);
             }
-            lora_expand_rows(bs, out_dim, rank, t + n * ts, ts, y + y_cols[p], y_stride, rows + n, e - n, wbf16);
+            lora_expand_rows(bs, out_dim, rank, t + n * ts, ts, y + y_cols[p], y_stride, rows + n, e - n, wbf16, pb);
         }
         n = e;
     }
