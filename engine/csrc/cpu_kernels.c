@@ -1053,18 +1053,23 @@ static inline __attribute__((always_inline)) void lora_row(
  * it reads, so the requests stream out at the rate the data is used. Per target:
  *  - shrink: t = scale * A x for blocks of up to 4 rows against several rows of A at once (each
  *    A vector loaded once for the block's rows), into a per-call buffer of [rows, rank] floats;
- *  - expand: per column block, a block of B^T's rows held in registers while the segment's rows
- *    go through it with four partial sums each: B read once per segment, each y element loaded
- *    and stored once per block of B's rows.
+ *  - expand: tiles of a few rows x a few vectors of columns, their sums held in registers
+ *    through the whole rank: each y element loaded and stored once, B^T's rows read once per
+ *    block of rows (from cache after the first), each element one chain y + t0 b0 + t1 b1 + ....
  * A row's sums run in the same order whatever its segment's length, its place in a block or the
  * thread count: its delta is the same, bit for bit, alone or in any batch (as row by row).
  * The ISA builds below provide lora_shrink_rows (one block of rows, every rank) and
  * lora_expand_rows (one segment's rows, every column); lora_segments drives them.
  *
- * AVX-512: 16-wide, 4 rows x 4 rows of A, 16 or 8 rows of B^T per 16-column block. Measured
- * (bench/lora_ops.py's shapes, 30 layers, bfloat16 A/B, 2 Zen 5 threads): 8 adapters x 100 rows
- * 97 -> 58 ms a step, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs 132 and 39); decode, 8
- * adapters x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms. Streaming the next segment's
+ * AVX-512: 16-wide, the shrink 4 rows x 4 rows of A, the expand tiles of 4 rows x 64 columns
+ * (2 x 128 and 1 x 128 for a segment's last rows). A first version (the expand 16 or 8 rows of B^T
+ * held per 16-column block, the segment's rows through it with four partial sums each), measured
+ * on bench/lora_ops.py's shapes over 30 layers with bfloat16 A/B on 2 Zen 5 threads: 8 adapters x
+ * 100 rows 97 -> 58 ms a step against row by row, one adapter x 400 rows 37 -> 28 ms (torch's GEMMs
+ * 132 and 39); decode, 8 x 4 rows 5.3-5.7 -> 4.7 ms, 32 x 1 12.0 -> 12.3-12.6 ms. On 2 Sapphire
+ * Rapids threads the tiles (one chain per element, as the AVX2 build) against it: 8 x 100 rows
+ * 64-69 -> 57 ms, 1 x 400 31.5 -> 28 ms, 8 x 4 6.2 -> 5.4 ms, 32 x 1 17.5-18 -> 16.6 ms; widening
+ * a long segment's B^T to float32 once, to save the per-block widening, bought nothing. Streaming the next segment's
  * lines instead of asking for them all at once (a burst of some 1,300 prefetches per segment of a
  * q/k/v call, each holding one of the core's few line-fill buffers, stalled the loads behind it;
  * the kernel read 5-6 GB/s a core with the burst or without any prefetch, against 12 GB/s for a
@@ -1141,39 +1146,46 @@ static inline __attribute__((always_inline)) void lora_shrink_rows(
     }
 }
 
-/* y[rows[n], o:o+16] += sum_{c < J} t_n[j0 + c] * B^T[j0 + c, o:o+16] for the m rows n of a
- * segment (B^T [rank, out_dim]; mk masks the columns past out_dim). */
-static inline __attribute__((always_inline)) void lora_expand16(
-    const void *bt, int out_dim, int o, __mmask16 mk, int j0, const int J, const float *t, int64_t ts,
-    float *y, int64_t y_stride, const int64_t *rows, int m, const int wbf16, const char *pf)
+/* y[rows[q], o:o+16W] += sum_{c < rank} t_q[c] * B^T[c, o:o+16W] for R rows q (R x W sums held;
+ * mk masks the last vector's columns past out_dim): each element is one chain y + t_0 b_0 + t_1 b_1
+ * + ..., so its value does not depend on the tile it falls in. pf: where the next segment's B^T
+ * is, a line of it asked for per line of this one's read (NULL: none). */
+static inline __attribute__((always_inline)) void lora_expand_tile(
+    const void *bt, int out_dim, int o, __mmask16 mk, int rank, const float *t, int64_t ts, float *y,
+    int64_t y_stride, const int64_t *rows, const int R, const int W, const int wbf16, const char *pf)
 {
-    __m512 b[16];
-    for (int c = 0; c < J; c++) b[c] = lora_ld(bt, (int64_t)(j0 + c) * out_dim + o, mk, wbf16);
-    if (pf && ((o * (wbf16 ? 2 : 4)) & 63) == 0)
-        for (int c = 0; c < J; c++) _mm_prefetch(pf + ((int64_t)(j0 + c) * out_dim + o) * (wbf16 ? 2 : 4), _MM_HINT_T1);
-    int n = 0;
-    for (; n + 2 <= m; n += 2) {
-        float *y0 = y + rows[n] * y_stride + o, *y1 = y + rows[n + 1] * y_stride + o;
-        const float *t0 = t + n * ts + j0, *t1 = t0 + ts;
-        __m512 a0[4], a1[4];
-        a0[0] = lora_ld(y0, 0, mk, 0);
-        a1[0] = lora_ld(y1, 0, mk, 0);
-        for (int c = 1; c < 4; c++) a0[c] = a1[c] = _mm512_setzero_ps();
-        for (int c = 0; c < J; c++) {
-            a0[c & 3] = _mm512_fmadd_ps(_mm512_set1_ps(t0[c]), b[c], a0[c & 3]);
-            a1[c & 3] = _mm512_fmadd_ps(_mm512_set1_ps(t1[c]), b[c], a1[c & 3]);
+    const int es = wbf16 ? 2 : 4;
+    __m512 acc[4][8];
+    for (int q = 0; q < R; q++)
+        for (int w = 0; w < W; w++)
+            acc[q][w] = lora_ld(y + rows[q] * y_stride + o + 16 * w, 0, w == W - 1 ? mk : (__mmask16)0xFFFF, 0);
+    for (int c = 0; c < rank; c++) {
+        __m512 bv[8];
+        for (int w = 0; w < W; w++)
+            bv[w] = lora_ld(bt, (int64_t)c * out_dim + o + 16 * w, w == W - 1 ? mk : (__mmask16)0xFFFF, wbf16);
+        if (pf)
+            for (int l = 0; l < 16 * W * es; l += 64) _mm_prefetch(pf + ((int64_t)c * out_dim + o) * es + l, _MM_HINT_T1);
+        for (int q = 0; q < R; q++) {
+            const __m512 tv = _mm512_set1_ps(t[q * ts + c]);
+            for (int w = 0; w < W; w++) acc[q][w] = _mm512_fmadd_ps(tv, bv[w], acc[q][w]);
         }
-        lora_st(y0, mk, _mm512_add_ps(_mm512_add_ps(a0[0], a0[1]), _mm512_add_ps(a0[2], a0[3])));
-        lora_st(y1, mk, _mm512_add_ps(_mm512_add_ps(a1[0], a1[1]), _mm512_add_ps(a1[2], a1[3])));
     }
-    if (n < m) {
-        float *y0 = y + rows[n] * y_stride + o;
-        const float *t0 = t + n * ts + j0;
-        __m512 a0[4];
-        a0[0] = lora_ld(y0, 0, mk, 0);
-        for (int c = 1; c < 4; c++) a0[c] = _mm512_setzero_ps();
-        for (int c = 0; c < J; c++) a0[c & 3] = _mm512_fmadd_ps(_mm512_set1_ps(t0[c]), b[c], a0[c & 3]);
-        lora_st(y0, mk, _mm512_add_ps(_mm512_add_ps(a0[0], a0[1]), _mm512_add_ps(a0[2], a0[3])));
+    for (int q = 0; q < R; q++)
+        for (int w = 0; w < W; w++)
+            lora_st(y + rows[q] * y_stride + o + 16 * w, w == W - 1 ? mk : (__mmask16)0xFFFF, acc[q][w]);
+}
+
+/* One block of R rows through every column: tiles of 16W columns, then 16 at a time. */
+static inline __attribute__((always_inline)) void lora_expand_block(
+    const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
+    const int64_t *rows, const int R, const int W, const int wbf16, const char *pf)
+{
+    int o = 0;
+    for (; o + 16 * W <= out_dim; o += 16 * W)
+        lora_expand_tile(bt, out_dim, o, 0xFFFF, rank, t, ts, y, y_stride, rows, R, W, wbf16, pf);
+    for (; o < out_dim; o += 16) {
+        const __mmask16 mk = out_dim - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out_dim - o)) - 1);
+        lora_expand_tile(bt, out_dim, o, mk, rank, t, ts, y, y_stride, rows, R, 1, wbf16, pf);
     }
 }
 
@@ -1181,14 +1193,14 @@ static inline __attribute__((always_inline)) void lora_expand_rows(
     const void *bt, int out_dim, int rank, const float *t, int64_t ts, float *y, int64_t y_stride,
     const int64_t *rows, int m, const int wbf16, const char *pf)
 {
-    for (int o = 0; o < out_dim; o += 16) {
-        const __mmask16 mk = out_dim - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out_dim - o)) - 1);
-        for (int j0 = 0; j0 < rank; j0 += 16) {
-            if (rank - j0 >= 16)
-                lora_expand16(bt, out_dim, o, mk, j0, 16, t, ts, y, y_stride, rows, m, wbf16, pf);
-            else
-                lora_expand16(bt, out_dim, o, mk, j0, 8, t, ts, y, y_stride, rows, m, wbf16, pf);
-        }
+    int n = 0;
+    for (; n + 4 <= m; n += 4)
+        lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 4, 4, wbf16, n == 0 ? pf : NULL);
+    switch (m - n) {
+    case 3: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 3, 4, wbf16, n == 0 ? pf : NULL); break;
+    case 2: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 2, 8, wbf16, n == 0 ? pf : NULL); break;
+    case 1: lora_expand_block(bt, out_dim, rank, t + n * ts, ts, y, y_stride, rows + n, 1, 8, wbf16, n == 0 ? pf : NULL); break;
+    default: break;
     }
 }
 
