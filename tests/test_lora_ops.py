@@ -65,7 +65,7 @@ def test_paths_agree_with_definition(tokens, num_slots, layout):
 def test_native_kernel_matches_definition(tokens, rank, b_layout, weights):
     """float32 C kernel vs the float64 definition, A/B in float32 or bfloat16; ``out`` a column
     slice; base rows untouched. Ranks 8-64 with B transposed take the blocked path (AVX-512 or
-    AVX2 builds: row blocks of up to 4 or 6, column blocks or tiles with a tail), the rest row
+    AVX2 builds: row blocks of up to 4 or 6, expand tiles with a tail), the rest row
     by row; 200 tokens over 6 slots give segments of ~30 rows."""
     g = torch.Generator().manual_seed(tokens * 7 + rank)
     fin, fout, num_slots = 70, 100, 6  # neither a multiple of 8: tails in the shrink and the expand
