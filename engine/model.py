@@ -42,6 +42,7 @@ from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import (
     BF16Linear,
+    BlockLinear,
     Int8Linear,
     Linear,
     cpu_has_avx2,
@@ -52,11 +53,14 @@ from engine.linear import (
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
     BlockMatmul,
+    DecoderLayers,
     FusedOps,
     Gemv,
+    NativeWeight,
     PanelMatmul,
     TileMatmul,
     decode_attention_kernel,
+    decoder_layers_kernel,
     fused_ops,
     gemv_kernel,
     panel_matmul_kernel,
@@ -159,6 +163,13 @@ class DecoderModel:
         # float32 math of FusedOps.silu_mul on the same sums: the same numbers).
         self.q8_swiglu = isinstance(self.ops, FusedOps) and all(
             isinstance(lin.gate_up, Int8Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
+        # A step without LoRA rows in one native call where every matrix runs on a native kernel:
+        # bfloat16 on the tile kernel (the narrow flow), or 8- and 4-bit blocks.
+        self.decoder: DecoderLayers | None = None
+        self._decoder_weights = self._native_weights()
+        if self._decoder_weights is not None and self.decode_kernel is not None:
+            self.decoder = decoder_layers_kernel()
+        self._decoder_args: tuple[KVCache, object] | None = None
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -180,18 +191,61 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, ctx: BatchContext, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg
+        h = F.embedding(ctx.input_ids, self.w.embed).to(self.dtype)
+        # RoPE for q and k heads together; the query heads also carry the attention scale.
+        cos, sin = self.rope.tables(ctx.positions)
+        prepare_attention(ctx, cfg.num_kv_heads, self.decode_kernel)
+        if self.decoder is not None and ctx.lora is None and ctx.row_blocks is not None:
+            assert self.decode_kernel is not None
+            tiles = self._decoder_tiles
+            self.decoder(self._decoder_layers(cache), h, cache, cos, sin, self.head_scale, ctx.slot_mapping,
+                         ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cfg.num_heads, cfg.intermediate_size,
+                         cfg.rms_norm_eps, self.fused_swiglu if tiles else self.q8_swiglu, self.decode_kernel.amx)
+        else:
+            narrow = torch.bfloat16 if self.bf16_flow and ctx.lora is None and h.shape[0] > 1 else None
+            self._layers(ctx, cache, h, cos, sin, narrow)
+        return self._head(ctx, h)
+
+    def _native_weights(self) -> list[tuple[NativeWeight, ...]] | None:
+        """Every layer's matrices as :class:`engine.native.DecoderLayers` reads them, where all run on
+        native kernels of one kind with the native elementwise steps: all on the tile kernel (with
+        the narrow flow's conditions), or all in 8- or 4-bit blocks; else None."""
+        if not isinstance(self.ops, FusedOps):
+            return None
+        names = ("qkv", "o", "gate_up", "down")
+        if self.bf16_flow and all(getattr(lin, n).tile is not None for lin in self.layers for n in names):
+            return [tuple(NativeWeight(getattr(lin, n).tiles, lin.qkv.bias if n == "qkv" else None,
+                                       getattr(lin, n).weight.shape[0]) for n in names) for lin in self.layers]
+        if all(isinstance(getattr(lin, n), BlockLinear) and getattr(lin, n).kernel is not None
+               for lin in self.layers for n in names):
+            return [tuple(NativeWeight(getattr(lin, n).weight, getattr(lin, n).bias) for n in names)
+                    for lin in self.layers]
+        return None
+
+    @property
+    def _decoder_tiles(self) -> bool:
+        assert self._decoder_weights is not None
+        return self._decoder_weights[0][0].format == NativeWeight.TILE
+
+    def _decoder_layers(self, cache: KVCache) -> object:
+        """:class:`engine.native.DecoderLayers`' per-layer arguments over ``cache``'s pools (built once)."""
+        if self._decoder_args is None or self._decoder_args[0] is not cache:
+            assert self.decoder is not None and self._decoder_weights is not None
+            weights = [(lw.input_norm, lw.post_norm, *mats)
+                       for lw, mats in zip(self.w.layers, self._decoder_weights, strict=True)]
+            self._decoder_args = (cache, self.decoder.layers(weights, cache))
+        return self._decoder_args[1]
+
+    def _layers(self, ctx: BatchContext, cache: KVCache, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                narrow: torch.dtype | None) -> None:
+        """Every decoder layer over ``h`` (updated in place to the last layer's residual stream)."""
+        cfg = self.cfg
         w = self.w
         lora = ctx.lora
         qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         nh, nkv = cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         ops = self.ops
-        h = F.embedding(ctx.input_ids, w.embed).to(self.dtype)
-        # RoPE for q and k heads together; the query heads also carry the attention scale.
-        cos, sin = self.rope.tables(ctx.positions)
-        prepare_attention(ctx, nkv, self.decode_kernel)
-        t = h.shape[0]
-        narrow = torch.bfloat16 if self.bf16_flow and lora is None and t > 1 else None
         delta = None  # the previous layer's MLP output, added into h by the next norm
         for i, (lw, lin) in enumerate(zip(w.layers, self.layers, strict=True)):
             x = ops.add_rms_norm(h, delta, lw.input_norm, eps, narrow)
@@ -228,6 +282,10 @@ class DecoderModel:
             if lora is not None:
                 lora.apply_many(i, m, (("down_proj", delta),))
         h.add_(delta)
+
+    def _head(self, ctx: BatchContext, h: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits from the final residual stream ``h`` (``ctx.row_finite`` set)."""
+        cfg, w, t = self.cfg, self.w, h.shape[0]
         # NaN/Inf anywhere in a row sums to non-finite (float32: a float16 sum could overflow);
         # the engine stops that row's sequence.
         ctx.row_finite = torch.isfinite(h.sum(dim=1, dtype=torch.float32))
@@ -236,5 +294,5 @@ class DecoderModel:
             return h.new_empty((0, cfg.vocab_size))
         # One sampled row per sequence, in row order: all rows sampling means rows == 0..T-1.
         hs = h if rows.numel() == t else h.index_select(0, rows)
-        hs = ops.add_rms_norm(hs, None, w.norm, eps)
+        hs = self.ops.add_rms_norm(hs, None, w.norm, cfg.rms_norm_eps)
         return self.lm_head(hs).float()

@@ -325,6 +325,12 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     fused = forced_logits(int8, prompt, 17)
     int8.model.q8_swiglu = False
     assert torch.equal(forced_logits(int8, prompt, 17), fused)
+    # ... in the one native call of engine.native.DecoderLayers or kernel by kernel: the same bits.
+    assert int8.model.decoder is not None
+    int8.model.decoder = None
+    assert torch.equal(forced_logits(int8, prompt, 17), fused)
+    int8.model.q8_swiglu = cpu_has_vnni()
+    assert torch.equal(forced_logits(int8, prompt, 17), fused)
     rt = attach_runtime(int8, model_info(base_dir), root / "cache-mem")
     # The LoRA branch is never merged: its math stays float32, its A/B are stored in bfloat16
     # (as under bfloat16 base weights: 32 adapters' A/B outweigh the 8-bit matrices per step).

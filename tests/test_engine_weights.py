@@ -20,7 +20,8 @@ from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul
 from engine.native import gemv_kernel
 from engine.scoring import agreement, forced_logits
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, Sequence
+from engine.step_batch import build_batch
 from loraplex.settings import Settings
 from tests.engine_fixtures import demo_gguf  # noqa: F401  (fixture)
 from tests.lora_fixtures import (
@@ -106,12 +107,64 @@ def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_wor
     assert not tiny_engine(base_dir).model.bf16_flow
     prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(5)).tolist()
     narrow = forced_logits(engine, prompt, 17)
-    if cpu_has_bf16_matmul():  # SwiGLU in the gate|up matmul's epilogue: the same bits again
-        assert engine.model.fused_swiglu
+    if cpu_has_bf16_matmul():
+        # The whole step in one native call (engine.native.DecoderLayers): the same bits as the
+        # layers' kernels called one by one, with SwiGLU fused into gate|up and without.
+        assert engine.model.decoder is not None
         engine.model.fused_swiglu = False
+        assert torch.equal(forced_logits(engine, prompt, 17), narrow)
+        engine.model.decoder = None
+        assert torch.equal(forced_logits(engine, prompt, 17), narrow)
+        engine.model.fused_swiglu = True  # SwiGLU in the gate|up matmul's epilogue: the same bits again
         assert torch.equal(forced_logits(engine, prompt, 17), narrow)
     engine.model.bf16_flow = False
     assert torch.equal(forced_logits(engine, prompt, 17), narrow)
+
+
+@pytest.mark.parametrize("weights", [
+    pytest.param("bfloat16", marks=pytest.mark.skipif(not cpu_has_bf16_matmul(),
+                                                      reason="the tile kernel needs AVX512-BF16 or AMX")),
+    "int8", "int4"])
+def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, weights):
+    """A mixed step (decode rows of sequences of different lengths beside a prefill chunk) in the
+    one native call of engine.native.DecoderLayers: the logits, the residual stream's finiteness
+    and the K/V it writes are bit for bit those of the layers' kernels called one by one."""
+    base_dir, *_ = lora_world
+    engine = tiny_engine(base_dir, weights=weights)
+    model, cache = engine.model, engine.cache
+    assert model.decoder is not None
+    g = torch.Generator().manual_seed(3)
+    seqs = [Sequence(torch.randint(1, 128, (n,), generator=g).tolist(), SamplingParams(temperature=0.0))
+            for n in (5, 17, 30, 9)]
+    for seq in seqs:
+        seq.block_table.extend(cache.allocator.allocate(cache.allocator.blocks_for(seq.num_tokens + 1)))
+
+    def step(chunks):
+        ctx = build_batch(chunks, cache.block_size, model.device)
+        return model.forward(ctx, cache), ctx.row_finite
+
+    step([(s, s.num_tokens) for s in seqs[:3]])
+    for s in seqs[:3]:
+        s.num_computed = s.num_tokens
+        s.output_ids.append(int(torch.randint(1, 128, (1,), generator=g)))
+    mixed = [(s, 1) for s in seqs[:3]] + [(seqs[3], 9)]
+    logits, finite = step(mixed)
+    pools = [p.clone() for p in cache.k + cache.v]
+    for pool in cache.k + cache.v:
+        pool.zero_()
+    decoder, model.decoder = model.decoder, None
+    try:
+        for s in seqs[:3]:  # the same cache contents, written by the kernels one by one
+            s.num_computed = 0
+        step([(s, s.num_tokens - 1) for s in seqs[:3]])
+        for s in seqs[:3]:
+            s.num_computed = s.num_tokens - 1
+        ref_logits, ref_finite = step(mixed)
+    finally:
+        model.decoder = decoder
+    assert logits.shape == (4, model.cfg.vocab_size)
+    assert torch.equal(logits, ref_logits) and torch.equal(finite, ref_finite) and bool(finite.all())
+    assert all(torch.equal(a, b) for a, b in zip(pools, cache.k + cache.v, strict=True))
 
 
 NEW = 5

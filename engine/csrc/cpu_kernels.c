@@ -49,6 +49,11 @@
  * 8. loraplex_f32_panel_matmul: float32 matmul on AVX2 CPUs without AVX-512, with the
  *    weights packed once into panels of 16 output columns.
  *
+ * 9. loraplex_scan_rows_f32: the logits' per-row argmax and finiteness in one pass.
+ *
+ * 10. loraplex_decoder_layers: a step's decoder layers in one call (no LoRA rows; matrices on
+ *    the tile or block kernels): sections 1 and 4-7 in the order the model calls them.
+ *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
  */
@@ -2848,6 +2853,112 @@ int loraplex_scan_rows_f32(const float *x, int64_t stride, int rows, int cols, i
         }
         if (argmax != NULL) argmax[r] = bi;
         if (finite != NULL) finite[r] = z == 0.0f;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * 10. loraplex_decoder_layers: a step's decoder layers in one call, for a step without LoRA rows
+ * whose matrices all run on native kernels: bfloat16 on the tile kernel (section 7), or 8- and
+ * 4-bit blocks (sections 5-6). Per layer the same kernels, in the same order and with the same
+ * arguments, that engine/model.py calls one by one (add_rms_norm, the q|k|v matmul, rope_store,
+ * decode attention, the o matmul, add_rms_norm, gate|up with SwiGLU, down), without going back
+ * to Python between them: a step of 30 layers made 240 calls through ctypes, each with its
+ * checks, tensor allocations and a few microseconds of interpreter while the second OpenMP
+ * thread spun. The same numbers bit for bit.
+ *
+ * On the tile kernel the activations between the matmuls are bfloat16 (each matmul's rounded
+ * sums, read by the next step: the model's narrow flow) and the q|k|v bias goes in with
+ * rope_store's widening; on the block kernels they are float32 and each bias goes in with its
+ * matmul.
+ */
+enum { LP_TILE = 0, LP_Q8 = 1, LP_Q4 = 2 };
+
+struct loraplex_weight {
+    const void *w;          /* tile: packed tiles; q8/q4: the packed blocks */
+    const float *d;         /* q8/q4: block scales */
+    const void *extra;      /* q8: int32 compensations; q4: float offsets */
+    const float *bias;      /* or NULL */
+    int format, n, k;       /* n outputs, k inputs */
+};
+
+struct loraplex_layer {
+    const float *input_norm, *post_norm;
+    struct loraplex_weight qkv, o, gate_up, down;
+    void *k_pool, *v_pool;  /* [kv_heads, pool_slots, head_dim] */
+};
+
+struct loraplex_step {
+    float *h;               /* [rows, hidden] float32 residual stream, updated */
+    void *x, *qkv, *attn, *res, *mlp;   /* scratch in the activations' dtype: [rows, hidden], [rows, width],
+                                         * [rows, heads * head_dim], [rows, hidden], [rows, inter] */
+    void *gate_up;          /* [rows, 2 inter] scratch, or NULL: SwiGLU fused into the gate|up matmul */
+    float *q;               /* [rows, heads * head_dim] float32 scratch */
+    const float *cos, *sin, *head_scale;
+    int64_t cs_row_stride, cs_head_stride;
+    const int64_t *slots, *row_blocks, *row_lens;
+    int64_t blocks_per_seq, pool_slots;
+    int max_len, block_size, kv_bf16, amx, act_bf16;
+    int rows, hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+};
+
+/* y = x W^T (+ W's bias on the block kernels), or silu(gate) * up of a fused gate|up W. */
+static int lp_matmul(const struct loraplex_weight *w, const void *x, int m, void *y, int swiglu, int num_threads)
+{
+    const int cols = swiglu ? w->n / 2 : w->n;
+    switch (w->format) {
+    case LP_TILE:
+        return loraplex_tile_matmul_bf16(x, w->k, m, w->k, w->w, w->n, NULL, y, cols, 1, swiglu, num_threads);
+    case LP_Q8:
+        if (swiglu) return loraplex_q8_swiglu_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, y, cols, num_threads);
+        return loraplex_q8_matmul_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, w->bias, y, cols, num_threads);
+    case LP_Q4:
+        if (swiglu) return -1;
+        return loraplex_q4_matmul_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, w->bias, y, cols, num_threads);
+    }
+    return -1;
+}
+
+int loraplex_decoder_layers(const struct loraplex_layer *layers, int n_layers, const struct loraplex_step *s,
+                            int num_threads)
+{
+    /* On return h holds the residual stream after the last layer (its MLP output added). */
+    const int m = s->rows, width = (s->heads + 2 * s->kv_heads) * s->head_dim, qw = s->heads * s->head_dim;
+    const int nb = s->act_bf16;
+    int rc = 0;
+    for (int i = 0; i < n_layers && rc == 0; i++) {
+        const struct loraplex_layer *l = &layers[i];
+        loraplex_add_rms_norm_f32(s->h, s->hidden, i > 0 ? s->res : NULL, s->hidden, nb, s->x, s->hidden, nb,
+                                  l->input_norm, s->eps, m, s->hidden, num_threads);
+        rc |= lp_matmul(&l->qkv, s->x, m, s->qkv, 0, num_threads);
+        rc |= loraplex_rope_store_f32(s->qkv, width, nb, nb ? l->qkv.bias : NULL, s->cos, s->sin, s->cs_row_stride,
+                                      s->cs_head_stride, s->head_scale, s->q, qw, l->k_pool, l->v_pool, s->kv_bf16,
+                                      s->pool_slots, s->slots, m, s->heads, s->kv_heads, s->head_dim, num_threads);
+        rc |= decode_attention(s->q, qw, s->head_dim, NULL, l->k_pool, l->v_pool, s->pool_slots, s->row_blocks,
+                               s->blocks_per_seq, s->row_lens, s->attn, qw, nb, m, s->heads, s->kv_heads, s->head_dim,
+                               s->block_size, s->max_len, num_threads, s->kv_bf16, s->amx);
+        rc |= lp_matmul(&l->o, s->attn, m, s->res, 0, num_threads);
+        loraplex_add_rms_norm_f32(s->h, s->hidden, s->res, s->hidden, nb, s->x, s->hidden, nb, l->post_norm, s->eps,
+                                  m, s->hidden, num_threads);
+        if (s->gate_up == NULL) {
+            rc |= lp_matmul(&l->gate_up, s->x, m, s->mlp, 1, num_threads);
+        } else {
+            rc |= lp_matmul(&l->gate_up, s->x, m, s->gate_up, 0, num_threads);
+            loraplex_silu_mul_f32(s->gate_up, 2 * s->inter, nb, s->mlp, s->inter, nb, m, s->inter, num_threads);
+        }
+        rc |= lp_matmul(&l->down, s->mlp, m, s->res, 0, num_threads);
+    }
+    if (rc != 0) return rc;
+    const int64_t n = (int64_t)m * s->hidden;
+    if (nb) {
+        const uint16_t *r = s->res;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= PARALLEL_MIN_ELEMS)
+        for (int64_t e = 0; e < n; e++) s->h[e] += bf16_to_f32(r[e]);
+    } else {
+        const float *r = s->res;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= PARALLEL_MIN_ELEMS)
+        for (int64_t e = 0; e < n; e++) s->h[e] += r[e];
     }
     return 0;
 }
