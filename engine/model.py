@@ -27,6 +27,12 @@ queries). Inputs per module: q/k/v/gate/up get the normed hidden state
 gets ``silu(gate) * up`` ``[T, intermediate]``. For q/k/v and gate/up, ``out`` is a
 non-contiguous column slice of the fused output: update it in place
 (``out.add_(delta)``); rebinding the name has no effect.
+
+Where every matrix runs on a native kernel the whole step goes to C in one call
+(``engine.native.DecoderLayers``); the hook is then asked once per step for the same work as
+native calls instead (``ctx.lora.native_steps(num_layers, LORA_INPUTS, columns)``, a
+``engine.native.LoRASteps`` or None to keep to ``apply_many``; ``ctx.lora.native_failure(i)``
+the error for the rank class whose call failed).
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ from engine.rotary import RotaryEmbedding
 from engine.step_batch import BatchContext
 
 log = logging.getLogger("loraplex.engine.model")
+
+LORA_INPUTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+"""The projections that read each input of a layer, in the order the layer applies their LoRA."""
 
 
 def q8_lm_head(tile: TileMatmul | None) -> bool:
@@ -170,6 +179,10 @@ class DecoderModel:
         if self._decoder_weights is not None and self.decode_kernel is not None:
             self.decoder = decoder_layers_kernel()
         self._decoder_args: tuple[KVCache, object] | None = None
+        qs, kvs, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
+        self._lora_cols = {"q_proj": 0, "k_proj": qs, "v_proj": qs + kvs, "o_proj": 0, "gate_proj": 0,
+                           "up_proj": inter, "down_proj": 0}
+        """Each projection's first column in its (fused) matmul's output."""
         self.head_scale = torch.cat([torch.full((self.cfg.num_heads,), self.scale),
                                      torch.ones(self.cfg.num_kv_heads)]).to(device=device, dtype=dtype)
 
@@ -195,15 +208,21 @@ class DecoderModel:
         # RoPE for q and k heads together; the query heads also carry the attention scale.
         cos, sin = self.rope.tables(ctx.positions)
         prepare_attention(ctx, cfg.num_kv_heads, self.decode_kernel)
-        if self.decoder is not None and ctx.lora is None and ctx.row_blocks is not None:
-            assert self.decode_kernel is not None
-            tiles = self._decoder_tiles
-            self.decoder(self._decoder_layers(cache), h, cache, cos, sin, self.head_scale, ctx.slot_mapping,
-                         ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cfg.num_heads, cfg.intermediate_size,
-                         cfg.rms_norm_eps, self.fused_swiglu if tiles else self.q8_swiglu, self.decode_kernel.amx)
-        else:
-            narrow = torch.bfloat16 if self.bf16_flow and ctx.lora is None and h.shape[0] > 1 else None
-            self._layers(ctx, cache, h, cos, sin, narrow)
+        lora = ctx.lora
+        if self.decoder is not None and ctx.row_blocks is not None:
+            steps = lora.native_steps(cfg.num_layers, LORA_INPUTS, self._lora_cols) if lora is not None else None
+            if lora is None or steps is not None:
+                assert self.decode_kernel is not None
+                fused = lora is None and (self.fused_swiglu if self._decoder_tiles else self.q8_swiglu)
+                failed = self.decoder(self._decoder_layers(cache), h, cache, cos, sin, self.head_scale,
+                                      ctx.slot_mapping, ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cfg.num_heads,
+                                      cfg.intermediate_size, cfg.rms_norm_eps, fused, self.decode_kernel.amx, steps)
+                if failed >= 0:
+                    assert lora is not None
+                    raise lora.native_failure(failed)
+                return self._head(ctx, h)
+        narrow = torch.bfloat16 if self.bf16_flow and lora is None and h.shape[0] > 1 else None
+        self._layers(ctx, cache, h, cos, sin, narrow)
         return self._head(ctx, h)
 
     def _native_weights(self) -> list[tuple[NativeWeight, ...]] | None:

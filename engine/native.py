@@ -173,11 +173,51 @@ def decode_attention_kernel() -> DecodeAttention | None:
     return DecodeAttention(lib, amx=tiles is not None and tiles.isa == "amx")
 
 
+class _LoraCall(ctypes.Structure):
+    _fields_ = [("y_cols", _ptr), ("out_dims", _ptr), ("a_ptrs", _ptr), ("b_ptrs", _ptr), ("scale_ptrs", _ptr),
+                ("num_targets", _int), ("b_transposed", _int), ("in_dim", _int), ("rank", _int),
+                ("weights_bf16", _int)]
+
+
+class _LoraPass(ctypes.Structure):
+    _fields_ = [("rows", _ptr), ("row_slots", _ptr), ("num_rows", _int)]
+
+
+class _Lora(ctypes.Structure):
+    _fields_ = [("passes", _ptr), ("calls", _ptr), ("num_passes", _int)]
+
+
+class LoRASteps:
+    """A step's LoRA rows as :class:`DecoderLayers` applies them: per rank class (pass) its rows
+    sorted by slot, and per layer, input (q|k|v, o, gate|up, down) and pass the stacks to apply
+    (:meth:`LoRATable.call`) or none."""
+
+    INPUTS = 4
+    FAILED = 1000
+    """The decoder's return code for a failed LoRA call: this plus the index of its pass."""
+
+    def __init__(self, passes: Sequence[tuple[torch.Tensor, torch.Tensor]], num_layers: int) -> None:
+        """``passes``: per pass ``(rows, row_slots)``, int64 contiguous; fill the calls with :meth:`set`."""
+        self.num_passes = len(passes)
+        for rows, row_slots in passes:
+            assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
+        self._passes = (_LoraPass * self.num_passes)(*(_LoraPass(r.data_ptr(), rs.data_ptr(), int(r.numel()))
+                                                       for r, rs in passes))
+        self._calls = (ctypes.c_void_p * (num_layers * self.INPUTS * self.num_passes))()
+        self._keep: list[object] = [passes]
+        self.args = _Lora(ctypes.addressof(self._passes), ctypes.addressof(self._calls), self.num_passes)
+
+    def set(self, layer: int, inp: int, pass_index: int, call: _LoraCall) -> None:
+        self._calls[(layer * self.INPUTS + inp) * self.num_passes + pass_index] = ctypes.addressof(call)
+        self._keep.append(call)
+
+
 class LoRATable:
     """Kernel arguments for the LoRA stacks of projections that read the same input
     (validated once; build with :meth:`LoRARows.table`, keep while the stacks live)."""
 
-    __slots__ = ("_keep", "a_ptrs", "b_ptrs", "bf16", "in_dim", "n", "out_dims", "rank", "scale_ptrs", "transposed")
+    __slots__ = ("_calls", "_keep", "a_ptrs", "b_ptrs", "bf16", "in_dim", "n", "out_dims", "rank", "scale_ptrs",
+                 "transposed")
 
     def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         if not stacks:
@@ -201,6 +241,21 @@ class LoRATable:
         self.b_ptrs = arr(*(b.data_ptr() for _, b, _ in stacks))
         self.scale_ptrs = arr(*(sc.data_ptr() for _, _, sc in stacks))
         self._keep = tuple(stacks)
+        self._calls: dict[tuple[int, ...], _LoraCall] = {}
+
+    def call(self, cols: tuple[int, ...]) -> _LoraCall:
+        """These stacks as one LoRA call of :class:`DecoderLayers`, their outputs at columns
+        ``cols`` of the matmul's output (built once per ``cols``, kept with the table)."""
+        c = self._calls.get(cols)
+        if c is None:
+            assert len(cols) == self.n
+            y_cols = (ctypes.c_int64 * self.n)(*cols)
+            c = self._calls[cols] = _LoraCall(ctypes.addressof(y_cols), ctypes.addressof(self.out_dims),
+                                              ctypes.addressof(self.a_ptrs), ctypes.addressof(self.b_ptrs),
+                                              ctypes.addressof(self.scale_ptrs), self.n, int(self.transposed),
+                                              self.in_dim, self.rank, int(self.bf16))
+            c.keep = y_cols
+        return c
 
 
 class LoRARows:
@@ -569,7 +624,8 @@ class _LayerArgs(ctypes.Structure):
 
 class _StepArgs(ctypes.Structure):
     _fields_ = [("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("res", _ptr), ("mlp", _ptr),
-                ("gate_up", _ptr), ("q", _ptr), ("cos", _ptr), ("sin", _ptr), ("head_scale", _ptr),
+                ("gate_up", _ptr), ("xb", _ptr), ("q", _ptr), ("lora", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("head_scale", _ptr),
                 ("cs_row_stride", _i64), ("cs_head_stride", _i64), ("slots", _ptr), ("row_blocks", _ptr),
                 ("row_lens", _ptr), ("blocks_per_seq", _i64), ("pool_slots", _i64), ("max_len", _int),
                 ("block_size", _int), ("kv_bf16", _int), ("amx", _int), ("act_bf16", _int), ("rows", _int),
@@ -638,12 +694,15 @@ class DecoderLayers:
 
     def __call__(self, layers: ctypes.Array, h: torch.Tensor, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
                  head_scale: torch.Tensor, slots: torch.Tensor, row_blocks: torch.Tensor, row_lens: torch.Tensor,
-                 max_len: int, heads: int, inter: int, eps: float, fused_swiglu: bool, amx: bool) -> None:
+                 max_len: int, heads: int, inter: int, eps: float, fused_swiglu: bool, amx: bool,
+                 lora: LoRASteps | None = None) -> int:
         """Runs every layer over ``h [T, hidden]`` (float32, contiguous; updated in place to the
         residual stream after the last layer). ``cos``/``sin``/``head_scale`` as for
         :meth:`FusedOps.rope_store`, ``row_blocks``/``row_lens``/``max_len`` as for
         :class:`DecodeAttention` (one row per token); ``fused_swiglu``: SwiGLU in the gate|up
-        matmul (the tile kernel, or the 8-bit one on AVX512-VNNI)."""
+        matmul (the tile kernel, or the 8-bit one on AVX512-VNNI; never with ``lora``); ``lora``:
+        the step's LoRA rows. Returns -1, or the index of the LoRA pass that failed (the
+        caller raises what the model's hook would have)."""
         t, hidden = h.shape
         kv_heads, d = cache.num_kv_heads, cache.head_dim
         assert h.dtype == torch.float32 and h.is_contiguous() and t > 0
@@ -653,23 +712,30 @@ class DecoderLayers:
         assert slots.dtype == row_blocks.dtype == row_lens.dtype == torch.int64
         assert slots.is_contiguous() and row_blocks.is_contiguous() and row_lens.is_contiguous()
         assert slots.shape[0] == row_blocks.shape[0] == row_lens.shape[0] == t
-        act = torch.bfloat16 if layers.tiles else torch.float32  # type: ignore[attr-defined]
+        assert not (fused_swiglu and lora is not None)
+        tiles = layers.tiles  # type: ignore[attr-defined]
+        act = torch.bfloat16 if tiles and lora is None else torch.float32
         x, res = torch.empty((t, hidden), dtype=act), torch.empty((t, hidden), dtype=act)
         qkv = torch.empty((t, (heads + 2 * kv_heads) * d), dtype=act)
         q = torch.empty((t, heads * d), dtype=torch.float32)
         attn, mlp = torch.empty((t, heads * d), dtype=act), torch.empty((t, inter), dtype=act)
         gate_up = None if fused_swiglu else torch.empty((t, 2 * inter), dtype=act)
+        xb = torch.empty((t, max(hidden, heads * d, inter)), dtype=torch.bfloat16) if tiles and act != torch.bfloat16 else None
         args = _StepArgs(h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), res.data_ptr(), mlp.data_ptr(),
-                         gate_up.data_ptr() if gate_up is not None else None, q.data_ptr(), cos.data_ptr(),
+                         gate_up.data_ptr() if gate_up is not None else None, xb.data_ptr() if xb is not None else None,
+                         q.data_ptr(), ctypes.addressof(lora.args) if lora is not None else None, cos.data_ptr(),
                          sin.data_ptr(), head_scale.data_ptr(), cos.stride(0), 0 if cos.shape[1] == 1 else cos.stride(1),
                          slots.data_ptr(), row_blocks.data_ptr(), row_lens.data_ptr(), row_blocks.shape[1],
                          cache.k[0].shape[1], max_len, cache.block_size, cache.k[0].dtype == torch.bfloat16, amx,
                          act == torch.bfloat16, t, hidden, heads, kv_heads, d, inter, eps)
         rc = self._fn(ctypes.addressof(layers), len(layers), ctypes.byref(args), torch.get_num_threads())
+        if lora is not None and LoRASteps.FAILED <= rc < LoRASteps.FAILED + lora.num_passes:
+            return rc - LoRASteps.FAILED
         if rc == 1:
             raise MemoryError("native decoder layers: no memory for the quantized activations")
         if rc != 0:
             raise RuntimeError(f"native decoder layers failed ({rc}): {t} rows, head dim {d}")
+        return -1
 
 
 @lru_cache(maxsize=1)

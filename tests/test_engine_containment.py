@@ -12,6 +12,7 @@ keeps serving — with the native kernels on and off.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import shutil
@@ -32,6 +33,7 @@ from engine.lora.manager import AdapterLoadError, AdapterManager
 from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.runtime import LoRARuntime
 from engine.lora.slots import NonFiniteAdapter, SlotBank, check_finite
+from engine.native import _LoraCall
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, Sequence
 from engine.warmstart import warm
@@ -135,10 +137,11 @@ def world(tmp_path_factory) -> World:
     return World(base, good, poison, root / "cache")
 
 
-def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20, kv_cache_dtype: str = "auto") -> Engine:
+def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20, kv_cache_dtype: str = "auto",
+            weights: str = "auto") -> Engine:
     eng = Engine.from_path(world.base, EngineConfig(kv_cache_bytes=kv_cache_bytes, kv_block_size=16,
                                                     max_model_len=96, native_kernels=native,
-                                                    kv_cache_dtype=kv_cache_dtype))
+                                                    kv_cache_dtype=kv_cache_dtype, weights=weights))
     info = model_info(world.base)
     bank = SlotBank.for_model(info, (8, 16), slots_per_class=4)
     rt = LoRARuntime(AdapterManager(info, bank, max_loras=8, cache_dir=str(world.cache), limits=UNBOUNDED),
@@ -350,6 +353,45 @@ def test_lora_exception_fails_only_that_adapters_rows(world, native, expected, m
         assert r16_seq.adapter == r16 and r16_events[-1].error_code == "adapter_error"
         assert "r16" in r16_events[-1].error
         monkeypatch.setattr(LoRABatch, "_run_pass", real)
+        assert _tokens(_run(eng, _good_rows(world))) == expected
+        assert _cache_finite(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_lora_failure_inside_the_native_decoder_fails_only_that_adapters_rows(world, monkeypatch):
+    """8-bit weights: steps with LoRA rows run every layer in one native call
+    (engine.native.DecoderLayers). A LoRA call of one rank class that fails in C there (a rank
+    the kernel refuses) fails that class's adapter rows alone, as a hook's exception does."""
+    eng = _engine(world, True, weights="int8")
+    try:
+        assert eng.model.decoder is not None
+        expected = _tokens(_run(eng, _good_rows(world)))
+        broken_class = eng.lora_runtime.manager.bank.class_of_rank(16)
+        real = LoRABatch.native_steps
+        poisoned = []
+
+        def failing(self, num_layers, inputs, cols):
+            steps = real(self, num_layers, inputs, cols)
+            for k, p in enumerate(self._passes):
+                if steps is None or p.class_index != broken_class:
+                    continue
+                for at in range(k, len(steps._calls), steps.num_passes):
+                    if steps._calls[at]:
+                        bad = _LoraCall.from_buffer_copy(_LoraCall.from_address(steps._calls[at]))
+                        bad.rank = 1 << 20  # past the kernel's MAX_RANK: it returns an error
+                        poisoned.append(bad)
+                        steps._calls[at] = ctypes.addressof(bad)
+            return steps
+
+        monkeypatch.setattr(LoRABatch, "native_steps", failing)
+        results = _run(eng, _good_rows(world))
+        _, r16_events = results.pop(2)
+        assert poisoned
+        assert _tokens(results) == [t for j, t in enumerate(expected) if j != 2]
+        assert r16_events[-1].error_code == "adapter_error" and "r16" in r16_events[-1].error
+        monkeypatch.setattr(LoRABatch, "native_steps", real)
         assert _tokens(_run(eng, _good_rows(world))) == expected
         assert _cache_finite(eng)
     finally:

@@ -18,6 +18,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul
+from engine.lora.batch import LoRABatch
 from engine.native import gemv_kernel
 from engine.scoring import agreement, forced_logits
 from engine.sequence import SamplingParams, Sequence
@@ -125,22 +126,37 @@ def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_wor
     pytest.param("bfloat16", marks=pytest.mark.skipif(not cpu_has_bf16_matmul(),
                                                       reason="the tile kernel needs AVX512-BF16 or AMX")),
     "int8", "int4"])
-def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, weights):
-    """A mixed step (decode rows of sequences of different lengths beside a prefill chunk) in the
-    one native call of engine.native.DecoderLayers: the logits, the residual stream's finiteness
-    and the K/V it writes are bit for bit those of the layers' kernels called one by one."""
-    base_dir, *_ = lora_world
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "adapters"])
+def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, weights, lora, monkeypatch):
+    """A mixed step (decode rows of sequences of different lengths beside a prefill chunk; with
+    ``lora``, rows of three adapters of different rank classes and targets beside a base row) in
+    the one native call of engine.native.DecoderLayers: the logits, the residual stream's
+    finiteness and the K/V it writes are bit for bit those of the layers' kernels and LoRA hooks
+    called one by one."""
+    base_dir, _, _, refs, root = lora_world
     engine = tiny_engine(base_dir, weights=weights)
     model, cache = engine.model, engine.cache
     assert model.decoder is not None
+    rt = attach_runtime(engine, model_info(base_dir), root / f"cache-decoder-{weights}") if lora else None
+    names = [None, "r8_all", "r64_qv", "rs16_qvd"] if lora else [None] * 4
     g = torch.Generator().manual_seed(3)
-    seqs = [Sequence(torch.randint(1, 128, (n,), generator=g).tolist(), SamplingParams(temperature=0.0))
-            for n in (5, 17, 30, 9)]
+    seqs = [Sequence(torch.randint(1, 128, (n,), generator=g).tolist(), SamplingParams(temperature=0.0),
+                     adapter=refs[name] if name else None) for name, n in zip(names, (5, 17, 30, 9), strict=True)]
     for seq in seqs:
         seq.block_table.extend(cache.allocator.allocate(cache.allocator.blocks_for(seq.num_tokens + 1)))
+        if rt is not None:
+            rt.prefetch(seq)
+            while not rt.admit(seq, []):
+                assert rt.failure(seq) is None
+    hooks = []
+    real = LoRABatch._run_pass
+    monkeypatch.setattr(LoRABatch, "_run_pass", lambda self, *a: (hooks.append(1), real(self, *a))[1])
 
     def step(chunks):
         ctx = build_batch(chunks, cache.block_size, model.device)
+        if rt is not None:
+            rt.prepare_batch(ctx)
+            assert ctx.lora is not None
         return model.forward(ctx, cache), ctx.row_finite
 
     step([(s, s.num_tokens) for s in seqs[:3]])
@@ -149,6 +165,7 @@ def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, w
         s.output_ids.append(int(torch.randint(1, 128, (1,), generator=g)))
     mixed = [(s, 1) for s in seqs[:3]] + [(seqs[3], 9)]
     logits, finite = step(mixed)
+    assert not hooks, "the LoRA rows applied inside the native call"
     pools = [p.clone() for p in cache.k + cache.v]
     for pool in cache.k + cache.v:
         pool.zero_()
@@ -162,6 +179,9 @@ def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, w
         ref_logits, ref_finite = step(mixed)
     finally:
         model.decoder = decoder
+        if rt is not None:
+            rt.manager.close()
+    assert bool(hooks) == lora
     assert logits.shape == (4, model.cfg.vocab_size)
     assert torch.equal(logits, ref_logits) and torch.equal(finite, ref_finite) and bool(finite.all())
     assert all(torch.equal(a, b) for a, b in zip(pools, cache.k + cache.v, strict=True))

@@ -51,8 +51,8 @@
  *
  * 9. loraplex_scan_rows_f32: the logits' per-row argmax and finiteness in one pass.
  *
- * 10. loraplex_decoder_layers: a step's decoder layers in one call (no LoRA rows; matrices on
- *    the tile or block kernels): sections 1 and 4-7 in the order the model calls them.
+ * 10. loraplex_decoder_layers: a step's decoder layers in one call (matrices on the tile or
+ *    block kernels, LoRA rows or none): sections 1, 2 and 4-7 in the order the model calls them.
  *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
@@ -2858,19 +2858,19 @@ int loraplex_scan_rows_f32(const float *x, int64_t stride, int rows, int cols, i
 }
 
 /* ---------------------------------------------------------------------------------------------
- * 10. loraplex_decoder_layers: a step's decoder layers in one call, for a step without LoRA rows
- * whose matrices all run on native kernels: bfloat16 on the tile kernel (section 7), or 8- and
- * 4-bit blocks (sections 5-6). Per layer the same kernels, in the same order and with the same
- * arguments, that engine/model.py calls one by one (add_rms_norm, the q|k|v matmul, rope_store,
- * decode attention, the o matmul, add_rms_norm, gate|up with SwiGLU, down), without going back
- * to Python between them: a step of 30 layers made 240 calls through ctypes, each with its
- * checks, tensor allocations and a few microseconds of interpreter while the second OpenMP
- * thread spun. The same numbers bit for bit.
+ * 10. loraplex_decoder_layers: a step's decoder layers in one call, where every matrix runs on a
+ * native kernel: bfloat16 on the tile kernel (section 7), or 8- and 4-bit blocks (sections 5-6).
+ * Per layer the same kernels, in the same order and with the same arguments, that engine/model.py
+ * calls one by one (add_rms_norm, the q|k|v matmul, rope_store, decode attention, the o matmul,
+ * add_rms_norm, gate|up and SwiGLU, down, and after each matmul the LoRA rows of section 2),
+ * without going back to Python between them: a step of 30 layers made 240 calls through ctypes
+ * (about 400 with adapters), each with its checks, tensor allocations and a few microseconds of
+ * interpreter while the second OpenMP thread spun. The same numbers bit for bit.
  *
- * On the tile kernel the activations between the matmuls are bfloat16 (each matmul's rounded
- * sums, read by the next step: the model's narrow flow) and the q|k|v bias goes in with
- * rope_store's widening; on the block kernels they are float32 and each bias goes in with its
- * matmul.
+ * In a step without LoRA rows on the tile kernel the activations between the matmuls are
+ * bfloat16 (each matmul's rounded sums, read by the next step: the model's narrow flow) and the
+ * q|k|v bias goes in with rope_store's widening. Otherwise they are float32, each bias goes in
+ * with its matmul and the tile kernel's input is rounded to bfloat16 first (as torch rounds it).
  */
 enum { LP_TILE = 0, LP_Q8 = 1, LP_Q4 = 2 };
 
@@ -2888,12 +2888,34 @@ struct loraplex_layer {
     void *k_pool, *v_pool;  /* [kv_heads, pool_slots, head_dim] */
 };
 
+/* One loraplex_lora_rows_f32 call's stacks (the projections of one input that a rank class's
+ * adapters touch in one layer); y_cols: each target's first column in the matmul's output. */
+struct loraplex_lora_call {
+    const int64_t *y_cols, *out_dims, *a_ptrs, *b_ptrs, *scale_ptrs;
+    int num_targets, b_transposed, in_dim, rank, weights_bf16;
+};
+
+/* The rows of one rank class, sorted by slot. */
+struct loraplex_lora_pass {
+    const int64_t *rows, *row_slots;
+    int num_rows;
+};
+
+struct loraplex_lora {
+    const struct loraplex_lora_pass *passes;
+    const struct loraplex_lora_call *const *calls;  /* [layer][4 inputs][pass], NULL where none */
+    int num_passes;
+};
+
 struct loraplex_step {
     float *h;               /* [rows, hidden] float32 residual stream, updated */
     void *x, *qkv, *attn, *res, *mlp;   /* scratch in the activations' dtype: [rows, hidden], [rows, width],
                                          * [rows, heads * head_dim], [rows, hidden], [rows, inter] */
     void *gate_up;          /* [rows, 2 inter] scratch, or NULL: SwiGLU fused into the gate|up matmul */
+    uint16_t *xb;           /* [rows, max(hidden, heads * head_dim, inter)] bfloat16 scratch, or NULL:
+                             * the tile kernel's rounded input under float32 activations */
     float *q;               /* [rows, heads * head_dim] float32 scratch */
+    const struct loraplex_lora *lora;   /* or NULL: no LoRA rows (float32 activations otherwise) */
     const float *cos, *sin, *head_scale;
     int64_t cs_row_stride, cs_head_stride;
     const int64_t *slots, *row_blocks, *row_lens;
@@ -2903,13 +2925,24 @@ struct loraplex_step {
     float eps;
 };
 
-/* y = x W^T (+ W's bias on the block kernels), or silu(gate) * up of a fused gate|up W. */
-static int lp_matmul(const struct loraplex_weight *w, const void *x, int m, void *y, int swiglu, int num_threads)
+/* y = x W^T (+ W's bias, except on tiles with bfloat16 activations), or silu(gate) * up of a
+ * fused gate|up W; x and y in the step's activations' dtype. */
+static int lp_matmul(const struct loraplex_step *s, const struct loraplex_weight *w, const void *x, void *y,
+                     int swiglu, int num_threads)
 {
-    const int cols = swiglu ? w->n / 2 : w->n;
+    const int m = s->rows, cols = swiglu ? w->n / 2 : w->n;
     switch (w->format) {
     case LP_TILE:
-        return loraplex_tile_matmul_bf16(x, w->k, m, w->k, w->w, w->n, NULL, y, cols, 1, swiglu, num_threads);
+        if (s->act_bf16)
+            return loraplex_tile_matmul_bf16(x, w->k, m, w->k, w->w, w->n, NULL, y, cols, 1, swiglu, num_threads);
+        if (s->xb == NULL || swiglu) return -1;
+        {
+            const float *xf = x;
+            const int64_t n = (int64_t)m * w->k;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= PARALLEL_MIN_ELEMS)
+            for (int64_t e = 0; e < n; e++) s->xb[e] = f32_to_bf16(xf[e]);
+        }
+        return loraplex_tile_matmul_bf16(s->xb, w->k, m, w->k, w->w, w->n, w->bias, y, cols, 0, 0, num_threads);
     case LP_Q8:
         if (swiglu) return loraplex_q8_swiglu_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, y, cols, num_threads);
         return loraplex_q8_matmul_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, w->bias, y, cols, num_threads);
@@ -2920,37 +2953,64 @@ static int lp_matmul(const struct loraplex_weight *w, const void *x, int m, void
     return -1;
 }
 
+/* y += each LoRA row's delta for input ``input`` (0 q|k|v, 1 o, 2 gate|up, 3 down) of layer
+ * ``layer``: 0, or LP_LORA_FAILED + the index of the pass that failed. */
+#define LP_LORA_FAILED 1000
+static int lp_lora(const struct loraplex_step *s, int layer, int input, const float *x, int64_t x_stride, float *y,
+                   int64_t y_stride, int num_threads)
+{
+    const struct loraplex_lora *l = s->lora;
+    if (l == NULL) return 0;
+    for (int p = 0; p < l->num_passes; p++) {
+        const struct loraplex_lora_call *c = l->calls[((int64_t)layer * 4 + input) * l->num_passes + p];
+        const struct loraplex_lora_pass *ps = &l->passes[p];
+        if (c == NULL || ps->num_rows == 0) continue;
+        if (loraplex_lora_rows_f32(x, x_stride, y, y_stride, c->num_targets, c->y_cols, c->out_dims, c->a_ptrs,
+                                   c->b_ptrs, c->scale_ptrs, c->b_transposed, ps->rows, ps->row_slots, ps->num_rows,
+                                   c->in_dim, c->rank, c->weights_bf16, num_threads) != 0)
+            return LP_LORA_FAILED + p;
+    }
+    return 0;
+}
+
 int loraplex_decoder_layers(const struct loraplex_layer *layers, int n_layers, const struct loraplex_step *s,
                             int num_threads)
 {
     /* On return h holds the residual stream after the last layer (its MLP output added). */
     const int m = s->rows, width = (s->heads + 2 * s->kv_heads) * s->head_dim, qw = s->heads * s->head_dim;
-    const int nb = s->act_bf16;
+    const int nb = s->act_bf16, hid = s->hidden;
+    if (nb && s->lora != NULL) return -1;
     int rc = 0;
     for (int i = 0; i < n_layers && rc == 0; i++) {
         const struct loraplex_layer *l = &layers[i];
-        loraplex_add_rms_norm_f32(s->h, s->hidden, i > 0 ? s->res : NULL, s->hidden, nb, s->x, s->hidden, nb,
-                                  l->input_norm, s->eps, m, s->hidden, num_threads);
-        rc |= lp_matmul(&l->qkv, s->x, m, s->qkv, 0, num_threads);
-        rc |= loraplex_rope_store_f32(s->qkv, width, nb, nb ? l->qkv.bias : NULL, s->cos, s->sin, s->cs_row_stride,
-                                      s->cs_head_stride, s->head_scale, s->q, qw, l->k_pool, l->v_pool, s->kv_bf16,
-                                      s->pool_slots, s->slots, m, s->heads, s->kv_heads, s->head_dim, num_threads);
-        rc |= decode_attention(s->q, qw, s->head_dim, NULL, l->k_pool, l->v_pool, s->pool_slots, s->row_blocks,
-                               s->blocks_per_seq, s->row_lens, s->attn, qw, nb, m, s->heads, s->kv_heads, s->head_dim,
-                               s->block_size, s->max_len, num_threads, s->kv_bf16, s->amx);
-        rc |= lp_matmul(&l->o, s->attn, m, s->res, 0, num_threads);
-        loraplex_add_rms_norm_f32(s->h, s->hidden, s->res, s->hidden, nb, s->x, s->hidden, nb, l->post_norm, s->eps,
-                                  m, s->hidden, num_threads);
+        loraplex_add_rms_norm_f32(s->h, hid, i > 0 ? s->res : NULL, hid, nb, s->x, hid, nb, l->input_norm, s->eps,
+                                  m, hid, num_threads);
+        if ((rc = lp_matmul(s, &l->qkv, s->x, s->qkv, 0, num_threads)) != 0) break;
+        if ((rc = lp_lora(s, i, 0, s->x, hid, s->qkv, width, num_threads)) != 0) break;
+        rc = loraplex_rope_store_f32(s->qkv, width, nb, nb ? l->qkv.bias : NULL, s->cos, s->sin, s->cs_row_stride,
+                                     s->cs_head_stride, s->head_scale, s->q, qw, l->k_pool, l->v_pool, s->kv_bf16,
+                                     s->pool_slots, s->slots, m, s->heads, s->kv_heads, s->head_dim, num_threads);
+        if (rc != 0) break;
+        rc = decode_attention(s->q, qw, s->head_dim, NULL, l->k_pool, l->v_pool, s->pool_slots, s->row_blocks,
+                              s->blocks_per_seq, s->row_lens, s->attn, qw, nb, m, s->heads, s->kv_heads, s->head_dim,
+                              s->block_size, s->max_len, num_threads, s->kv_bf16, s->amx);
+        if (rc != 0) break;
+        if ((rc = lp_matmul(s, &l->o, s->attn, s->res, 0, num_threads)) != 0) break;
+        if ((rc = lp_lora(s, i, 1, s->attn, qw, s->res, hid, num_threads)) != 0) break;
+        loraplex_add_rms_norm_f32(s->h, hid, s->res, hid, nb, s->x, hid, nb, l->post_norm, s->eps, m, hid,
+                                  num_threads);
         if (s->gate_up == NULL) {
-            rc |= lp_matmul(&l->gate_up, s->x, m, s->mlp, 1, num_threads);
+            if ((rc = lp_matmul(s, &l->gate_up, s->x, s->mlp, 1, num_threads)) != 0) break;
         } else {
-            rc |= lp_matmul(&l->gate_up, s->x, m, s->gate_up, 0, num_threads);
+            if ((rc = lp_matmul(s, &l->gate_up, s->x, s->gate_up, 0, num_threads)) != 0) break;
+            if ((rc = lp_lora(s, i, 2, s->x, hid, s->gate_up, 2 * s->inter, num_threads)) != 0) break;
             loraplex_silu_mul_f32(s->gate_up, 2 * s->inter, nb, s->mlp, s->inter, nb, m, s->inter, num_threads);
         }
-        rc |= lp_matmul(&l->down, s->mlp, m, s->res, 0, num_threads);
+        if ((rc = lp_matmul(s, &l->down, s->mlp, s->res, 0, num_threads)) != 0) break;
+        if ((rc = lp_lora(s, i, 3, s->mlp, s->inter, s->res, hid, num_threads)) != 0) break;
     }
     if (rc != 0) return rc;
-    const int64_t n = (int64_t)m * s->hidden;
+    const int64_t n = (int64_t)m * hid;
     if (nb) {
         const uint16_t *r = s->res;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= PARALLEL_MIN_ELEMS)

@@ -13,7 +13,7 @@ naming the slots it served.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from engine.lora.ops import SegmentPlan, choose_path, lora_apply, native_max_tokens
 from engine.lora.slots import SlotBank
-from engine.native import lora_rows_kernel
+from engine.native import LoRASteps, lora_rows_kernel
 
 
 class LoRAApplyError(RuntimeError):
@@ -101,9 +101,34 @@ class LoRABatch:
             try:
                 self._run_pass(p, layer, x, todo)
             except Exception as exc:
-                s = self.bank.slots_per_class
-                slots = tuple(p.class_index * s + local for local in p.plan.seg_slots)
-                raise LoRAApplyError(slots, f"layer {layer} {'/'.join(t[0] for t in todo)}: {exc}") from exc
+                raise self._failure(p, f"layer {layer} {'/'.join(t[0] for t in todo)}: {exc}") from exc
+
+    def _failure(self, p: _ClassPass, message: str) -> LoRAApplyError:
+        s = self.bank.slots_per_class
+        return LoRAApplyError(tuple(p.class_index * s + local for local in p.plan.seg_slots), message)
+
+    def native_steps(self, num_layers: int, inputs: Sequence[Sequence[str]], cols: Mapping[str, int]) -> LoRASteps | None:
+        """This step's LoRA as ``engine.native.DecoderLayers`` applies it inside the layers: per
+        layer and input (``inputs``: the projections that read each, in the model's order) the
+        stacks :meth:`apply_many` would apply, each projection's output at column ``cols[proj]``
+        of its matmul's output. None when some rank class is not on the native path."""
+        if not self._passes or any(p.path != "native" for p in self._passes):
+            return None
+        kernel = lora_rows_kernel()
+        steps = LoRASteps([(p.plan.rows, p.plan.row_slots) for p in self._passes], num_layers)
+        for k, p in enumerate(self._passes):
+            for layer in range(num_layers):
+                for inp, projs in enumerate(inputs):
+                    todo = tuple(proj for proj in projs if p.active[proj][layer])
+                    if todo:
+                        table = self._native_table(kernel, p.class_index, layer, todo)
+                        steps.set(layer, inp, k, table.call(tuple(cols[proj] for proj in todo)))
+        return steps
+
+    def native_failure(self, pass_index: int) -> LoRAApplyError:
+        """What :meth:`apply_many` raises when the native LoRA call of pass ``pass_index`` fails."""
+        p = self._passes[pass_index]
+        return self._failure(p, f"native LoRA kernel failed: rank {self.bank.rank_classes[p.class_index]}")
 
     def _run_pass(self, p: _ClassPass, layer: int, x: torch.Tensor,
                   todo: tuple[tuple[str, torch.Tensor], ...]) -> None:
