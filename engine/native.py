@@ -660,12 +660,13 @@ class NativeWeight:
 
 
 class DecoderLayers:
-    """A step's decoder layers in one native call (``engine/csrc``, section 10), for a step
-    without LoRA rows whose matrices all run on native kernels (:class:`NativeWeight`: bfloat16
-    on the tile kernel, or 8- and 4-bit blocks): per layer the kernels the model calls one by one
-    (``engine.model.DecoderModel``), in the same order with the same arguments, so the same numbers
-    bit for bit; what it saves is the interpreter between them (240 ctypes calls a step for a
-    30-layer model, each with its checks and allocations, while the second OpenMP thread spins).
+    """A step's decoder layers in one native call (``engine/csrc``, section 10), for a model whose
+    matrices all run on native kernels (:class:`NativeWeight`: bfloat16 on the tile kernel, or 8-
+    and 4-bit blocks), the step's LoRA rows included (:class:`LoRASteps`): per layer the kernels
+    the model calls one by one (``engine.model.DecoderModel``), in the same order with the same
+    arguments, so the same numbers bit for bit; what it saves is the interpreter between them (240
+    ctypes calls a step for a 30-layer model, about 400 with adapters, each with its checks and
+    allocations, while the second OpenMP thread spins).
 
     Built once per model and KV cache with :meth:`layers` (weights and pools stay where they are)."""
 
