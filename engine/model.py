@@ -172,8 +172,8 @@ class DecoderModel:
         # float32 math of FusedOps.silu_mul on the same sums: the same numbers).
         self.q8_swiglu = isinstance(self.ops, FusedOps) and all(
             isinstance(lin.gate_up, Int8Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
-        # A step without LoRA rows in one native call where every matrix runs on a native kernel:
-        # bfloat16 on the tile kernel (the narrow flow), or 8- and 4-bit blocks.
+        # Every layer of a step (LoRA rows included) in one native call where every matrix runs on
+        # a native kernel: bfloat16 on the tile kernel (the narrow flow), or 8- and 4-bit blocks.
         self.decoder: DecoderLayers | None = None
         self._decoder_weights = self._native_weights()
         if self._decoder_weights is not None and self.decode_kernel is not None:

@@ -254,7 +254,7 @@ class LoRATable:
                                               ctypes.addressof(self.a_ptrs), ctypes.addressof(self.b_ptrs),
                                               ctypes.addressof(self.scale_ptrs), self.n, int(self.transposed),
                                               self.in_dim, self.rank, int(self.bf16))
-            c.keep = y_cols
+            c.keep = (y_cols, self)  # the column offsets, and the arrays the other pointers name
         return c
 
 
