@@ -78,9 +78,9 @@ def main() -> int:
     ref_fmt, others = formats[0], formats[1:]
     torch.set_num_threads(args.threads)
 
+    from engine.cpu import cpu_has_bf16_matmul
     from engine.engine import Engine, EngineConfig
     from engine.fetch_demo import fetch_demo
-    from engine.linear import cpu_has_bf16_matmul
     from engine.scoring import agreement
     from loraplex.modelinfo import describe_model
 

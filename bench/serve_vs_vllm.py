@@ -22,6 +22,10 @@ each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses ada
   listeners (a finished request adds the client's next one on the engine thread): no HTTP, no
   event loop, so ``worker / inprocess`` is what the served path costs.
 
+``LORAPLEX_NATIVE_MARCH`` in the environment reaches the worker and the in-process engine (and the
+default ``--worker-weights``): ``x86-64-v3`` measures the AVX2 build, the paths a Zen 3 takes, on
+an AVX-512 machine (torch's own kernels and vLLM keep this CPU's full instruction set).
+
 Before a case, each server gets the case's clients at once with short requests (every
 adapter loaded, the batch shapes run and, where a server compiles, compiled). A case runs
 ``--warmup`` seconds,
@@ -562,7 +566,7 @@ def main() -> int:
         return inprocess_child(Path(args.inprocess_child))
     if args.quick:
         args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
-    from engine.linear import cpu_flags, cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni
+    from engine.cpu import cpu_flags, cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni
 
     native_bf16 = cpu_has_bf16_matmul()
     if args.worker_weights is None:
@@ -648,7 +652,11 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
                   "LORAPLEX_KV_CACHE_BYTES": str(1 << 30), "LORAPLEX_MAX_NUM_SEQS": str(args.clients),
                   "LORAPLEX_MAX_LORAS": str(NUM_ADAPTERS), "LORAPLEX_MAX_CPU_LORAS": str(2 * NUM_ADAPTERS),
                   "LORAPLEX_LORA_RANK_CLASSES": str(RANK), "LORAPLEX_MAX_LORA_RANK": str(RANK)}
-    print(f"model {model} ({args.threads} threads); {len(cases)} cases, {args.clients} clients, "
+    from engine.cpu import march
+
+    print(f"model {model} ({args.threads} threads); worker weights {args.worker_weights}, native kernels "
+          f"-march={march()}, vLLM {args.vllm_dtype}")
+    print(f"{len(cases)} cases, {args.clients} clients, "
           f"{args.warmup:.0f} s warm-up + {args.seconds:.0f} s per case; load average {loadavg()}", flush=True)
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {}
     started = loadavg()
@@ -666,7 +674,7 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
         "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
         "worker_dtype": args.worker_dtype,
-        "worker_weights": args.worker_weights,
+        "worker_weights": args.worker_weights, "native_march": march(),
         "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(), "rows": rows,
         "raw": res}, indent=2))
     print(f"wrote {out}")

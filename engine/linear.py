@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from engine.cpu import cpu_has_bf16_matmul
 from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
 
 if TYPE_CHECKING:
@@ -50,32 +50,6 @@ def onednn_packing_available() -> bool:
         return bool(torch.allclose(y, F.linear(x, w), atol=1e-5))
     except (AttributeError, RuntimeError):
         return False
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``; empty where unreadable)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(flags.split())
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """This CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def cpu_has_vnni() -> bool:
-    """This CPU has AVX512-VNNI (the 8-bit kernel's fast path; others run its portable build)."""
-    return "avx512_vnni" in cpu_flags()
-
-
-def cpu_has_avx2() -> bool:
-    """This CPU has AVX2 and FMA: the 4-bit kernel's AVX2 build outruns float32 there (its integer
-    multiply takes 32 products an instruction against FMA's 8; the 8-bit kernel needs two)."""
-    return {"avx2", "fma"} <= cpu_flags()
 
 
 @lru_cache(maxsize=1)

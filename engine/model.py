@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
+from engine.cpu import cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import (
@@ -51,9 +52,6 @@ from engine.linear import (
     BlockLinear,
     Int8Linear,
     Linear,
-    cpu_has_avx2,
-    cpu_has_bf16_matmul,
-    cpu_has_vnni,
     make_linear,
 )
 from engine.loader import LayerWeights, ModelWeights

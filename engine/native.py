@@ -2,7 +2,8 @@
 
 ``engine/csrc/*.c`` is compiled once per machine (with ``$CC``, else ``cc``/``gcc``) into a cache directory
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
-this CPU's feature flags (the code is built for ``-march=native``). No compiler, a
+this CPU's feature flags (the code is built for ``-march=native``, or ``$LORAPLEX_NATIVE_MARCH``: see
+``engine.cpu``). No compiler, a
 failed build or a non-Linux platform: ``decode_attention_kernel()``,
 ``lora_rows_kernel()``, ``gemv_kernel()``, ``fused_ops()``, ``q8_matmul_kernel()`` and ``q4_matmul_kernel()`` return ``None`` and the engine keeps its
 pure-torch paths, with one warning in the log.
@@ -19,7 +20,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu import c_compiler, cpu_flags, cpu_has_vnni, march
 from engine.kv_cache import KVCache
 from engine.quant import PackedQ4, PackedQ8
 
@@ -72,22 +73,19 @@ def cache_dir() -> Path:
     return Path(base) / "loraplex" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def cflags() -> list[str]:
+    """``CFLAGS`` with ``-march=native`` replaced by ``$LORAPLEX_NATIVE_MARCH`` where that is set."""
+    return [f"-march={march()}" if f == "-march=native" else f for f in CFLAGS]
 
 
 def _build(name: str) -> Path:
     src = CSRC / f"{name}.c"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *CFLAGS]).encode() + _cpu_flags().encode())
+    flags = cflags()
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags]).encode()
+                         + " ".join(sorted(cpu_flags()) or [platform.processor()]).encode())
     out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -97,7 +95,7 @@ def _build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([cc, *flags, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -533,8 +531,8 @@ def q8_matmul_kernel() -> BlockMatmul | None:
     lib = _library()
     if lib is None:
         return None
-    vnni = "avx512_vnni" in _cpu_flags().split()  # the build with the fused SwiGLU
-    return BlockMatmul(lib.loraplex_q8_matmul_f32, "comp", 8, lib.loraplex_q8_swiglu_f32 if vnni else None)
+    fused = lib.loraplex_q8_swiglu_f32 if cpu_has_vnni() else None  # the build with the fused SwiGLU
+    return BlockMatmul(lib.loraplex_q8_matmul_f32, "comp", 8, fused)
 
 
 @lru_cache(maxsize=1)

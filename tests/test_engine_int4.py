@@ -26,8 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.cpu import cpu_flags
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import Int4Linear, Int8Linear, cpu_flags
+from engine.linear import Int4Linear, Int8Linear
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel
 from engine.native import CFLAGS, CSRC, q4_matmul_kernel

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine.cpu import cpu_flags, cpu_has_bf16_matmul, cpu_has_vnni
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import BF16Linear, Int8Linear, Linear, cpu_flags, cpu_has_bf16_matmul, cpu_has_vnni
+from engine.linear import BF16Linear, Int8Linear, Linear
 from engine.loader import load_gguf, load_hf_dir, unpermute_rope_rows
 from engine.model import DecoderModel, q8_lm_head
 from engine.native import CFLAGS, CSRC, fused_ops, q8_matmul_kernel, tile_matmul_kernel

@@ -314,7 +314,7 @@ def test_tile_matmul_rounds_like_onednn(rows, n_out, n_in):
     """The native bfloat16 tile kernel (AMX or AVX512-BF16): every batch size (partial row blocks
     of either build, several column chunks, rows split between threads from 256 rows on 2),
     bfloat16 out as oneDNN's bfloat16 matmul writes it, float32 out as that widened plus the bias."""
-    from engine.linear import cpu_has_bf16_matmul
+    from engine.cpu import cpu_has_bf16_matmul
 
     if not cpu_has_bf16_matmul():
         pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
@@ -343,7 +343,8 @@ def test_tile_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):
     """SwiGLU in the tile kernel's epilogue (gate block p with up block p + n/32): bit for bit what
     the bfloat16 gate|up matmul followed by ``FusedOps.silu_mul`` computes, in both out dtypes;
     and the model's gate|up linear fuses it."""
-    from engine.linear import BF16Linear, cpu_has_bf16_matmul
+    from engine.cpu import cpu_has_bf16_matmul
+    from engine.linear import BF16Linear
 
     if not cpu_has_bf16_matmul():
         pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
@@ -365,7 +366,8 @@ def test_tile_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):
     torch.testing.assert_close(lin.swiglu(x).float(), reference, rtol=2 ** -7, atol=1e-3)
 
 def test_bf16_linear_runs_every_batch_size_on_the_tile_kernel():
-    from engine.linear import BF16Linear, cpu_has_bf16_matmul
+    from engine.cpu import cpu_has_bf16_matmul
+    from engine.linear import BF16Linear
 
     if not cpu_has_bf16_matmul():
         pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16")
@@ -384,7 +386,8 @@ def test_bf16_linear_runs_every_batch_size_on_the_tile_kernel():
 def test_panel_matmul_matches_linear(rows, n_out, n_in):
     """The float32 panel kernel (AVX2 CPUs without AVX-512): even row blocks of up to 6, partial
     16-column panels, a bias or none, row-strided input; and Linear routes every batch through it."""
-    from engine.linear import Linear, cpu_flags
+    from engine.cpu import cpu_flags
+    from engine.linear import Linear
 
     flags = cpu_flags()
     if "avx512f" in flags or not {"avx2", "fma"} <= flags:

@@ -16,8 +16,9 @@ import itertools
 import pytest
 import torch
 
+from engine.cpu import cpu_has_bf16_matmul
 from engine.engine import Engine, EngineConfig, resolve_weights
-from engine.linear import BF16Linear, Linear, cpu_has_bf16_matmul
+from engine.linear import BF16Linear, Linear
 from engine.lora.batch import LoRABatch
 from engine.native import gemv_kernel
 from engine.scoring import agreement, forced_logits

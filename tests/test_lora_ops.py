@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.linear import cpu_flags
+from engine.cpu import cpu_flags
 from engine.lora.batch import LoRABatch
 from engine.lora.ops import (
     NATIVE_MAX_TOKENS_PER_ADAPTER,

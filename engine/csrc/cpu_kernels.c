@@ -54,7 +54,7 @@
  * 10. loraplex_decoder_layers: a step's decoder layers in one call (matrices on the tile or
  *    block kernels, LoRA rows or none): sections 1, 2 and 4-7 in the order the model calls them.
  *
- * Built by engine/native.py with ``-O3 -march=native -fopenmp``; OpenMP is the same
+ * Built by engine/native.py with ``-O3 -march=native -fopenmp`` (or $LORAPLEX_NATIVE_MARCH); OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
  */
 #define _DEFAULT_SOURCE /* syscall() under -std=c11 */
