@@ -171,7 +171,8 @@ class DecoderModel:
         self.q8_swiglu = isinstance(self.ops, FusedOps) and all(
             isinstance(lin.gate_up, Int8Linear) and lin.gate_up.fuses_swiglu for lin in self.layers)
         # Every layer of a step (LoRA rows included) in one native call where every matrix runs on
-        # a native kernel: bfloat16 on the tile kernel (the narrow flow), or 8- and 4-bit blocks.
+        # a native kernel: bfloat16 on the tile kernel (the narrow flow), 8- and 4-bit blocks, or
+        # float32 on the panel kernel (AVX2 builds).
         self.decoder: DecoderLayers | None = None
         self._decoder_weights = self._native_weights()
         if self._decoder_weights is not None and self.decode_kernel is not None:
@@ -226,7 +227,8 @@ class DecoderModel:
     def _native_weights(self) -> list[tuple[NativeWeight, ...]] | None:
         """Every layer's matrices as :class:`engine.native.DecoderLayers` reads them, where all run on
         native kernels of one kind with the native elementwise steps: all on the tile kernel (with
-        the narrow flow's conditions), or all in 8- or 4-bit blocks; else None."""
+        the narrow flow's conditions), all in 8- or 4-bit blocks, or all on the float32 panel
+        kernel (AVX2 builds); else None."""
         if not isinstance(self.ops, FusedOps):
             return None
         names = ("qkv", "o", "gate_up", "down")
@@ -237,6 +239,10 @@ class DecoderModel:
                for lin in self.layers for n in names):
             return [tuple(NativeWeight(getattr(lin, n).weight, getattr(lin, n).bias) for n in names)
                     for lin in self.layers]
+        mats = [[getattr(lin, n) for n in names] for lin in self.layers]
+        if all(isinstance(m, Linear) and m.panels is not None for layer in mats for m in layer):
+            return [tuple(NativeWeight(m.panels, m.bias, m.weight.shape[0], m.weight if m.gemv is not None else None)
+                          for m in layer) for layer in mats]
         return None
 
     @property

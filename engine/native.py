@@ -633,20 +633,30 @@ class _StepArgs(ctypes.Structure):
 
 class NativeWeight:
     """One projection's matrix as :class:`DecoderLayers` reads it: ``tiles`` packed by
-    :meth:`TileMatmul.pack` (bfloat16, the bias left to the caller's flow) or a
-    :class:`engine.quant.PackedQ8` / ``PackedQ4`` (the bias added by the matmul)."""
+    :meth:`TileMatmul.pack` (bfloat16, the bias left to the caller's flow), a
+    :class:`engine.quant.PackedQ8` / ``PackedQ4``, or float32 ``panels`` packed by
+    :meth:`PanelMatmul.pack` (the bias added by the matmul for these)."""
 
-    TILE, Q8, Q4 = 0, 1, 2
+    TILE, Q8, Q4, PANEL = 0, 1, 2, 3
 
     def __init__(self, weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor | None,
-                 n: int | None = None) -> None:
-        """``n``: the tiles' output count (``weight`` then the packed tiles)."""
+                 n: int | None = None, single: torch.Tensor | None = None) -> None:
+        """``n``: the tiles' or panels' output count (``weight`` then the packed tiles or panels);
+        ``single``: with panels, the float32 ``[n, k]`` matrix a single row multiplies on the gemv
+        kernel (as :class:`engine.linear.Linear` does), or None (panels for it too)."""
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         self.bias = bias
+        self._single = single
         if isinstance(weight, PackedQ8 | PackedQ4):
             q8 = isinstance(weight, PackedQ8)
             self.format, self.n, self.k = (self.Q8 if q8 else self.Q4), weight.out_features, weight.in_features
             self._keep: tuple[torch.Tensor, ...] = (weight.q, weight.d, weight.comp if q8 else weight.m)
+        elif weight.dtype == torch.float32:
+            assert weight.dim() == 3 and weight.shape[2] == 16 and weight.is_contiguous() and n is not None
+            assert single is None or (single.shape == (n, weight.shape[1]) and single.dtype == torch.float32
+                                      and single.is_contiguous())
+            self.format, self.n, self.k = self.PANEL, n, weight.shape[1]
+            self._keep = (weight,)
         else:
             assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and n is not None
             self.format, self.n, self.k = self.TILE, n, weight.numel() // n
@@ -654,13 +664,15 @@ class NativeWeight:
 
     def args(self) -> _Weight:
         p = [t.data_ptr() for t in self._keep] + [None] * (3 - len(self._keep))
+        if self.format == self.PANEL and self._single is not None:
+            p[2] = self._single.data_ptr()
         return _Weight(*p, self.bias.data_ptr() if self.bias is not None else None, self.format, self.n, self.k)
 
 
 class DecoderLayers:
     """A step's decoder layers in one native call (``engine/csrc``, section 10), for a model whose
-    matrices all run on native kernels (:class:`NativeWeight`: bfloat16 on the tile kernel, or 8-
-    and 4-bit blocks), the step's LoRA rows included (:class:`LoRASteps`): per layer the kernels
+    matrices all run on native kernels (:class:`NativeWeight`: bfloat16 on the tile kernel, 8- and
+    4-bit blocks, or float32 panels), the step's LoRA rows included (:class:`LoRASteps`): per layer the kernels
     the model calls one by one (``engine.model.DecoderModel``), in the same order with the same
     arguments, so the same numbers bit for bit; what it saves is the interpreter between them (240
     ctypes calls a step for a 30-layer model, about 400 with adapters, each with its checks and

@@ -20,7 +20,7 @@ from engine.cpu import cpu_has_bf16_matmul
 from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Linear
 from engine.lora.batch import LoRABatch
-from engine.native import gemv_kernel
+from engine.native import gemv_kernel, panel_matmul_kernel
 from engine.scoring import agreement, forced_logits
 from engine.sequence import SamplingParams, Sequence
 from engine.step_batch import build_batch
@@ -123,10 +123,15 @@ def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_wor
     assert torch.equal(forced_logits(engine, prompt, 17), narrow)
 
 
+# The float32 panel kernel is built for AVX2 CPUs without AVX-512; tests/test_native_march.py
+# runs these tests with the AVX2 build on AVX-512 machines.
+NO_PANELS = pytest.mark.skipif(panel_matmul_kernel() is None, reason="this build has no float32 panel kernel")
+
+
 @pytest.mark.parametrize("weights", [
     pytest.param("bfloat16", marks=pytest.mark.skipif(not cpu_has_bf16_matmul(),
                                                       reason="the tile kernel needs AVX512-BF16 or AMX")),
-    "int8", "int4"])
+    "int8", "int4", pytest.param("auto", marks=NO_PANELS)])
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "adapters"])
 def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, weights, lora, monkeypatch):
     """A mixed step (decode rows of sequences of different lengths beside a prefill chunk; with
@@ -186,6 +191,22 @@ def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, w
     assert logits.shape == (4, model.cfg.vocab_size)
     assert torch.equal(logits, ref_logits) and torch.equal(finite, ref_finite) and bool(finite.all())
     assert all(torch.equal(a, b) for a, b in zip(pools, cache.k + cache.v, strict=True))
+
+
+@NO_PANELS
+def test_float32_panels_take_the_one_call_decoder_for_prefill_and_single_rows(lora_world):
+    """Float32 weights on the panel kernel go through engine.native.DecoderLayers too: a prompt's
+    prefill on the panels and one sequence's decode rows on the gemv, as Linear runs them, give
+    the logits of the layer-by-layer path bit for bit."""
+    base_dir, *_ = lora_world
+    engine = tiny_engine(base_dir)
+    model = engine.model
+    assert isinstance(model.layers[0].qkv, Linear) and model.layers[0].qkv.panels is not None
+    assert model.decoder is not None, "float32 panels run the one-call decoder"
+    prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(7)).tolist()
+    one_call = forced_logits(engine, prompt, 17)
+    model.decoder = None
+    assert torch.equal(forced_logits(engine, prompt, 17), one_call)
 
 
 NEW = 5

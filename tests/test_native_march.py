@@ -2,7 +2,7 @@
 
 The flags the engine chooses its paths by narrow to what that build has, and the AVX2 build's
 engine (what Zen 3 and pre-AVX-512 Intel CPUs run: the float32 panel kernel, AVX2's 8- and 4-bit
-kernels, the blocked LoRA rows, the one-call decoder over the blocks) passes the kernel and engine
+kernels, the blocked LoRA rows, the one-call decoder over each) passes the kernel and engine
 tests that depend on the instruction set, on a machine whose own build takes the AVX-512 paths.
 """
 
@@ -74,7 +74,10 @@ AVX2_SUITE = ["tests/test_engine_native.py", "tests/test_lora_ops.py", "tests/te
               "tests/test_engine_int4.py", "tests/test_engine_weights.py",
               "-k", "not test_demo_bf16 and not test_demo_int8"]
 # ... of which these run only on a build without AVX-512: they must pass, not skip.
-AVX2_ONLY = ["test_panel_matmul_matches_linear", "test_demo_int4_weights_track_float32"]
+AVX2_ONLY = ["test_panel_matmul_matches_linear", "test_float32_panels_take_the_one_call_decoder",
+             "test_native_decoder_layers_match_the_kernels_called_one_by_one[base-auto]",
+             "test_native_decoder_layers_match_the_kernels_called_one_by_one[adapters-auto]",
+             "test_demo_int4_weights_track_float32"]
 
 
 @pytest.mark.slow

@@ -51,8 +51,8 @@
  *
  * 9. loraplex_scan_rows_f32: the logits' per-row argmax and finiteness in one pass.
  *
- * 10. loraplex_decoder_layers: a step's decoder layers in one call (matrices on the tile or
- *    block kernels, LoRA rows or none): sections 1, 2 and 4-7 in the order the model calls them.
+ * 10. loraplex_decoder_layers: a step's decoder layers in one call (matrices on the tile, block
+ *    or panel kernels, LoRA rows or none): sections 1-8 in the order the model calls them.
  *
  * Built by engine/native.py with ``-O3 -march=native -fopenmp`` (or $LORAPLEX_NATIVE_MARCH); OpenMP is the same
  * runtime PyTorch uses (libgomp.so.1), so the thread pool is shared.
@@ -2859,7 +2859,8 @@ int loraplex_scan_rows_f32(const float *x, int64_t stride, int rows, int cols, i
 
 /* ---------------------------------------------------------------------------------------------
  * 10. loraplex_decoder_layers: a step's decoder layers in one call, where every matrix runs on a
- * native kernel: bfloat16 on the tile kernel (section 7), or 8- and 4-bit blocks (sections 5-6).
+ * native kernel: bfloat16 on the tile kernel (section 7), 8- and 4-bit blocks (sections 5-6), or
+ * float32 panels (section 8, AVX2 builds; a single row on the gemv of section 3, as Linear does).
  * Per layer the same kernels, in the same order and with the same arguments, that engine/model.py
  * calls one by one (add_rms_norm, the q|k|v matmul, rope_store, decode attention, the o matmul,
  * add_rms_norm, gate|up and SwiGLU, down, and after each matmul the LoRA rows of section 2),
@@ -2872,12 +2873,13 @@ int loraplex_scan_rows_f32(const float *x, int64_t stride, int rows, int cols, i
  * q|k|v bias goes in with rope_store's widening. Otherwise they are float32, each bias goes in
  * with its matmul and the tile kernel's input is rounded to bfloat16 first (as torch rounds it).
  */
-enum { LP_TILE = 0, LP_Q8 = 1, LP_Q4 = 2 };
+enum { LP_TILE = 0, LP_Q8 = 1, LP_Q4 = 2, LP_PANEL = 3 };
 
 struct loraplex_weight {
-    const void *w;          /* tile: packed tiles; q8/q4: the packed blocks */
+    const void *w;          /* tile: packed tiles; q8/q4: the packed blocks; panel: the packed panels */
     const float *d;         /* q8/q4: block scales */
-    const void *extra;      /* q8: int32 compensations; q4: float offsets */
+    const void *extra;      /* q8: int32 compensations; q4: float offsets; panel: the [n, k] float32
+                             * matrix for single rows (gemv), or NULL: panels for them too */
     const float *bias;      /* or NULL */
     int format, n, k;       /* n outputs, k inputs */
 };
@@ -2949,6 +2951,10 @@ static int lp_matmul(const struct loraplex_step *s, const struct loraplex_weight
     case LP_Q4:
         if (swiglu) return -1;
         return loraplex_q4_matmul_f32(x, w->k, m, w->k, w->w, w->d, w->extra, w->n, w->bias, y, cols, num_threads);
+    case LP_PANEL:
+        if (swiglu || s->act_bf16) return -1;
+        if (m == 1 && w->extra != NULL) return loraplex_gemv_f32(x, w->extra, w->bias, y, w->n, w->k, num_threads);
+        return loraplex_f32_panel_matmul(x, w->k, m, w->k, w->w, w->n, w->bias, y, cols, num_threads);
     }
     return -1;
 }
