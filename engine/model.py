@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from engine.attention import paged_attention, prepare_attention
 from engine.config import ModelConfig
-from engine.cpu import cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni
+from engine.cpu import cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni, march
 from engine.fused import TorchOps
 from engine.kv_cache import KVCache
 from engine.linear import (
@@ -194,6 +194,15 @@ class DecoderModel:
         if self.dtype == torch.float32 and self.matmul_dtype != torch.float32 and self.device.type == "cpu":
             return torch.bfloat16
         return self.dtype
+
+    @property
+    def kernels(self) -> str:
+        """What runs the layers, for the start-up log: the native kernels' build and whether a
+        step's layers go in one call, or torch."""
+        if self.decode_kernel is None:
+            return "torch kernels"
+        calls = "a step's layers in one call" if self.decoder is not None else "layer by layer"
+        return f"native kernels for -march={march()}, {calls}"
 
     @property
     def weight_bytes(self) -> int:

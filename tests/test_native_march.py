@@ -96,3 +96,18 @@ def test_the_avx2_build_passes_the_instruction_set_tests(tmp_path):
     for name in AVX2_ONLY:
         ran = [k for k in outcome if k.startswith(name)]
         assert ran and all(outcome[k] == "passed" for k in ran), (name, {k: outcome[k] for k in ran})
+
+
+def test_the_start_up_log_names_the_kernels_that_run(tmp_path):
+    """``loraplex worker`` logs ``model.kernels`` with the loaded model: the build and the one call."""
+    from engine.engine import Engine, EngineConfig
+    from tests.lora_fixtures import save_tiny_llama, tiny_engine
+
+    base_dir = save_tiny_llama(tmp_path / "base")
+    blocks = tiny_engine(base_dir, weights="int8").model
+    assert blocks.decoder is not None
+    assert blocks.kernels == f"native kernels for -march={cpu.march()}, a step's layers in one call"
+    blocks.decoder = None
+    assert blocks.kernels.endswith(", layer by layer")
+    torch_only = Engine.from_path(base_dir, EngineConfig(native_kernels=False, max_model_len=96)).model
+    assert torch_only.kernels == "torch kernels"
