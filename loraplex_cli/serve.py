@@ -183,7 +183,7 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     _step(f"loading {settings.model}")
     t0 = time.monotonic()
     engine = await asyncio.to_thread(Engine.from_settings, settings)
-    _step(f"model loaded in {time.monotonic() - t0:.1f}s")
+    _step(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.model.kernels})")
     worker = uvicorn.Server(uvicorn.Config(create_worker_app(settings, engine=engine), host=settings.worker_host,
                                            port=settings.worker_port, log_level="warning", lifespan="on"))
     *internal, gateway = gateway_servers(create_app(settings), settings, log_level="warning")
