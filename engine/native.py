@@ -646,26 +646,24 @@ class NativeWeight:
         kernel (as :class:`engine.linear.Linear` does), or None (panels for it too)."""
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         self.bias = bias
-        self._single = single
+        # _keep: the tensors behind the C struct's w, d and extra pointers (None, or missing: NULL).
         if isinstance(weight, PackedQ8 | PackedQ4):
             q8 = isinstance(weight, PackedQ8)
             self.format, self.n, self.k = (self.Q8 if q8 else self.Q4), weight.out_features, weight.in_features
-            self._keep: tuple[torch.Tensor, ...] = (weight.q, weight.d, weight.comp if q8 else weight.m)
+            self._keep: tuple[torch.Tensor | None, ...] = (weight.q, weight.d, weight.comp if q8 else weight.m)
         elif weight.dtype == torch.float32:
             assert weight.dim() == 3 and weight.shape[2] == 16 and weight.is_contiguous() and n is not None
             assert single is None or (single.shape == (n, weight.shape[1]) and single.dtype == torch.float32
                                       and single.is_contiguous())
             self.format, self.n, self.k = self.PANEL, n, weight.shape[1]
-            self._keep = (weight,)
+            self._keep = (weight, None, single)
         else:
             assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and n is not None
             self.format, self.n, self.k = self.TILE, n, weight.numel() // n
             self._keep = (weight,)
 
     def args(self) -> _Weight:
-        p = [t.data_ptr() for t in self._keep] + [None] * (3 - len(self._keep))
-        if self.format == self.PANEL and self._single is not None:
-            p[2] = self._single.data_ptr()
+        p = [t.data_ptr() if t is not None else None for t in self._keep] + [None] * (3 - len(self._keep))
         return _Weight(*p, self.bias.data_ptr() if self.bias is not None else None, self.format, self.n, self.k)
 
 
