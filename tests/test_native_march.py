@@ -69,15 +69,16 @@ def test_a_march_the_compiler_refuses_is_an_error_naming_the_setting(set_march):
 
 
 # The tests whose paths depend on the instruction set, without the slow demo-model gates of the
-# bfloat16 and 8-bit formats (the 4-bit one, the format such CPUs serve fastest, is kept).
+# bfloat16 and 8-bit formats (the 4-bit one, the format such CPUs serve fastest, is kept), and the
+# cross-tenant isolation suite in float32 (there on the panel kernel, in the one-call decoder).
 AVX2_SUITE = ["tests/test_engine_native.py", "tests/test_lora_ops.py", "tests/test_engine_int8.py",
-              "tests/test_engine_int4.py", "tests/test_engine_weights.py",
+              "tests/test_engine_int4.py", "tests/test_engine_weights.py", "tests/test_lora_isolation.py",
               "-k", "not test_demo_bf16 and not test_demo_int8"]
-# ... of which these run only on a build without AVX-512: they must pass, not skip.
+# ... of which these must pass, not skip (the panel ones run only on builds without AVX-512).
 AVX2_ONLY = ["test_panel_matmul_matches_linear", "test_float32_panels_take_the_one_call_decoder",
              "test_native_decoder_layers_match_the_kernels_called_one_by_one[base-auto]",
              "test_native_decoder_layers_match_the_kernels_called_one_by_one[adapters-auto]",
-             "test_demo_int4_weights_track_float32"]
+             "test_demo_int4_weights_track_float32", "test_mixed_batch_every_row_matches_its_adapter_alone"]
 
 
 @pytest.mark.slow
