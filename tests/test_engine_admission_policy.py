@@ -233,6 +233,7 @@ def test_failed_adapter_is_reported_once_even_when_rows_are_full(tmp_path, sims)
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=2), adapter=bad)
     sim.sched.add(seq)
     sim.rt.prefetch(seq)
+    sim.manager.wait(bad, timeout=10)  # the load has failed before the next step, however slow this machine
     ok = sim.add(0)
     failed: list = []
     for _ in range(200):

@@ -285,7 +285,7 @@ def test_app_loads_engine_from_settings_and_reports(tiny_dir, tmp_path):
         r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, headers=AUTH)
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         reports = []
-        for _ in range(100):
+        for _ in range(500):  # the first report goes out at start; 10 s bounds a hang
             reports = asyncio.run(store.live())
             if reports:
                 break

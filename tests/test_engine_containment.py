@@ -41,7 +41,7 @@ from loraplex.digest import digest_directory
 from loraplex.peft_config import ConfigLimits
 from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
-from tests.lora_fixtures import ALL, model_info, peft_adapters, save_tiny_llama
+from tests.lora_fixtures import ALL, model_info, peft_adapters, run_to_completion, save_tiny_llama
 
 UNBOUNDED = ConfigLimits(max_rank=64, max_scale=math.inf, max_delta=math.inf)
 """No admission-style bounds: the engine must contain what the bounds would refuse."""
@@ -165,20 +165,14 @@ def _good_rows(world: World) -> list[tuple[AdapterRef | None, list[int], Samplin
 
 
 def _run(eng: Engine, rows: list[tuple[AdapterRef | None, list[int], SamplingParams]],
-         max_steps: int = 500) -> list[tuple[Sequence, list[SeqEvent]]]:
+         ) -> list[tuple[Sequence, list[SeqEvent]]]:
+    """Every row to its end; a deadline in time, not steps, since rows may wait on loads."""
     out = []
     for ref, prompt, params in rows:
         events: list[SeqEvent] = []
         seq = eng.add_request(prompt, params, adapter=ref, listener=events.append)
         out.append((seq, events))
-    for _ in range(max_steps):
-        if all(s.is_finished for s, _ in out):
-            break
-        if not eng.step():
-            import time
-
-            time.sleep(0.002)  # an adapter load in the background
-    assert all(s.is_finished for s, _ in out), "engine did not finish"
+    run_to_completion(eng, [s for s, _ in out], timeout_s=60.0)
     return out
 
 

@@ -168,6 +168,7 @@ def test_isolation_under_forced_preemption_and_chunked_prefill(world):
     engine = tiny_engine(world.base_dir, kv_cache_bytes=14 * 2 * 2 * 2 * 16 * 4 * 4, kv_block_size=4,
                          max_num_batched_tokens=24)
     attach_runtime(engine, model_info(world.base_dir), world.cache)
+    _warm(engine, world.refs.values())  # every row competes for the pool from the first step
     plan = _plan(16, seed=11)
     seqs, rec = _run(world, engine, plan, new_tokens=8)
     assert sum(s.num_preemptions for _, _, s in seqs) > 0, "the pool was large enough: no preemption forced"

@@ -182,7 +182,7 @@ def test_prefetch_runs_in_background_then_acquire_hits(tmp_path, adapters):
     ref = AdapterRef(id="g1", name="gated", uri="gated://a")
     t0 = time.perf_counter()
     m.prefetch(ref)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # the load itself waits on the gate for 10 s
     assert m.state(ref).state == "loading" and not m.ready(ref)
     gated.gate.set()
     assert wait_settled(m, ref) == "host" and m.ready(ref)

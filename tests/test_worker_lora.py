@@ -250,7 +250,7 @@ async def test_report_tiers_in_process_and_redis(client, world, redis_url, redis
     tasks = [asyncio.create_task(report_forever(engine, s, "w-lora", "http://w", fast)) for s in (mem, store)]
     try:
         for s in (mem, store):
-            for _ in range(100):
+            for _ in range(500):  # the first report goes out at once; 10 s bounds a hang
                 live = await s.live()
                 if live:
                     break
