@@ -162,9 +162,10 @@ async def test_cache_honours_expiry_and_snapshot_changes():
     s = _settings(jwt_leeway_s=0.0)
     snaps = MutableSnapshots(make_snapshot(TENANTS))
     app = _app(s, snaps)
-    short = mint(s, "u", tenant="acme", ttl_s=1)
+    short = mint(s, "u", tenant="acme", ttl_s=2)  # exp is whole seconds: 1-2 s left
     assert (await _post(app, short)).status_code == 200
-    await asyncio.sleep(1.2)
+    exp = jwt.decode(short, options={"verify_signature": False})["exp"]
+    await asyncio.sleep(max(0.0, exp - time.time()) + 0.2)
     _assert_401(await _post(app, short))
     # A cached token of a tenant that gets disabled is refused at once.
     token = mint(s, "u", tenant="acme")

@@ -111,7 +111,8 @@ def test_client_disconnect_cancels_upstream_non_streaming(stub):
     h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
     before = stub.stats()["cancelled"]
     with ThreadServer(app) as gw:
-        with httpx.Client(base_url=gw.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        # Hang up after 2 s: the request reached the worker long before, its answer is 5 s away.
+        with httpx.Client(base_url=gw.url, timeout=2.0) as c, pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "5"}), headers=h)
         assert _wait_for(lambda: stub.stats()["cancelled"] > before), "worker never saw the cancellation"
 
@@ -132,12 +133,13 @@ def test_broken_stream_ends_with_error_event(stub):
 
 
 def test_deadline_and_worker_errors(stub):
-    s, app = _gateway(stub, request_timeout_s=0.5)
+    # The deadline falls mid-stream: 6 chunks 0.4 s apart; the first leaves 1.1 s for the round trip.
+    s, app = _gateway(stub, request_timeout_s=1.5)
     h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
     with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=10) as c:
-        r = c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "3"}), headers=h)
+        r = c.post("/v1/chat/completions", json=_body(metadata={"stub_delay": "5"}), headers=h)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-        r = c.post("/v1/chat/completions", json=_body(stream=True, metadata={"stub_chunk_delay": "0.2"}), headers=h)
+        r = c.post("/v1/chat/completions", json=_body(stream=True, metadata={"stub_chunk_delay": "0.4"}), headers=h)
         assert r.status_code == 200 and json.loads(_events(r.text)[-1])["error"]["code"] == "timeout"
         r = c.post("/v1/chat/completions", json=_body(metadata={"stub_mode": "500"}), headers=h)
         assert r.status_code == 502 and "boom" not in r.text
