@@ -189,6 +189,17 @@ class Cluster:
             raise AssertionError(f"admin {method} {path} -> {r.status_code}: {r.text}")
         return r.json()
 
+    def wait_current(self, timeout: float = 15.0) -> None:
+        """Until every gateway serves the registry's current version (LISTEN/NOTIFY brings it
+        within a second; the periodic refresh bounds it): a test's admin writes are in force."""
+        want = self.admin("GET", "/version")["version"]
+        deadline = time.monotonic() + timeout
+        for gw in self.gateways:
+            while (seen := httpx.get(gw.url + "/readyz", timeout=5.0).json().get("registry_version") or 0) < want:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{gw.name} serves registry version {seen}, not {want}, after {timeout}s")
+                time.sleep(0.05)
+
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """``loraplex admin ...`` against the first gateway, as an operator runs it."""
         env = self.env(LORAPLEX_ADMIN_URL=self.gateways[0].url)

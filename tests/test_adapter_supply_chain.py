@@ -456,7 +456,7 @@ def test_upload_register_bind_serve_through_a_fresh_worker(pg_url, redis_url, bu
         ad = c.admin("POST", f"/adapters/{ad['id']}/activate", {})
         assert ad["status"] == "active", ad
         c.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-french@1"})
-        time.sleep(1.5)  # the gateway sees the registry version
+        c.wait_current()
         r = httpx.post(c.gateways[0].url + "/v1/chat/completions", timeout=120.0,
                        headers={"Authorization": f"Bearer {c.token('acme')}"},
                        json={"model": "assistant", "max_tokens": 8, "temperature": 0,

@@ -64,7 +64,7 @@ def _seed(c: Cluster) -> None:
         assert c.admin("POST", f"/adapters/{ad['id']}/activate", {})["status"] == "active"
     c.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-french@1"})
     c.admin("PUT", "/tenants/globex/bindings/assistant", {"adapter": "globex-json@1"})
-    time.sleep(1.5)
+    c.wait_current()
 
 
 def _poisoned_dir(c: Cluster, name: str, alpha: float) -> Path:
@@ -251,7 +251,7 @@ def test_a_burst_across_both_gateways_never_admits_more_tokens_than_the_limit(cl
     limit = 2000
     cluster.admin("POST", "/tenants", {"slug": "bursty", "requests_per_min": 10_000, "tokens_per_min": limit,
                                        "max_concurrent": 64})
-    time.sleep(1.5)
+    cluster.wait_current()
     token = cluster.token("bursty")
 
     async def burst() -> tuple[list[int], int, float]:
@@ -299,13 +299,22 @@ def test_a_burst_across_both_gateways_never_admits_more_tokens_than_the_limit(cl
         return used, cancelled, time.monotonic() - t0
 
     used, cancelled, elapsed = asyncio.run(burst())
-    time.sleep(1.5)  # access-log lines are flushed every second
-    logged = 0
-    for g in cluster.gateways:
-        for line in g.log.read_text(errors="replace").splitlines():
-            if line.startswith("{") and '"tenant":"bursty"' in line:
-                rec = json.loads(line)
-                logged += rec["prompt_tokens"] + rec["completion_tokens"]
+
+    def settled_in_logs() -> int:
+        total = 0
+        for g in cluster.gateways:
+            for line in g.log.read_text(errors="replace").splitlines():
+                if line.startswith("{") and '"tenant":"bursty"' in line:
+                    rec = json.loads(line)
+                    total += rec["prompt_tokens"] + rec["completion_tokens"]
+        return total
+
+    # Access-log lines are flushed every second: read until the sum holds still past a flush.
+    logged, still_since, deadline = settled_in_logs(), time.monotonic(), time.monotonic() + 20
+    while time.monotonic() < deadline and (logged < sum(used) or time.monotonic() - still_since < 1.5):
+        time.sleep(0.1)
+        if (now := settled_in_logs()) != logged:
+            logged, still_since = now, time.monotonic()
     allowed = limit + limit * elapsed / 60.0  # the bucket refills while the burst runs
     assert used
     assert sum(used) <= allowed, (sum(used), allowed)

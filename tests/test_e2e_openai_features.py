@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,7 @@ def cluster(pg_url, redis_url, tmp_path_factory):
                                                "owner": "acme"})
             c.admin("POST", f"/adapters/{ad['id']}/activate", {})
             c.admin("PUT", f"/tenants/acme/bindings/{name}", {"adapter": f"acme-{name}@1"})
-        time.sleep(1.5)
+        c.wait_current()
         yield c
 
 

@@ -489,9 +489,13 @@ def test_a_stream_cut_mid_way_by_vllm_ends_with_an_error_event(fleet):
     tokens = [json.loads(e) for e in events[:-1]]
     relayed = tokens[-1]["usage"]
     assert 1 <= relayed["completion_tokens"] < 600  # cut mid-way
-    time.sleep(1.5)  # access-log lines are flushed every second
-    logged = [json.loads(line) for line in gateway.log.read_text(errors="replace").splitlines()
-              if line.startswith("{") and rid in line]
+    deadline = time.monotonic() + 15  # access-log lines are flushed every second
+    while True:
+        logged = [json.loads(line) for line in gateway.log.read_text(errors="replace").splitlines()
+                  if line.startswith("{") and rid in line]
+        if logged or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert len(logged) == 1 and logged[0]["status"] == 502, logged
     assert (logged[0]["prompt_tokens"], logged[0]["completion_tokens"]) == (relayed["prompt_tokens"],
                                                                             relayed["completion_tokens"])
