@@ -3,6 +3,8 @@ loads a model or starts the engine gives its team back."""
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import threading
 import time
@@ -19,9 +21,20 @@ from engine.threads import _gomp, release_team, single_threaded
 from tests.engine_fixtures import make_tiny_model
 
 
+def _comm(tid: int | str) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread exited meanwhile
+        return None
+
+
 def os_threads() -> set[int]:
-    """This process's OS thread ids (other tests' threads come and go: compare sets, not counts)."""
-    return {int(t) for t in os.listdir("/proc/self/task")}
+    """This process's OS thread ids whose name is the calling thread's. :func:`on_thread` gives its
+    thread a name of its own, which the threads it starts (its OpenMP team) inherit and other
+    tests' leftover threads do not have; still, compare sets, not counts."""
+    me = _comm(threading.get_native_id())
+    return {int(t) for t in os.listdir("/proc/self/task") if _comm(t) == me}
 
 
 def parallel_op() -> None:
@@ -39,12 +52,23 @@ def wait_for(cond: Callable[[], bool], timeout: float = 2.0) -> bool:
     return cond()
 
 
+_names = itertools.count()
+
+
+def _name_this_thread(name: str) -> None:
+    """The OS name of the calling thread (``prctl(PR_SET_NAME)``; at most 15 bytes)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(15, name.encode()[:15], 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NAME) failed")
+
+
 def on_thread(fn: Callable[[], Any]) -> Any:
     out: list[Any] = []
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
+            _name_this_thread(f"lp-team-{next(_names)}")
             out.append(fn())
         except BaseException as e:  # re-raised on the test thread
             errors.append(e)
