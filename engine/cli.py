@@ -14,7 +14,7 @@ def _worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.api import create_worker_app
-    from engine.engine import Engine
+    from engine.engine import Engine, settle_after_load
     from loraplex.devsecrets import refusal
     from loraplex.settings import get_settings
 
@@ -46,11 +46,13 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"error: cannot load the base model: {exc}", file=sys.stderr)
         return 1
     m = engine.model
-    log.info("base model %s loaded in %.1f s (%s on %s, %s weights, %.0f MB; %s KV cache, %d tokens; %s)",
+    resident = settle_after_load()
+    log.info("base model %s loaded in %.1f s (%s on %s, %s weights, %.0f MB; %s KV cache, %d tokens; %s; "
+             "%.0f MB resident)",
              engine.info.name if engine.info else settings.model, time.monotonic() - t0,
              str(m.dtype).removeprefix("torch."), m.device, str(m.matmul_dtype).removeprefix("torch."),
              m.weight_bytes / 1e6, str(engine.cache.dtype).removeprefix("torch."),
-             engine.cache.num_blocks * engine.cache.block_size, m.kernels)
+             engine.cache.num_blocks * engine.cache.block_size, m.kernels, resident / 1e6)
     try:
         app = create_worker_app(settings, engine)
         uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())

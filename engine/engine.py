@@ -103,6 +103,40 @@ def tune_cpu_allocator() -> None:
         pass
 
 
+def settle_after_load() -> int:
+    """Once a server process has loaded its model, for good: drop the cached GGUF readers, hand
+    the loader's freed temporaries back to the OS (glibc's ``malloc_trim``; the trim threshold
+    :func:`tune_cpu_allocator` sets keeps them otherwise), and freeze what is left out of the
+    collector's view (``gc.freeze``), so a full collection never walks the model's, tokenizer's
+    and modules' objects: on the demo that walk paused the engine and the event loop for about
+    200 ms. The process's resident bytes afterwards. Not for processes that load and drop
+    engines (tests): frozen objects are never collected."""
+    import ctypes
+    import gc
+
+    from engine.loader import release_readers
+
+    release_readers()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    gc.freeze()
+    return resident_bytes()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``; 0 where there is none)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def resolve_device(device: str) -> torch.device:
     if device in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

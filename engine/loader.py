@@ -235,6 +235,12 @@ def gguf_reader(path: str | Path) -> Any:
     return _cached_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
+def release_readers() -> None:
+    """Drop the cached readers: one holds its file's metadata as about 250k Python objects (the
+    demo's vocabulary) and keeps the file mapped, long after the weights were copied out."""
+    _cached_reader.cache_clear()
+
+
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 

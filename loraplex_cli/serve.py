@@ -176,14 +176,15 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     import uvicorn
 
     from engine.api import create_worker_app
-    from engine.engine import Engine
+    from engine.engine import Engine, settle_after_load
     from gateway.app import create_app
     from gateway.http_edge import gateway_servers
 
     _step(f"loading {settings.model}")
     t0 = time.monotonic()
     engine = await asyncio.to_thread(Engine.from_settings, settings)
-    _step(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.model.kernels})")
+    resident = settle_after_load()
+    _step(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.model.kernels}; {resident / 1e9:.1f} GB resident)")
     worker = uvicorn.Server(uvicorn.Config(create_worker_app(settings, engine=engine), host=settings.worker_host,
                                            port=settings.worker_port, log_level="warning", lifespan="on"))
     *internal, gateway = gateway_servers(create_app(settings), settings, log_level="warning")
