@@ -9,18 +9,17 @@ error body; nothing here touches the engine's state.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.grammar import spec_key
 from engine.sequence import SamplingParams, TokenLogprob
+from loraplex import json_body
 from loraplex.openai_request import FieldError, OpenAIRequest
 from loraplex.openai_request import parse as parse_fields
 from loraplex.tokenizer import ChatTemplateError, TextTokenizer
-from loraplex.tool_calls import ToolSpec, forced_schema, parse_output, render_prompt
+from loraplex.tool_calls import ToolSpec, parse_output, render_prompt
 from loraplex.wire import EXT_KEY, WorkerRequestExt, error_body
 
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -52,19 +51,15 @@ class GenerationRequest:
     """Every stream chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
     tools: ToolSpec | None = None
     """Chat with callable tools: the answer is parsed for calls (``loraplex.tool_calls``)."""
+    grammar: Any = None
+    """``params.grammar`` compiled (``engine.grammar.Grammars.prepare``), once the worker has it."""
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                           code="invalid_utf8") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, "
-                                f"column {exc.colno})", code="invalid_json") from None
+        body = json_body.loads(raw)
+    except json_body.BodyError as exc:
+        raise RequestError(400, exc.message, code=exc.code, param=exc.param) from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object", code="invalid_json")
     return body
@@ -112,13 +107,6 @@ def _supported(body: dict[str, Any], fields: OpenAIRequest, tok: TextTokenizer) 
                                code="invalid_value", param="logit_bias")
 
 
-def _grammar(fields: OpenAIRequest) -> str | None:
-    if fields.tools is not None and fields.tools.forced:
-        return spec_key("json_schema", forced_schema(fields.tools))
-    rf = fields.response_format
-    return None if rf is None else spec_key(rf.type, rf.schema)
-
-
 def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model_len: int,
                   default_model: str) -> GenerationRequest:
     """The shared reading of the fields (``loraplex.openai_request``), then what is this
@@ -155,7 +143,7 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
                             presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
                             repetition_penalty=fields.repetition_penalty, logit_bias=fields.logit_bias,
                             logprobs=fields.logprobs, top_logprobs=fields.top_logprobs,
-                            grammar=_grammar(fields), n=fields.n)
+                            grammar=fields.grammar, n=fields.n)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     rid = prefix + (ext.request_id or uuid.uuid4().hex)
     return GenerationRequest(kind, fields.model or default_model, prompt_ids, params, fields.stream,

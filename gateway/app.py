@@ -39,6 +39,7 @@ from gateway.traffic import AdapterTraffic
 from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
 from gateway.vllm_backend import vllm_body
 from gateway.worker_client import WorkerClient
+from loraplex import json_body
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
 from loraplex.wire import (
@@ -182,9 +183,9 @@ class Gateway:
 
     def _parse(self, raw: bytes, chat: bool) -> ValidRequest:
         try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+            data = json_body.loads(raw)
+        except json_body.BodyError as exc:
+            raise GatewayError(400, exc.message, code=exc.code, param=exc.param) from None
         return validate(data, chat=chat, max_tokens_cap=self.settings.max_tokens_cap)
 
     def _resolve(self, call: _Call, snapshot: RegistrySnapshot, tenant: TenantView, req: ValidRequest) -> Resolution:
@@ -206,10 +207,7 @@ class Gateway:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body[EXT_KEY] = WorkerRequestExt(adapter=res.adapter, tenant=tenant.slug, request_id=request_id,
                                          priority=PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]))
-        try:
-            return orjson.dumps(body)  # dataclasses encode natively, as ``to_dict`` has them
-        except orjson.JSONEncodeError as exc:
-            raise _unencodable(body, exc) from None
+        return orjson.dumps(body)  # dataclasses encode natively, as ``to_dict`` has them
 
     async def _limit(self, call: _Call, tenant: TenantView, tokens: int) -> None:
         """Reserve ``tokens`` and a request slot for the tenant, or refuse with 429 (503: no limiter)."""
@@ -497,30 +495,6 @@ async def _flush_access_log(every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
         for handler in access_log.handlers:
             handler.flush()
-
-
-ENCODE_MAX_DEPTH = 254
-"""Deepest nesting (objects and lists, the body itself counted) that ``orjson.dumps`` encodes."""
-
-
-def _depth(value: Any) -> int:
-    """How deeply ``value`` nests lists and objects (1 for a flat object)."""
-    depth, level = 0, [value]
-    while level:
-        depth += 1
-        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
-                 if isinstance(v, dict | list)]
-    return depth
-
-
-def _unencodable(body: dict[str, Any], exc: orjson.JSONEncodeError) -> GatewayError:
-    """The 400 for a body that parsed but cannot be forwarded (orjson encodes 254 levels at most)."""
-    for name, value in body.items():
-        if isinstance(value, dict | list) and _depth(value) >= ENCODE_MAX_DEPTH:
-            return GatewayError(400, f"'{name}' is nested {_depth(value)} levels deep; the request body may nest "
-                                f"at most {ENCODE_MAX_DEPTH} levels (itself included)", code="invalid_json",
-                                param=name)
-    return GatewayError(400, f"the request body cannot be forwarded: {exc}", code="invalid_json")
 
 
 class _ClientGone(Exception):

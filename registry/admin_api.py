@@ -9,7 +9,6 @@ and the OpenAPI document.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from loraplex import json_body
 from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
@@ -465,10 +465,6 @@ def _if_match(request: Request, body: dict[str, Any], op: Operation) -> int | No
     return value if value is not None else field
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _parse_query(request: Request, spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in request.query_params.items():
@@ -555,9 +551,9 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
                     return _error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
                 if op.body is not None:
                     try:
-                        parsed = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
-                    except (ValueError, UnicodeDecodeError) as exc:
-                        return _error(400, f"malformed JSON body: {exc}", code="invalid_json")
+                        parsed = json_body.loads(raw) if raw.strip() else {}
+                    except json_body.BodyError as exc:
+                        return _error(400, exc.message, code=exc.code)
                     body = validate(parsed, op.body)
                 elif raw.strip() and raw.strip() not in (b"{}", b"null"):
                     raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")

@@ -68,6 +68,27 @@ async def test_auth(api):
     assert (await api.get("/tenants")).status_code == 200
 
 
+@pytest.mark.parametrize("scope", [{"loraplex:admin": 1}, [{"loraplex:admin": 1}], 7, ["loraplex:admin", 1]])
+async def test_a_scope_claim_that_is_no_string_or_string_list_grants_nothing(api, scope):
+    """Were admin: ``list()`` of an object took its keys as scopes."""
+    s = api.settings
+    token = jwt.encode({"sub": "x", "iss": s.jwt_issuer, "aud": s.jwt_audience, "exp": time.time() + 60,
+                        s.jwt_scope_claim: scope}, s.jwt_secret, algorithm="HS256")
+    _err(await api.get("/tenants", headers={"authorization": f"Bearer {token}"}), 401)
+    listed = jwt.encode({"sub": "x", "iss": s.jwt_issuer, "aud": s.jwt_audience, "exp": time.time() + 60,
+                         s.jwt_scope_claim: ["other", s.jwt_admin_scope]}, s.jwt_secret, algorithm="HS256")
+    assert (await api.get("/tenants", headers={"authorization": f"Bearer {listed}"})).status_code == 200
+
+
+@pytest.mark.parametrize("levels", [65, 1000, 1010, 1030])
+async def test_bodies_nested_too_deep_are_400_not_500(api, levels):
+    """Were a 500 from 1,000 levels: stdlib json.loads raised RecursionError, uncaught."""
+    raw = ('{"slug": "deep", "x": ' + "[" * (levels - 1) + "]" * (levels - 1) + "}").encode()
+    e = _err(await api.post("/tenants", content=raw), 400, "invalid_json")
+    assert "levels" in e["message"] or "depth limit" in e["message"]
+    assert (await api.get("/tenants/deep")).status_code == 404
+
+
 async def test_openapi_document(api):
     r = await api.get("/openapi.json", headers={"authorization": ""})
     assert r.status_code == 200

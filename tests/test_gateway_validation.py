@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gateway.app import create_app
 from gateway.ratelimit import LocalLimiter
 from gateway.validate import estimate, reserve, validate
+from loraplex.json_body import MAX_DEPTH
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
 from loraplex.tokens import mint
@@ -23,7 +24,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def _app(**kw):
-    s = Settings(worker_urls=("http://worker",), max_body_bytes=4096, **kw)
+    s = Settings(**{"worker_urls": ("http://worker",), "max_body_bytes": 4096} | kw)
     client = worker_client(mock_worker_transport())
     app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
                      residency=MemoryResidency(), http_client=client, mount_admin=False)
@@ -107,20 +108,42 @@ async def test_malformed_json_is_400(raw):
                              content=raw), 400)
 
 
-@pytest.mark.parametrize("field", ["metadata", "prediction"])
-async def test_json_nested_deeper_than_the_forwarder_encodes_is_400(field):
-    # orjson parses 1024 levels but encodes 254 (the body itself counted): the gateway, which
-    # re-encodes what it forwards, refuses the rest as invalid JSON, naming the field.
-    app, h = _app()
+def _nested(levels: int) -> object:
     deep: object = 1
-    for _ in range(254):
+    for _ in range(levels):
         deep = [deep]
-    body = {"model": "support", "messages": MSG, "max_tokens": 4, field: deep}
+    return deep
+
+
+@pytest.mark.parametrize("field", ["metadata", "prediction"])
+async def test_json_nested_deeper_than_the_limit_is_400(field):
+    # The depth is checked once, right after parsing (loraplex.json_body), for every field.
+    app, h = _app()
+    body = {"model": "support", "messages": MSG, "max_tokens": 4, field: _nested(MAX_DEPTH)}
     err = _check_error(await _send(app, h, "/v1/chat/completions", json=body), 400)
     assert err["code"] == "invalid_json" and err["param"] == field
-    assert "254 levels" in err["message"]
-    body[field] = deep[0]  # 254 levels in all: forwarded
+    assert f"at most {MAX_DEPTH} levels" in err["message"]
+    body[field] = _nested(MAX_DEPTH - 1)  # MAX_DEPTH levels in all, the body counted: forwarded
     assert (await _send(app, h, "/v1/chat/completions", json=body)).status_code == 200
+
+
+def deep_parameters_body(levels: int) -> bytes:
+    """A chat body whose one tool's ``parameters`` nest ``levels`` objects deep (stdlib
+    ``json.dumps`` cannot write that many levels)."""
+    params = '{"x":' * (levels - 1) + '{"type":"object"}' + "}" * (levels - 1)
+    return ('{"model":"support","messages":[{"role":"user","content":"hi"}],'
+            '"tools":[{"type":"function","function":{"name":"f","parameters":' + params + "}}]}").encode()
+
+
+@pytest.mark.parametrize("levels", [60, 500, 1000, 1020])
+async def test_tool_parameters_nested_deep_are_400_not_500(levels):
+    # 1,000-1,020 levels were a 500: stdlib json.dumps hit the recursion limit while the
+    # gateway counted the prompt's tokens, before any depth check.
+    app, h = _app(max_body_bytes=1 << 20)
+    r = await _send(app, h | {"content-type": "application/json"}, "/v1/chat/completions",
+                    content=deep_parameters_body(levels))
+    err = _check_error(r, 400)
+    assert err["code"] == "invalid_json" and err["param"] == "tools", err
 
 
 async def test_oversized_body_is_413_declared_and_streamed():
