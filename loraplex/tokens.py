@@ -120,9 +120,13 @@ class Verifier:
         if tenant is not None and not isinstance(tenant, str):
             raise TokenError(f"claim {s.jwt_tenant_claim!r} must be a string")
         raw_scopes = claims.get(s.jwt_scope_claim, "")
-        scopes = raw_scopes.split() if isinstance(raw_scopes, str) else list(raw_scopes or [])
-        return Principal(subject=str(claims.get("sub", "")), tenant=tenant,
-                         scopes=frozenset(map(str, scopes)), claims=claims)
+        if isinstance(raw_scopes, str):
+            scopes = raw_scopes.split()
+        elif isinstance(raw_scopes, list) and all(isinstance(x, str) for x in raw_scopes):
+            scopes = raw_scopes  # RFC 8693's "scope" is a string; a list of strings is common too
+        else:  # an object's keys, a number: never read as scopes
+            raise TokenError(f"claim {s.jwt_scope_claim!r} must be a space-separated string or a list of strings")
+        return Principal(subject=str(claims.get("sub", "")), tenant=tenant, scopes=frozenset(scopes), claims=claims)
 
 
 @lru_cache(maxsize=8)

@@ -86,14 +86,18 @@ def etag(row_version: int) -> str:
 
 
 def parse_if_match(value: str) -> int | None:
-    """``If-Match: "7"`` (or ``7``, ``W/"7"``) -> 7; ``*`` -> None (any existing row)."""
+    """``If-Match: "7"`` (or ``7``) -> 7; ``*`` -> None (any existing row). If-Match compares
+    strongly (RFC 9110, 13.1.1): a weak tag (``W/"7"``) matches no row, so it is refused with 412."""
     tags = [t.strip() for t in value.split(",") if t.strip()]
     if tags == ["*"]:
         return None
     if len(tags) != 1:
         raise Invalid("If-Match takes one row_version (the ETag of the row as read)", code="invalid_if_match",
                       param="If-Match")
-    tag = tags[0].removeprefix("W/").strip('"')
+    if tags[0].startswith("W/"):
+        raise PreconditionFailed(f"If-Match compares entity tags strongly: the weak tag {tags[0]!r} matches no "
+                                 f"row; send the row's ETag as given", None)
+    tag = tags[0].strip('"')
     if not tag.isdigit():
         raise Invalid(f"If-Match must be a row_version ETag such as '\"3\"', got {value!r}",
                       code="invalid_if_match", param="If-Match")

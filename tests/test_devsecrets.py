@@ -128,6 +128,20 @@ def test_jwt_secret_counts_only_while_hmac_tokens_are_accepted():
     assert refusal(rs.replace(worker_secret="x" * 40), {"host": "0.0.0.0"}, ("jwt_secret", "worker_secret")) is None
 
 
+@pytest.mark.parametrize("name", ["jwt_secret", "worker_secret"])
+def test_short_secrets_are_refused_off_loopback_whatever_the_flag(name):
+    s = Settings(jwt_secret="j" * 64, worker_secret="w" * 64, allow_dev_secrets=True)
+    both = ("jwt_secret", "worker_secret")
+    for value in ("x", "y" * 31):
+        short = s.replace(**{name: value})
+        why = refusal(short, {"LORAPLEX_GATEWAY_HOST": "0.0.0.0"}, both)
+        assert why is not None and f"LORAPLEX_{name.upper()}" in why and "32 bytes" in why, why
+        assert refusal(short, {"LORAPLEX_GATEWAY_HOST": "127.0.0.1"}, both) is None
+    assert refusal(s.replace(**{name: "z" * 32}), {"host": "0.0.0.0"}, both) is None
+    rs = s.replace(jwt_algorithms=("RS256",), jwt_secret="x")  # never read: no HS* algorithm
+    assert refusal(rs, {"host": "0.0.0.0"}, both) is None
+
+
 def test_is_development_secret():
     assert is_development_secret("jwt_secret", DEV_JWT_SECRET)
     assert is_development_secret("worker_secret", DEV_WORKER_SECRET)

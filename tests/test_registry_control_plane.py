@@ -325,6 +325,11 @@ async def test_admin_api_if_match_etag_and_412(db_url, tmp_path):
                 assert r.json()["error"]["code"] == "precondition_failed" and r.json()["row_version"] == rv + 1
                 assert r.headers["etag"] == f'"{rv + 1}"'
             assert (await svc.get_binding("t0", "a"))["enabled"] is False  # nothing changed
+            # If-Match compares strongly (RFC 9110): a weak tag of the current version matches nothing.
+            r = await c.post("/tenants/t0/bindings/a/enable", headers={"if-match": f'W/"{rv + 1}"'}, json={})
+            assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed", r.text
+            assert "strongly" in r.json()["error"]["message"]
+            assert (await svc.get_binding("t0", "a"))["enabled"] is False
             t = (await c.get("/tenants/t1")).json()
             r = await c.patch("/tenants/t1/limits", json={"max_concurrent": 3, "row_version": t["row_version"]})
             assert r.status_code == 200 and r.json()["row_version"] == t["row_version"] + 1
