@@ -32,7 +32,8 @@ def xgrammar_fills(repeats: int) -> list[float]:
     import xgrammar as xgr
 
     from engine.fetch_demo import fetch_demo
-    from engine.grammar import Grammars, spec_key
+    from engine.grammar import Grammars
+    from loraplex.openai_request import spec_key
     from loraplex.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_model_path(fetch_demo())

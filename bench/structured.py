@@ -80,9 +80,9 @@ def main() -> int:
 
     from engine.engine import Engine, EngineConfig
     from engine.fetch_demo import fetch_demo
-    from engine.grammar import spec_key
     from engine.sequence import SamplingParams
     from loraplex.modelinfo import describe_model
+    from loraplex.openai_request import spec_key
     from loraplex.settings import Settings
     from loraplex.wire import AdapterRef
 

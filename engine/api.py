@@ -317,11 +317,11 @@ class WorkerRoutes:
             return _error(400, "this worker has no LoRA support; it serves the base model only",
                           code="adapter_not_supported")
         if req.params.grammar is not None:
-            try:  # compiled off the event loop (cached: a known schema returns at once)
-                await asyncio.to_thread(eng.grammars.compile, req.params.grammar)
+            try:  # off the event loop, within the tenant's turn and the CPU budget (engine.grammar)
+                req.grammar = await eng.grammars.prepare(req.params.grammar, req.ext.tenant)
             except GrammarError as exc:
-                return JSONResponse(error_body(str(exc), code="invalid_response_format", param="response_format"),
-                                    status_code=400)
+                param = "tools" if req.tools is not None and req.tools.forced else "response_format"
+                return JSONResponse(error_body(str(exc), code=exc.code, param=param), status_code=400)
             except ImportError:
                 return _error(400, "structured outputs need xgrammar on this worker "
                                    "(pip install 'loraplex[engine]')", code="unsupported_parameter")
@@ -332,7 +332,7 @@ class WorkerRoutes:
         try:
             seq = eng.add_request(req.prompt_ids, req.params, adapter=req.ext.adapter, tenant=req.ext.tenant,
                                   priority=req.ext.priority, request_id=req.ext.request_id,
-                                  listener=events.listener)
+                                  listener=events.listener, grammar=req.grammar)
         except QueueFullError as exc:
             self.state.request_done("queue_full")
             return _error(503, str(exc), code="queue_full", type="server_error", headers={"Retry-After": "1"})

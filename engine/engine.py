@@ -74,6 +74,8 @@ class EngineConfig:
     max_waiting: int = 256
     max_model_len: int = 0
     native_kernels: bool = True
+    grammar_compile_threads: int = 1
+    grammar_compile_budget_s: float = 5.0
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -211,7 +213,8 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.grammars = Grammars(tokenizer, cfg.vocab_size, sorted(eos))
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, sorted(eos), compile_threads=config.grammar_compile_threads,
+                                 budget_s=config.grammar_compile_budget_s)
         self.mask_s = 0.0
         """Seconds spent filling grammar masks (on the grammar thread, beside the forward)."""
         self.lora_runtime: Any = None
@@ -266,7 +269,9 @@ class Engine:
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             burst_batched_tokens=settings.burst_batched_tokens, max_waiting=settings.max_waiting,
-            max_model_len=settings.max_model_len, native_kernels=settings.native_kernels)
+            max_model_len=settings.max_model_len, native_kernels=settings.native_kernels,
+            grammar_compile_threads=settings.grammar_compile_threads,
+            grammar_compile_budget_s=settings.grammar_compile_budget_s)
         engine = cls.from_path(path, config)
         engine.info = describe_model(path, name=settings.model_name or None, shape=engine.model.cfg)
         if settings.max_loras > 0:
@@ -304,12 +309,15 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
                     tenant: str = "", priority: int = PRIORITY_CLASSES["normal"], request_id: str = "",
-                    listener: Callable[[SeqEvent], None] | None = None) -> Sequence:
+                    listener: Callable[[SeqEvent], None] | None = None, grammar: Any = None) -> Sequence:
         """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``.
 
         With ``params.n`` > 1 the request is ``n`` sequences (the samples, ``index`` 0..n-1, sample
         ``i`` seeded ``seed + i``), listed in the returned first sample's ``samples``; the others
-        start from its prompt KV blocks (``engine.scheduler``). Abort each of them to stop it."""
+        start from its prompt KV blocks (``engine.scheduler``). Abort each of them to stop it.
+
+        ``grammar``: ``params.grammar`` compiled (``Grammars.prepare``); without it the grammar
+        is compiled here, on the calling thread."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_model_len:
@@ -322,7 +330,7 @@ class Engine:
                          request_id=request_id, listener=listener, index=i)
             s.max_total_len = self.max_model_len
             if params.grammar is not None:
-                s.matcher = self.grammars.matcher(params.grammar)  # GrammarError (a ValueError): bad format
+                s.matcher = self.grammars.matcher(params.grammar, grammar)  # GrammarError (a ValueError)
             if i:
                 s.share_from = seqs[0]
             seqs.append(s)

@@ -37,7 +37,7 @@ class SamplingParams:
     n: int = 1
     """Samples of the request (each its own sequence; see ``Engine.add_request``)."""
     grammar: str | None = None
-    """The output's grammar (``engine.grammar.spec_key``): a JSON object, or one matching a schema."""
+    """The output's grammar (``loraplex.openai_request.spec_key``): a JSON object, or one matching a schema."""
 
     @property
     def penalized(self) -> bool:

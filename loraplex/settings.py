@@ -212,6 +212,12 @@ class Settings:
     ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider."""
     max_waiting: int = 256
     """Bounded waiting queue; a full queue answers 503."""
+    grammar_compile_threads: int = 1
+    """Threads compiling ``response_format`` grammars, at the lowest CPU priority; a tenant compiles one
+    schema at a time (``engine.grammar``)."""
+    grammar_compile_budget_s: float = 5.0
+    """CPU seconds one grammar compile may take; past it the request is refused 400
+    ``response_format_too_complex`` and the schema is remembered as too complex."""
     max_model_len: int = 0
     """0: the model's own context length."""
     native_kernels: bool = True

@@ -1,9 +1,15 @@
 """Structured outputs in the engine: per-row xgrammar matchers in mixed batches, the compiled
-grammar cache, and the worker API's ``response_format`` (400 for a schema that cannot compile)."""
+grammar cache, the compile pool's budget and per-tenant order, and the worker API's
+``response_format`` (400 for a schema that cannot compile or is too complex)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import os
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -11,8 +17,9 @@ import pytest
 
 from engine.api import create_worker_app
 from engine.engine import Engine, EngineConfig
-from engine.grammar import GrammarError, Grammars, spec_key
+from engine.grammar import COMPILE_NICE, GrammarError, Grammars, GrammarTooComplex
 from engine.sequence import SamplingParams
+from loraplex.openai_request import MAX_GRAMMAR_BYTES, spec_key
 from loraplex.settings import DEV_WORKER_SECRET, Settings
 from loraplex.wire import HDR_WORKER_SECRET
 from tests.engine_fixtures import make_tiny_model
@@ -81,9 +88,66 @@ def test_compiled_grammars_are_cached_and_bounded(engine):
         g.compile(spec_key("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}))
 
 
+def wide(n: int, tag: str = "") -> dict:
+    """An object of ``n`` required string properties: compiling grows faster than linearly with ``n``."""
+    props = {f"{tag}field_{i}": {"type": "string"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _grammars(engine, **kw) -> Grammars:
+    return Grammars(engine.tokenizer, engine.model.cfg.vocab_size, sorted(engine.eos_token_ids), **kw)
+
+
+async def test_a_compile_past_its_cpu_budget_is_refused_and_remembered(engine):
+    g = _grammars(engine, budget_s=0.05)
+    key = spec_key("json_schema", wide(2500))  # about 0.7 s of CPU on the tiny vocabulary
+    assert len(key) < MAX_GRAMMAR_BYTES
+    with pytest.raises(GrammarTooComplex, match=r"budget of 0\.05 s"):
+        await g.prepare(key, "acme")
+    assert g.refused == 1
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarTooComplex):  # the digest is remembered: refused without compiling
+        await g.prepare(key, "globex")
+    assert g.refused == 1 and time.perf_counter() - t0 < 0.05
+    # The tenant's next schema compiles once its runaway compile has ended; that one is not kept.
+    small = spec_key("json_schema", SCHEMAS[0])
+    assert await g.prepare(small, "acme") is g.compile(small)
+    assert g.compiles == 2 and len(g) == 1
+    g.close()
+
+
+async def test_a_tenant_compiles_one_schema_at_a_time_at_the_lowest_priority(engine, monkeypatch):
+    g = _grammars(engine, compile_threads=2, budget_s=60)
+    mine = [spec_key("json_schema", wide(600, f"a{i}_")) for i in range(3)]
+    theirs = spec_key("json_schema", wide(600, "b_"))
+    owner = dict.fromkeys(mine, "acme") | {theirs: "globex"}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    nices = set()
+    build = g._build
+
+    def recorded(key, run=None):
+        t0 = time.monotonic()
+        nices.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        try:
+            return build(key, run)
+        finally:
+            spans.setdefault(owner[key], []).append((t0, time.monotonic()))
+
+    monkeypatch.setattr(g, "_build", recorded)
+    got = await asyncio.gather(*(g.prepare(k, "acme") for k in mine), g.prepare(theirs, "globex"),
+                               g.prepare(theirs, "initech"))
+    assert all(x is not None for x in got) and got[3] is got[4]  # the same text compiled once
+    acme = sorted(spans["acme"])
+    assert len(acme) == 3 and all(a[1] <= b[0] for a, b in itertools.pairwise(acme)), acme
+    assert len(spans["globex"]) == 1 and spans["globex"][0][0] < acme[-1][0]  # not queued behind acme's three
+    assert nices == {COMPILE_NICE}
+    assert g.compiles == 4
+    g.close()
+
+
 @pytest.fixture
 async def client(engine, tmp_path):
-    settings = Settings(home=str(tmp_path), worker_id="w-grammar", max_body_bytes=64 * 1024)
+    settings = Settings(home=str(tmp_path), worker_id="w-grammar", max_body_bytes=1 << 20)
     engine.start()
     app = create_worker_app(settings, engine=engine, report=False)
     headers = {HDR_WORKER_SECRET: DEV_WORKER_SECRET}
@@ -116,5 +180,25 @@ async def test_bad_response_format_is_a_400_naming_the_problem(client, fmt, code
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["code"], err["param"]) == (code, param) and err["message"]
+    ok = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+async def test_too_complex_schemas_are_a_400_by_size_and_by_budget(client, engine, monkeypatch):
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide(4000)}}
+    compiles = engine.grammars.compiles
+    r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("response_format_too_complex", "response_format")
+    assert f"at most {MAX_GRAMMAR_BYTES} bytes" in err["message"]
+    assert engine.grammars.compiles == compiles  # refused before any compiling
+    monkeypatch.setattr(engine.grammars, "budget_s", 0.05)
+    fmt["json_schema"]["schema"] = wide(2500, "b")
+    r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("response_format_too_complex", "response_format")
+    assert "CPU time" in err["message"]
     ok = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     assert ok.status_code == 200

@@ -295,7 +295,7 @@ def test_isolation_with_grammar_constrained_rows(json_world):
 
     import jsonschema
 
-    from engine.grammar import spec_key
+    from loraplex.openai_request import spec_key
 
     world = json_world
     engine = tiny_engine(world.base_dir)
