@@ -180,7 +180,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise FieldError("each message must be an object", param)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise FieldError(f"role {role!r} is not one of {', '.join(sorted(ROLES))}" if isinstance(role, str)
                              else "message role must be a string", f"{param}.role")
         content = m.get("content")

@@ -107,13 +107,17 @@ def resolve_location(uri: str, settings: Settings) -> Path:
         raise AdmissionError("path_escape",
                              f"adapter path {raw!r} is outside the adapter root {root}") from None
     current = root
-    for part in rel.parts:
-        current = current / part
-        if current.is_symlink():
-            raise AdmissionError("symlink", f"adapter path goes through a symlink: {current}")
-    if not current.exists():
-        raise AdmissionError("not_found", f"adapter directory {current} does not exist")
-    resolved = current.resolve()
+    try:
+        for part in rel.parts:
+            current = current / part
+            if current.is_symlink():
+                raise AdmissionError("symlink", f"adapter path goes through a symlink: {current}")
+        if not current.exists():
+            raise AdmissionError("not_found", f"adapter directory {current} does not exist")
+        resolved = current.resolve()
+    except OSError as exc:  # a name too long for the file system, a path it cannot read
+        raise AdmissionError("not_found", f"adapter path {raw[:200]!r} cannot be read: "
+                                          f"{exc.strerror or type(exc).__name__}") from None
     if resolved != root and root not in resolved.parents:
         raise AdmissionError("path_escape", f"adapter path {raw!r} resolves outside the adapter root")
     if not resolved.is_dir():

@@ -38,6 +38,8 @@ log = logging.getLogger("loraplex.registry.supply")
 GC_REASON = "garbage-collected: its files were deleted from the adapter store"
 STALE_UPLOAD_S = 3600.0
 """A temporary upload object this old belongs to an upload that died; gc deletes it."""
+MAX_RETENTION_S = 100 * 365 * 86400
+"""A century: far past any retention anyone means, well inside what a date can subtract."""
 
 
 class UploadTooLarge(Invalid):
@@ -160,8 +162,8 @@ class SupplyChain:
         and their files deleted. A version in use is never touched."""
         settings = self.service.settings
         retention = settings.adapter_retention_s if retention_s is None else retention_s
-        if isinstance(retention, bool) or not isinstance(retention, int | float) or retention < 0:
-            raise Invalid("retention_s must be a non-negative number", param="retention_s")
+        if isinstance(retention, bool) or not isinstance(retention, int | float) or not 0 <= retention <= MAX_RETENTION_S:
+            raise Invalid(f"retention_s must be a number of seconds in [0, {MAX_RETENTION_S}]", param="retention_s")
         store = self.store
         now = datetime.now(UTC)
         cutoff = now - timedelta(seconds=retention)

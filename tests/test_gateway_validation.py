@@ -135,7 +135,7 @@ def deep_parameters_body(levels: int) -> bytes:
             '"tools":[{"type":"function","function":{"name":"f","parameters":' + params + "}}]}").encode()
 
 
-@pytest.mark.parametrize("levels", [60, 500, 1000, 1020])
+@pytest.mark.parametrize("levels", [70, 500, 1000, 1020])
 async def test_tool_parameters_nested_deep_are_400_not_500(levels):
     # 1,000-1,020 levels were a 500: stdlib json.dumps hit the recursion limit while the
     # gateway counted the prompt's tokens, before any depth check.
