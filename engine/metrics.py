@@ -16,6 +16,10 @@ Adapter tiers (with LoRA on; every series carries ``worker``):
   (miss), ``base``;
 * ``loraplex_worker_time_to_first_token_seconds{cache}``: ``warm`` (adapter on device or in
   host memory at arrival), ``cold`` (had to be loaded), ``base`` (no adapter).
+
+Structured outputs: ``loraplex_worker_grammar_compiles_total`` (schemas compiled) and
+``loraplex_worker_grammar_refused_total`` (compiles past the CPU budget: a tenant sending
+schemas too complex to serve).
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class WorkerMetrics:
         self._arrivals = Counter("loraplex_worker_adapter_requests", "Requests by adapter cache state at "
                                  "arrival: warm (hit: device or host), cold (miss: had to load), base",
                                  [*labels, "cache"], registry=r)
+        grammars = getattr(engine, "grammars", None)
+        if grammars is not None:
+            r.register(_GrammarCollector(grammars, worker_id))
         rt = getattr(engine, "lora_runtime", None)
         if rt is not None:
             manager = rt.manager
@@ -93,6 +100,26 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GrammarCollector:
+    """Grammar compile counters read from ``engine.grammar.Grammars`` at scrape time."""
+
+    def __init__(self, grammars: Any, worker_id: str) -> None:
+        self.grammars = grammars
+        self.worker = worker_id
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        for name, doc, n in (
+            ("loraplex_worker_grammar_compiles", "Response-format grammars compiled", self.grammars.compiles),
+            ("loraplex_worker_grammar_refused", "Grammar compiles refused past the CPU budget", self.grammars.refused),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["worker"])
+            fam.add_metric([self.worker], n)
+            yield fam
 
 
 class _LoRACollector:

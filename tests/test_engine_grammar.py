@@ -202,3 +202,5 @@ async def test_too_complex_schemas_are_a_400_by_size_and_by_budget(client, engin
     assert "CPU time" in err["message"]
     ok = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     assert ok.status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert 'loraplex_worker_grammar_refused_total{worker="w-grammar"} 1.0' in metrics, metrics
