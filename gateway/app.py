@@ -28,10 +28,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from gateway.auth import Authenticator
+from gateway.canary_samples import MemorySamples, RedisSamples
+from gateway.canary_samples import sample as canary_sample
 from gateway.errors import GatewayError, send_error
 from gateway.metrics import GatewayMetrics, metrics_app
 from gateway.prompt_tokens import PromptCounter, PromptError
-from gateway.proxy import Opened, StreamResult, Upstream, read_rest, relay_sse, sse_error, usage_of
+from gateway.proxy import Opened, StreamResult, Upstream, finish_of, read_rest, relay_sse, sse_error, usage_of
 from gateway.ratelimit import Limiter, Limits, LocalLimiter, RedisLimiter, limit_message
 from gateway.resolve import Resolution, Resolver
 from gateway.router import Router, Worker
@@ -87,6 +89,8 @@ class Gateway:
         self.log_enabled = True
         self.sweeper = _Sweeper()
         self.traffic: AdapterTraffic | None = None
+        self.canary: MemorySamples | RedisSamples | None = None
+        """Where judged requests leave their samples (None: no canary judge reads them)."""
         """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -192,6 +196,8 @@ class Gateway:
         res = self.resolver.resolve(snapshot, tenant, req.model, req.user or call.request_id)
         call.label = res.label
         call.headers[HDR_ADAPTER] = res.label
+        if res.judged and res.adapter is not None:
+            call.judged, call.version = f"{tenant.slug}/{res.alias}", res.adapter.id
         if res.fallback:
             call.headers[HDR_FALLBACK] = "binding-disabled"
         return res
@@ -288,6 +294,8 @@ class Gateway:
         status = call.status = opened.response.status
         if status == 200:
             call.usage = usage_of(content)
+            if call.judged:
+                call.finish = finish_of(content)
         elif status >= 500:
             status = call.status = 502
             content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))
@@ -326,6 +334,20 @@ class Gateway:
         elif not call.started:
             await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"), call.headers)
 
+    def _sample(self, call: _Call, elapsed: float, completion_tokens: int) -> None:
+        """One sample for the canary judge (``gateway.canary_samples``)."""
+        streamed = call.streamed
+        if streamed is not None:
+            ttft = None if streamed.first_token_at is None else streamed.first_token_at - call.t0
+            empty, length = not streamed.text, streamed.length
+        else:
+            ttft = None
+            empty, length = call.finish or (False, False)
+        ok = call.status < 500
+        assert self.canary is not None
+        self.canary.record(call.judged, canary_sample(call.version, ok, elapsed, ttft, completion_tokens,
+                                                      ok and empty, length))
+
     def _finish(self, call: _Call) -> None:
         """Settle the reservation with what the request is charged, then metrics and the access log."""
         pt, ct = processed(call.plan, call.upstream, call.usage, call.streamed, call.streaming)
@@ -336,6 +358,8 @@ class Gateway:
                 log.exception("settling the reservation of %s failed", call.request_id)
         elapsed = time.perf_counter() - call.t0
         self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
+        if call.judged and self.canary is not None and call.upstream is not _NOT_SENT and call.status != 499:
+            self._sample(call, elapsed, ct)
         if self.log_enabled and access_log.isEnabledFor(logging.INFO):
             now = time.time()
             _access_records.emit(orjson.dumps({
@@ -348,9 +372,9 @@ class Gateway:
 class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
-    __slots__ = ("alias", "authorization", "chat", "declared", "finished", "guard", "headers", "label", "lease",
-                 "path", "plan", "request_id", "started", "status", "streamed", "streaming", "t0", "tenant",
-                 "upstream", "usage", "worker")
+    __slots__ = ("alias", "authorization", "chat", "declared", "finish", "finished", "guard", "headers", "judged",
+                 "label", "lease", "path", "plan", "request_id", "started", "status", "streamed", "streaming", "t0",
+                 "tenant", "upstream", "usage", "version", "worker")
 
     def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
         self.t0 = time.perf_counter()
@@ -383,6 +407,10 @@ class _Call:
         self.status = 500
         self.streaming = False
         self.guard: _Guard | None = None
+        self.judged = self.version = ""
+        """Under a canary: the binding (``tenant/alias``) and the version id this request went to."""
+        self.finish: tuple[bool, bool] | None = None
+        """A whole answer's (empty, stopped on length), read only for judged requests."""
         self.started = False
         """The response head went out (an error after it can only end the body)."""
         self.finished = False
@@ -699,6 +727,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     gw.metrics.observe_snapshots(snapshots)
     if redis is not None:
         gw.traffic = AdapterTraffic(redis, settings.redis_prefix)
+    gw.canary = RedisSamples(redis, settings.redis_prefix) if redis is not None else MemorySamples()
 
     async def models(request: Request) -> Response:
         try:
@@ -744,6 +773,12 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         return _error(500, "internal error", "internal_error")
 
     admin, admin_service = _admin_app(settings, router, http_client) if mount_admin else (None, None)
+    judge = None
+    if admin_service is not None and settings.canary_judge_interval_s > 0 and not settings.registry_snapshot_file:
+        from gateway.canary_judge import CanaryJudge
+
+        judge = CanaryJudge(admin_service, gw.canary, gw.metrics, settings.canary_judge_interval_s)
+
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -754,11 +789,18 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         flusher = asyncio.create_task(_flush_access_log(), name="access-log-flush")
         traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
         lag = asyncio.create_task(gw.metrics.watch_loop_lag(), name="loop-lag")
+        samples = asyncio.create_task(gw.canary.run(), name="canary-samples") if gw.canary else None
+        judging = asyncio.create_task(judge.run(), name="canary-judge") if judge is not None else None
         try:
             yield
         finally:
             flusher.cancel()
             lag.cancel()
+            for task in (samples, judging):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
             if traffic is not None and gw.traffic is not None:
                 traffic.cancel()
                 with contextlib.suppress(Exception):
@@ -791,9 +833,11 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                      exception_handlers={HTTPException: not_found, Exception: server_error})
     app.gateway = gw
     app.state.gateway = gw
+    app.state.canary_judge = judge
 
     def refresh_gauges() -> None:
         gw.metrics.inflight.set(router.inflight())
+        gw.metrics.canary_judge.set(1 if judge is not None and judge.leader else 0)
 
     app.metrics_app = metrics_app(gw.metrics, refresh_gauges)
     return app

@@ -137,6 +137,10 @@ class GatewayMetrics:
             "loraplex_gateway_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S * 1000:g} ms: "
             "the longest any request waited behind other work", registry=r, buckets=LOOP_LAG_BUCKETS)
+        self.canary_decisions = Counter("loraplex_canary_decisions", "Canary judge decisions by binding: start, "
+                                        "step, promote, abort", ["tenant", "alias", "decision"], registry=r)
+        self.canary_judge = Gauge("loraplex_canary_judge_leader", "1 while this replica is the acting canary judge",
+                                  registry=r)
         self._snapshots = _SnapshotCollector()
         r.register(self._snapshots)  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
@@ -170,6 +174,9 @@ class GatewayMetrics:
 
     def upstream_failure(self, worker: str) -> None:
         self.upstream_failures.labels(self.worker_cap(worker)).inc()
+
+    def canary_decision(self, tenant: str, alias: str, decision: str) -> None:
+        self.canary_decisions.labels(self.tenant_cap(tenant), self.adapter_cap(alias), decision).inc()
 
     def limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.tenant_cap(tenant), reason).inc()

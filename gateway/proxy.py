@@ -176,6 +176,28 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+_TEXT = re.compile(rb'"(?:content|text|arguments)":"[^"]')
+_LENGTH = b'"finish_reason":"length"'
+
+
+def finish_of(body: bytes) -> tuple[bool, bool]:
+    """A whole answer's (empty: no choice has text or tool calls, stopped on ``length``)."""
+    try:
+        data = orjson.loads(body)
+        choices = data["choices"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False, False
+    empty, length = True, False
+    for c in choices if isinstance(choices, list) else ():
+        if not isinstance(c, dict):
+            continue
+        msg = c.get("message") if isinstance(c.get("message"), dict) else {}
+        if c.get("text") or msg.get("content") or msg.get("tool_calls"):
+            empty = False
+        length = length or c.get("finish_reason") == "length"
+    return empty, length
+
+
 def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
     return b"data: " + orjson.dumps(error_body(message, "upstream_error", code)) + b"\n\n"
 
@@ -194,6 +216,10 @@ class StreamResult:
     sent_bytes: int = 0
     first_token_at: float | None = None
     """``time.perf_counter()`` when the first event went to the client."""
+    text: bool = False
+    """Some event carried non-empty text (``content`` or ``text``, tool-call arguments included)."""
+    length: bool = False
+    """A choice finished on ``length``."""
 
 
 _CHUNK_USAGE = re.compile(rb'(?<!"choices":\[\]),"usage":\{[^{}]*\}')
@@ -230,6 +256,10 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
             return
         complete, buf = buf[: cut + 2], buf[cut + 2:]
         out = complete
+        if not result.text and _TEXT.search(complete):
+            result.text = True
+        if not result.length and _LENGTH in complete:
+            result.length = True
         i = complete.rfind(_COMPLETION_TOKENS)
         if i >= 0:
             n = _int_at(complete, i + len(_COMPLETION_TOKENS))

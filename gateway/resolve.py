@@ -31,6 +31,8 @@ class Resolution:
     canary: bool = False
     wire: dict[str, Any] | None = None
     """``adapter.to_dict()``, computed once per snapshot (the request path reuses it)."""
+    judged: bool = False
+    """The binding has a canary: requests of both arms leave samples for the canary judge."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +68,14 @@ def _entry(binding: BindingView, default_base: str, revisions: dict[str, str]) -
             return _Entry(alias, base, res, None, 0)
         return _Entry(alias, base, None, None, 0, refuse=True)
     ref = _ref(binding.active, revisions)
-    active = Resolution(alias, base, ref, binding.active.label, wire=ref.to_dict())
+    judged = binding.canary is not None and binding.canary_percent > 0
+    active = Resolution(alias, base, ref, binding.active.label, wire=ref.to_dict(), judged=judged)
     canary = None
     bp = 0
-    if binding.canary is not None and binding.canary_percent > 0:
+    if judged:
+        assert binding.canary is not None
         cref = _ref(binding.canary, revisions)
-        canary = Resolution(alias, base, cref, binding.canary.label, canary=True, wire=cref.to_dict())
+        canary = Resolution(alias, base, cref, binding.canary.label, canary=True, wire=cref.to_dict(), judged=True)
         bp = max(0, min(10_000, round(binding.canary_percent * 100)))
     return _Entry(alias, base, active, canary, bp)
 

@@ -212,6 +212,9 @@ class Settings:
     ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider."""
     max_waiting: int = 256
     """Bounded waiting queue; a full queue answers 503."""
+    canary_judge_interval_s: float = 1.0
+    """How often the canary judge (in every gateway with the admin API; one acts at a time) looks at the
+    bindings with a canary policy; 0: this gateway never judges."""
     grammar_compile_threads: int = 1
     """Threads compiling ``response_format`` grammars, at the lowest CPU priority; a tenant compiles one
     schema at a time (``engine.grammar``)."""

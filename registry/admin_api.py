@@ -24,6 +24,7 @@ from loraplex import json_body
 from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
+from registry.canary import CanaryPolicies
 from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
 from registry.service import COMMITTED, DIMENSIONS, RegistryService
 
@@ -125,6 +126,17 @@ BIND = _obj({"adapter": ADAPTER_REF, "on_disabled": ON_DISABLED, "row_version": 
 CANARY_START = _obj({"adapter": ADAPTER_REF, "percent": PERCENT, "row_version": ROW_VERSION},
                     ("adapter", "percent"))
 CANARY_SET = _obj({"percent": PERCENT, "row_version": ROW_VERSION}, ("percent",))
+CANARY_POLICY = _obj({
+    "steps": {"type": "array", "items": PERCENT, "description": "canary percents in order; after the last: promote"},
+    "interval_s": {**NUM, "description": "least seconds on a step before stepping up"},
+    "min_requests": {**POS, "description": "no judgement on fewer requests per arm"},
+    "max_failures": {**POS, "description": "failed judgements in a row that abort"},
+    "checks": {**OBJ, "description": "check name -> threshold (ratio canary/active): error_rate, empty_share, "
+                                     "length_share, ttft_p99, tokens_per_s, completion_length"},
+    "proportion_test": {"type": "string", "enum": ["two-proportion-z", "fisher-exact"]},
+    "sample_test": {"type": "string", "enum": ["mann-whitney-u"]},
+    "alpha": {**NUM, "description": "significance level of the tests"},
+})
 BINDING_TOGGLE = _obj({"on_disabled": {**ON_DISABLED, "description": "while disabled: answer with the base "
                                                                     "model ('base') or refuse ('refuse'); "
                                                                     "a disable without it refuses"},
@@ -148,6 +160,11 @@ RESPONSES: dict[str, dict[str, Any]] = {
                      "canary": {"$ref": "#/components/schemas/AdapterRef"}, "canary_percent": NUM, "enabled": BOOL,
                      "on_disabled": ON_DISABLED, "row_version": INT, "updated_at": STR}),
     "AdapterRef": {"type": ["object", "null"], "properties": {"id": STR, "label": STR}},
+    "CanaryPolicy": _obj({**CANARY_POLICY["properties"], "tenant": STR, "alias": STR, "status": STR,
+                          "canary_id": {"type": ["string", "null"]}, "canary": {"type": ["string", "null"]},
+                          "step": INT, "percent": {"type": ["number", "null"]},
+                          "step_started_at": {"type": ["string", "null"]}, "next_step_at": {"type": ["string", "null"]},
+                          "failures": INT, "last": {"type": ["object", "null"]}, "row_version": INT}),
     "AuditEntry": _obj({"id": INT, "registry_version": INT, "at": STR, "actor": STR, "action": STR,
                         "target": STR, "before": {"type": ["object", "null"]}, "after": {"type": ["object", "null"]}}),
     "Version": _obj({"version": INT}),
@@ -295,6 +312,22 @@ async def _canary_abort(c: Call) -> Any:
     return await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
 
 
+async def _canary_policy(c: Call) -> Any:
+    return await CanaryPolicies(c.service).get(c.path["slug"], c.path["alias"])
+
+
+async def _canary_set_policy(c: Call) -> Any:
+    return await CanaryPolicies(c.service).set_policy(c.path["slug"], c.path["alias"], c.body, actor=c.actor)
+
+
+async def _canary_pause(c: Call) -> Any:
+    return await CanaryPolicies(c.service).pause(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
+async def _canary_resume(c: Call) -> Any:
+    return await CanaryPolicies(c.service).resume(c.path["slug"], c.path["alias"], actor=c.actor)
+
+
 async def _binding_enable(c: Call) -> Any:
     return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], True,
                                                on_disabled=c.body.get("on_disabled"), actor=c.actor,
@@ -390,6 +423,16 @@ OPERATIONS: tuple[Operation, ...] = (
               response="Binding", tag="bindings"),
     Operation("DELETE", B + "/canary", "abortCanary", "Abort the canary", _canary_abort, response="Binding",
               tag="bindings"),
+    Operation("GET", B + "/canary/policy", "getCanaryPolicy",
+              "The canary policy and where the judge stands: step, the window's numbers, the next step's time",
+              _canary_policy, response="CanaryPolicy", tag="bindings"),
+    Operation("PUT", B + "/canary/policy", "setCanaryPolicy",
+              "Create or change the canary policy (given fields over the current or the default ones)",
+              _canary_set_policy, CANARY_POLICY, response="CanaryPolicy", tag="bindings"),
+    Operation("POST", B + "/canary/pause", "pauseCanary", "Stop judging the canary (it keeps its percent)",
+              _canary_pause, response="CanaryPolicy", tag="bindings"),
+    Operation("POST", B + "/canary/resume", "resumeCanary", "Judge the canary again", _canary_resume,
+              response="CanaryPolicy", tag="bindings"),
     Operation("POST", B + "/enable", "enableBinding", "Enable a binding", _binding_enable, BINDING_TOGGLE,
               response="Binding", tag="bindings"),
     Operation("POST", B + "/disable", "disableBinding",

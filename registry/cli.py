@@ -518,6 +518,74 @@ def canary_abort(a: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_text(d: dict[str, Any]) -> str:
+    """The status of a binding's canary, as ``canary status`` prints it."""
+    where = f"{d['canary']} at {d['percent']:g}% (step {d['step'] + 1} of {len(d['steps'])})" \
+        if d["canary"] and d["percent"] is not None else (d["canary"] or "no canary")
+    lines = [f"canary of {d['tenant']}/{d['alias']}: {d['status']}, {where}"]
+    if d["next_step_at"]:
+        lines.append(f"  next step no earlier than {d['next_step_at']}")
+    lines.append(f"  policy: steps {'/'.join(f'{x:g}' for x in d['steps'])} %, every {d['interval_s']:g} s, "
+                 f"at least {d['min_requests']} requests per arm, abort after {d['max_failures']} failed "
+                 f"judgement(s), {d['proportion_test']} / {d['sample_test']} at alpha {d['alpha']:g}")
+    last = d.get("last") or {}
+    if last:
+        lines.append(f"  last judgement: {last.get('decision')}"
+                     + (f" ({last['reason']})" if last.get("reason") else "")
+                     + (f", window {last['window_s']:g} s: canary {last['canary_requests']} requests, active "
+                        f"{last['active_requests']}" if "window_s" in last else ""))
+        rows = [("CHECK", "CANARY", "ACTIVE", "RATIO", "LIMIT", "TEST", "P", "")]
+        for r in last.get("checks", []):
+            rows.append((r["check"], f"{r['canary']:.4g}", f"{r['active']:.4g}",
+                         "inf" if r["ratio"] is None else f"{r['ratio']:.3g}", f"{r['threshold']:g}", r["test"],
+                         f"{r['p']:.3g}", "FAILED" if r["failed"] else "ok"))
+        if len(rows) > 1:
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                      for row in rows]
+    return "\n".join(lines)
+
+
+def canary_status(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", _b(a, "/canary/policy"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_set_policy(a: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"interval_s": a.interval, "min_requests": a.min_requests,
+                            "max_failures": a.max_failures, "proportion_test": a.proportion_test,
+                            "sample_test": a.sample_test, "alpha": a.alpha}
+    if a.steps:
+        body["steps"] = [float(x) for x in a.steps.split(",") if x.strip()]
+    if a.check:
+        checks = {}
+        for item in a.check:
+            name, sep, value = item.partition("=")
+            try:
+                checks[name] = float(value)
+            except ValueError:
+                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value") from None
+            if not sep:
+                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value")
+        body["checks"] = checks
+    data = _request(a, "PUT", _b(a, "/canary/policy"), {k: v for k, v in body.items() if v is not None})
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_pause(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/pause"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_resume(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/resume"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
 def audit(a: argparse.Namespace) -> int:
     data = _request(a, "GET", "/audit", params={"actor": a.actor, "action": a.action, "target": a.target,
                                                 "since_version": a.since_version, "limit": a.limit})
@@ -730,10 +798,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--by", type=_percent_arg, help="change the current percent by this much (e.g. +5 or -10); "
                    "a conditional write, retried when another write came in between")
     for name, fn, text in (("promote", canary_promote, "make the canary the active version"),
-                           ("abort", canary_abort, "stop the canary")):
+                           ("abort", canary_abort, "stop the canary"),
+                           ("status", canary_status, "the canary policy, the step, the last judgement's numbers"),
+                           ("pause", canary_pause, "stop the judge from deciding (the canary keeps its percent)"),
+                           ("resume", canary_resume, "let the judge decide again")):
         p = leaf(c, name, fn, text)
         p.add_argument("tenant")
         p.add_argument("alias")
+    p = leaf(c, "set-policy", canary_set_policy, "how the judge steps up, promotes or aborts this alias's "
+             "canaries (fields not given keep their current or default value)")
+    p.add_argument("tenant")
+    p.add_argument("alias")
+    p.add_argument("--steps", help="comma-separated percents, e.g. 5,10,25,50,100 (default)")
+    p.add_argument("--interval", type=float, help="least seconds on a step (default 60)")
+    p.add_argument("--min-requests", type=int, help="no judgement on fewer requests per arm (default 50)")
+    p.add_argument("--max-failures", type=int, help="failed judgements in a row that abort (default 2)")
+    p.add_argument("--check", action="append", metavar="NAME=THRESHOLD",
+                   help="replaces the checks: error_rate, empty_share, length_share, ttft_p99 (ratio above), "
+                        "tokens_per_s (ratio below), completion_length (ratio outside [1/t, t]); repeat")
+    p.add_argument("--proportion-test", choices=["two-proportion-z", "fisher-exact"])
+    p.add_argument("--sample-test", choices=["mann-whitney-u"])
+    p.add_argument("--alpha", type=float, help="significance level (default 0.05)")
 
     bg = group("binding", "list, show, enable, disable and delete bindings")
     p = leaf(bg, "list", binding_list, "list bindings")

@@ -184,3 +184,36 @@ class AuditEntry(Base):
     target: Mapped[str] = mapped_column(String(400), nullable=False)
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class CanaryPolicy(Base):
+    """How a binding's canaries are judged (``registry.canary``), and where the current one stands.
+
+    The configuration (steps, interval, minimum sample, checks and the tests they use) is the
+    operator's; the state (``status``, ``step``, ``failures``, ``last``) is the judge's. The
+    version being judged is ``canary_id``: a new canary on the binding starts over at step 0.
+    """
+
+    __tablename__ = "canary_policies"
+    __table_args__ = (UniqueConstraint("tenant", "alias", name="uq_canary_policies_tenant_alias"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.slug"), nullable=False)
+    alias: Mapped[str] = mapped_column(String(200), nullable=False)
+    steps: Mapped[list[float]] = mapped_column(JSON, nullable=False)
+    interval_s: Mapped[float] = mapped_column(Float, nullable=False)
+    min_requests: Mapped[int] = mapped_column(Integer, nullable=False)
+    max_failures: Mapped[int] = mapped_column(Integer, nullable=False)
+    checks: Mapped[dict[str, float]] = mapped_column(JSON, nullable=False)
+    proportion_test: Mapped[str] = mapped_column(String(32), nullable=False)
+    sample_test: Mapped[str] = mapped_column(String(32), nullable=False)
+    alpha: Mapped[float] = mapped_column(Float, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default="waiting")
+    canary_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    step: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    step_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    failures: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    last: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)

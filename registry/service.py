@@ -745,7 +745,8 @@ class RegistryService:
     # --- bindings ------------------------------------------------------------------------------------
 
     async def _binding_op(self, tenant: str, alias: str, action: str, actor: str,
-                          mutate: Callable[[_Tx, Binding], Awaitable[bool]], if_match: int | None = None) -> dict:
+                          mutate: Callable[[_Tx, Binding], Awaitable[bool]], if_match: int | None = None,
+                          judgement: dict[str, Any] | None = None) -> dict:
         _slug(tenant)
         _name(alias, "alias")
 
@@ -759,7 +760,10 @@ class RegistryService:
             b.updated_at = utcnow()
             await tx.session.flush()
             out = await self._binding_out(tx.session, b, labels)
-            tx.audit(action, f"binding:{tenant}/{alias}", _audit_view(before), _audit_view(out))
+            after = _audit_view(out)
+            if judgement is not None:  # the canary judge's numbers that decided this change
+                after["judgement"] = judgement
+            tx.audit(action, f"binding:{tenant}/{alias}", _audit_view(before), after)
             return out
 
         return await self._write(actor, op)
@@ -843,7 +847,7 @@ class RegistryService:
         return await self._binding_op(tenant, alias, "binding.canary_start", actor, mutate, if_match)
 
     async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
-                         if_match: int | None = None) -> dict:
+                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
         pct = _percent(percent)
 
         async def mutate(tx: _Tx, b: Binding) -> bool:
@@ -854,10 +858,10 @@ class RegistryService:
             b.canary_percent = pct
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate, if_match)
+        return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate, if_match, judgement)
 
     async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
-                       if_match: int | None = None) -> dict:
+                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
@@ -867,17 +871,17 @@ class RegistryService:
             b.canary_id, b.canary_percent = None, 0.0
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate, if_match)
+        return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate, if_match, judgement)
 
     async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
-                       if_match: int | None = None) -> dict:
+                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
         async def mutate(tx: _Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
             b.canary_id, b.canary_percent = None, 0.0
             return True
 
-        return await self._binding_op(tenant, alias, "binding.canary_abort", actor, mutate, if_match)
+        return await self._binding_op(tenant, alias, "binding.canary_abort", actor, mutate, if_match, judgement)
 
     async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
                                   on_disabled: str | None = None, actor: str = "admin",
