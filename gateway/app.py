@@ -837,6 +837,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
 
     def refresh_gauges() -> None:
         gw.metrics.inflight.set(router.inflight())
+        gw.metrics.workers.set(len(router.workers()))
+        if isinstance(limiter, RedisLimiter):
+            gw.metrics.track_redis().set(0 if limiter.degraded else 1)
         gw.metrics.canary_judge.set(1 if judge is not None and judge.leader else 0)
 
     app.metrics_app = metrics_app(gw.metrics, refresh_gauges)

@@ -133,6 +133,10 @@ class GatewayMetrics:
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
+        self.workers = Gauge("loraplex_gateway_workers", "Workers this replica routes to (fresh residency reports, "
+                             "or static URLs)", registry=r)
+        self.redis_up: Gauge | None = None
+        """Registered by ``track_redis`` when the limiter uses Redis."""
         self.loop_lag = Histogram(
             "loraplex_gateway_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S * 1000:g} ms: "
@@ -174,6 +178,12 @@ class GatewayMetrics:
 
     def upstream_failure(self, worker: str) -> None:
         self.upstream_failures.labels(self.worker_cap(worker)).inc()
+
+    def track_redis(self) -> Gauge:
+        if self.redis_up is None:
+            self.redis_up = Gauge("loraplex_gateway_redis_up", "1 while the rate limiter reaches Redis (0: on its "
+                                  "local fallback)", registry=self.registry)
+        return self.redis_up
 
     def canary_decision(self, tenant: str, alias: str, decision: str) -> None:
         self.canary_decisions.labels(self.tenant_cap(tenant), self.adapter_cap(alias), decision).inc()

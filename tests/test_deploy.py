@@ -604,6 +604,36 @@ def test_prometheus_scrapes_gateway_and_every_compose_worker(compose):
         assert targets[name] == Settings.from_env(_env(services[name])).worker_port
 
 
+def _promtool() -> str:
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.fail("promtool is missing: apt-get install prometheus (.ci/run installs it)", pytrace=False)
+    return tool
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests():
+    prom = DEPLOY / "prometheus"
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+        r = subprocess.run([_promtool(), *args], cwd=prom, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    for cfg in ("prometheus.yml", "prometheus-k8s.yml"):
+        assert yaml.safe_load((prom / cfg).read_text())["rule_files"] == ["alerts.yml"]
+
+
+def test_every_alert_names_a_metric_loraplex_exports(compose):
+    """A renamed metric would leave its alert silent forever: every series an alert reads is one
+    the gateway or the worker exports."""
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    names = {re.sub(r"_(total|bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"loraplex_[a-z_]+", e)}
+    source = "".join(p.read_text() for d in ("gateway", "engine", "registry") for p in (ROOT / d).rglob("*.py"))
+    missing = sorted(n for n in names if f'"{n}"' not in source)
+    assert not missing, f"alerts read metrics nothing exports: {missing}"
+    assert len(names) >= 10
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+
+
 def test_prometheus_kubernetes_variant_discovers_annotated_pods(k8s):
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-k8s.yml").read_text())
     job = prom["scrape_configs"][0]
