@@ -358,7 +358,8 @@ class Gateway:
                 log.exception("settling the reservation of %s failed", call.request_id)
         elapsed = time.perf_counter() - call.t0
         self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
-        if call.judged and self.canary is not None and call.upstream is not _NOT_SENT and call.status != 499:
+        if call.judged and self.canary is not None and call.status != 499 and (
+                call.upstream != _NOT_SENT or call.status >= 500):  # a client's 4xx is not the version's doing
             self._sample(call, elapsed, ct)
         if self.log_enabled and access_log.isEnabledFor(logging.INFO):
             now = time.time()
