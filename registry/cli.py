@@ -520,8 +520,13 @@ def canary_abort(a: argparse.Namespace) -> int:
 
 def _policy_text(d: dict[str, Any]) -> str:
     """The status of a binding's canary, as ``canary status`` prints it."""
-    where = f"{d['canary']} at {d['percent']:g}% (step {d['step'] + 1} of {len(d['steps'])})" \
-        if d["canary"] and d["percent"] is not None else (d["canary"] or "no canary")
+    at = f"{d['percent']:g}% (step {d['step'] + 1} of {len(d['steps'])})" if d["percent"] is not None else ""
+    if not d["canary"]:
+        where = "no canary"
+    elif d["status"] in ("promoted", "aborted"):
+        where = f"{d['canary']}, judged at {at}" if at else d["canary"]
+    else:
+        where = f"{d['canary']} at {at}" if at else d["canary"]
     lines = [f"canary of {d['tenant']}/{d['alias']}: {d['status']}, {where}"]
     if d["next_step_at"]:
         lines.append(f"  next step no earlier than {d['next_step_at']}")

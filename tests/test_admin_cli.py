@@ -159,6 +159,19 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     assert code == 1 and "no_canary" in err
     run_json(capsys, "canary", "start", "acme", "support", "support@2", "--percent", "5")
     assert run_json(capsys, "canary", "abort", "acme", "support")["canary"] is None
+    # The judge's policy: set (fields given over the defaults), status, pause, resume.
+    code, _, err = run(capsys, "canary", "status", "acme", "support")
+    assert code == 1 and "set-policy" in err
+    code, out, _ = run(capsys, "canary", "set-policy", "acme", "support", "--steps", "10,50,100", "--interval", "30",
+                       "--check", "error_rate=1.5", "--check", "ttft_p99=2")
+    assert code == 0 and "steps 10/50/100 %, every 30 s" in out and "waiting, no canary" in out
+    got = run_json(capsys, "canary", "status", "acme", "support")
+    assert got["checks"] == {"error_rate": 1.5, "ttft_p99": 2.0} and got["min_requests"] == 50
+    code, _, err = run(capsys, "canary", "set-policy", "acme", "support", "--check", "nope=1")
+    assert code == 1 and "unknown check" in err
+    assert run_json(capsys, "canary", "pause", "acme", "support")["status"] == "paused"
+    code, out, _ = run(capsys, "canary", "resume", "acme", "support")
+    assert code == 0 and "running" in out
     assert run_json(capsys, "binding", "disable", "acme", "support")["on_disabled"] == "refuse"  # not sticky
     assert run_json(capsys, "binding", "enable", "acme", "support")["enabled"] is True
     code, out, _ = run(capsys, "binding", "list")
@@ -175,9 +188,9 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, _, err = run(capsys, "binding", "show", "acme", "spare")
     assert code == 1 and "binding_not_found" in err
 
-    entries = run_json(capsys, "audit", "--target", "binding:acme/support", "--limit", "4")["data"]
-    assert [e["action"] for e in entries] == ["binding.enable", "binding.disable", "binding.canary_abort",
-                                              "binding.canary_start"]
+    entries = run_json(capsys, "audit", "--target", "binding:acme/support", "--limit", "7")["data"]
+    assert [e["action"] for e in entries] == ["binding.enable", "binding.disable", "canary.resume", "canary.pause",
+                                              "canary.policy_set", "binding.canary_abort", "binding.canary_start"]
     assert all(e["actor"] == "cli" for e in entries)
     code, out, _ = run(capsys, "audit", "--action", "tenant.create")
     assert code == 0 and "tenant:acme" in out
