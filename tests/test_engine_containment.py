@@ -138,7 +138,7 @@ def world(tmp_path_factory) -> World:
 
 
 def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20, kv_cache_dtype: str = "auto",
-            weights: str = "auto") -> Engine:
+            weights: str = "float32") -> Engine:
     eng = Engine.from_path(world.base, EngineConfig(kv_cache_bytes=kv_cache_bytes, kv_block_size=16,
                                                     max_model_len=96, native_kernels=native,
                                                     kv_cache_dtype=kv_cache_dtype, weights=weights))
@@ -325,6 +325,38 @@ def test_decode_padding_never_reads_another_sequences_blocks(world):
 
 # --- exceptions in the forward ------------------------------------------------------------------
 
+def _fail_native_pass(monkeypatch, eng, broken_class: int) -> None:
+    """Where a step's layers run in one native call, the call reports the LoRA pass that failed
+    (its index) instead of raising: make it report the pass of ``broken_class`` whenever that
+    class is in the step, as the kernel would."""
+    decoder = eng.model.decoder
+    if decoder is None:
+        return
+    batches: list[LoRABatch] = []
+    real_steps = LoRABatch.native_steps
+
+    def recording(self, *args):
+        steps = real_steps(self, *args)
+        batches.append(self)
+        return steps
+
+    class Faulty:
+        def __getattr__(self, name):
+            return getattr(decoder, name)
+
+        def __call__(self, *args):
+            failed = decoder(*args)
+            steps = args[-1]
+            if steps is not None and batches:
+                hit = [k for k, p in enumerate(batches[-1]._passes) if p.class_index == broken_class]
+                if hit:
+                    return hit[0]
+            return failed
+
+    monkeypatch.setattr(LoRABatch, "native_steps", recording)
+    monkeypatch.setattr(eng.model, "decoder", Faulty())
+
+
 @pytest.mark.slow
 def test_lora_exception_fails_only_that_adapters_rows(world, native, expected, monkeypatch):
     eng = _engine(world, native)
@@ -339,14 +371,15 @@ def test_lora_exception_fails_only_that_adapters_rows(world, native, expected, m
                 raise RuntimeError("kernel fault")
             return real(self, p, layer, x, todo)
 
-        monkeypatch.setattr(LoRABatch, "_run_pass", failing)
+        monkeypatch.setattr(LoRABatch, "_run_pass", failing)  # the layer-by-layer path
+        _fail_native_pass(monkeypatch, eng, broken_class)  # the one-call decoder's (AVX2 float32 panels, ...)
         results = _run(eng, _good_rows(world))
         r16_seq, r16_events = results.pop(2)
         want = [t for j, t in enumerate(expected) if j != 2]
         assert _tokens(results) == want
         assert r16_seq.adapter == r16 and r16_events[-1].error_code == "adapter_error"
         assert "r16" in r16_events[-1].error
-        monkeypatch.setattr(LoRABatch, "_run_pass", real)
+        monkeypatch.undo()
         assert _tokens(_run(eng, _good_rows(world))) == expected
         assert _cache_finite(eng)
     finally:
