@@ -10,6 +10,7 @@ import sys
 from typing import Any, TextIO
 
 from loraplex.devsecrets import refusal
+from loraplex.ports import busy
 from loraplex.settings import Settings
 
 
@@ -71,7 +72,9 @@ def _gateway(args: argparse.Namespace) -> int:
         overrides["gateway_port"] = args.port
     settings = Settings.from_env(**overrides)
     problem = refusal(settings, {"LORAPLEX_GATEWAY_HOST / --host": settings.gateway_host},
-                      ("jwt_secret", "worker_secret"))
+                      ("jwt_secret", "worker_secret")) or busy(
+        {"LORAPLEX_GATEWAY_PORT (or --port)": (settings.gateway_host, settings.gateway_port),
+         "LORAPLEX_GATEWAY_METRICS_PORT": (settings.gateway_metrics_host, settings.gateway_metrics_port)})
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

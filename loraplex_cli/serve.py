@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.devsecrets import refusal
+from loraplex.ports import busy
 from loraplex.settings import Settings, get_settings
 
 log = logging.getLogger("loraplex_cli.serve")
@@ -177,6 +178,7 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
 
     from engine.api import create_worker_app
     from engine.engine import Engine, settle_after_load
+    from engine.quant import dtype_name
     from gateway.app import create_app
     from gateway.http_edge import gateway_servers
 
@@ -184,7 +186,9 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     t0 = time.monotonic()
     engine = await asyncio.to_thread(Engine.from_settings, settings)
     resident = settle_after_load()
-    _step(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.model.kernels}; {resident / 1e9:.1f} GB resident)")
+    weights = f"{dtype_name(engine.model.matmul_dtype)} weights [{engine.weights_reason}]"
+    _step(f"model loaded in {time.monotonic() - t0:.1f}s ({weights}; {engine.model.kernels}; "
+          f"{resident / 1e9:.1f} GB resident)")
     worker = uvicorn.Server(uvicorn.Config(create_worker_app(settings, engine=engine), host=settings.worker_host,
                                            port=settings.worker_port, log_level="warning", lifespan="on"))
     *internal, gateway = gateway_servers(create_app(settings), settings, log_level="warning")
@@ -249,6 +253,12 @@ def _handler(demo: bool):  # type: ignore[no-untyped-def]
                                      "LORAPLEX_WORKER_HOST": settings.worker_host}, ("jwt_secret", "worker_secret"))
         if problem:
             print(f"error: {problem}", file=sys.stderr)
+            return 2
+        taken = busy({"LORAPLEX_GATEWAY_PORT (or --port)": (settings.gateway_host, settings.gateway_port),
+                      "LORAPLEX_WORKER_PORT (or --worker-port)": (settings.worker_host, settings.worker_port),
+                      "LORAPLEX_GATEWAY_METRICS_PORT": (settings.gateway_metrics_host, settings.gateway_metrics_port)})
+        if taken:
+            print(f"error: {taken}", file=sys.stderr)
             return 2
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
         for chatty in ("httpx", "alembic"):
