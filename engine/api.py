@@ -51,6 +51,7 @@ from engine.protocol import (
     stream_chunk,
     usage_chunk,
 )
+from engine.quant import dtype_name
 from engine.request_events import RequestEvents
 from engine.scheduler import QueueFullError
 from engine.sequence import SeqEvent, Sequence
@@ -353,7 +354,9 @@ class WorkerRoutes:
         fault = eng.fault
         body = {"status": "degraded" if fault else "ok", "worker_id": state.worker_id, "model": state.model_name,
                 "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
-                "lora": eng.lora_runtime is not None, **eng.load()}
+                "lora": eng.lora_runtime is not None, **eng.load(),
+                "weights": {"format": dtype_name(eng.model.matmul_dtype), "why": eng.weights_reason,
+                            "activations": dtype_name(eng.model.dtype), "kv_cache": dtype_name(eng.cache.dtype)}}
         if eng.lora_runtime is not None:
             r = eng.lora_runtime.manager.resident()
             body["adapters"] = {"device": len(r["device"]), "host": len(r["host"]),

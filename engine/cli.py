@@ -15,7 +15,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     from engine.api import create_worker_app
     from engine.engine import Engine, settle_after_load
+    from engine.quant import dtype_name
     from loraplex.devsecrets import refusal
+    from loraplex.ports import busy
     from loraplex.settings import get_settings
 
     overrides: dict[str, Any] = {}
@@ -29,7 +31,8 @@ def _worker(args: argparse.Namespace) -> int:
         if value:
             overrides[key] = tuple(value)
     settings = get_settings().replace(**overrides)
-    problem = refusal(settings, {"LORAPLEX_WORKER_HOST / --host": settings.worker_host}, ("worker_secret",))
+    problem = refusal(settings, {"LORAPLEX_WORKER_HOST / --host": settings.worker_host}, ("worker_secret",)) or \
+        busy({"LORAPLEX_WORKER_PORT (or --port)": (settings.worker_host, settings.worker_port)})
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -47,11 +50,11 @@ def _worker(args: argparse.Namespace) -> int:
         return 1
     m = engine.model
     resident = settle_after_load()
-    log.info("base model %s loaded in %.1f s (%s on %s, %s weights, %.0f MB; %s KV cache, %d tokens; %s; "
+    log.info("base model %s loaded in %.1f s (%s on %s, %s weights [%s], %.0f MB; %s KV cache, %d tokens; %s; "
              "%.0f MB resident)",
              engine.info.name if engine.info else settings.model, time.monotonic() - t0,
-             str(m.dtype).removeprefix("torch."), m.device, str(m.matmul_dtype).removeprefix("torch."),
-             m.weight_bytes / 1e6, str(engine.cache.dtype).removeprefix("torch."),
+             dtype_name(m.dtype), m.device, dtype_name(m.matmul_dtype), engine.weights_reason,
+             m.weight_bytes / 1e6, dtype_name(engine.cache.dtype),
              engine.cache.num_blocks * engine.cache.block_size, m.kernels, resident / 1e6)
     try:
         app = create_worker_app(settings, engine)

@@ -90,3 +90,21 @@ def cpu_has_avx2() -> bool:
     """This CPU has AVX2 and FMA: the 4-bit kernel's AVX2 build outruns float32 there (its integer
     multiply takes 32 products an instruction against FMA's 8; the 8-bit kernel needs two)."""
     return {"avx2", "fma"} <= cpu_flags()
+
+
+def default_weights() -> tuple[str, str]:
+    """What ``weights=auto`` serves the base model's projections in on this CPU (float32
+    activations), and why: the fastest format measured on each class of CPU, as vLLM defaults
+    to bfloat16 on CPU. Every choice is held to the float32 path's greedy output by the accuracy
+    gates of ``tests/test_engine_weights.py``, ``test_engine_int8.py`` and ``test_engine_int4.py``
+    (top-1 agreement >= 0.9 on the demo model, base and adapter rows)."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16", "AMX multiplies bfloat16 natively"
+    if "avx512_vnni" in flags:
+        return "int8", "AVX512-VNNI: the 8-bit kernel runs 1.3-1.5x bfloat16's matmul rate (Zen 4)"
+    if "avx512_bf16" in flags:
+        return "bfloat16", "AVX512-BF16 multiplies bfloat16 natively"
+    if {"avx2", "fma"} <= flags:
+        return "int4", "AVX2 without AVX-512: the 4-bit kernel's integer multiply outruns float32 FMA"
+    return "float32", "no AVX2: the float32 path"

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu import default_weights
 from engine.detokenizer import IncrementalDecoder
 from engine.grammar import Grammars
 from engine.kv_cache import KVCache
@@ -63,7 +64,9 @@ class PromptTooLongError(ValueError):
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "auto"
+    weights: str = "float32"
+    """``float32`` (the library's default: the exact path); ``auto`` (the worker's: this CPU's fastest
+    format, ``engine.cpu.default_weights``), ``bfloat16``, ``int8`` or ``int4``: ``resolve_weights``."""
     kv_cache_dtype: str = "auto"
     kv_cache_bytes: int = 256 * 1024 * 1024
     kv_block_size: int = 16
@@ -153,13 +156,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_weights(weights: str, dtype: torch.dtype) -> torch.dtype:
-    """The projection weights' dtype: ``auto`` is the activations' ``dtype``; ``bfloat16``
-    also under float32 activations; ``int8`` (8-bit blocks, ``engine.quant``) and ``int4`` (4-bit
-    blocks: ``engine.quant.INT4``) under float32 activations only (the LoRA branch stays in the
-    activations' dtype)."""
+def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The projection weights' dtype: ``auto`` is this CPU's fastest format under float32
+    activations on a CPU ``device`` (``engine.cpu.default_weights``), else the activations'
+    ``dtype``; ``float32`` is the float32 path; ``bfloat16`` also under float32 activations;
+    ``int8`` (8-bit blocks, ``engine.quant``) and ``int4`` (4-bit blocks: ``engine.quant.INT4``)
+    under float32 activations only (the LoRA branch stays in the activations' dtype)."""
     if weights in ("", "auto"):
-        return dtype
+        if device is None or device.type != "cpu" or dtype != torch.float32:
+            return dtype
+        weights = default_weights()[0]
     if weights in _BLOCK_WEIGHTS:
         if dtype != torch.float32:
             raise ValueError(f"{weights} weights need float32 activations, not {str(dtype).removeprefix('torch.')}")
@@ -221,6 +227,8 @@ class Engine:
         self.metrics: Any = None
         self.info: Any = None
         """``loraplex.modelinfo.ModelInfo`` when built from settings."""
+        self.weights_reason = ""
+        """Why the base weights are in their format (``weights=auto``: the CPU's fastest; else as set)."""
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -241,7 +249,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         if device.type == "cpu":
             tune_cpu_allocator()
-        matmul_dtype = resolve_weights(config.weights, dtype)
+        matmul_dtype = resolve_weights(config.weights, dtype, device)
         weights = load_weights(path, keep_q8_0=matmul_dtype in QUANTIZED, keep_q4=matmul_dtype == INT4)
         cfg = weights.config
         limit = cfg.context_length
@@ -251,6 +259,11 @@ class Engine:
         reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
         tok = TextTokenizer.from_model_path(path, reader)
         engine = cls(model, tok, config, model_path=path)
+        if config.weights in ("", "auto"):
+            engine.weights_reason = f"auto: {default_weights()[1]}" if matmul_dtype != dtype else \
+                f"auto: the activations' dtype on {device.type}"
+        else:
+            engine.weights_reason = f"weights={config.weights}"
         release_team()  # loading ran parallel ops here: this thread's team would slow the engine's
         return engine
 

@@ -177,6 +177,11 @@ INT4 = torch.uint4
 """The ``matmul_dtype`` that stands for ``LORAPLEX_WEIGHTS=int4`` (projections in these blocks)."""
 QUANTIZED = (torch.int8, INT4)
 """The ``matmul_dtype`` values whose projections are blocks of this module (8 or 4 bits)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A ``matmul_dtype`` (or any dtype) as the settings spell it: ``int4`` for ``INT4``, ``float32``..."""
+    return "int4" if dtype == INT4 else str(dtype).removeprefix("torch.")
 Q4_0_BYTES = 2 + BLOCK // 2
 """A GGUF Q4_0 block: a float16 scale, then 16 bytes of nibbles."""
 Q4_1_BYTES = 4 + BLOCK // 2

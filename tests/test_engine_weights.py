@@ -21,6 +21,7 @@ from engine.engine import Engine, EngineConfig, resolve_weights
 from engine.linear import BF16Linear, Linear
 from engine.lora.batch import LoRABatch
 from engine.native import gemv_kernel, panel_matmul_kernel
+from engine.quant import INT4
 from engine.scoring import agreement, forced_logits
 from engine.sequence import SamplingParams, Sequence
 from engine.step_batch import build_batch
@@ -69,6 +70,47 @@ def test_weights_setting_resolves_and_refuses_what_it_cannot_serve(monkeypatch):
         resolve_weights("float32", torch.bfloat16)
     monkeypatch.setenv("LORAPLEX_WEIGHTS", "bfloat16")
     assert Settings.from_env().weights == "bfloat16"
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}, "bfloat16"),  # AMX Xeon
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}, "int8"),  # Zen 4 / Zen 5
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "int8"),  # Ice Lake, Cascade Lake
+    ({"avx2", "fma"}, "int4"),  # Zen 3, Haswell to Alder Lake
+    ({"sse2"}, "float32"),
+])
+def test_auto_weights_follow_the_cpu(monkeypatch, flags, want):
+    """``weights=auto`` is the fastest format measured for the CPU (float32 activations on CPU
+    only: CUDA and bfloat16 activations keep their dtype); the worker says which and why."""
+    import engine.cpu as cpu
+    import engine.engine as eng
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(eng, "default_weights", cpu.default_weights)
+    chosen, why = cpu.default_weights()
+    assert chosen == want and why
+    expected = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": INT4, "float32": torch.float32}[want]
+    assert resolve_weights("auto", torch.float32, torch.device("cpu")) == expected
+    assert resolve_weights("auto", torch.float32) == torch.float32  # no device named: the activations' dtype
+    assert resolve_weights("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    assert resolve_weights("float32", torch.float32, torch.device("cpu")) == torch.float32
+    assert EngineConfig().weights == "float32" and Settings().weights == "auto"
+
+
+def test_an_auto_engine_serves_this_cpus_format_and_says_why(tmp_path):
+    from engine.cpu import default_weights
+    from engine.quant import dtype_name
+    from tests.engine_fixtures import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny", "llama")
+    auto = Engine.from_path(path, EngineConfig(weights="auto", kv_cache_bytes=1 << 20, max_model_len=64))
+    chosen, why = default_weights()
+    assert dtype_name(auto.model.matmul_dtype) == chosen and auto.weights_reason == f"auto: {why}"
+    exact = Engine.from_path(path, EngineConfig(kv_cache_bytes=1 << 20, max_model_len=64))
+    assert exact.model.matmul_dtype == torch.float32 and exact.weights_reason == "weights=float32"
+    prompt = exact.tokenizer.encode("def add(a, b):")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(auto.generate([prompt], [params])[0].output_ids) == 8
 
 
 @pytest.fixture(scope="module")
