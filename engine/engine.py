@@ -64,9 +64,10 @@ class PromptTooLongError(ValueError):
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "float32"
-    """``float32`` (the library's default: the exact path); ``auto`` (the worker's: this CPU's fastest
-    format, ``engine.cpu.default_weights``), ``bfloat16``, ``int8`` or ``int4``: ``resolve_weights``."""
+    weights: str = ""
+    """``""`` (the library's default: in the activations' dtype, the exact path); ``auto`` (the worker's:
+    this CPU's fastest format, ``engine.cpu.default_weights``), ``float32``, ``bfloat16``, ``int8`` or
+    ``int4``: ``resolve_weights``."""
     kv_cache_dtype: str = "auto"
     kv_cache_bytes: int = 256 * 1024 * 1024
     kv_block_size: int = 16
@@ -157,12 +158,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
-    """The projection weights' dtype: ``auto`` is this CPU's fastest format under float32
-    activations on a CPU ``device`` (``engine.cpu.default_weights``), else the activations'
-    ``dtype``; ``float32`` is the float32 path; ``bfloat16`` also under float32 activations;
+    """The projection weights' dtype: ``""`` is the activations' ``dtype`` (the exact path);
+    ``auto`` is this CPU's fastest format under float32 activations on a CPU ``device``
+    (``engine.cpu.default_weights``), else the activations' ``dtype``; ``float32`` the float32 path; ``bfloat16`` also under float32 activations;
     ``int8`` (8-bit blocks, ``engine.quant``) and ``int4`` (4-bit blocks: ``engine.quant.INT4``)
     under float32 activations only (the LoRA branch stays in the activations' dtype)."""
-    if weights in ("", "auto"):
+    if weights == "":
+        return dtype
+    if weights == "auto":
         if device is None or device.type != "cpu" or dtype != torch.float32:
             return dtype
         weights = default_weights()[0]
@@ -259,11 +262,11 @@ class Engine:
         reader = gguf_reader(path) if str(path).endswith(".gguf") else None  # shared with the weights
         tok = TextTokenizer.from_model_path(path, reader)
         engine = cls(model, tok, config, model_path=path)
-        if config.weights in ("", "auto"):
+        if config.weights == "auto":
             engine.weights_reason = f"auto: {default_weights()[1]}" if matmul_dtype != dtype else \
                 f"auto: the activations' dtype on {device.type}"
         else:
-            engine.weights_reason = f"weights={config.weights}"
+            engine.weights_reason = f"weights={config.weights}" if config.weights else "the activations' dtype"
         release_team()  # loading ran parallel ops here: this thread's team would slow the engine's
         return engine
 

@@ -139,7 +139,7 @@ class Recorder:
 
 
 def tiny_engine(base_dir: Path, *, kv_cache_bytes: int = 4 << 20, kv_block_size: int = 16,
-                max_num_batched_tokens: int = 512, max_num_seqs: int = 32, weights: str = "float32",
+                max_num_batched_tokens: int = 512, max_num_seqs: int = 32, weights: str = "",
                 kv_cache_dtype: str = "auto") -> Any:
     from engine.engine import Engine, EngineConfig
 

@@ -170,8 +170,8 @@ async def test_health_and_metrics(client):
     h = await client.get("/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert h.json()["kv_blocks_total"] > 0
-    # What the base weights are in and why (this engine was built with the library's float32 default).
-    assert h.json()["weights"] == {"format": "float32", "why": "weights=float32", "activations": "float32",
+    # What the base weights are in and why (this engine was built with the library's default: as the activations).
+    assert h.json()["weights"] == {"format": "float32", "why": "the activations' dtype", "activations": "float32",
                                    "kv_cache": "float32"}
     m = await client.get("/metrics")
     text = m.text

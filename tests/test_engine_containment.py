@@ -138,7 +138,7 @@ def world(tmp_path_factory) -> World:
 
 
 def _engine(world: World, native: bool, kv_cache_bytes: int = 1 << 20, kv_cache_dtype: str = "auto",
-            weights: str = "float32") -> Engine:
+            weights: str = "") -> Engine:
     eng = Engine.from_path(world.base, EngineConfig(kv_cache_bytes=kv_cache_bytes, kv_block_size=16,
                                                     max_model_len=96, native_kernels=native,
                                                     kv_cache_dtype=kv_cache_dtype, weights=weights))
@@ -517,7 +517,7 @@ async def test_worker_hook_preloaded_poison_fails_only_its_requests(world, tmp_p
 
     secret = "containment-secret-0123"
     settings = Settings(home=str(tmp_path), model=str(world.base), worker_id="w-poison", device="cpu",
-                        dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=8, max_loras=4,
+                        dtype="float32", weights="float32", kv_cache_bytes=1 << 20, max_num_seqs=8, max_loras=4,
                         lora_rank_classes=(8, 16), worker_secret=secret, max_body_bytes=64 * 1024,
                         max_lora_scale=math.inf, max_lora_delta=math.inf,
                         adapter_root=str(world.poison["alpha1e38"].parent),

@@ -92,9 +92,10 @@ def test_auto_weights_follow_the_cpu(monkeypatch, flags, want):
     expected = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": INT4, "float32": torch.float32}[want]
     assert resolve_weights("auto", torch.float32, torch.device("cpu")) == expected
     assert resolve_weights("auto", torch.float32) == torch.float32  # no device named: the activations' dtype
+    assert resolve_weights("", torch.float16, torch.device("cpu")) == torch.float16  # the library's default
     assert resolve_weights("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
     assert resolve_weights("float32", torch.float32, torch.device("cpu")) == torch.float32
-    assert EngineConfig().weights == "float32" and Settings().weights == "auto"
+    assert EngineConfig().weights == "" and Settings().weights == "auto"
 
 
 def test_an_auto_engine_serves_this_cpus_format_and_says_why(tmp_path):
@@ -107,7 +108,7 @@ def test_an_auto_engine_serves_this_cpus_format_and_says_why(tmp_path):
     chosen, why = default_weights()
     assert dtype_name(auto.model.matmul_dtype) == chosen and auto.weights_reason == f"auto: {why}"
     exact = Engine.from_path(path, EngineConfig(kv_cache_bytes=1 << 20, max_model_len=64))
-    assert exact.model.matmul_dtype == torch.float32 and exact.weights_reason == "weights=float32"
+    assert exact.model.matmul_dtype == torch.float32 and exact.weights_reason == "the activations' dtype"
     prompt = exact.tokenizer.encode("def add(a, b):")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(auto.generate([prompt], [params])[0].output_ids) == 8
