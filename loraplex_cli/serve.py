@@ -153,16 +153,16 @@ def print_instructions(settings: Settings, tokens: dict[str, str]) -> None:
 # Same model name, two tenants, two adapters:
 curl -s {url}/v1/chat/completions -H "Authorization: Bearer $ACME_TOKEN" \\
   -H 'Content-Type: application/json' \\
-  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48}}'
+  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48, "temperature": 0}}'
 curl -s {url}/v1/chat/completions -H "Authorization: Bearer $GLOBEX_TOKEN" \\
   -H 'Content-Type: application/json' \\
-  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48}}'
+  -d '{{"model": "assistant", "messages": [{{"role": "user", "content": "What is the capital of Italy?"}}], "max_tokens": 48, "temperature": 0}}'
 
 # The openai client, streaming:
 .venv/bin/python -c "
 import os, openai
 c = openai.OpenAI(base_url='{url}/v1', api_key=os.environ['ACME_TOKEN'])
-for chunk in c.chat.completions.create(model='support', stream=True, max_tokens=48,
+for chunk in c.chat.completions.create(model='support', stream=True, max_tokens=48, temperature=0,
         messages=[{{'role': 'user', 'content': 'My order has not arrived.'}}]):
     print(chunk.choices[0].delta.content or '', end='', flush=True) if chunk.choices else None
 print()"
