@@ -276,7 +276,7 @@ class Gateway:
         await send({"type": "http.response.start", "status": 200,
                     "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
         call.started = True
-        result = call.streamed = StreamResult()
+        result = call.streamed = StreamResult(watch=bool(call.judged))
         await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
                         strip_chunk_usage=not req.fields.continuous_usage)
         call.usage = result.usage

@@ -216,6 +216,8 @@ class StreamResult:
     sent_bytes: int = 0
     first_token_at: float | None = None
     """``time.perf_counter()`` when the first event went to the client."""
+    watch: bool = False
+    """Note ``text`` and ``length`` (the canary judge's samples need them; other streams skip the search)."""
     text: bool = False
     """Some event carried non-empty text (``content`` or ``text``, tool-call arguments included)."""
     length: bool = False
@@ -256,10 +258,11 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
             return
         complete, buf = buf[: cut + 2], buf[cut + 2:]
         out = complete
-        if not result.text and _TEXT.search(complete):
-            result.text = True
-        if not result.length and _LENGTH in complete:
-            result.length = True
+        if result.watch:
+            if not result.text and _TEXT.search(complete):
+                result.text = True
+            if not result.length and _LENGTH in complete:
+                result.length = True
         i = complete.rfind(_COMPLETION_TOKENS)
         if i >= 0:
             n = _int_at(complete, i + len(_COMPLETION_TOKENS))
