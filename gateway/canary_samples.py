@@ -118,7 +118,8 @@ class RedisSamples:
 
 def sample(version: str, ok: bool, elapsed_s: float, ttft_s: float | None, completion_tokens: int, empty: bool,
            length: bool) -> Sample:
+    """A whole answer's TTFT is its latency, and it has no decode rate (0: not a tokens/s sample): a
+    stream's decode rate is its tokens after the first over the time after the first."""
     ttft = elapsed_s if ttft_s is None else ttft_s
-    decode_s = max(elapsed_s - ttft, 1e-3) if ttft_s is not None else max(elapsed_s, 1e-3)
-    return (time.time(), version, ok, ttft, completion_tokens / decode_s if completion_tokens > 1 else 0.0,
-            completion_tokens, empty, length)
+    tps = (completion_tokens - 1) / max(elapsed_s - ttft, 1e-3) if ttft_s is not None and completion_tokens > 1 else 0.0
+    return (time.time(), version, ok, ttft, tps, completion_tokens, empty, length)

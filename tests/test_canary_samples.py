@@ -72,7 +72,9 @@ async def test_samples_by_binding_version_and_time(store):
     arms = await store.read("acme/support", s1[0] - 1)
     assert set(arms) == {"v1", "v2"}
     assert arms["v1"].requests == 1 and arms["v1"].errors == 0 and arms["v1"].ttft == [pytest.approx(0.1)]
-    assert arms["v1"].tokens_per_s == [pytest.approx(20 / 0.4)] and arms["v1"].length == 0
+    assert arms["v1"].tokens_per_s == [pytest.approx(19 / 0.4)] and arms["v1"].length == 0
     assert arms["v2"].errors == 1 and arms["v2"].ttft == []
+    whole = sample("v3", True, 0.5, None, 20, False, False)  # a whole answer: its latency, no decode rate
+    assert whole[3] == 0.5 and whole[4] == 0.0
     assert await store.read("acme/support", s2[0] + 1) == {}  # only what came after the step began
     assert (await store.read("globex/support", 0))["v1"].length == 1
