@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -195,7 +196,5 @@ class CanaryJudge:
         return {"tenant": tenant, "alias": alias, **judgement}
 
 
-def _dt(epoch: float) -> Any:
-    from datetime import UTC, datetime
-
+def _dt(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, UTC)

@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from registry.errors import Invalid, NotFound
-from registry.models import Binding, CanaryPolicy, utcnow
+from registry.models import AdapterVersion, Binding, CanaryPolicy, utcnow
 
 PROPORTION_TESTS = ("two-proportion-z", "fisher-exact")
 SAMPLE_TESTS = ("mann-whitney-u",)
@@ -130,8 +130,6 @@ class CanaryPolicies:
         return row
 
     async def _labels(self, session: Any, ids: list[str | None]) -> dict[str, str]:
-        from registry.models import AdapterVersion
-
         wanted = [i for i in ids if i]
         if not wanted:
             return {}
