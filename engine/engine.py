@@ -651,13 +651,28 @@ class Engine:
     def running_thread(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _team(self, threads: int) -> int:
+        """Compute threads for the next step: ``threads`` less one per adapter load in flight
+        (up to the loader threads) on CPU. The loaders then run on cores of their own instead of
+        beside a full OpenMP team, where a descheduled team thread holds the others at every
+        barrier: a burst of cold adapters loads about twice as fast, and its first tokens come
+        sooner, for slower steps only while loads run."""
+        rt = self.lora_runtime
+        if rt is None or threads <= 1 or self.model.device.type != "cpu":
+            return threads
+        return threads - min(rt.manager.loading(), rt.manager.loader_threads, threads - 1)
+
     def _loop(self) -> None:
+        threads = torch.get_num_threads()
         while True:
             with self._wake:
                 while not self._stopping and not self.scheduler.has_work():
                     self._wake.wait(0.5)
                 if self._stopping:
                     return
+            team = self._team(threads)
+            if team != torch.get_num_threads():
+                torch.set_num_threads(team)
             try:
                 progressed = self.step()
             except Exception:

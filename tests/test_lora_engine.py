@@ -96,3 +96,59 @@ def test_engine_mixed_batch_matches_peft_per_adapter(tmp_path):
             ids.append(int(ref.argmax()))
         assert seq.output_ids == ids[len(prompt):], name
     rt.manager.close()
+
+
+def test_a_cold_burst_loads_adapters_together_and_starts_each_request_when_its_own_is_in(tmp_path):
+    """Four cold adapters at once on a running engine: two loads must be in flight together
+    (each waits at a barrier for the other), the requests on loaded adapters run to the end
+    while a third adapter's load is still held, and the engine gives a core back to the loaders
+    while they run."""
+    import threading
+
+    from engine.sequence import SamplingParams
+
+    specs = {n: {"r": 8, "lora_alpha": 16, "target_modules": ALL} for n in ("a", "b", "slow", "d")}
+    _peft, dirs = _peft_model(tmp_path, specs)
+    base_dir = tmp_path / "base"
+    _save_base(base_dir)
+    engine = Engine.from_path(base_dir, EngineConfig(kv_cache_bytes=4 * 1024 * 1024, max_model_len=64))
+    bank = SlotBank.for_model(TINY, (8,), slots_per_class=4)
+    manager = AdapterManager(TINY, bank, max_loras=4, cache_dir=str(tmp_path / "cache"), loader_threads=2)
+    rt = LoRARuntime(manager)
+    engine.lora_runtime = rt
+    engine.scheduler.policy = rt
+    together = threading.Barrier(2, timeout=30)
+    release_slow = threading.Event()
+    read_dir = manager._read_dir
+
+    def gated(ref, directory):
+        if ref.name in ("a", "b"):
+            together.wait()  # BrokenBarrierError (a failed load) unless both loads run at once
+        if ref.name == "slow":
+            assert release_slow.wait(60)
+        return read_dir(ref, directory)
+
+    manager._read_dir = gated
+    refs = {n: AdapterRef(id=f"id-{n}", name=n, uri=d.as_uri()) for n, d in dirs.items()}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.start()
+    try:
+        seqs = {n: engine.add_request([1, 2, 3, 4], params, adapter=refs[n]) for n in ("a", "b", "slow", "d")}
+        deadline = time.monotonic() + 60
+        while not all(seqs[n].is_finished for n in ("a", "b", "d")):
+            assert time.monotonic() < deadline, "requests on loaded adapters did not finish"
+            time.sleep(0.01)
+        assert all(seqs[n].finish_reason == "length" for n in ("a", "b", "d")), \
+            {n: (s.finish_reason, s.error) for n, s in seqs.items()}
+        assert not seqs["slow"].is_finished and manager.loading() == 1
+        assert engine._team(2) == 1 and engine._team(1) == 1, "one core to the load in flight"
+        release_slow.set()
+        while not seqs["slow"].is_finished:
+            assert time.monotonic() < deadline, "the held adapter's request did not finish once loaded"
+            time.sleep(0.01)
+        assert seqs["slow"].finish_reason == "length" and len(seqs["slow"].output_ids) == 6
+        assert manager.loading() == 0 and engine._team(2) == 2
+    finally:
+        release_slow.set()
+        engine.close()
+        manager.close()

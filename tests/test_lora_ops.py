@@ -434,3 +434,32 @@ def test_native_flag_keeps_lora_batches_on_torch(monkeypatch):
     if native_usable(out):
         LoRABatch.build(bank, [1, -1]).apply(0, "q_proj", torch.randn(2, 8), out)
         assert calls == [1]
+
+
+def test_a_slot_image_fills_a_slot_exactly_as_the_weights_do():
+    """The loader builds an adapter's slot image off the engine thread; writing it must leave the
+    slot as writing the weights does: padded to the class rank, B transposed, scales and
+    presence per layer, projections it lacks zeroed (over a previous tenant's values)."""
+    g = torch.Generator().manual_seed(5)
+    shapes = {"q_proj": (32, 48), "v_proj": (32, 16), "down_proj": (40, 32)}
+    old = _random_weights(g, 3, shapes, 16, tuple(shapes), 2.0)
+    w = _random_weights(g, 3, shapes, 12, ("q_proj", "down_proj"), 0.75)
+    del w.modules[(1, "down_proj")]  # a layer the adapter leaves alone
+    by_weights = SlotBank(3, shapes, rank_classes=(8, 16), slots_per_class=2, weights_dtype=torch.bfloat16)
+    by_image = SlotBank(3, shapes, rank_classes=(8, 16), slots_per_class=2, weights_dtype=torch.bfloat16)
+    for bank in (by_weights, by_image):
+        bank.write(2, old)
+    by_weights.write(2, w)
+    img = by_image.image(w)
+    assert img.class_index == 1 and set(img.a) == {"q_proj", "down_proj"} and img.a["q_proj"].dtype == torch.bfloat16
+    by_image.write(2, img)
+    for layer in range(3):
+        for proj in shapes:
+            for x, y in zip(by_weights.stacks(1, layer, proj), by_image.stacks(1, layer, proj), strict=True):
+                assert torch.equal(x, y), (layer, proj)
+        assert by_image.layers_with_module(1, "down_proj", [0]) == [True, False, True]
+    assert by_image.layers_with_module(1, "v_proj", [0]) == [False, False, False]
+    with pytest.raises(ValueError, match="rank class 16 cannot fill slot 0"):
+        by_image.write(0, img)
+    with pytest.raises(RankTooLarge):
+        by_image.image(w, class_index=0)

@@ -36,8 +36,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from engine.lora.peft import AdapterFormatError, LoRAWeights, load_adapter_files
-from engine.lora.slots import NonFiniteAdapter, RankTooLarge, SlotBank, check_finite
+from engine.lora.peft import AdapterFormatError, load_adapter_files
+from engine.lora.slots import NonFiniteAdapter, RankTooLarge, SlotBank, SlotImage, check_finite
 from engine.lora.sources import (
     AdapterFetchError,
     DiskCache,
@@ -136,7 +136,8 @@ class AdapterState:
 @dataclass
 class _Entry:
     ref: AdapterRef
-    weights: LoRAWeights | None = None
+    weights: SlotImage | None = None
+    """In host memory, laid out for its slot (built on a loader thread)."""
     future: Future[None] | None = None
     error: str | None = None
     failed_at: float = 0.0
@@ -166,6 +167,7 @@ class AdapterManager:
         self.bank = bank
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
+        self.loader_threads = loader_threads
         self.stats = LoRAStats()
         self.disk = DiskCache(cache_dir, max_bytes=cache_max_bytes,
                               on_evict=self._disk_evicted) if cache_dir else None
@@ -256,6 +258,11 @@ class AdapterManager:
                 "disk": self.disk.count() if self.disk else 0}
 
     # --- loading ---------------------------------------------------------------------------
+    def loading(self) -> int:
+        """Loads in flight (read, decoded and checked on the loader threads)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.future is not None)
+
     def prefetch(self, ref: AdapterRef) -> None:
         """Start loading ``ref`` into host memory in the background (no-op if present or loading)."""
         with self._lock:
@@ -306,7 +313,7 @@ class AdapterManager:
             self._observe(tier, seconds)
             self._evict_host(keep=ref.id)
 
-    def _read(self, ref: AdapterRef) -> tuple[LoRAWeights, str, float]:
+    def _read(self, ref: AdapterRef) -> tuple[SlotImage, str, float]:
         t0 = time.perf_counter()
         if ref.base_revision and ref.base_revision != self.model.revision:
             raise AdapterFetchError(f"adapter {ref.name or ref.id} was registered for base revision "
@@ -329,15 +336,13 @@ class AdapterManager:
         weights = self._read_dir(ref, self.disk.fill(ref, source))
         return weights, "source", time.perf_counter() - t0
 
-    def _read_dir(self, ref: AdapterRef, directory: Path) -> LoRAWeights:
+    def _read_dir(self, ref: AdapterRef, directory: Path) -> SlotImage:
         contents = read_verified(ref, directory)  # parsed below from exactly the verified bytes
         weights = load_adapter_files(contents, self.model, dtype=self.weights_dtype,
                                      projections=self.bank.projections, limits=self.limits)
-        self.bank.class_of_rank(weights.rank)  # refuses ranks above the largest class
         check_finite(weights, self.bank.weights_dtype)  # a slot write can then never overflow
-        if self._pin_host:
-            weights = weights.pin_memory()
-        return weights
+        image = self.bank.image(weights)  # refuses ranks above the largest class
+        return image.pin_memory() if self._pin_host else image
 
     def _disk_evicted(self, name: str, nbytes: int) -> None:
         with self._lock:
@@ -408,7 +413,7 @@ class AdapterManager:
 
     def _place(self, e: _Entry, protect: set[str]) -> None:
         assert e.weights is not None
-        c = self.bank.class_of_rank(e.weights.rank)
+        c = e.weights.class_index
         if self._free[c]:
             slot = self._free[c].pop(0)
         else:

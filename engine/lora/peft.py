@@ -8,6 +8,7 @@ Anything not reproducible exactly is refused (:class:`AdapterFormatError`); the 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -120,6 +121,12 @@ def read_files(path: str | Path) -> dict[str, bytes]:
     return out
 
 
+def peak(t: torch.Tensor) -> float:
+    """``max |t|`` (0 for an empty tensor): NaN where ``t`` holds a NaN, inf where it holds an Inf.
+    One pass, and about five times quicker than ``isfinite(t).all()`` on CPU."""
+    return float(t.abs().amax()) if t.numel() else 0.0
+
+
 def parse_tensors(data: bytes) -> dict[str, torch.Tensor]:
     """Tensors of ``adapter_model.safetensors`` from its bytes."""
     from safetensors import SafetensorError
@@ -151,6 +158,7 @@ def _build_weights(config: LoraConfig, tensors: Mapping[str, torch.Tensor], mode
     allowed = set(projections)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}
+    peaks: dict[tuple[int, str, str], float] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None:
@@ -170,9 +178,11 @@ def _build_weights(config: LoraConfig, tensors: Mapping[str, torch.Tensor], mode
             raise AdapterFormatError(f"{key!r} has non-float dtype {tensor.dtype}")
         if tensor.dim() != 2:
             raise AdapterFormatError(f"{key!r} must be 2-D, has shape {tuple(tensor.shape)}")
-        if not bool(torch.isfinite(tensor).all()):
+        top = peak(tensor)
+        if not math.isfinite(top):
             raise AdapterFormatError(f"{key!r} contains NaN or Inf")
         halves.setdefault((layer, proj), {})[m["ab"]] = tensor
+        peaks[(layer, proj, m["ab"])] = top
         names[(layer, proj)] = module
 
     if not halves:
@@ -198,7 +208,7 @@ def _build_weights(config: LoraConfig, tensors: Mapping[str, torch.Tensor], mode
                 f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match rank {r} "
                 f"and the base projection (in={fan_in}, out={fan_out}); expected "
                 f"[{r}, {fan_in}] / [{fan_out}, {r}]")
-        check_delta(module, scale, r, float(a.abs().max()), float(b.abs().max()), config.limits)
+        check_delta(module, scale, r, peaks[(layer, proj, "A")], peaks[(layer, proj, "B")], config.limits)
         modules[(layer, proj)] = LoRAModule(a.to(dtype).contiguous(), b.to(dtype).contiguous(), float(scale))
     rank = max(mod.rank for mod in modules.values())
     return LoRAWeights(modules=modules, rank=rank, config=dict(config.raw))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.lora.peft import LoRAWeights
+from engine.lora.peft import LoRAWeights, peak
 from loraplex.modelinfo import PROJECTIONS, ModelInfo
 
 
@@ -29,8 +29,9 @@ class NonFiniteAdapter(ValueError):
 def check_finite(weights: LoRAWeights, dtype: torch.dtype, *, tensors: bool = True) -> None:
     """Refuse (:class:`NonFiniteAdapter`) an adapter a slot of ``dtype`` cannot hold finitely:
     per module the scale (alpha/r or alpha/sqrt(r), patterns applied), ``A`` and ``scale * B``
-    must all be finite in ``dtype``. ``tensors=False``: the scales only (no pass over the
-    weights; what a slot write needs so that it never overflows half-way)."""
+    must all be finite in ``dtype`` (each tensor's peak within the dtype's range: a value past
+    it would round to Inf). ``tensors=False``: the scales only (no pass over the weights; what a
+    slot write needs so that it never overflows half-way)."""
     top = torch.finfo(dtype).max
     name = str(dtype).removeprefix("torch.")
     for (layer, proj), mod in sorted(weights.modules.items()):
@@ -40,13 +41,38 @@ def check_finite(weights: LoRAWeights, dtype: torch.dtype, *, tensors: bool = Tr
             raise NonFiniteAdapter(f"{where}: LoRA scale {scale:g} (lora_alpha / r) is not finite in {name}")
         if not tensors:
             continue
-        if not bool(torch.isfinite(mod.a.to(dtype)).all()):
+        if not peak(mod.a) <= top:  # NaN compares false
             raise NonFiniteAdapter(f"{where}: lora_A holds values that are NaN or Inf in {name}")
-        b = mod.b.to(dtype)
-        if not bool(torch.isfinite(b).all()):
+        b = peak(mod.b)
+        if not b <= top:
             raise NonFiniteAdapter(f"{where}: lora_B holds values that are NaN or Inf in {name}")
-        if b.numel() and float(b.abs().amax()) * abs(scale) > top:
+        if b * abs(scale) > top:
             raise NonFiniteAdapter(f"{where}: lora_B scaled by {scale:g} (lora_alpha / r) overflows {name}")
+
+
+@dataclass
+class SlotImage:
+    """An adapter laid out as a slot of its rank class holds it: per targeted projection ``A``
+    ``[L, r_c, in]`` and ``B^T`` ``[L, r_c, out]`` in the bank's weights dtype, zero-padded to
+    the class rank, with the per-layer scales and presence. Built by the loader threads
+    (:meth:`SlotBank.image`), so that placing an adapter in a slot is a few contiguous copies on
+    the engine thread instead of a copy, transpose and conversion per module."""
+
+    rank: int
+    class_index: int
+    a: dict[str, torch.Tensor]
+    bt: dict[str, torch.Tensor]
+    scale: dict[str, torch.Tensor]
+    present: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.a, self.bt, self.scale) for t in d.values())
+
+    def pin_memory(self) -> SlotImage:
+        """A copy in page-locked memory (host-to-GPU copies can then run asynchronously)."""
+        pin = {k: {p: t.pin_memory() for p, t in d.items()} for k, d in
+               (("a", self.a), ("bt", self.bt), ("scale", self.scale))}
+        return SlotImage(self.rank, self.class_index, pin["a"], pin["bt"], pin["scale"], self.present)
 
 
 @dataclass
@@ -169,29 +195,59 @@ class SlotBank:
             value = self._derived[k] = make()
         return value
 
-    def write(self, slot: int, weights: LoRAWeights) -> None:
-        """Copy an adapter into ``slot`` (zero-padded to the class rank; other modules zeroed).
-        Shapes and scales are checked before the slot is touched; the weights' values are
-        the loader's to check (:func:`check_finite`)."""
-        c, i = self.split(slot)
-        rc = self.rank_classes[c]
+    def image(self, weights: LoRAWeights, class_index: int | None = None) -> SlotImage:
+        """``weights`` laid out for a slot of rank class ``class_index`` (default: the smallest
+        that holds them; see :class:`SlotImage`). Shapes and scales are checked here; the
+        weights' values are the loader's to check (:func:`check_finite`)."""
+        c = self.class_of_rank(weights.rank) if class_index is None else class_index
+        rc, L = self.rank_classes[c], self.num_layers
         if weights.rank > rc:
-            raise RankTooLarge(f"rank {weights.rank} does not fit slot {slot} (rank class {rc})")
+            raise RankTooLarge(f"rank {weights.rank} does not fit rank class {rc}")
         for (layer, proj) in weights.modules:
             if proj not in self.shapes:
                 raise ValueError(f"projection {proj!r} has no slot storage (bank holds {self.projections})")
             if not 0 <= layer < self.num_layers:
                 raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer bank")
         check_finite(weights, self.weights_dtype, tensors=False)
-        st = self._class(c, need=i + 1)
-        self.clear(slot)
-        non_blocking = self.device.type == "cuda"
+        projs = sorted({proj for _, proj in weights.modules})
+        wkw = {"dtype": self.weights_dtype}
+        img = SlotImage(weights.rank, c,
+                        a={p: torch.zeros(L, rc, self.shapes[p][0], **wkw) for p in projs},
+                        bt={p: torch.zeros(L, rc, self.shapes[p][1], **wkw) for p in projs},
+                        scale={p: torch.zeros(L, dtype=self.dtype) for p in projs},
+                        present={p: torch.zeros(L, dtype=torch.bool) for p in projs})
         for (layer, proj), mod in weights.modules.items():
             r = mod.rank
-            st.a[proj][layer, i, :r].copy_(mod.a, non_blocking=non_blocking)
-            st.bt[proj][layer, i, :r].copy_(mod.b.T, non_blocking=non_blocking)
-            st.scale[proj][layer, i] = mod.scale
-            st.present[proj][layer, i] = True
+            img.a[proj][layer, :r].copy_(mod.a)
+            img.bt[proj][layer, :r].copy_(mod.b.T)
+        for p in projs:
+            layers = [layer for (layer, proj) in weights.modules if proj == p]
+            img.scale[p][layers] = torch.tensor([float(weights.modules[(layer, p)].scale) for layer in layers],
+                                                dtype=self.dtype)
+            img.present[p][layers] = True
+        return img
+
+    def write(self, slot: int, weights: LoRAWeights | SlotImage) -> None:
+        """Copy an adapter (or its :meth:`image`) into ``slot``; the projections it does not
+        adapt are zeroed. An image is checked when it is made, not here."""
+        c, i = self.split(slot)
+        img = weights if isinstance(weights, SlotImage) else self.image(weights, c)
+        if img.class_index != c:
+            raise ValueError(f"an image for rank class {self.rank_classes[img.class_index]} cannot fill slot {slot} "
+                             f"(rank class {self.rank_classes[c]})")
+        st = self._class(c, need=i + 1)
+        non_blocking = self.device.type == "cuda"
+        for p in self.shapes:
+            if p in img.a:
+                st.a[p][:, i].copy_(img.a[p], non_blocking=non_blocking)
+                st.bt[p][:, i].copy_(img.bt[p], non_blocking=non_blocking)
+                st.scale[p][:, i].copy_(img.scale[p], non_blocking=non_blocking)
+                st.present[p][:, i].copy_(img.present[p])
+            else:
+                st.a[p][:, i].zero_()
+                st.bt[p][:, i].zero_()
+                st.scale[p][:, i] = 0
+                st.present[p][:, i] = False
 
     def clear(self, slot: int) -> None:
         c, i = self.split(slot)
