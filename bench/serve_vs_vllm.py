@@ -7,12 +7,16 @@ adapters, rank 16, all seven projections), same load for every server, one serve
 (streamed, with ``stream_options.continuous_usage_stats`` so every chunk counts its tokens).
 Cases: prompt-heavy (100-token prompt, 64 new) and decode-heavy (16-token prompt, 256 new),
 each for the base model and 1, 8 and 32 distinct adapters (client ``i`` uses adapter
-``i mod n``), and one client with one adapter (16-token prompt, 128 new).
+``i mod n``), one client with one adapter (16-token prompt, 128 new), and a cold burst
+(``decode-heavy/32-cold``): on the server that just ran the 32-adapter cases, 32 clients at once
+each send one decode-heavy request for an adapter of a second set of 32 that no server has seen
+(on disk, registered, never loaded): its TTFT p50/p99 are over those 32 first requests, its
+tokens/s from the burst's start until the last answer ends.
 
 * ``worker``: ``loraplex worker`` in its own process at its defaults (float32 activations; base
-  weights ``auto``: the CPU's fastest, ``engine.cpu.default_weights``: bfloat16 on AMX, else int8
-  on AVX512-VNNI, else bfloat16 where the CPU multiplies it natively, else int4 on AVX2, else
-  float32; ``--worker-weights`` sets another), driven over HTTP;
+  weights ``auto``: the CPU's fastest, ``engine.cpu.default_weights``: bfloat16 where the CPU
+  multiplies it natively, else int8 on AVX512-VNNI, else int4 on AVX2, else float32;
+  ``--worker-weights`` sets another), driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 where
   the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for
   the adapter cases, without LoRA for the base cases;
@@ -92,13 +96,16 @@ class Case:
     adapters: int
     """Distinct adapters (0: the base model)."""
     clients: int
+    cold: bool = False
+    """One request per client, each for an adapter of the cold set (see the module's docstring)."""
 
 
 def all_cases(clients: int) -> list[Case]:
     cases = [Case(f"{load}/{'base' if n == 0 else n}", prompt, new, n, clients)
              for load, prompt, new in (("prompt-heavy", 100, 64), ("decode-heavy", 16, 256))
              for n in (0, 1, 8, 32)]
-    return [*cases, Case("single", 16, 128, 1, 1)]
+    return [*cases, Case("single", 16, 128, 1, 1), Case("decode-heavy/32-cold", 16, 256, NUM_ADAPTERS, clients,
+                                                        cold=True)]
 
 
 @dataclass
@@ -158,11 +165,13 @@ def counter_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def requests_of(case: Case, vocab: int) -> Callable[[int, int], tuple[list[int], int | None]]:
-    """``(client, k) -> (prompt ids, adapter index or None)`` for the ``k``-th request of a client."""
+    """``(client, k) -> (prompt ids, adapter index or None)`` for the ``k``-th request of a client;
+    a cold case's adapters are the second set's (indices ``NUM_ADAPTERS`` and up)."""
     prompts = make_prompts(PROMPT_POOL, case.prompt, vocab, seed=case.prompt * 7 + case.new)
+    first = NUM_ADAPTERS if case.cold else 0
 
     def pick(client: int, k: int) -> tuple[list[int], int | None]:
-        return prompts[(client * 101 + k) % PROMPT_POOL], (client % case.adapters if case.adapters else None)
+        return prompts[(client * 101 + k) % PROMPT_POOL], (first + client % case.adapters if case.adapters else None)
 
     return pick
 
@@ -253,7 +262,7 @@ class VLLMServer(Server):
                "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(clients),
                "--uvicorn-log-level", "warning"]
         if adapters:
-            cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-cpu-loras", str(len(adapters)),
+            cmd += ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(len(adapters)),
                     "--max-lora-rank", str(RANK), "--lora-modules", *(f"a{i:03d}={d}" for i, d in enumerate(adapters))]
         self.spawn(cmd, env)
 
@@ -298,11 +307,26 @@ async def warm(server: Server, case: Case, vocab: int) -> None:
     run (compiled, where a server compiles) before measuring."""
     import aiohttp
 
-    pick = requests_of(case, vocab)
+    pick = requests_of(warm_case(case), vocab)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         jobs = [_one(session, server, server.body(pick(i, 0)[0], 4, pick(i, 0)[1]), None, lambda: False)
                 for i in range(max(case.clients, case.adapters))]
         await asyncio.gather(*jobs)
+
+
+def warm_case(case: Case) -> Case:
+    """What warms a case: itself, or for a cold one the same load on the warm set."""
+    return Case(case.name, case.prompt, case.new, case.adapters, case.clients)
+
+
+def burst_tally() -> Tally:
+    """A cold burst counts from its start to its last token (``t1`` is set when it ends)."""
+    return Tally(time.monotonic(), float("inf"))
+
+
+def end_burst(tally: Tally) -> dict[str, Any]:
+    tally.t1 = time.monotonic()
+    return tally.result()
 
 
 async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seconds: float) -> dict[str, Any]:
@@ -310,9 +334,15 @@ async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seco
 
     pick = requests_of(case, vocab)
     start = time.monotonic()
-    tally = Tally(start + warmup, start + warmup + seconds)
+    tally = burst_tally() if case.cold else Tally(start + warmup, start + warmup + seconds)
 
     async def client(i: int, session: Any) -> None:
+        if case.cold:
+            prompt, adapter = pick(i, 0)
+            tally.sent()
+            got = await _one(session, server, server.body(prompt, case.new, adapter), tally, lambda: False)
+            tally.wrong_lengths += got != case.new
+            return
         k = 0
         while time.monotonic() < tally.t1:
             prompt, adapter = pick(i, k)
@@ -324,7 +354,7 @@ async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seco
                 tally.wrong_lengths += 1
 
     async def scrape(session: Any) -> None:
-        if not isinstance(server, WorkerServer):
+        if not isinstance(server, WorkerServer) or case.cold:
             return
         seen = []
         for t in (tally.t0, tally.t1):
@@ -338,7 +368,7 @@ async def drive_http(server: Server, case: Case, vocab: int, warmup: float, seco
         outcomes = await asyncio.gather(scrape(session), *(client(i, session) for i in range(case.clients)),
                                         return_exceptions=True)
     tally.errors = [repr(o) for o in outcomes if isinstance(o, BaseException)]
-    return tally.result()
+    return end_burst(tally) if case.cold else tally.result()
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -351,7 +381,7 @@ def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup
     pick = requests_of(case, vocab)
     params = SamplingParams(max_tokens=case.new, temperature=0.0, ignore_eos=True)
     start = time.monotonic()
-    tally = Tally(start + warmup, start + warmup + seconds)
+    tally = burst_tally() if case.cold else Tally(start + warmup, start + warmup + seconds)
     sent_seqs: list[Any] = []
     lock = threading.Lock()
     done = threading.Event()
@@ -377,7 +407,7 @@ def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup
                 if ev.finished and state["seen"] != case.new and now < tally.t1:
                     tally.wrong_lengths += 1
                 state["gone"] = True
-                if now < tally.t1:
+                if now < tally.t1 and not case.cold:
                     send(i, k + 1)
                     return
                 with lock:
@@ -398,11 +428,14 @@ def drive_inprocess(engine: Any, refs: list[Any], case: Case, vocab: int, warmup
         tally.steps = counter_delta(*seen)
 
     scraper = threading.Thread(target=scrape, name="bench-scrape", daemon=True)
-    scraper.start()
+    if not case.cold:
+        scraper.start()
     for i in range(case.clients):
         send(i, 0)
     if not done.wait(warmup + seconds + 900):
         raise RuntimeError("in-process clients did not finish")
+    if case.cold:
+        return end_burst(tally)
     with lock:
         stragglers = list(sent_seqs)
     for seq in stragglers:  # dropped at their first token after the window (no-op for the finished)
@@ -500,7 +533,7 @@ def _inprocess_case(engine: Any, refs: list[Any], case: Case, vocab: int, args: 
     from engine.sequence import SamplingParams
 
     warm_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    pick = requests_of(case, vocab)
+    pick = requests_of(warm_case(case), vocab)
     seqs = [engine.add_request(pick(i, 0)[0], warm_params,
                                adapter=None if pick(i, 0)[1] is None else refs[pick(i, 0)[1]])
             for i in range(max(case.clients, case.adapters))]
@@ -635,7 +668,7 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     info = describe_model(model)
     vocab = info.vocab_size
     adapter_root = tmp / "adapters"
-    dirs = write_adapters(adapter_root, info, NUM_ADAPTERS, RANK, list(PROJECTIONS), seed=17,
+    dirs = write_adapters(adapter_root, info, 2 * NUM_ADAPTERS, RANK, list(PROJECTIONS), seed=17,
                           base_name=str(model))
     refs = [AdapterRef(id=f"bench-{d.name}", name=f"{d.name}@1", uri=d.as_uri(), sha256=digest_directory(d),
                        rank=RANK) for d in dirs]

@@ -74,7 +74,7 @@ def test_weights_setting_resolves_and_refuses_what_it_cannot_serve(monkeypatch):
 
 @pytest.mark.parametrize(("flags", "want"), [
     ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}, "bfloat16"),  # AMX Xeon
-    ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}, "int8"),  # Zen 4 / Zen 5
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}, "bfloat16"),  # Zen 4 / Zen 5
     ({"avx2", "fma", "avx512f", "avx512_vnni"}, "int8"),  # Ice Lake, Cascade Lake
     ({"avx2", "fma"}, "int4"),  # Zen 3, Haswell to Alder Lake
     ({"sse2"}, "float32"),
