@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
+from gateway import responses_api
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
@@ -93,6 +94,8 @@ class Gateway:
         """Where judged requests leave their samples (None: no canary judge reads them)."""
         """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.responses_store: Any = None
+        """``registry.responses.ResponseStore`` (None: no registry database, nothing is stored)."""
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes
@@ -132,7 +135,16 @@ class Gateway:
     async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
         """One completion request: ``_serve`` runs the stages; every way it can end is answered
         here, and ``_finish`` settles and logs it."""
-        call = _Call(scope["headers"], chat)
+        await self._handle(_Call(scope["headers"], chat), scope, receive, send)
+
+    async def responses(self, scope: Any, receive: Any, send: Any) -> None:
+        """``POST /v1/responses``: a chat completion in and out of the Responses shapes
+        (``gateway.responses_api``), on the same stages."""
+        call = _Call(scope["headers"], True)
+        call.route = "responses"
+        await self._handle(call, scope, receive, send)
+
+    async def _handle(self, call: _Call, scope: Any, receive: Any, send: Any) -> None:
         try:
             if scope["method"] != "POST":
                 raise GatewayError(405, "use POST", code="method_not_allowed")
@@ -158,7 +170,14 @@ class Gateway:
         snapshot = self._snapshot()
         tenant = self.auth.tenant(call.authorization, snapshot)
         call.tenant = tenant.slug
-        req = self._parse(await self._read_body(receive, call.declared), call.chat)
+        raw = await self._read_body(receive, call.declared)
+        if call.route == "responses":
+            s = self.settings
+            call.turn, body = await responses_api.begin(raw, tenant.slug, self.responses_store,
+                                                        s.response_max_chain, s.max_body_bytes)
+            req = validate(body, chat=True, max_tokens_cap=s.max_tokens_cap)
+        else:
+            req = self._parse(raw, call.chat)
         call.alias = req.model
         call.streaming = req.stream
         res = self._resolve(call, snapshot, tenant, req)
@@ -262,7 +281,7 @@ class Gateway:
             call.headers[HDR_WORKER] = call.worker
             try:
                 if req.stream and opened.response.status == 200:
-                    await self._relay(call, send, req, opened)
+                    await (self._relay_turn if call.turn is not None else self._relay)(call, send, req, opened)
                 else:
                     await self._answer(call, send, opened)
             finally:
@@ -288,6 +307,37 @@ class Gateway:
         call.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _relay_turn(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
+        """A streamed Responses turn: the chat stream as Responses events, kept before it completes."""
+        call.status = 200
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
+        call.started = True
+        result = call.streamed = StreamResult(watch=bool(call.judged))
+        assert call.turn is not None
+        await responses_api.relay(call.turn, call.alias, opened, send, result,
+                                  lambda: self._keep(call))
+        call.usage = result.usage
+        if result.first_token_at is not None:
+            self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
+        if result.error or result.worker_error:
+            call.status = 502
+            self.metrics.upstream_failure(call.worker)
+        call.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _keep(self, call: _Call) -> str | None:
+        """Store a Responses turn's answer; why it could not be (the request then fails: 503, or a
+        failed response at the end of a stream)."""
+        assert call.turn is not None
+        try:
+            await responses_api.keep(call.turn, self.responses_store, call.tenant, call.label)
+        except Exception:
+            log.exception("storing response %s failed", call.turn.id)
+            call.status = 503
+            return "the response could not be stored; retry, or send it with store: false"
+        return None
+
     async def _answer(self, call: _Call, send: Any, opened: Opened) -> None:
         """A whole answer (or the worker's error): passed on as it is, a worker's 5xx as our 502."""
         content = opened.first if opened.chunks is None else await read_rest(opened)
@@ -296,6 +346,11 @@ class Gateway:
             call.usage = usage_of(content)
             if call.judged:
                 call.finish = finish_of(content)
+            if call.turn is not None:
+                content = responses_api.whole(call.turn, call.alias, content)
+                problem = await self._keep(call)
+                if problem is not None:
+                    raise GatewayError(503, problem, code="store_unavailable")
         elif status >= 500:
             status = call.status = 502
             content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))
@@ -358,6 +413,7 @@ class Gateway:
                 log.exception("settling the reservation of %s failed", call.request_id)
         elapsed = time.perf_counter() - call.t0
         self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
+        self.metrics.route(call.route, call.status)
         if call.judged and self.canary is not None and call.status != 499 and (
                 call.upstream != _NOT_SENT or call.status >= 500):  # a client's 4xx is not the version's doing
             self._sample(call, elapsed, ct)
@@ -367,6 +423,7 @@ class Gateway:
                 "ts": round(now, 3), "request_id": call.request_id, "tenant": call.tenant, "alias": call.alias,
                 "adapter": call.label, "worker": call.worker, "prompt_tokens": pt, "completion_tokens": ct,
                 "status": call.status, "latency_ms": round(elapsed * 1000, 3), "stream": call.streaming,
+                "route": call.route,
             }).decode(), now)
 
 
@@ -374,13 +431,17 @@ class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
     __slots__ = ("alias", "authorization", "chat", "declared", "finish", "finished", "guard", "headers", "judged",
-                 "label", "lease", "path", "plan", "request_id", "started", "status", "streamed", "streaming", "t0",
-                 "tenant", "upstream", "usage", "version", "worker")
+                 "label", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
+                 "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
 
     def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
         self.t0 = time.perf_counter()
         self.chat = chat
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        """What the worker is sent (a Responses turn goes as a chat completion)."""
+        self.route = "chat" if chat else "completions"
+        """What the client called: chat, completions or responses (logged and counted)."""
+        self.turn: responses_api.Turn | None = None
         self.authorization: str | None = None
         self.declared: int | None = None
         request_id = None
@@ -518,6 +579,18 @@ def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
     return out
 
 
+async def _purge_responses(store: Any, every_s: float = 60.0, batch: int = 500) -> None:
+    """Remove expired stored Responses, ``batch`` rows a statement, every replica (idempotent)."""
+    while True:
+        await asyncio.sleep(every_s * random.uniform(0.5, 1.0))
+        try:
+            removed = batch
+            while removed == batch:  # another batch while the last one was full
+                removed = await store.purge(batch)
+        except Exception as exc:
+            log.warning("removing expired responses failed (retried): %s", exc)
+
+
 async def _flush_access_log(every_s: float = 1.0) -> None:
     """Flush buffered access-log handlers (``loraplex gateway`` buffers the per-request lines)."""
     while True:
@@ -632,6 +705,10 @@ class _Sweeper:
 
 
 _HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+SERVED_PATHS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
+                "GET|DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "GET /v1/models",
+                "GET /v1/models/{model}")
+"""What a client may call (an unknown path's 404 lists them)."""
 """The two hot routes (path -> chat?)."""
 
 
@@ -649,6 +726,9 @@ class GatewayApp(Starlette):
             chat = _HOT_ROUTES.get(scope["path"])
             if chat is not None:
                 await self.gateway.completions(scope, receive, send, chat=chat)
+                return
+            if scope["path"] == "/v1/responses":
+                await self.gateway.responses(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
@@ -729,16 +809,37 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     if redis is not None:
         gw.traffic = AdapterTraffic(redis, settings.redis_prefix)
     gw.canary = RedisSamples(redis, settings.redis_prefix) if redis is not None else MemorySamples()
+    if not settings.registry_snapshot_file:  # the registry database keeps stored Responses
+        from registry.responses import ResponseStore
+
+        gw.responses_store = ResponseStore(settings)
+
+    def model_entries(request: Request) -> list[dict[str, Any]]:
+        """The models the caller's tenant may name, in ``/v1/models``' shape (GatewayError: refused)."""
+        snapshot = gw._snapshot()
+        tenant = gw.auth.tenant(request.headers.get("authorization"), snapshot)
+        return [{"id": name, "object": "model", "created": 0, "owned_by": tenant.slug if name in tenant.bindings
+                 else "loraplex"} for name in gw.resolver.models(snapshot, tenant)]
 
     async def models(request: Request) -> Response:
         try:
-            snapshot = gw._snapshot()
-            tenant = gw.auth.tenant(request.headers.get("authorization"), snapshot)
+            data = model_entries(request)
         except GatewayError as err:
-            return Response(err.body(), status_code=err.status, media_type="application/json")
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": tenant.slug if name in tenant.bindings
-                 else "loraplex"} for name in gw.resolver.models(snapshot, tenant)]
+            return _error(err.status, err.message, err.code, err.headers)
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    async def model(request: Request) -> Response:
+        """One entry of the caller's ``/v1/models``; any other id (another tenant's alias included)
+        is the same 404."""
+        name = request.path_params["model"]
+        try:
+            found = [m for m in model_entries(request) if m["id"] == name]
+        except GatewayError as err:
+            return _error(err.status, err.message, err.code, err.headers)
+        if not found:
+            return _error(404, f"The model '{name}' does not exist or you do not have access to it.",
+                          "model_not_found")
+        return Response(orjson.dumps(found[0]), media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -767,7 +868,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
-        return _error(status, "not found" if status == 404 else str(getattr(exc, "detail", "error")))
+        if status == 404:
+            return _error(404, f"Invalid URL ({request.method} {request.url.path}): the gateway does not serve "
+                               f"this path (it serves {', '.join(SERVED_PATHS)})", "unsupported_path")
+        return _error(status, str(getattr(exc, "detail", "error")))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
@@ -791,13 +895,15 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
         lag = asyncio.create_task(gw.metrics.watch_loop_lag(), name="loop-lag")
         samples = asyncio.create_task(gw.canary.run(), name="canary-samples") if gw.canary else None
+        purging = asyncio.create_task(_purge_responses(gw.responses_store), name="responses-purge") \
+            if gw.responses_store is not None else None
         judging = asyncio.create_task(judge.run(), name="canary-judge") if judge is not None else None
         try:
             yield
         finally:
             flusher.cancel()
             lag.cancel()
-            for task in (samples, judging):
+            for task in (samples, judging, purging):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):
@@ -820,11 +926,15 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 await redis.aclose()
             if admin_service is not None:
                 await admin_service.close()
+            if gw.responses_store is not None:
+                await gw.responses_store.close()
 
     from starlette.exceptions import HTTPException
 
     routes: list[Any] = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        *responses_api.routes(gw, gw.responses_store),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]

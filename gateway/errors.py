@@ -35,6 +35,8 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        if status == 401:  # RFC 6750: how to authenticate
+            self.headers.setdefault("WWW-Authenticate", "Bearer")
         self.type = type or _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> bytes:

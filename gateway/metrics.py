@@ -132,6 +132,8 @@ class GatewayMetrics:
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
+        self.routes = Counter("loraplex_gateway_route_requests", "Requests by the API route the client called "
+                              "(chat, completions, responses) and status class", ["route", "code"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
         self.workers = Gauge("loraplex_gateway_workers", "Workers this replica routes to (fresh residency reports, "
                              "or static URLs)", registry=r)
@@ -172,6 +174,9 @@ class GatewayMetrics:
         s.completion += completion_tokens
         if status >= 400:
             s.errors += 1
+
+    def route(self, route: str, status: int) -> None:
+        self.routes.labels(route, status_class(status)).inc()
 
     def first_token(self, tenant: str, adapter: str, seconds: float) -> None:
         self.ttft.labels(self.tenant_cap(tenant or "-"), self.adapter_cap(adapter or "-")).observe(seconds)

@@ -120,6 +120,13 @@ class Settings:
     """Request bodies larger than this are refused with 413."""
     max_tokens_cap: int = 8192
     """Largest ``max_tokens`` a request may ask for (above: 400)."""
+    response_retention_s: int = 30 * 86400
+    """How long a stored Response (``POST /v1/responses`` with ``store``) is kept for tenants without a
+    retention of their own; expired ones are removed in the background."""
+    response_max_retention_s: int = 90 * 86400
+    """The longest any tenant's stored Responses are kept."""
+    response_max_chain: int = 100
+    """Responses one ``previous_response_id`` chain may hold; a longer one is refused (400)."""
     default_max_tokens: int = 1024
     """``max_tokens`` filled in (and reserved against the tokens/min limit) when a request omits it,
     capped by the context room and what the tenant's tokens/min allows."""

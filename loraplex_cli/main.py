@@ -41,7 +41,11 @@ def missing_engine_modules() -> list[str]:
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
+    from loraplex import __version__
+
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
+    return parser
 
 
 EXIT_BROKEN_PIPE = 141

@@ -93,7 +93,9 @@ ROW_VERSION = {"type": "integer", "minimum": 0,
 
 LIMITS = {"requests_per_min": INT, "tokens_per_min": INT, "max_concurrent": INT, "priority": PRIORITY}
 TENANT_CREATE = _obj({"slug": STR, **LIMITS}, ("slug",))
-TENANT_LIMITS = _obj({**LIMITS, "row_version": ROW_VERSION})
+RETENTION = {"type": "integer", "minimum": 0,
+             "description": "seconds this tenant's stored Responses are kept (capped by response_max_retention_s)"}
+TENANT_LIMITS = _obj({**LIMITS, "response_retention_s": RETENTION, "row_version": ROW_VERSION})
 BASE_MODEL_CREATE = {
     "oneOf": [
         _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS}},
@@ -143,7 +145,8 @@ BINDING_TOGGLE = _obj({"on_disabled": {**ON_DISABLED, "description": "while disa
                         "row_version": ROW_VERSION})
 
 RESPONSES: dict[str, dict[str, Any]] = {
-    "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "row_version": INT, "created_at": STR,
+    "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "response_retention_s": {"type": ["integer", "null"]},
+                    "row_version": INT, "created_at": STR,
                     "updated_at": STR}),
     "BaseModel": _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS},
                        "created_at": STR}),

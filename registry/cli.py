@@ -224,8 +224,11 @@ def _percent_arg(value: str) -> float:
 # --- admin: handlers ---------------------------------------------------------------------------------
 
 def _limits_body(args: argparse.Namespace) -> dict[str, Any]:
-    return {"requests_per_min": args.requests_per_min, "tokens_per_min": args.tokens_per_min,
+    body = {"requests_per_min": args.requests_per_min, "tokens_per_min": args.tokens_per_min,
             "max_concurrent": args.max_concurrent, "priority": args.priority}
+    if getattr(args, "response_retention_s", None) is not None:
+        body["response_retention_s"] = args.response_retention_s
+    return body
 
 
 def _b(args: argparse.Namespace, suffix: str = "") -> str:
@@ -692,6 +695,8 @@ def register(subparsers: Any) -> None:
     p = leaf(t, "limits", tenant_limits, "change a tenant's limits or priority (only the options given)")
     p.add_argument("slug")
     limit_args(p, False)
+    p.add_argument("--response-retention-s", type=int, help="seconds the tenant's stored Responses are kept "
+                   "(default: LORAPLEX_RESPONSE_RETENTION_S; at most LORAPLEX_RESPONSE_MAX_RETENTION_S)")
 
     bm = group("base-model", "register and list base models")
     p = leaf(bm, "add", base_model_add, "register a base model",

@@ -99,6 +99,9 @@ class Tenant(Base):
     tokens_per_min: Mapped[int] = mapped_column(Integer, nullable=False, default=100_000)
     max_concurrent: Mapped[int] = mapped_column(Integer, nullable=False, default=16)
     priority: Mapped[str] = mapped_column(String(16), nullable=False, default="normal")
+    response_retention_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """How long stored Responses are kept (None: ``Settings.response_retention_s``; capped by
+    ``Settings.response_max_retention_s``)."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default=text("1"))
@@ -217,3 +220,27 @@ class CanaryPolicy(Base):
     row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+
+
+class StoredResponse(Base):
+    """A Response kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (``store``),
+    scoped to its tenant and removed once ``expires_at`` passes (``registry.responses``)."""
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_expires_at", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
+    """The tenant's slug (tenants are disabled, never deleted; no foreign key on the hot write)."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    previous_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    depth: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    """Responses in its chain, itself included."""
+    model: Mapped[str] = mapped_column(String(200), nullable=False)
+    adapter: Mapped[str] = mapped_column(String(300), nullable=False)
+    """The version that answered (``name@version``, or ``base``)."""
+    response: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    input_items: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
+    context: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
+    """The items before this turn's input, oldest first (a continuation replays them)."""

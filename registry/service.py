@@ -103,7 +103,7 @@ def _iso(value: datetime | None) -> str | None:
 def tenant_dict(t: Tenant) -> dict[str, Any]:
     return {"slug": t.slug, "status": t.status, "requests_per_min": t.requests_per_min,
             "tokens_per_min": t.tokens_per_min, "max_concurrent": t.max_concurrent, "priority": t.priority,
-            "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
+            "response_retention_s": t.response_retention_s, "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
 
 
 def base_model_dict(b: BaseModelRow) -> dict[str, Any]:
@@ -409,18 +409,18 @@ class RegistryService:
 
     async def set_tenant_limits(self, slug: str, *, requests_per_min: int | None = None,
                                 tokens_per_min: int | None = None, max_concurrent: int | None = None,
-                                priority: str | None = None, actor: str = "admin",
-                                if_match: int | None = None) -> dict:
+                                priority: str | None = None, response_retention_s: int | None = None,
+                                actor: str = "admin", if_match: int | None = None) -> dict:
         changes: dict[str, Any] = {}
         for key, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
-                           ("max_concurrent", max_concurrent)):
+                           ("max_concurrent", max_concurrent), ("response_retention_s", response_retention_s)):
             if value is not None:
                 changes[key] = _limit(value, key)
         if priority is not None:
             changes["priority"] = _priority(priority)
         if not changes:
-            raise Invalid("give at least one of requests_per_min, tokens_per_min, max_concurrent, priority",
-                          code="nothing_to_change")
+            raise Invalid("give at least one of requests_per_min, tokens_per_min, max_concurrent, priority, "
+                          "response_retention_s", code="nothing_to_change")
 
         async def op(tx: _Tx) -> dict:
             row = await self._tenant(tx.session, slug, lock=True)

@@ -154,7 +154,9 @@ class Stub:
     async def _complete(self, body: dict[str, Any], path: str, receive: Any, send: Any) -> None:
         ext = body.get("loraplex") or {}
         self.exts.append({"ext": ext, "model": body.get("model"), "stream": body.get("stream", False),
-                          "stream_options": body.get("stream_options"), "max_tokens": body.get("max_tokens")})
+                          "stream_options": body.get("stream_options"), "max_tokens": body.get("max_tokens"),
+                          **{k: body[k] for k in ("messages", "tools", "tool_choice", "response_format",
+                                                  "temperature") if k in body}})
         adapter = (ext.get("adapter") or {}).get("id") or "base"
         self.adapters[adapter] += 1
         meta = body.get("metadata") or {}

@@ -177,6 +177,44 @@ def test_burst_never_admits_more_than_the_limit(system):
     assert spent <= 2000 + math.ceil(elapsed * 2000 / 60)  # the capacity plus what refilled meanwhile
 
 
+def test_responses_are_reserved_and_settled_exactly_under_concurrency(system, access):
+    """64 Responses turns at once (half streamed) on a 2,000 tokens/min tenant: never more admitted
+    than the limit, and each admitted turn settled at exactly the usage it reported."""
+    sys_, _ = system
+
+    async def turn(ac: httpx.AsyncClient, i: int) -> tuple[httpx.Response, str]:
+        rid = uuid.uuid4().hex
+        body = {"model": "support", "input": f"question {i}", "max_output_tokens": 90 + i, "store": False,
+                "stream": bool(i % 2)}
+        return await ac.post("/v1/responses", json=body, headers=sys_.headers("burst", rid)), rid
+
+    import asyncio
+
+    async def burst() -> list[tuple[httpx.Response, str]]:
+        async with httpx.AsyncClient(base_url=sys_.server.url, timeout=30) as ac:
+            return await asyncio.gather(*(turn(ac, i) for i in range(64)))
+
+    t0 = time.monotonic()
+    rs = asyncio.run(burst())
+    elapsed = time.monotonic() - t0
+    ok = [(r, rid) for r, rid in rs if r.status_code == 200]
+    assert ok and len(ok) < 64 and all(r.status_code in (200, 429) for r, _ in rs)
+    totals = []
+    for r, rid in ok:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            done = json.loads([ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")][-1])
+            assert done["type"] == "response.completed"
+            usage = done["response"]["usage"]
+        else:
+            usage = r.json()["usage"]
+        line = access.of(rid)
+        assert line["route"] == "responses"
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (usage["input_tokens"], usage["output_tokens"])
+        totals.append(usage["total_tokens"])
+    assert sorted(sys_.settled("burst")) == sorted(totals)
+    assert sum(totals) <= 2000 + math.ceil(elapsed * 2000 / 60)
+
+
 def test_small_limit_tenant_without_max_tokens_is_served(system, stub, tiny_tok):
     sys_, c = system
     r = c.post("/v1/chat/completions", json={"model": "support", "messages": HI}, headers=sys_.headers("small"))

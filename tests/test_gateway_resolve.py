@@ -109,6 +109,35 @@ async def test_models_lists_own_aliases_and_base_only():
         assert (await env.client.get("/v1/models")).status_code == 401
 
 
+async def test_a_model_is_retrieved_by_its_id_and_another_tenants_alias_is_not_found():
+    async with Env() as env:
+        r = await env.client.get("/v1/models/support", headers=env.headers())
+        assert r.status_code == 200 and r.json() == {"id": "support", "object": "model", "created": 0,
+                                                     "owned_by": "acme"}
+        assert (await env.client.get("/v1/models/smol", headers=env.headers())).json()["owned_by"] == "loraplex"
+        theirs = await env.client.get("/v1/models/secret", headers=env.headers())  # globex's alias
+        missing = await env.client.get("/v1/models/no-such-model", headers=env.headers())
+        for r, name in ((theirs, "secret"), (missing, "no-such-model")):
+            assert r.status_code == 404
+            assert r.json()["error"] == {"message": f"The model '{name}' does not exist or you do not have access "
+                                                    f"to it.", "type": "not_found_error", "param": None,
+                                         "code": "model_not_found"}
+        r = await env.client.get("/v1/models/support")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
+async def test_an_unknown_path_is_refused_as_unsupported_and_a_401_says_bearer():
+    async with Env() as env:
+        r = await env.client.post("/v1/embeddings", headers=env.headers(), json={"input": "x"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_path"
+        assert "POST /v1/embeddings" in r.json()["error"]["message"]
+        assert "POST /v1/chat/completions" in r.json()["error"]["message"]
+        r = await env.client.post("/v1/chat/completions", json={"model": "support", "messages": []})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = await env.client.get("/v1/models", headers={"authorization": "Bearer not-a-token"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
 async def test_canary_share_and_stickiness_through_the_gateway():
     async with Env() as env:
         n = 2000
