@@ -32,9 +32,9 @@ def vllm_python() -> str:
 
 
 def vllm_args(python: str, model: Path, port: int, *, max_loras: int = 8, max_cpu_loras: int = 32,
-              max_num_seqs: int = 32) -> list[str]:
+              max_num_seqs: int = 32, dtype: str = "float32") -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", "1024", "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
             "--compilation-config", '{"mode": 0}', "--enable-lora", "--max-loras", str(max_loras),
             "--max-lora-rank", "64", "--max-cpu-loras", str(max_cpu_loras)]
