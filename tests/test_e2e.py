@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import time
 import uuid
 from collections import Counter
@@ -208,6 +209,72 @@ def test_openai_client_chat_completions_and_streaming(cluster):
     assert "".join(pieces) == _chat(cluster, "acme", "assistant", max_tokens=24).json()[
         "choices"][0]["message"]["content"]
     assert usage is not None and usage.completion_tokens > 0
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def test_responses_continue_on_another_gateway_and_survive_a_restart_of_both(cluster):
+    """The Responses API with the official client on PostgreSQL: a conversation started on one
+    gateway continues on the other (streamed), json_schema and a function tool's round trip work on
+    the demo model, and everything stored survives both gateways restarting."""
+    import openai
+
+    def client(gw: int, tenant: str = "acme") -> openai.OpenAI:
+        return openai.OpenAI(base_url=cluster.gateways[gw].url + "/v1", api_key=cluster.token(tenant),
+                             max_retries=0)
+
+    first = client(0).responses.create(model="assistant", input="What is the capital of Italy?",
+                                       instructions="Answer in one sentence.", temperature=0, max_output_tokens=24)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    chat = _chat(cluster, "acme", "assistant", max_tokens=24, messages=[
+        {"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "What is the capital of Italy?"}])
+    assert first.output_text == chat.json()["choices"][0]["message"]["content"], "the same greedy answer as chat"
+    events = list(client(1).responses.create(model="assistant", input="And of France?", temperature=0,
+                                             max_output_tokens=16, previous_response_id=first.id, stream=True))
+    done = events[-1]
+    assert done.type in ("response.completed", "response.incomplete") and done.response.previous_response_id == first.id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.response.output_text
+    assert done.response.usage.input_tokens > first.usage.input_tokens  # the first turn was replayed
+    second = done.response
+    assert client(0).models.retrieve("assistant").id == "assistant"
+
+    shaped = client(1).responses.create(model="assistant", input="Name a city.", temperature=0, max_output_tokens=48,
+                                        text={"format": {"type": "json_schema", "name": "city", "strict": True,
+                                                         "schema": WEATHER["parameters"]}})
+    assert set(json.loads(shaped.output_text)) == {"city"}
+    called = client(0).responses.create(model="assistant", input="What is the weather in Paris?", tools=[WEATHER],
+                                        tool_choice="required", temperature=0, max_output_tokens=48)
+    call = next(o for o in called.output if o.type == "function_call")
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    answered = client(1).responses.create(model="assistant", previous_response_id=called.id, tools=[WEATHER],
+                                          temperature=0, max_output_tokens=24, input=[
+                                              {"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "sunny, 21 C"}])
+    assert answered.output_text
+
+    for gw in cluster.gateways:
+        gw.kill(signal.SIGTERM)
+    cluster.gateways.clear()
+    cluster.add_gateway("g1")
+    cluster.add_gateway("g2")
+    cluster.wait_ready()
+    for gw in (0, 1):
+        assert client(gw).responses.retrieve(second.id).output_text == second.output_text
+    items = client(1).responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "message", "message"]
+    later = client(1).responses.create(model="assistant", input="Thanks.", previous_response_id=second.id,
+                                       temperature=0, max_output_tokens=8)
+    assert later.previous_response_id == second.id
+    with pytest.raises(openai.NotFoundError):
+        client(0, "globex").responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client(0, "globex").responses.create(model="assistant", input="x", previous_response_id=second.id)
+    client(0).responses.delete(later.id)
+    with pytest.raises(openai.NotFoundError):
+        client(1).responses.retrieve(later.id)
 
 
 def test_killing_a_worker_moves_traffic_and_loses_nothing_silently(cluster):

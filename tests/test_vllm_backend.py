@@ -183,6 +183,23 @@ def test_rows_of_a_mixed_batch_equal_each_request_alone(fleet):
     _report_peft_agreement(fleet, texts)
 
 
+def test_responses_reach_vllm_through_the_agent_and_continue(fleet):
+    """The Responses API in front of vLLM: a turn is vLLM's chat answer, a streamed continuation
+    replays the stored first turn, and the stored responses read back."""
+    import openai
+
+    c = openai.OpenAI(base_url=fleet.gateway.url + "/v1", api_key=fleet.cluster.token("iso"), max_retries=0)
+    first = c.responses.create(model="r8_all", input=PROMPTS[0], temperature=0, max_output_tokens=8)
+    assert first.output_text == fleet.vllm_chat(fleet.ids["r8_all"], PROMPTS[0])
+    events = list(c.responses.create(model="r8_all", input=PROMPTS[1], temperature=0, max_output_tokens=8,
+                                     previous_response_id=first.id, stream=True))
+    done = events[-1].response
+    assert events[-1].type in ("response.completed", "response.incomplete") and done.output_text
+    assert done.usage.input_tokens > first.usage.input_tokens
+    assert c.responses.retrieve(done.id).output_text == done.output_text
+    assert [i.role for i in c.responses.input_items.list(done.id, order="asc").data] == ["user", "assistant", "user"]
+
+
 def _report_peft_agreement(fleet: Fleet, texts: dict[str, tuple[str, ...]]) -> None:
     """Print how many rows vLLM's greedy text equals PEFT's (transformers, float32, the same
     weights) on: reported, not gated (vLLM-CPU computes in its own kernels)."""
