@@ -108,6 +108,8 @@ def read_request(body: Any) -> ResponsesRequest:
     if fmt is not None:
         chat["response_format"] = fmt
     echo = {k: body.get(k) for k in ECHOED}
+    echo["metadata"] = body.get("metadata") or {}
+    echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     echo["tools"] = body.get("tools") or []
     echo["tool_choice"] = body.get("tool_choice", "auto")
     echo["text"] = body.get("text") or {"format": {"type": "text"}}

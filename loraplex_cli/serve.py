@@ -167,6 +167,14 @@ for chunk in c.chat.completions.create(model='support', stream=True, max_tokens=
     print(chunk.choices[0].delta.content or '', end='', flush=True) if chunk.choices else None
 print()"
 
+# The Responses API, a conversation kept by the gateway:
+.venv/bin/python -c "
+import os, openai
+c = openai.OpenAI(base_url='{url}/v1', api_key=os.environ['ACME_TOKEN'])
+r = c.responses.create(model='assistant', input='What is the capital of Italy?', temperature=0)
+print(r.output_text)
+print(c.responses.create(model='assistant', input='And of France?', temperature=0, previous_response_id=r.id).output_text)"
+
 # Operate it (admin token minted from the local secret):
 .venv/bin/loraplex admin binding list
 .venv/bin/loraplex admin audit --limit 10
