@@ -93,7 +93,7 @@ def read_request(body: Any) -> ResponsesRequest:
             raise _bad(f"'{name}' must be a boolean", name)
     _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"model": model, "stream": stream}
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"),
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"), ("metadata", "metadata"),
                      ("max_output_tokens", "max_tokens"), ("stop", "stop"), ("seed", "seed"),
                      ("parallel_tool_calls", "parallel_tool_calls")):
         if body.get(src) is not None:

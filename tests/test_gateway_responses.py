@@ -203,3 +203,71 @@ def test_metrics_name_the_route_and_a_401_says_bearer(system):
     r = httpx.post(gw.url + "/v1/responses", json={"model": "support", "input": "x"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert json.loads(r.text)["error"]["type"] == "authentication_error"
+
+
+def test_a_chain_past_its_limit_and_a_conversation_past_the_body_limit_are_refused(system):
+    s, gw, _w, _db = system
+    c = client(system)
+    gateway = gw.app.gateway
+    try:
+        gateway.settings = s.replace(response_max_chain=2, max_body_bytes=4000)
+        one = c.responses.create(model="support", input="first")
+        two = c.responses.create(model="support", input="second", previous_response_id=one.id)
+        before = rows(system)
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.responses.create(model="support", input="third", previous_response_id=two.id)
+        assert (exc.value.body["code"], exc.value.body["param"]) == ("chain_too_long", "previous_response_id")
+        big = c.responses.create(model="support", input="x" * 2500)
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.responses.create(model="support", input="y" * 2500, previous_response_id=big.id)
+        assert (exc.value.body["code"], exc.value.body["param"]) == ("input_too_large", "input")
+        assert rows(system) == before + 1
+    finally:
+        gateway.settings = s
+
+
+def test_a_client_that_leaves_a_stream_cancels_the_worker_and_nothing_is_kept(system):
+    _s, gw, worker, _db = system
+    cancelled = worker.stats()["cancelled"]
+    before = rows(system)
+    headers = {"authorization": f"Bearer {mint(system[0], 'u', tenant='acme')}"}
+    with httpx.stream("POST", gw.url + "/v1/responses", headers=headers, timeout=30, json={
+            "model": "support", "input": "slowly", "stream": True, "metadata": {"stub_chunk_delay": "0.5"}}) as r:
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # leave after the first token
+    deadline = time.monotonic() + 10
+    while worker.stats()["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the worker's request was not cancelled"
+        time.sleep(0.05)
+    assert rows(system) == before
+
+
+async def test_the_store_is_per_tenant_and_expired_rows_are_purged(tmp_path):
+    from sqlalchemy import text
+
+    from registry.responses import ResponseStore, retention_s
+
+    db = f"sqlite+aiosqlite:///{tmp_path / 'r.db'}"
+    await fresh_registry(db)
+    s = Settings(database_url=db, response_retention_s=600, response_max_retention_s=3600)
+    assert (retention_s(s, None), retention_s(s, 10), retention_s(s, 10**9)) == (600, 10, 3600)
+    store = ResponseStore(s)
+    try:
+        for i, tenant in enumerate(("acme", "acme", "globex")):
+            await store.put(tenant=tenant, response={"id": f"resp_{i}", "model": "m", "output": []},
+                            input_items=[], context=[], previous=None, adapter="a@1")
+        assert (await store.get("acme", "resp_0")) is not None and (await store.get("globex", "resp_0")) is None
+        assert not await store.delete("globex", "resp_0")
+        async with store._session.begin() as session:
+            await session.execute(text("update responses set expires_at = '2000-01-01 00:00:00' where id != 'resp_1'"))
+        assert (await store.get("acme", "resp_0")) is None, "an expired response reads as missing"
+        assert await store.purge(batch=1) == 1 and await store.purge(batch=1) == 1 and await store.purge() == 0
+        assert (await store.get("acme", "resp_1")) is not None
+        none = ResponseStore(s.replace(response_max_retention_s=0))
+        await none.put(tenant="acme", response={"id": "resp_x", "model": "m", "output": []}, input_items=[],
+                       context=[], previous=None, adapter="a@1")
+        assert (await store.get("acme", "resp_x")) is None, "no retention: nothing is written"
+        await none.close()
+    finally:
+        await store.close()
