@@ -99,3 +99,43 @@ def test_engine_imports_neither_gateway_nor_registry():
     top = _top(_modules_after("import engine.api, engine.engine, engine.internal_api, engine.reporter, "
                               "engine.warmstart, engine.lora.manager, engine.cli"))
     assert not top & {"gateway", "registry", "loraplex_cli"}
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports anywhere in its source (function
+    bodies included: a deferred import is a dependency too)."""
+    mods = {}
+    for pkg in ("engine", "gateway", "registry", "loraplex", "loraplex_cli"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = f
+    graph: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                            for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_module_imports_its_way_back_to_itself():
+    """The import picture has no circle (``engine.lora.ops`` and ``triton_ops`` share the step's
+    plan through ``engine.lora.plan``, not through each other)."""
+    graph = _project_imports()
+    assert graph["engine.lora.triton_ops"] >= {"engine.lora.plan"}, "the check must see deferred imports"
+    circles = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, circles[:5]

@@ -38,7 +38,8 @@ def case_id(case: tuple) -> str:
 def run_case(tokens: int, num_slots: int, rank: int, fin: int, fout: int, layout: str, kernel: str,
              device: str) -> None:
     from engine.lora import triton_ops
-    from engine.lora.ops import SegmentPlan, lora_apply, lora_reference
+    from engine.lora.ops import lora_apply, lora_reference
+    from engine.lora.plan import SegmentPlan
 
     g = torch.Generator().manual_seed(tokens + rank)
     a = torch.randn(num_slots, rank, fin, generator=g)
@@ -108,7 +109,7 @@ def test_triton_matches_torch(case, interpreted):
 
 def test_kernel_choice():
     from engine.lora import triton_ops
-    from engine.lora.ops import SegmentPlan
+    from engine.lora.plan import SegmentPlan
 
     assert triton_ops.choose_kernel(SegmentPlan.build(torch.arange(8))) == "bgmv"
     assert triton_ops.choose_kernel(SegmentPlan.build(torch.zeros(64, dtype=torch.int64))) == "sgmv"

@@ -1,7 +1,7 @@
 """The per-step LoRA context the model forward calls: ``batch.apply_many(layer, x, targets)``.
 
 Built once per engine step from the per-token slot ids (``-1`` = base row). It splits
-the tokens by rank class, builds one :class:`~engine.lora.ops.SegmentPlan` per class
+the tokens by rank class, builds one :class:`~engine.lora.plan.SegmentPlan` per class
 present, picks the op path per class (on CPU once per step, not per call), and notes
 which (layer, projection) pairs no adapter in the batch touches so those calls cost
 nothing. Projections that read the same input (q/k/v, gate/up) are applied together:
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.lora.ops import SegmentPlan, choose_path, lora_apply, native_max_tokens
+from engine.lora.ops import choose_path, lora_apply, native_max_tokens
+from engine.lora.plan import SegmentPlan
 from engine.lora.slots import SlotBank
 from engine.native import LoRASteps, lora_rows_kernel
 

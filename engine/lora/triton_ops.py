@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.lora.ops import SegmentPlan
+from engine.lora.plan import SegmentPlan
 
 BLOCK_M = 16
 BLOCK_K = 32
