@@ -99,6 +99,16 @@ class LoraConfig:
             return True
         return _matches(self.target_modules, module)
 
+    @property
+    def local_base(self) -> bool:
+        """``base_model_name_or_path`` is a path on the training machine (what PEFT writes after
+        training from a local copy: ``/home/me/models/base``, ``./base``, ``C:\\models``), not a hub
+        id (``org/Model`` or ``Model``): it names no model, so the registration's base decides and
+        the adapter's shapes are the check."""
+        name = (self.base_model_name_or_path or "").rstrip("/\\")
+        return bool(name) and (name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in name
+                               or re.match(r"^[A-Za-z]:", name) is not None or name.count("/") >= 2)
+
     def names_base(self, name: str) -> bool:
         """Whether ``base_model_name_or_path`` (empty: unknown) names the base model ``name``:
         the last path component, case-insensitively (a hub id ``org/Model`` names ``Model``)."""

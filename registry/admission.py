@@ -234,10 +234,13 @@ def _check_config(cfg: LoraConfig, base: BaseDims, settings: Settings, carried_f
     if carried_from is not None and cfg.names_base(carried_from.name) and \
             cfg.base_model_revision in (None, carried_from.revision):
         return
-    if not cfg.names_base(base.name):
+    if not cfg.names_base(base.name) and not cfg.local_base:
         raise AdmissionError("base_model_mismatch",
-                             f"adapter was trained on {cfg.base_model_name_or_path!r}, not on the base model "
-                             f"{base.name!r} it is registered against")
+                             f"adapter_config.json says it was trained on {cfg.base_model_name_or_path!r}, not on "
+                             f"the base model {base.name!r} it is registered against: register it against the base "
+                             f"model it was trained on, or correct base_model_name_or_path (a local path there, "
+                             f"as PEFT writes after local training, is accepted: the --base-model given at "
+                             f"registration decides and the adapter's shapes are checked against it)")
     if cfg.base_model_revision is not None and cfg.base_model_revision != base.revision:
         raise AdmissionError("base_revision_mismatch",
                              f"adapter was trained on base revision {cfg.base_model_revision!r}; the registry's "

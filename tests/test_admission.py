@@ -152,6 +152,9 @@ CASES: dict[str, tuple[dict, Callable[[Path], None] | None, str | None, str]] = 
                           "shape_mismatch"),
     "other_base_hub_id": ({"config": {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}}, None, None,
                           "base_model_mismatch"),
+    "local_path_other_base_shapes": ({"info": OTHER, "config": {"base_model_name_or_path": "/home/me/train/base",
+                                                                "base_model_revision": TINY.revision}}, None, None,
+                                     "shape_mismatch"),
     "alpha_1e38": ({"alpha": 1e38}, None, None, "scale_too_large"),
     "alpha_1e300": ({"alpha": 1e300}, None, None, "scale_too_large"),
     "alpha_nan": ({"alpha": float("nan")}, None, None, "bad_config"),
@@ -215,6 +218,22 @@ def test_bad_adapter_is_refused(settings, case):
         admit(uri, TINY, settings)
     assert exc.value.code == code, exc.value.message
     assert exc.value.message
+
+
+@pytest.mark.parametrize("path", ["/home/me/train/outputs/base", "./base", "../models/base", "~/models/base",
+                                  "C:\\models\\base", "outputs/run-3/base-model"])
+def test_a_local_training_path_is_accepted_for_the_registered_base_and_a_hub_id_is_not(settings, path):
+    """PEFT writes the training machine's path when it trained from a local copy: it names no
+    model, so the base given at registration decides (the shapes are the check); a hub id that
+    names another model is refused, and the refusal says what to do."""
+    write_adapter(root(settings) / "local", TINY, config={"base_model_name_or_path": path})
+    assert admit("local", TINY, settings).rank == 4
+    write_adapter(root(settings) / "hub", TINY, config={"base_model_name_or_path": "meta-llama/Llama-3.1-8B"})
+    with pytest.raises(AdmissionError) as exc:
+        admit("hub", TINY, settings)
+    assert exc.value.code == "base_model_mismatch"
+    assert "register it against the base model it was trained on" in exc.value.message
+    assert "a local path there" in exc.value.message
 
 
 def test_oversized_adapter_is_refused(settings):

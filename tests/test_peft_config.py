@@ -109,6 +109,15 @@ def test_base_model_name_forms(declared, registered, same):
     assert parse_config({**BASE, "base_model_name_or_path": declared}).names_base(registered) is same
 
 
+@pytest.mark.parametrize(("declared", "local"), [
+    ("/home/me/train/base", True), ("./base", True), ("../base/", True), ("~/m", True), ("C:\\m\\base", True),
+    ("runs/3/base", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", False), ("SmolLM2-135M-Instruct", False),
+    ("", False),
+])
+def test_a_local_training_path_is_told_from_a_hub_id(declared, local):
+    assert parse_config({**BASE, "base_model_name_or_path": declared}).local_base is local
+
+
 def test_settings_give_the_limits():
     s = Settings.from_env({"LORAPLEX_MAX_LORA_SCALE": "32", "LORAPLEX_MAX_LORA_DELTA": "1000",
                            "LORAPLEX_MAX_LORA_RANK": "16"})
