@@ -1,8 +1,8 @@
 """``loraplex config``: every setting, its variable, its effective value and what it means.
 
 The descriptions are the attribute docstrings in ``loraplex/settings.py``, so the
-reference printed here (and the README's table, made by ``--markdown``) cannot drift
-from the code.
+reference printed here (and ``docs/configuration.md``, which is ``--markdown``'s output,
+checked by a test) cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -45,6 +45,31 @@ def field_docs() -> dict[str, tuple[str, str]]:
     return docs
 
 
+MARKDOWN_HEAD = """# Configuration
+
+Every setting is a `LORAPLEX_*` environment variable (or a field of `loraplex.settings.Settings`).
+`loraplex config` prints each one's effective value (`-v` with its meaning, `--json`); this page
+is `loraplex config --markdown > docs/configuration.md`, the defaults and the meanings written in
+`loraplex/settings.py` (a test keeps it current).
+"""
+
+
+def reference_markdown() -> str:
+    """``docs/configuration.md``: every setting by section, its default and its meaning."""
+    docs = field_docs()
+    defaults = Settings(home="./.loraplex")
+    out = [MARKDOWN_HEAD]
+    section = None
+    for f in dataclasses.fields(Settings):
+        sec, doc = docs.get(f.name, ("", ""))
+        if sec != section:
+            section = sec
+            out.append(f"\n**{sec}**\n\n| variable | default | meaning |\n|---|---|---|\n")
+        default = _show(f.name, getattr(defaults, f.name)) if f.name not in SECRET_FIELDS else "(development value)"
+        out.append(f"| `{PREFIX}{f.name.upper()}` | {f'`{default}`' if default else '(empty)'} | {doc} |\n")
+    return "".join(out)
+
+
 def _show(name: str, value: Any) -> str:
     if is_development_secret(name, value):
         return f"(development default — set {PREFIX}{name.upper()})"
@@ -63,14 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({env: value for _, env, value, _, _ in rows}, indent=2))
     elif args.markdown:
-        defaults = Settings(home="./.loraplex")
-        section = None
-        for name, env, _, sec, doc in rows:
-            if sec != section:
-                section = sec
-                print(f"\n**{sec}**\n\n| variable | default | meaning |\n|---|---|---|")
-            default = _show(name, getattr(defaults, name)) if name not in SECRET_FIELDS else "(development value)"
-            print(f"| `{env}` | {f'`{default}`' if default else '(empty)'} | {doc} |")
+        print(reference_markdown(), end="")
     else:
         width = max(len(env) for _, env, *_ in rows)
         for _, env, value, _, doc in rows:

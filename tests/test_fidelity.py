@@ -7,7 +7,7 @@ GGUF in each weights format (one mixed-adapter batch) and through vLLM's CPU bui
 for this CPU (bfloat16 where the CPU multiplies bfloat16 natively, else float32) with the same
 adapters. A row counts when its 16 tokens equal the reference's.
 
-Prints the table (README, "Weights and fidelity") and writes ``bench/results/fidelity.json``.
+Prints the table (README, "Benchmarks"; docs/benchmarks.md) and writes ``bench/results/fidelity.json``.
 The gates: float32 is the exact path (every row but a near tie); ``weights=auto``'s choice on this
 CPU keeps at least vLLM's rows less a small margin; every reduced format matches most tokens
 before its rows first differ (random adapters at a fine-tune's magnitude make near ties common,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,8 +71,15 @@ def test_admin_help_lists_every_operation():
         assert cmd in out
 
 
-def test_readme_configuration_reference_lists_every_setting():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_configuration_reference_is_current_and_lists_every_setting():
+    from loraplex.config_cmd import reference_markdown
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert page == reference_markdown(), "docs/configuration.md is stale: loraplex config --markdown > docs/configuration.md"
     missing = [f"LORAPLEX_{f.name.upper()}" for f in dataclasses.fields(Settings)
-               if f"`LORAPLEX_{f.name.upper()}`" not in readme]
-    assert not missing, f"README lacks {missing}: paste `loraplex config --markdown`"
+               if f"`LORAPLEX_{f.name.upper()}`" not in page]
+    assert not missing, missing
+    out = subprocess.run([str(BIN), "config", "--markdown"], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")} |
+                         {"LORAPLEX_MAX_LORAS": "3"}).stdout
+    assert out == page, "the command prints the page, whatever the environment sets"
