@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin-api": ("gateway.cli", "run the registry admin API in a process of its own"),
     "token": ("gateway.cli", "mint a JWT for a tenant or an admin"),
     "worker": ("engine.cli", "run an engine worker"),
-    "vllm-agent": ("engine.cli", "front a vLLM server as a loraplex worker (adapters, residency, probes)"),
+    "vllm-agent": ("vllm_agent.cli", "front a vLLM server as a loraplex worker (adapters, residency, probes)"),
     "fetch-demo": ("engine.cli", "fetch and cache the demo base model (SmolLM2-135M-Instruct GGUF)"),
     "export-hf": ("engine.cli", "write a base model (GGUF or HF) as a Hugging Face directory for vLLM/transformers"),
     "serve": ("loraplex_cli.serve", "run gateway + one worker in one process on the embedded default"),

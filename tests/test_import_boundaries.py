@@ -5,7 +5,8 @@
 | ``loraplex/`` (ground floor) | third-party libraries only | gateway, registry, engine, loraplex_cli, torch |
 | ``registry/`` | loraplex | gateway, engine, loraplex_cli |
 | ``gateway/`` | loraplex, registry | engine, loraplex_cli, torch (not even when it admits an adapter) |
-| ``engine/`` | loraplex | gateway, registry, loraplex_cli |
+| ``engine/`` | loraplex | gateway, registry, vllm_agent, loraplex_cli |
+| ``vllm_agent/`` | loraplex, engine's torch-free worker pieces (sources, control shapes, secret, reports) | gateway, registry, loraplex_cli, torch |
 | ``loraplex_cli/`` (composition root) | every package, each only for the command that runs it | |
 """
 
@@ -98,14 +99,22 @@ def test_registry_imports_neither_gateway_nor_engine():
 def test_engine_imports_neither_gateway_nor_registry():
     top = _top(_modules_after("import engine.api, engine.engine, engine.internal_api, engine.reporter, "
                               "engine.warmstart, engine.lora.manager, engine.cli"))
-    assert not top & {"gateway", "registry", "loraplex_cli"}
+    assert not top & {"gateway", "registry", "vllm_agent", "loraplex_cli"}
+    reaching = {f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "engine").rglob("*.py"))
+                for name in _imported_names(path) if name.split(".")[0] == "vllm_agent"}
+    assert not reaching, sorted(reaching)
+
+
+def test_the_vllm_agent_is_a_package_of_its_own_without_torch():
+    top = _top(_modules_after("import vllm_agent.agent, vllm_agent.cli"))
+    assert "vllm_agent" in top and not top & {"gateway", "registry", "loraplex_cli", "torch"}, sorted(top)
 
 
 def _project_imports() -> dict[str, set[str]]:
     """Each project module -> the project modules it imports anywhere in its source (function
     bodies included: a deferred import is a dependency too)."""
     mods = {}
-    for pkg in ("engine", "gateway", "registry", "loraplex", "loraplex_cli"):
+    for pkg in ("engine", "gateway", "registry", "loraplex", "loraplex_cli", "vllm_agent"):
         for f in (ROOT / pkg).rglob("*.py"):
             name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             mods[name] = f

@@ -14,9 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from engine import vllm_agent
 from engine.control import ControlError
-from engine.vllm_agent import AgentConfig, VllmAgent, VllmState, _Held, _read_metrics
 from gateway.app import create_app
 from gateway.ratelimit import LocalLimiter
 from gateway.router import Router
@@ -29,6 +27,8 @@ from loraplex.wire import BACKEND_LORAPLEX, BACKEND_VLLM, EXT_KEY, AdapterRef, W
 from tests.e2e_cluster import free_port
 from tests.stub_worker import MutableSnapshots, make_snapshot
 from tests.worker_double import worker_client
+from vllm_agent import agent as vllm_agent
+from vllm_agent.agent import AgentConfig, VllmAgent, VllmState, _Held, _read_metrics
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 
@@ -103,7 +103,7 @@ def test_a_vllm_body_names_the_version_and_carries_only_checked_fields():
 
 
 def test_the_agent_imports_no_torch():
-    code = "import sys, engine.vllm_agent, engine.cli; print('torch' in sys.modules)"
+    code = "import sys, vllm_agent.agent, vllm_agent.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
 

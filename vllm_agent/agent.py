@@ -46,7 +46,7 @@ from loraplex.residency import ResidencyStore
 from loraplex.settings import Settings
 from loraplex.wire import BACKEND_VLLM, HDR_WORKER_SECRET, AdapterRef, WorkerReport
 
-log = logging.getLogger("loraplex.engine.vllm_agent")
+log = logging.getLogger("loraplex.vllm_agent")
 
 VLLM_TIMEOUT_S = 120.0
 OBSERVE_TIMEOUT_S = 10.0
