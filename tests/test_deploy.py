@@ -504,7 +504,7 @@ def _agent_args(container: dict[str, Any]) -> Any:
     """The agent container's arguments as ``loraplex vllm-agent`` parses them."""
     import argparse
 
-    from engine.cli import register
+    from vllm_agent.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))

@@ -16,9 +16,9 @@ from unittest import mock
 
 import httpx
 
-from gateway.app import _AccessRecords
 from gateway.cli import BufferedLines
 from gateway.metrics import OTHER, GatewayMetrics
+from gateway.request_path import _AccessRecords
 from loraplex.settings import Settings
 from loraplex.tokens import Verifier
 from loraplex_cli.main import main

@@ -1,0 +1,685 @@
+"""The request path: ``Gateway``, what one OpenAI request goes through in this replica.
+
+``Gateway.completions`` (and ``Gateway.responses``, the Responses API over the same stages) runs
+one request as named stages over a ``_Call``: auth -> ``_parse`` (size-capped body, validation) ->
+``_resolve`` -> ``_plan`` -> ``_payload`` -> ``_limit`` (reserve before admission) -> route ->
+``_forward`` (``_relay`` or ``_answer``) -> ``_finish`` (settle, one access-log line, metrics). A
+``_Guard`` per request watches for the client leaving and for the deadline; the access log is
+written in batches (``_AccessRecords``). ``gateway.app`` builds the app around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from typing import Any, Protocol
+
+import orjson
+
+from gateway import responses_api
+from gateway.auth import Authenticator
+from gateway.canary_samples import MemorySamples, RedisSamples
+from gateway.canary_samples import sample as canary_sample
+from gateway.errors import GatewayError, send_error
+from gateway.metrics import GatewayMetrics
+from gateway.prompt_tokens import PromptCounter, PromptError
+from gateway.proxy import Opened, StreamResult, Upstream, finish_of, read_rest, relay_sse, sse_error, usage_of
+from gateway.ratelimit import Limiter, Limits, limit_message
+from gateway.resolve import Resolution, Resolver
+from gateway.router import Router, Worker
+from gateway.traffic import AdapterTraffic
+from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
+from gateway.vllm_backend import vllm_body
+from gateway.worker_client import WorkerClient
+from loraplex import json_body
+from loraplex.settings import Settings
+from loraplex.wire import (
+    EXT_KEY,
+    HDR_ADAPTER,
+    HDR_REQUEST_ID,
+    HDR_WORKER,
+    PRIORITY_CLASSES,
+    AdapterRef,
+    WorkerRequestExt,
+    error_body,
+)
+from registry.snapshot import RegistrySnapshot, TenantView
+
+log = logging.getLogger("loraplex.gateway")
+HDR_FALLBACK = "x-loraplex-fallback"
+"""Set when a disabled binding was answered by the base model instead of its adapter."""
+access_log = logging.getLogger("loraplex.gateway.access")
+
+
+class SnapshotSource(Protocol):
+    @property
+    def current(self) -> RegistrySnapshot: ...
+
+
+class Gateway:
+    """Everything the request path needs, built once per app."""
+
+    def __init__(self, settings: Settings, snapshots: SnapshotSource, limiter: Limiter, router: Router,
+                 client: WorkerClient) -> None:
+        self.settings = settings
+        self.snapshots = snapshots
+        self.limiter = limiter
+        self.router = router
+        self.client = client
+        self.auth = Authenticator(settings)
+        self.resolver = Resolver()
+        self.metrics = GatewayMetrics()
+        self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
+                                 on_failure=self.metrics.upstream_failure)
+        self.lease_ttl_s = settings.request_timeout_s + 30.0
+        self.prompts = PromptCounter(router, client)
+        self._limits: dict[tuple[int, int, int], Limits] = {}
+        """One ``Limits`` per distinct set of tenant limits (built once, not per request)."""
+        self.log_enabled = True
+        self.sweeper = _Sweeper()
+        self.traffic: AdapterTraffic | None = None
+        self.canary: MemorySamples | RedisSamples | None = None
+        """Where judged requests leave their samples (None: no canary judge reads them)."""
+        """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.responses_store: Any = None
+        """``registry.responses.ResponseStore`` (None: no registry database, nothing is stored)."""
+
+    async def _read_body(self, receive: Any, declared: int | None) -> bytes:
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared > limit:
+            raise GatewayError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientGone
+            part = msg.get("body", b"")
+            if part:
+                size += len(part)
+                if size > limit:
+                    raise GatewayError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+                chunks.append(part)
+            if not msg.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _plan(self, req: ValidRequest, base_model: str, tokens_per_min: int) -> Reservation:
+        """What to reserve (``gateway.validate.reserve``) with the exact prompt count when the
+        base model's tokenizer is known, else the byte-based bound."""
+        fields = req.fields
+        try:
+            counted = await self.prompts.count(base_model, fields)
+        except PromptError as exc:
+            raise GatewayError(400, exc.message, code="invalid_value", param=exc.param) from None
+        s = self.settings
+        if counted is None:
+            return reserve(fields, estimate(fields), exact=isinstance(fields.prompt, list), max_model_len=None,
+                           tokens_per_min=tokens_per_min, default_max_tokens=s.default_max_tokens)
+        return reserve(fields, counted[0], exact=True, max_model_len=counted[1], tokens_per_min=tokens_per_min,
+                       default_max_tokens=s.default_max_tokens)
+
+    async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
+        """One completion request: ``_serve`` runs the stages; every way it can end is answered
+        here, and ``_finish`` settles and logs it."""
+        await self._handle(_Call(scope["headers"], chat), scope, receive, send)
+
+    async def responses(self, scope: Any, receive: Any, send: Any) -> None:
+        """``POST /v1/responses``: a chat completion in and out of the Responses shapes
+        (``gateway.responses_api``), on the same stages."""
+        call = _Call(scope["headers"], True)
+        call.route = "responses"
+        await self._handle(call, scope, receive, send)
+
+    async def _handle(self, call: _Call, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            if scope["method"] != "POST":
+                raise GatewayError(405, "use POST", code="method_not_allowed")
+            await self._serve(call, receive, send)
+        except GatewayError as err:
+            call.status = err.status
+            if not call.started:
+                await send_error(send, err, call.headers)
+        except _ClientGone:
+            call.status = 499
+        except asyncio.CancelledError:
+            await self._cancelled(call, send)
+        except Exception:
+            log.exception("request %s failed", call.request_id)
+            call.status = 500
+            if not call.started:
+                await send_error(send, GatewayError(500, "internal error", code="internal_error"), call.headers)
+        finally:
+            self._finish(call)
+
+    async def _serve(self, call: _Call, receive: Any, send: Any) -> None:
+        """The stages in order: auth, read and validate, resolve, plan, limit, route, forward."""
+        snapshot = self._snapshot()
+        tenant = self.auth.tenant(call.authorization, snapshot)
+        call.tenant = tenant.slug
+        raw = await self._read_body(receive, call.declared)
+        if call.route == "responses":
+            s = self.settings
+            call.turn, body = await responses_api.begin(raw, tenant.slug, self.responses_store,
+                                                        s.response_max_chain, s.max_body_bytes)
+            req = validate(body, chat=True, max_tokens_cap=s.max_tokens_cap)
+        else:
+            req = self._parse(raw, call.chat)
+        call.alias = req.model
+        call.streaming = req.stream
+        res = self._resolve(call, snapshot, tenant, req)
+        plan = call.plan = await self._plan(req, res.base_model, tenant.tokens_per_min)
+        payload = self._payload(req, res, tenant, plan, call.request_id)
+        await self._limit(call, tenant, plan.tokens)
+        if self.traffic is not None and res.wire is not None:
+            self.traffic.record(res.wire)
+        adapter_id = res.adapter.id if res.adapter else None
+        workers = self._route_now(res.base_model, adapter_id) or await self.router.route(res.base_model, adapter_id)
+        await self._forward(call, receive, send, req, workers, payload, res.adapter)
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop serving requests (asking asyncio for it costs a getpid system call on 3.11)."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _snapshot(self) -> RegistrySnapshot:
+        try:
+            return self.snapshots.current
+        except Exception:
+            raise GatewayError(503, "The registry is not available yet; try again shortly.",
+                               code="registry_unavailable") from None
+
+    def _parse(self, raw: bytes, chat: bool) -> ValidRequest:
+        try:
+            data = json_body.loads(raw)
+        except json_body.BodyError as exc:
+            raise GatewayError(400, exc.message, code=exc.code, param=exc.param) from None
+        return validate(data, chat=chat, max_tokens_cap=self.settings.max_tokens_cap)
+
+    def _resolve(self, call: _Call, snapshot: RegistrySnapshot, tenant: TenantView, req: ValidRequest) -> Resolution:
+        res = self.resolver.resolve(snapshot, tenant, req.model, req.user or call.request_id)
+        call.label = res.label
+        call.headers[HDR_ADAPTER] = res.label
+        if res.judged and res.adapter is not None:
+            call.judged, call.version = f"{tenant.slug}/{res.alias}", res.adapter.id
+        if res.fallback:
+            call.headers[HDR_FALLBACK] = "binding-disabled"
+        return res
+
+    def _payload(self, req: ValidRequest, res: Resolution, tenant: TenantView, plan: Reservation,
+                 request_id: str) -> bytes:
+        """The body the worker gets: the client's, with the planned ``max_tokens``, usage asked for
+        when streamed, and the gateway's ``WorkerRequestExt``."""
+        body = req.body
+        body["max_tokens"] = plan.max_tokens  # the one field every worker reads the same way
+        body.pop("max_completion_tokens", None)
+        if req.stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        body[EXT_KEY] = WorkerRequestExt(adapter=res.adapter, tenant=tenant.slug, request_id=request_id,
+                                         priority=PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]))
+        return orjson.dumps(body)  # dataclasses encode natively, as ``to_dict`` has them
+
+    async def _limit(self, call: _Call, tenant: TenantView, tokens: int) -> None:
+        """Reserve ``tokens`` and a request slot for the tenant, or refuse with 429 (503: no limiter)."""
+        key = (tenant.requests_per_min, tenant.tokens_per_min, tenant.max_concurrent)
+        limits = self._limits.get(key)
+        if limits is None:
+            if len(self._limits) >= 10_000:
+                self._limits.clear()
+            limits = self._limits[key] = Limits(*key)
+        decision = await self.limiter.acquire(tenant.slug, limits, tokens, self.lease_ttl_s)
+        call.headers.update(decision.headers)
+        if not decision.allowed:
+            self.metrics.limited(tenant.slug, decision.reason)
+            if decision.status == 503:
+                raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
+                                   code="ratelimiter_unavailable")
+            raise GatewayError(429, limit_message(decision.reason),
+                               code="request_too_large" if decision.reason == "too_large" else "rate_limit_exceeded")
+        call.lease = decision.lease
+
+    def _route_now(self, base_model: str, adapter_id: str | None) -> list[Worker] | None:
+        """Workers to try, best first, from the live set as it is; None when a refresh is due
+        or none is known (then ``router.route`` refreshes first)."""
+        router = self.router
+        return None if router.due() else router.choose(base_model, adapter_id)
+
+    async def _forward(self, call: _Call, receive: Any, send: Any, req: ValidRequest, workers: list[Worker],
+                       payload: bytes, adapter: AdapterRef | None) -> None:
+        """Send to the first worker that answers and pass its answer on, under the request's guard."""
+        guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper, self._running_loop())
+        client = self.client
+
+        def vllm(worker: Worker, reload: bool) -> Any:  # a vLLM worker's body (gateway.vllm_backend)
+            return vllm_body(client, req.body, adapter, worker, force=reload)
+
+        try:
+            call.upstream = _SENT
+            try:
+                opened = await self.upstream.open(workers, call.path, payload, call.request_id,
+                                                  whole=not req.stream, vllm=vllm)
+            except GatewayError:
+                call.upstream = _NOT_SENT  # no worker took it
+                raise
+            call.upstream = opened.response.status
+            call.worker = opened.worker.id
+            call.headers[HDR_WORKER] = call.worker
+            try:
+                if req.stream and opened.response.status == 200:
+                    await (self._relay_turn if call.turn is not None else self._relay)(call, send, req, opened)
+                else:
+                    await self._answer(call, send, opened)
+            finally:
+                self.upstream.done(opened)
+        finally:
+            guard.stop()
+
+    async def _relay(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
+        """A streamed answer, event by event; a stream that breaks ends with an error event (502)."""
+        call.status = 200
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
+        call.started = True
+        result = call.streamed = StreamResult(watch=bool(call.judged))
+        await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
+                        strip_chunk_usage=not req.fields.continuous_usage)
+        call.usage = result.usage
+        if result.first_token_at is not None:
+            self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
+        if result.error or result.worker_error:
+            call.status = 502
+            self.metrics.upstream_failure(call.worker)
+        call.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_turn(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
+        """A streamed Responses turn: the chat stream as Responses events, kept before it completes."""
+        call.status = 200
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
+        call.started = True
+        result = call.streamed = StreamResult(watch=bool(call.judged))
+        assert call.turn is not None
+        await responses_api.relay(call.turn, call.alias, opened, send, result,
+                                  lambda: self._keep(call))
+        call.usage = result.usage
+        if result.first_token_at is not None:
+            self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
+        if result.error or result.worker_error:
+            call.status = 502
+            self.metrics.upstream_failure(call.worker)
+        call.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _keep(self, call: _Call) -> str | None:
+        """Store a Responses turn's answer; why it could not be (the request then fails: 503, or a
+        failed response at the end of a stream)."""
+        assert call.turn is not None
+        try:
+            await responses_api.keep(call.turn, self.responses_store, call.tenant, call.label)
+        except Exception:
+            log.exception("storing response %s failed", call.turn.id)
+            call.status = 503
+            return "the response could not be stored; retry, or send it with store: false"
+        return None
+
+    async def _answer(self, call: _Call, send: Any, opened: Opened) -> None:
+        """A whole answer (or the worker's error): passed on as it is, a worker's 5xx as our 502."""
+        content = opened.first if opened.chunks is None else await read_rest(opened)
+        status = call.status = opened.response.status
+        if status == 200:
+            call.usage = usage_of(content)
+            if call.judged:
+                call.finish = finish_of(content)
+            if call.turn is not None:
+                content = responses_api.whole(call.turn, call.alias, content)
+                problem = await self._keep(call)
+                if problem is not None:
+                    raise GatewayError(503, problem, code="store_unavailable")
+        elif status >= 500:
+            status = call.status = 502
+            content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))
+        call.finished = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": _headers(call.headers, opened.response.content_type.encode("latin-1"),
+                                        length=len(content))})
+        call.started = True
+        await send({"type": "http.response.body", "body": content})
+
+    async def _cancelled(self, call: _Call, send: Any) -> None:
+        """Cancelled: by the guard (the deadline passed: 504, the client left: 499) or by the
+        server (its shutdown grace ended: 503). Answered, the request ends like any other."""
+        task = asyncio.current_task()
+        guard = call.guard
+        if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
+            call.status = 503
+            log.warning("request %s cut short by the server's shutdown", call.request_id)
+            if call.started and not call.finished:
+                await send({"type": "http.response.body", "body": sse_error(
+                    "the gateway is shutting down", "shutting_down"), "more_body": False})
+            elif not call.started:
+                await send_error(send, GatewayError(503, "The gateway is shutting down; retry the request.",
+                                                    code="shutting_down"), call.headers)
+            if task is not None and task.cancelling():
+                task.uncancel()
+            return
+        task.uncancel()
+        if not guard.expired:
+            call.status = 499
+            return
+        call.status = 504
+        if call.started and not call.finished:
+            await send({"type": "http.response.body", "body": sse_error("the request deadline passed", "timeout"),
+                        "more_body": False})
+        elif not call.started:
+            await send_error(send, GatewayError(504, "the request deadline passed", code="timeout"), call.headers)
+
+    def _sample(self, call: _Call, elapsed: float, completion_tokens: int) -> None:
+        """One sample for the canary judge (``gateway.canary_samples``)."""
+        streamed = call.streamed
+        if streamed is not None:
+            ttft = None if streamed.first_token_at is None else streamed.first_token_at - call.t0
+            empty, length = not streamed.text, streamed.length
+        else:
+            ttft = None
+            empty, length = call.finish or (False, False)
+        ok = call.status < 500
+        assert self.canary is not None
+        self.canary.record(call.judged, canary_sample(call.version, ok, elapsed, ttft, completion_tokens,
+                                                      ok and empty, length))
+
+    def _finish(self, call: _Call) -> None:
+        """Settle the reservation with what the request is charged, then metrics and the access log."""
+        pt, ct = processed(call.plan, call.upstream, call.usage, call.streamed, call.streaming)
+        if call.lease is not None:
+            try:
+                self.limiter.settle_nowait(call.lease, pt + ct)
+            except Exception:
+                log.exception("settling the reservation of %s failed", call.request_id)
+        elapsed = time.perf_counter() - call.t0
+        self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
+        self.metrics.route(call.route, call.status)
+        if call.judged and self.canary is not None and call.status != 499 and (
+                call.upstream != _NOT_SENT or call.status >= 500):  # a client's 4xx is not the version's doing
+            self._sample(call, elapsed, ct)
+        if self.log_enabled and access_log.isEnabledFor(logging.INFO):
+            now = time.time()
+            _access_records.emit(orjson.dumps({
+                "ts": round(now, 3), "request_id": call.request_id, "tenant": call.tenant, "alias": call.alias,
+                "adapter": call.label, "worker": call.worker, "prompt_tokens": pt, "completion_tokens": ct,
+                "status": call.status, "latency_ms": round(elapsed * 1000, 3), "stream": call.streaming,
+                "route": call.route,
+            }).decode(), now)
+
+
+class _Call:
+    """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
+
+    __slots__ = ("alias", "authorization", "chat", "declared", "finish", "finished", "guard", "headers", "judged",
+                 "label", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
+                 "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
+
+    def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
+        self.t0 = time.perf_counter()
+        self.chat = chat
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        """What the worker is sent (a Responses turn goes as a chat completion)."""
+        self.route = "chat" if chat else "completions"
+        """What the client called: chat, completions or responses (logged and counted)."""
+        self.turn: responses_api.Turn | None = None
+        self.authorization: str | None = None
+        self.declared: int | None = None
+        request_id = None
+        for k, v in raw_headers:
+            if k == b"authorization":
+                self.authorization = v.decode("latin-1")
+            elif k == b"content-length":
+                try:
+                    self.declared = int(v)
+                except ValueError:
+                    self.declared = None
+            elif k == b"x-request-id":
+                rid = v.decode("latin-1")
+                if 0 < len(rid) <= 128 and rid.isprintable():
+                    request_id = rid
+        self.request_id: str = request_id or _request_id()
+        self.headers: dict[str, str] = {HDR_REQUEST_ID: self.request_id}
+        """Response headers so far."""
+        self.tenant = self.alias = self.label = self.worker = ""
+        self.lease: Any = None
+        self.plan: Reservation | None = None
+        self.upstream = _NOT_SENT
+        self.streamed: StreamResult | None = None
+        self.usage: dict[str, Any] | None = None
+        self.status = 500
+        self.streaming = False
+        self.guard: _Guard | None = None
+        self.judged = self.version = ""
+        """Under a canary: the binding (``tenant/alias``) and the version id this request went to."""
+        self.finish: tuple[bool, bool] | None = None
+        """A whole answer's (empty, stopped on length), read only for judged requests."""
+        self.started = False
+        """The response head went out (an error after it can only end the body)."""
+        self.finished = False
+        """The last body byte is going out (a disconnect after it is no reason to cancel)."""
+
+
+_NOT_SENT = 0
+_SENT = 1
+"""``upstream`` before a worker answered: not sent (or no worker took it), or sent and
+waiting; after, the worker's status code."""
+
+
+def processed(plan: Reservation | None, upstream: int, usage: dict[str, Any] | None,
+              streamed: StreamResult | None, stream: bool) -> tuple[int, int]:
+    """(prompt, completion) tokens a request is charged and logged with, however it ended:
+
+    * the worker's usage when it sent one;
+    * nothing when no worker took the request or it answered with an error (4xx/5xx);
+    * a stream that ended without usage (client gone, deadline, broken): the prompt (the
+      worker's count, else ours) + the completion tokens relayed;
+    * a request still waiting for its worker (client gone, deadline): the prompt, plus
+      ``n`` x ``max_tokens`` when not streamed (what the worker generated is not known:
+      conservatively all of it).
+    """
+    if usage:
+        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(p, int) and isinstance(c, int):
+            return p, c
+    if plan is None or upstream == _NOT_SENT or (upstream > _SENT and upstream != 200):
+        return 0, 0
+    if streamed is not None:
+        p = streamed.prompt_tokens
+        return (p if p is not None else plan.prompt_tokens), streamed.completion_tokens
+    if upstream == 200:  # answered without usage: bound by the reservation
+        return plan.prompt_tokens, plan.completion_bound
+    return plan.prompt_tokens, 0 if stream else plan.completion_bound
+
+
+_SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _request_id() -> str:
+    """A random 128-bit hex id (no system call: the generator was seeded from the OS at start)."""
+    return f"{random.getrandbits(128):032x}"
+
+
+class _AccessRecords:
+    """Access-log records as copies of one template with the line and the time set:
+    ``Logger.info`` looks up the caller's frame, thread and process for every record,
+    which costs more than the rest of the line (the template is made by the first request,
+    in the thread that serves requests)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._template: dict[str, Any] | None = None
+
+    def emit(self, line: str, now: float) -> None:
+        logger = self.logger
+        handlers = logger.handlers
+        if len(handlers) == 1 and not logger.propagate and not logger.filters:
+            # The logger's only handler takes plain lines (``loraplex gateway``'s buffered
+            # access log): hand it the line, no record needed.
+            handler = handlers[0]
+            add = getattr(handler, "add_line", None)
+            if add is not None and not handler.filters and handler.level <= logging.INFO:
+                add(line)
+                return
+        template = self._template
+        if template is None:
+            template = self._template = logging.LogRecord(
+                self.logger.name, logging.INFO, __file__, 0, "", None, None, "completions").__dict__
+        record = logging.LogRecord.__new__(logging.LogRecord)
+        record.__dict__.update(template)
+        record.msg = line
+        record.created = now
+        record.msecs = int((now - int(now)) * 1000) + 0.0
+        record.relativeCreated = template["relativeCreated"] + (now - template["created"]) * 1000.0
+        self.logger.handle(record)
+
+
+_access_records = _AccessRecords(access_log)
+
+
+_HEADER_NAMES: dict[str, bytes] = {}
+"""Response header names, encoded once (a few dozen: ours and the limiter's)."""
+
+
+def _header_name(name: str) -> bytes:
+    raw = name.encode("latin-1")
+    if len(_HEADER_NAMES) < 1024:
+        _HEADER_NAMES[name] = raw
+    return raw
+
+
+def _headers(h: dict[str, str], ctype: bytes, *, length: int | None = None,
+             extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    names = _HEADER_NAMES
+    out = [(names.get(k) or _header_name(k), v.encode("latin-1")) for k, v in h.items()]
+    out.append((b"content-type", ctype))
+    if length is not None:
+        out.append((b"content-length", str(length).encode()))
+    if extra:
+        out.extend(extra)
+    return out
+
+
+async def flush_access_log(every_s: float = 1.0) -> None:
+    """Flush buffered access-log handlers (``loraplex gateway`` buffers the per-request lines)."""
+    while True:
+        await asyncio.sleep(every_s)
+        for handler in access_log.handlers:
+            handler.flush()
+
+
+class _ClientGone(Exception):
+    """The client disconnected while sending its request."""
+
+
+WATCH_AFTER_S = 0.02
+"""A request starts watching its deadline and its client's disconnect after running this long."""
+SWEEP_S = 0.01
+"""How often the requests that ran past ``WATCH_AFTER_S`` are looked for."""
+
+
+class _Guard:
+    """Cancels the request task when its deadline passes (``expired``) or its client
+    disconnects, so the upstream call is cancelled too; ``cancelled`` says it did.
+
+    Both need a timer, and watching the client needs a task: for the common case of a
+    request answered within ``WATCH_AFTER_S`` that is wasted, so a guard starts both only
+    when a ``_Sweeper`` finds it still running after that long (a disconnect before then is
+    noticed that much later). A deadline shorter than that is armed at once."""
+
+    __slots__ = ("_deadline", "_receive", "_state", "_task", "_timer", "_watch", "cancelled", "expired", "loop",
+                 "started", "stopped")
+
+    def __init__(self, receive: Any, state: _Call, timeout_s: float, sweeper: _Sweeper,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._task = asyncio.current_task(loop)
+        self._receive = receive
+        self._state = state
+        self.started = loop.time()
+        self._deadline = self.started + timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self.cancelled = False
+        self.expired = False
+        self.stopped = False
+        if timeout_s > WATCH_AFTER_S:
+            sweeper.add(self)
+        else:
+            self._timer = loop.call_at(self._deadline, self._expire)
+
+    def arm(self) -> None:
+        self._timer = self.loop.call_at(self._deadline, self._expire)
+        self._watch = self.loop.create_task(self._run())
+
+    def _cancel(self) -> None:
+        if not self.cancelled and self._task is not None and not self._task.done():
+            self.cancelled = True
+            self._task.cancel()
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self.cancelled:
+            self.expired = True
+            self._cancel()
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                # After the last byte went out, the server reports a disconnect too: ignore it.
+                if not self._state.finished:
+                    self._cancel()
+                return
+
+    def stop(self) -> None:
+        self.stopped = True
+        # The sweeper may hold this guard a while longer: let go of the request now.
+        self._task = self._receive = self._state = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watch is not None and not self._watch.done():
+            self._watch.cancel()
+
+
+class _Sweeper:
+    """Arms the guards of requests still running after ``WATCH_AFTER_S``: guards queue up in
+    start order, and one timer every ``SWEEP_S`` (only while any are queued) takes the old
+    ones off the front, instead of a timer per request."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[_Guard] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, guard: _Guard) -> None:
+        self._queue.append(guard)
+        if self._loop is not guard.loop:
+            self._loop = guard.loop
+            guard.loop.call_later(SWEEP_S, self._sweep, guard.loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            return
+        queue = self._queue
+        old = loop.time() - WATCH_AFTER_S
+        while queue and queue[0].started <= old:
+            guard = queue.popleft()
+            if not guard.stopped and guard.loop is loop:
+                guard.arm()
+        if queue:
+            loop.call_later(SWEEP_S, self._sweep, loop)
+        else:
+            self._loop = None
+
+
