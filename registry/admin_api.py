@@ -26,7 +26,9 @@ from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
 from registry.canary import CanaryPolicies
 from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
-from registry.service import COMMITTED, DIMENSIONS, RegistryService
+from registry.records import DIMENSIONS
+from registry.service import RegistryService
+from registry.service_core import COMMITTED
 
 log = logging.getLogger("loraplex.registry.admin")
 

@@ -31,7 +31,8 @@ from loraplex.peft_config import ADAPTER_FILES
 from registry.admission import AdmissionError, admit_contents, admit_uri
 from registry.errors import Invalid, RegistryError, Unavailable
 from registry.models import AdapterVersion, AuditEntry, Binding
-from registry.service import RegistryService, _audit_view, adapter_dict
+from registry.records import _audit_view, adapter_dict
+from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.registry.supply")
 

@@ -1,0 +1,229 @@
+"""Bindings: an alias's active version, its previous one (rollback) and its canary."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from registry.errors import Conflict, Invalid, NotFound
+from registry.models import (
+    AdapterVersion,
+    Binding,
+    utcnow,
+)
+from registry.records import _audit_view, _match, _name, _on_disabled, _percent, _slug, binding_dict
+from registry.service_core import ServiceCore, _Tx
+
+
+class BindingOps(ServiceCore):
+    # --- bindings ------------------------------------------------------------------------------------
+
+    async def _binding_op(self, tenant: str, alias: str, action: str, actor: str,
+                          mutate: Callable[[_Tx, Binding], Awaitable[bool]], if_match: int | None = None,
+                          judgement: dict[str, Any] | None = None) -> dict:
+        _slug(tenant)
+        _name(alias, "alias")
+
+        async def op(tx: _Tx) -> dict:
+            b = await self._binding(tx.session, tenant, alias)
+            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
+            labels: dict[str, str] = {}
+            before = await self._binding_out(tx.session, b, labels)
+            if not await mutate(tx, b):
+                return before
+            b.updated_at = utcnow()
+            await tx.session.flush()
+            out = await self._binding_out(tx.session, b, labels)
+            after = _audit_view(out)
+            if judgement is not None:  # the canary judge's numbers that decided this change
+                after["judgement"] = judgement
+            tx.audit(action, f"binding:{tenant}/{alias}", _audit_view(before), after)
+            return out
+
+        return await self._write(actor, op)
+
+    async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
+                   actor: str = "admin", if_match: int | None = None) -> dict:
+        """Point ``alias`` at an active adapter version (create, or re-point: current -> previous)."""
+        _slug(tenant)
+        _name(alias, "alias")
+        if on_disabled is not None:
+            _on_disabled(on_disabled)
+
+        async def op(tx: _Tx) -> dict:
+            await self._tenant(tx.session, tenant)
+            new = await self._adapter(tx.session, adapter)
+            b = (await tx.session.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)
+                                          .with_for_update())).scalar_one_or_none()
+            _match(b.row_version if b is not None else None, if_match, f"binding {tenant}/{alias}")
+            now = utcnow()
+            if b is None:
+                self._check_bindable(tenant, new, None)
+                b = Binding(tenant=tenant, alias=alias, base_model=new.base_model, active_id=new.id,
+                            previous_id=None, canary_id=None, canary_percent=0.0, enabled=True,
+                            on_disabled=on_disabled or "refuse", created_at=now, updated_at=now)
+                tx.session.add(b)
+                await tx.session.flush()
+                out = await self._binding_out(tx.session, b)
+                tx.audit("binding.create", f"binding:{tenant}/{alias}", None, _audit_view(out))
+                return out
+            self._check_bindable(tenant, new, b.base_model)
+            before = await self._binding_out(tx.session, b)
+            if b.active_id == new.id and (on_disabled is None or on_disabled == b.on_disabled):
+                return before
+            if b.active_id != new.id:
+                b.previous_id, b.active_id = b.active_id, new.id
+                if b.canary_id == new.id:
+                    b.canary_id, b.canary_percent = None, 0.0
+            if on_disabled is not None:
+                b.on_disabled = on_disabled
+            b.updated_at = now
+            await tx.session.flush()
+            out = await self._binding_out(tx.session, b)
+            tx.audit("binding.bind", f"binding:{tenant}/{alias}", _audit_view(before), _audit_view(out))
+            return out
+
+        return await self._write(actor, op)
+
+    async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
+                       if_match: int | None = None) -> dict:
+        """Swap active and previous in one step (a second rollback rolls forward again)."""
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            if b.previous_id is None:
+                raise Conflict(f"{tenant}/{alias} has no previous version to roll back to", code="no_previous")
+            prev = await self._adapter(tx.session, b.previous_id)
+            self._check_bindable(tenant, prev, b.base_model)
+            b.active_id, b.previous_id = prev.id, b.active_id
+            if b.canary_id == prev.id:
+                b.canary_id, b.canary_percent = None, 0.0
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.rollback", actor, mutate, if_match)
+
+    async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
+                           actor: str = "admin", if_match: int | None = None) -> dict:
+        pct = _percent(percent)
+
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            new = await self._adapter(tx.session, adapter)
+            self._check_bindable(tenant, new, b.base_model)
+            if new.id == b.active_id:
+                raise Invalid(f"{new.label} is already the active version of {tenant}/{alias}",
+                              code="canary_is_active", param="adapter")
+            if b.canary_id is not None and b.canary_id != new.id:
+                raise Conflict(f"{tenant}/{alias} already has a canary; promote or abort it first",
+                               code="canary_in_progress")
+            if b.canary_id == new.id and b.canary_percent == pct:
+                return False
+            b.canary_id, b.canary_percent = new.id, pct
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.canary_start", actor, mutate, if_match)
+
+    async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
+                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        pct = _percent(percent)
+
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            if b.canary_id is None:
+                raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
+            if b.canary_percent == pct:
+                return False
+            b.canary_percent = pct
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate, if_match, judgement)
+
+    async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
+                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            if b.canary_id is None:
+                raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
+            canary = await self._adapter(tx.session, b.canary_id)
+            self._check_bindable(tenant, canary, b.base_model)
+            b.previous_id, b.active_id = b.active_id, canary.id
+            b.canary_id, b.canary_percent = None, 0.0
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate, if_match, judgement)
+
+    async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
+                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            if b.canary_id is None:
+                raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
+            b.canary_id, b.canary_percent = None, 0.0
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.canary_abort", actor, mutate, if_match, judgement)
+
+    async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
+                                  on_disabled: str | None = None, actor: str = "admin",
+                                  if_match: int | None = None) -> dict:
+        if not isinstance(enabled, bool):
+            raise Invalid("enabled must be a boolean", param="enabled")
+        if on_disabled is not None:
+            _on_disabled(on_disabled)
+        elif not enabled:
+            on_disabled = "refuse"  # per operation: a plain disable refuses, whatever was chosen before
+
+        async def mutate(tx: _Tx, b: Binding) -> bool:
+            if enabled:
+                active = await self._adapter(tx.session, b.active_id)
+                if active.status != "active":
+                    raise Invalid(f"cannot enable {tenant}/{alias}: its active version {active.label} is "
+                                  f"{active.status}; bind or roll back first", code="adapter_not_active")
+            if b.enabled == enabled and (on_disabled is None or b.on_disabled == on_disabled):
+                return False
+            b.enabled = enabled
+            if on_disabled is not None:
+                b.on_disabled = on_disabled
+            return True
+
+        return await self._binding_op(tenant, alias, "binding.enable" if enabled else "binding.disable",
+                                      actor, mutate, if_match)
+
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+        """Remove an alias: the tenant's requests for it get 404 from then on."""
+        _slug(tenant)
+        _name(alias, "alias")
+
+        async def op(tx: _Tx) -> dict:
+            b = await self._binding(tx.session, tenant, alias)
+            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
+            before = await self._binding_out(tx.session, b)
+            await tx.session.delete(b)
+            await tx.session.flush()
+            tx.audit("binding.delete", f"binding:{tenant}/{alias}", _audit_view(before), None)
+            return {"tenant": tenant, "alias": alias, "deleted": True}
+
+        return await self._write(actor, op)
+
+    async def get_binding(self, tenant: str, alias: str) -> dict:
+        async def op(s: AsyncSession) -> dict:
+            await self._tenant(s, tenant)
+            b = (await s.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)))\
+                .scalar_one_or_none()
+            if b is None:
+                raise NotFound(f"tenant {tenant!r} has no alias {alias!r}", code="binding_not_found",
+                               param="alias")
+            return await self._binding_out(s, b)
+
+        return await self._read(op)
+
+    async def list_bindings(self, tenant: str | None = None) -> list[dict]:
+        async def op(s: AsyncSession) -> list[dict]:
+            stmt = select(Binding).order_by(Binding.tenant, Binding.alias)
+            if tenant:
+                await self._tenant(s, tenant)
+                stmt = stmt.where(Binding.tenant == tenant)
+            rows = (await s.execute(stmt)).scalars().all()
+            labels = {r.id: f"{r.name}@{r.version}" for r in (await s.execute(
+                select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)))}
+            return [binding_dict(b, labels) for b in rows]
+
+        return await self._read(op)
+
