@@ -1,0 +1,407 @@
+"""``loraplex admin``'s commands: one handler per operation, each one call of the admin API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from registry.admin_client import (
+    EXIT_REFUSED,
+    AdminError,
+    _answer,
+    _evidence,
+    _label,
+    _request,
+    _show,
+)
+
+# --- admin: handlers ---------------------------------------------------------------------------------
+
+def _limits_body(args: argparse.Namespace) -> dict[str, Any]:
+    body = {"requests_per_min": args.requests_per_min, "tokens_per_min": args.tokens_per_min,
+            "max_concurrent": args.max_concurrent, "priority": args.priority}
+    if getattr(args, "response_retention_s", None) is not None:
+        body["response_retention_s"] = args.response_retention_s
+    return body
+
+
+def _b(args: argparse.Namespace, suffix: str = "") -> str:
+    return f"/tenants/{args.tenant}/bindings/{args.alias}{suffix}"
+
+
+def tenant_create(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a)})
+    _show(a, "tenant", data, f"created tenant {a.slug}")
+    return 0
+
+
+def tenant_list(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "GET", "/tenants", params={"status": a.status}))
+    return 0
+
+
+def tenant_show(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "GET", f"/tenants/{a.slug}"))
+    return 0
+
+
+def tenant_disable(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/disable"), f"disabled tenant {a.slug}")
+    return 0
+
+
+def tenant_enable(a: argparse.Namespace) -> int:
+    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/enable"), f"enabled tenant {a.slug}")
+    return 0
+
+
+def tenant_limits(a: argparse.Namespace) -> int:
+    data = _request(a, "PATCH", f"/tenants/{a.slug}/limits", _limits_body(a))
+    _show(a, "tenant", data, f"updated limits of {a.slug}")
+    return 0
+
+
+def base_model_add(a: argparse.Namespace) -> int:
+    if a.from_model:
+        from loraplex.modelinfo import describe_model
+
+        try:
+            body = describe_model(a.from_model, name=a.name, revision=a.revision).to_dict()
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: cannot describe model {a.from_model}: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+    else:
+        missing = [f for f in ("name", "revision", "architecture", "hidden_size", "intermediate_size",
+                               "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+                   if getattr(a, f) is None]
+        if missing:
+            print("error: give --from-model PATH, or all of: " + ", ".join("--" + m.replace("_", "-")
+                                                                           for m in missing), file=sys.stderr)
+            return 2
+        body = {f: getattr(a, f) for f in ("name", "revision", "architecture", "hidden_size", "intermediate_size",
+                                           "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                                           "context_length")}
+    data = _request(a, "POST", "/base-models", body)
+    _show(a, "base_model", data, f"registered base model {data['name']} at revision {data['revision']}")
+    return 0
+
+
+def base_model_list(a: argparse.Namespace) -> int:
+    _show(a, "base_model", _request(a, "GET", "/base-models"))
+    return 0
+
+
+def base_model_upgrade(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/base-models/{a.old}/upgrade", {"to": a.new, "dry_run": a.dry_run})
+    if a.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"{'plan' if a.dry_run else 'upgrade'}: {data['from']} -> {data['to']}")
+    for v in data["versions"]:
+        state = "admitted" if v["passed"] is None else ("passes" if v["passed"] else "refused")
+        to = f" -> {v['to']['label']}" if v.get("to") else ""
+        why = f": {v['reason']}" if v.get("reason") else ""
+        print(f"  {v['from']['label']}{to}  {state}{why}  (bindings: {', '.join(v['bindings']) or '-'})")
+    for b in data["bindings"]:
+        moved = "moves" if b["moves"] else ("would move if its version passes" if b["moves"] is None else "stays")
+        print(f"  binding {b['binding']}: {moved}" + (f" ({b['reason']})" if b.get("reason") else ""))
+    return 0
+
+
+def adapter_register(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
+                                             "version": a.version, "owner": a.owner,
+                                             "expected_revision": a.expected_revision})
+    _show(a, "adapter", data, f"registered {data['label']} (id {data['id']}), status {data['status']}")
+    return 0
+
+
+def adapter_upload(a: argparse.Namespace) -> int:
+    """Stream DIR's two PEFT files to the admin API with a progress bar on stderr."""
+    import os
+    from pathlib import Path
+
+    import httpx
+
+    from loraplex.peft_config import ADAPTER_FILES
+    from loraplex.settings import get_settings
+    from loraplex.tokens import mint_admin
+
+    paths = [Path(a.dir) / name for name in ADAPTER_FILES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"error: {', '.join(missing)} not found: upload takes a PEFT directory "
+              f"({' + '.join(ADAPTER_FILES)})", file=sys.stderr)
+        return EXIT_REFUSED
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    show = (not a.json and sys.stderr.isatty()) or a.progress
+
+    def chunks():  # type: ignore[no-untyped-def]
+        sent = 0
+        for path in paths:
+            with open(path, "rb") as fh:
+                while block := fh.read(1 << 20):
+                    sent += len(block)
+                    if show:
+                        done = sent * 30 // max(total, 1)
+                        print(f"\rupload [{'#' * done}{'.' * (30 - done)}] {sent / 2**20:8.1f}/"
+                              f"{total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
+                    yield block
+        if show:
+            print(file=sys.stderr)
+
+    settings = get_settings()
+    base = (a.url or settings.resolved_admin_url()).rstrip("/") + "/admin"
+    token = a.token or settings.admin_token or mint_admin(settings, subject="cli")
+    params = {k: v for k, v in {"name": a.name, "base_model": a.base_model, "owner": a.owner,
+                                "version": a.version}.items() if v is not None}
+    try:
+        with httpx.Client(base_url=base, timeout=a.timeout, trust_env=False) as client:
+            r = client.post("/adapters/upload", params=params, content=chunks(),
+                            headers={"authorization": f"Bearer {token}", "content-length": str(total),
+                                     "x-loraplex-config-bytes": str(sizes[0])})
+    except httpx.HTTPError as exc:
+        raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
+    data = _answer(r)
+    _show(a, "adapter", data, f"uploaded {data['label']} (id {data['id']}) to {data['uri']}, status {data['status']}")
+    return 0
+
+
+def gc(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", "/gc", {"apply": a.apply, "retention_s": a.retention})
+    if a.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    verb = "deleted" if a.apply else "would delete"
+    rows = data["versions"]
+    for v in rows:
+        print(f"{v['label']:<40} {v['size_bytes']:>12} bytes  last referenced {v['last_referenced'][:19]}  {v['uri']}")
+    print(f"{verb} {len(data['deleted']) if a.apply else len(rows)} version(s) unreferenced since "
+          f"{data['cutoff'][:19]} and {len(data['stale_uploads'])} stale upload(s)"
+          + ("" if a.apply else "; run with --apply to delete"))
+    return 0
+
+
+def adapter_list(a: argparse.Namespace) -> int:
+    _show(a, "adapter", _request(a, "GET", "/adapters", params={"name": a.name, "base_model": a.base_model,
+                                                                "owner": a.owner, "status": a.status}))
+    return 0
+
+
+def adapter_show(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", f"/adapters/{a.adapter}")
+    _show(a, "adapter", data)
+    if not a.json:
+        print(f"uri: {data['uri']}\ntarget modules: {', '.join(data['target_modules'])}")
+        if data.get("status_reason"):
+            print(f"reason: {data['status_reason']}")
+        if data.get("verification"):
+            print("\n".join(_evidence(data["verification"])))
+    return 0
+
+
+def adapter_activate(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification,
+                                                                  "eval": a.eval})
+    _show(a, "adapter", data, f"activated {data['label']}")
+    return 0
+
+
+def adapter_disable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason, "force": a.force or None})
+    detached = "".join(f"\n  {d['tenant']}/{d['alias']}: "
+                       f"{'canary aborted' if d['role'] == 'canary' else 'binding disabled'}"
+                       for d in data.get("detached") or [])
+    _show(a, "adapter", data, f"disabled {data['label']}" + (f"; with it:{detached}" if detached else ""))
+    return 0
+
+
+def adapter_enable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/enable")
+    _show(a, "adapter", data, f"enabled {data['label']} (bindings disabled with it stay disabled: "
+          f"`binding enable TENANT ALIAS`)")
+    return 0
+
+
+def adapter_fail(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", f"/adapters/{a.adapter}/fail", {"reason": a.reason, "verification": a.verification})
+    _show(a, "adapter", data, f"marked {data['label']} failed")
+    return 0
+
+
+def bind(a: argparse.Namespace) -> int:
+    data = _request(a, "PUT", _b(a), {"adapter": a.adapter, "on_disabled": a.on_disabled})
+    _show(a, "binding", data, f"{a.tenant}/{a.alias} -> {_label(data['active'])}")
+    return 0
+
+
+def binding_list(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "GET", "/bindings", params={"tenant": a.tenant}))
+    return 0
+
+
+def binding_show(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "GET", _b(a)))
+    return 0
+
+
+def binding_delete(a: argparse.Namespace) -> int:
+    data = _request(a, "DELETE", _b(a))
+    print(json.dumps(data) if a.json else f"removed {a.tenant}/{a.alias}")
+    return 0
+
+
+def binding_enable(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "POST", _b(a, "/enable"), {"on_disabled": a.on_disabled}),
+          f"enabled {a.tenant}/{a.alias}")
+    return 0
+
+
+def binding_disable(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/disable"), {"on_disabled": a.on_disabled})
+    _show(a, "binding", data, f"disabled {a.tenant}/{a.alias} (requests: "
+          f"{'answered by the base model' if data['on_disabled'] == 'base' else 'refused'})")
+    return 0
+
+
+def rollback(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/rollback"))
+    _show(a, "binding", data, f"rolled {a.tenant}/{a.alias} back to {_label(data['active'])}")
+    return 0
+
+
+def canary_start(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary"), {"adapter": a.adapter, "percent": a.percent})
+    _show(a, "binding", data, f"canary {_label(data['canary'])} at {data['canary_percent']:g}% on {a.tenant}/{a.alias}")
+    return 0
+
+
+CONDITIONAL_TRIES = 10
+"""Read-modify-write attempts of a relative change before giving up (each 412 means a concurrent write)."""
+
+
+def canary_set(a: argparse.Namespace) -> int:
+    if (a.percent is None) == (a.by is None):
+        print("error: give either PERCENT or --by DELTA", file=sys.stderr)
+        return 2
+    if a.by is None:
+        data = _request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
+    else:  # relative: read, compute, write only if nobody changed it in between (else read again)
+        for attempt in range(CONDITIONAL_TRIES):
+            cur = _request(a, "GET", _b(a, ""))
+            if cur["canary"] is None:
+                raise AdminError(409, f"{a.tenant}/{a.alias} has no canary", "no_canary")
+            percent = min(100.0, max(0.0, cur["canary_percent"] + a.by))
+            try:
+                data = _request(a, "PATCH", _b(a, "/canary"), {"percent": percent, "row_version": cur["row_version"]})
+                break
+            except AdminError as exc:
+                if exc.status != 412 or attempt == CONDITIONAL_TRIES - 1:
+                    raise
+                time.sleep(random.uniform(0, 0.02 * (attempt + 1)))  # let the other writer finish
+    _show(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
+    return 0
+
+
+def canary_promote(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/promote"))
+    _show(a, "binding", data, f"promoted {_label(data['active'])} on {a.tenant}/{a.alias}")
+    return 0
+
+
+def canary_abort(a: argparse.Namespace) -> int:
+    _show(a, "binding", _request(a, "DELETE", _b(a, "/canary")), f"aborted the canary on {a.tenant}/{a.alias}")
+    return 0
+
+
+def _policy_text(d: dict[str, Any]) -> str:
+    """The status of a binding's canary, as ``canary status`` prints it."""
+    at = f"{d['percent']:g}% (step {d['step'] + 1} of {len(d['steps'])})" if d["percent"] is not None else ""
+    if not d["canary"]:
+        where = "no canary"
+    elif d["status"] in ("promoted", "aborted"):
+        where = f"{d['canary']}, judged at {at}" if at else d["canary"]
+    else:
+        where = f"{d['canary']} at {at}" if at else d["canary"]
+    lines = [f"canary of {d['tenant']}/{d['alias']}: {d['status']}, {where}"]
+    if d["next_step_at"]:
+        lines.append(f"  next step no earlier than {d['next_step_at']}")
+    lines.append(f"  policy: steps {'/'.join(f'{x:g}' for x in d['steps'])} %, every {d['interval_s']:g} s, "
+                 f"at least {d['min_requests']} requests per arm, abort after {d['max_failures']} failed "
+                 f"judgement(s), {d['proportion_test']} / {d['sample_test']} at alpha {d['alpha']:g}")
+    last = d.get("last") or {}
+    if last:
+        lines.append(f"  last judgement: {last.get('decision')}"
+                     + (f" ({last['reason']})" if last.get("reason") else "")
+                     + (f", window {last['window_s']:g} s: canary {last['canary_requests']} requests, active "
+                        f"{last['active_requests']}" if "window_s" in last else ""))
+        rows = [("CHECK", "CANARY", "ACTIVE", "RATIO", "LIMIT", "TEST", "P", "")]
+        for r in last.get("checks", []):
+            rows.append((r["check"], f"{r['canary']:.4g}", f"{r['active']:.4g}",
+                         "inf" if r["ratio"] is None else f"{r['ratio']:.3g}", f"{r['threshold']:g}", r["test"],
+                         f"{r['p']:.3g}", "FAILED" if r["failed"] else "ok"))
+        if len(rows) > 1:
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                      for row in rows]
+    return "\n".join(lines)
+
+
+def canary_status(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", _b(a, "/canary/policy"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_set_policy(a: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"interval_s": a.interval, "min_requests": a.min_requests,
+                            "max_failures": a.max_failures, "proportion_test": a.proportion_test,
+                            "sample_test": a.sample_test, "alpha": a.alpha}
+    if a.steps:
+        body["steps"] = [float(x) for x in a.steps.split(",") if x.strip()]
+    if a.check:
+        checks = {}
+        for item in a.check:
+            name, sep, value = item.partition("=")
+            try:
+                checks[name] = float(value)
+            except ValueError:
+                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value") from None
+            if not sep:
+                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value")
+        body["checks"] = checks
+    data = _request(a, "PUT", _b(a, "/canary/policy"), {k: v for k, v in body.items() if v is not None})
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_pause(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/pause"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def canary_resume(a: argparse.Namespace) -> int:
+    data = _request(a, "POST", _b(a, "/canary/resume"))
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
+    return 0
+
+
+def audit(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", "/audit", params={"actor": a.actor, "action": a.action, "target": a.target,
+                                                "since_version": a.since_version, "limit": a.limit})
+    _show(a, "audit", data)
+    return 0
+
+
+def version(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", "/version")
+    print(json.dumps(data) if a.json else f"registry version {data['version']}")
+    return 0
+
+
