@@ -29,9 +29,9 @@ non-contiguous column slice of the fused output: update it in place
 (``out.add_(delta)``); rebinding the name has no effect.
 
 Where every matrix runs on a native kernel the whole step goes to C in one call
-(``engine.native.DecoderLayers``); the hook is then asked once per step for the same work as
+(``engine.native_decoder.DecoderLayers``); the hook is then asked once per step for the same work as
 native calls instead (``ctx.lora.native_steps(num_layers, LORA_INPUTS, columns)``, a
-``engine.native.LoRASteps`` or None to keep to ``apply_many``; ``ctx.lora.native_failure(i)``
+``engine.native_lora.LoRASteps`` or None to keep to ``apply_many``; ``ctx.lora.native_failure(i)``
 the error for the rank class whose call failed).
 """
 
@@ -57,14 +57,11 @@ from engine.linear import (
 from engine.loader import LayerWeights, ModelWeights
 from engine.native import (
     BlockMatmul,
-    DecoderLayers,
     FusedOps,
     Gemv,
-    NativeWeight,
     PanelMatmul,
     TileMatmul,
     decode_attention_kernel,
-    decoder_layers_kernel,
     fused_ops,
     gemv_kernel,
     panel_matmul_kernel,
@@ -73,6 +70,7 @@ from engine.native import (
     row_scan_kernel,
     tile_matmul_kernel,
 )
+from engine.native_decoder import DecoderLayers, NativeWeight, decoder_layers_kernel
 from engine.quant import INT4, QUANTIZED, pack_q8, quantize_q8
 from engine.rotary import RotaryEmbedding
 from engine.step_batch import BatchContext
@@ -234,7 +232,7 @@ class DecoderModel:
         return self._head(ctx, h)
 
     def _native_weights(self) -> list[tuple[NativeWeight, ...]] | None:
-        """Every layer's matrices as :class:`engine.native.DecoderLayers` reads them, where all run on
+        """Every layer's matrices as :class:`engine.native_decoder.DecoderLayers` reads them, where all run on
         native kernels of one kind with the native elementwise steps: all on the tile kernel (with
         the narrow flow's conditions), all in 8- or 4-bit blocks, or all on the float32 panel
         kernel (AVX2 builds); else None."""
@@ -260,7 +258,7 @@ class DecoderModel:
         return self._decoder_weights[0][0].format == NativeWeight.TILE
 
     def _decoder_layers(self, cache: KVCache) -> object:
-        """:class:`engine.native.DecoderLayers`' per-layer arguments over ``cache``'s pools (built once)."""
+        """:class:`engine.native_decoder.DecoderLayers`' per-layer arguments over ``cache``'s pools (built once)."""
         if self._decoder_args is None or self._decoder_args[0] is not cache:
             assert self.decoder is not None and self._decoder_weights is not None
             weights = [(lw.input_norm, lw.post_norm, *mats)

@@ -4,9 +4,12 @@
 (``$XDG_CACHE_HOME/loraplex/kernels``, else ``~/.cache/loraplex/kernels``), keyed by a hash of the source, the compiler flags and
 this CPU's feature flags (the code is built for ``-march=native``, or ``$LORAPLEX_NATIVE_MARCH``: see
 ``engine.cpu``). No compiler, a
-failed build or a non-Linux platform: ``decode_attention_kernel()``,
-``lora_rows_kernel()``, ``gemv_kernel()``, ``fused_ops()``, ``q8_matmul_kernel()`` and ``q4_matmul_kernel()`` return ``None`` and the engine keeps its
-pure-torch paths, with one warning in the log.
+failed build or a non-Linux platform: ``decode_attention_kernel()``, ``gemv_kernel()``,
+``fused_ops()``, ``q8_matmul_kernel()``, ``q4_matmul_kernel()`` (and ``engine.native_lora``'s
+``lora_rows_kernel()``, ``engine.native_decoder``'s ``decoder_layers_kernel()``) return ``None``
+and the engine keeps its pure-torch paths, with one warning in the log. This module builds and
+loads the library and wraps its single kernels; the multi-LoRA kernels are
+``engine.native_lora``, the one-call decoder ``engine.native_decoder``.
 
 The library is built with ``-fopenmp`` and links ``libgomp.so.1``: inside a process that
 imported torch this is the same OpenMP runtime PyTorch uses, so the kernels share its
@@ -22,7 +25,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -169,145 +172,6 @@ def decode_attention_kernel() -> DecodeAttention | None:
         return None
     tiles = tile_matmul_kernel()
     return DecodeAttention(lib, amx=tiles is not None and tiles.isa == "amx")
-
-
-class _LoraCall(ctypes.Structure):
-    _fields_ = [("y_cols", _ptr), ("out_dims", _ptr), ("a_ptrs", _ptr), ("b_ptrs", _ptr), ("scale_ptrs", _ptr),
-                ("num_targets", _int), ("b_transposed", _int), ("in_dim", _int), ("rank", _int),
-                ("weights_bf16", _int)]
-
-
-class _LoraPass(ctypes.Structure):
-    _fields_ = [("rows", _ptr), ("row_slots", _ptr), ("num_rows", _int)]
-
-
-class _Lora(ctypes.Structure):
-    _fields_ = [("passes", _ptr), ("calls", _ptr), ("num_passes", _int)]
-
-
-class LoRASteps:
-    """A step's LoRA rows as :class:`DecoderLayers` applies them: per rank class (pass) its rows
-    sorted by slot, and per layer, input (q|k|v, o, gate|up, down) and pass the stacks to apply
-    (:meth:`LoRATable.call`) or none."""
-
-    INPUTS = 4
-    FAILED = 1000
-    """The decoder's return code for a failed LoRA call: this plus the index of its pass."""
-
-    def __init__(self, passes: Sequence[tuple[torch.Tensor, torch.Tensor]], num_layers: int) -> None:
-        """``passes``: per pass ``(rows, row_slots)``, int64 contiguous; fill the calls with :meth:`set`."""
-        self.num_passes = len(passes)
-        for rows, row_slots in passes:
-            assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
-        self._passes = (_LoraPass * self.num_passes)(*(_LoraPass(r.data_ptr(), rs.data_ptr(), int(r.numel()))
-                                                       for r, rs in passes))
-        self._calls = (ctypes.c_void_p * (num_layers * self.INPUTS * self.num_passes))()
-        self._keep: list[object] = [passes]
-        self.args = _Lora(ctypes.addressof(self._passes), ctypes.addressof(self._calls), self.num_passes)
-
-    def set(self, layer: int, inp: int, pass_index: int, call: _LoraCall) -> None:
-        self._calls[(layer * self.INPUTS + inp) * self.num_passes + pass_index] = ctypes.addressof(call)
-        self._keep.append(call)
-
-
-class LoRATable:
-    """Kernel arguments for the LoRA stacks of projections that read the same input
-    (validated once; build with :meth:`LoRARows.table`, keep while the stacks live)."""
-
-    __slots__ = ("_calls", "_keep", "a_ptrs", "b_ptrs", "bf16", "in_dim", "n", "out_dims", "rank", "scale_ptrs",
-                 "transposed")
-
-    def __init__(self, stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        if not stacks:
-            raise ValueError("no LoRA stacks")
-        a0 = stacks[0][0]
-        _, self.rank, self.in_dim = a0.shape
-        self.transposed = stacks[0][1].transpose(1, 2).is_contiguous()
-        self.bf16 = a0.dtype == torch.bfloat16
-        for a, b, scale in stacks:
-            s, r, n_in = a.shape
-            assert (r, n_in) == (self.rank, self.in_dim), "stacks of one call share rank and input size"
-            assert a.dtype == b.dtype == a0.dtype and a.dtype in (torch.float32, torch.bfloat16)
-            assert scale.dtype == torch.float32 and a.device.type == "cpu"
-            assert a.is_contiguous() and scale.is_contiguous() and b.shape == (s, b.shape[1], r)
-            assert scale.shape == (s,)
-            assert b.transpose(1, 2).is_contiguous() if self.transposed else b.is_contiguous()
-        self.n = len(stacks)
-        arr = ctypes.c_int64 * self.n
-        self.out_dims = arr(*(b.shape[1] for _, b, _ in stacks))
-        self.a_ptrs = arr(*(a.data_ptr() for a, _, _ in stacks))
-        self.b_ptrs = arr(*(b.data_ptr() for _, b, _ in stacks))
-        self.scale_ptrs = arr(*(sc.data_ptr() for _, _, sc in stacks))
-        self._keep = tuple(stacks)
-        self._calls: dict[tuple[int, ...], _LoraCall] = {}
-
-    def call(self, cols: tuple[int, ...]) -> _LoraCall:
-        """These stacks as one LoRA call of :class:`DecoderLayers`, their outputs at columns
-        ``cols`` of the matmul's output (built once per ``cols``, kept with the table)."""
-        c = self._calls.get(cols)
-        if c is None:
-            assert len(cols) == self.n
-            y_cols = (ctypes.c_int64 * self.n)(*cols)
-            c = self._calls[cols] = _LoraCall(ctypes.addressof(y_cols), ctypes.addressof(self.out_dims),
-                                              ctypes.addressof(self.a_ptrs), ctypes.addressof(self.b_ptrs),
-                                              ctypes.addressof(self.scale_ptrs), self.n, int(self.transposed),
-                                              self.in_dim, self.rank, int(self.bf16))
-            c.keep = (y_cols, self)  # the column offsets, and the arrays the other pointers name
-        return c
-
-
-class LoRARows:
-    """``out_p[rows[n]] += scale_p[s] * B_p[s] @ (A_p[s] @ x[rows[n]])`` with ``s = row_slots[n]``,
-    for one or several projections ``p`` of the same input (see ``engine/csrc/cpu_kernels.c``)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_lora_rows_f32
-        # The AVX-512 and AVX2 builds take each segment of one adapter in blocks (B transposed,
-        # rank a multiple of 8): prefill too (engine.lora.ops.native_max_tokens).
-        self.blocked = bool(lib.loraplex_lora_rows_blocked())
-
-    @staticmethod
-    def table(stacks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> LoRATable:
-        """``stacks``: per projection ``(A [S, r, in] contiguous, B [S, out, r] contiguous or the
-        transposed view of a contiguous [S, r, out] (as ``SlotBank`` stores it: the faster
-        expand), scale [S])`` on CPU, one rank and input size; A and B float32 or bfloat16 (the
-        math stays float32), the scales float32."""
-        return LoRATable(stacks)
-
-    def run(self, table: LoRATable, x: torch.Tensor, outs: Sequence[torch.Tensor], rows: torch.Tensor,
-            row_slots: torch.Tensor) -> None:
-        """``x``: ``[T, in]``; ``outs``: one ``[T, out_p]`` per stack of the table, column slices of
-        one float32 tensor (e.g. q/k/v of a fused projection's output; rows may be strided,
-        columns contiguous); ``rows``/``row_slots``: ``[n]`` int64 contiguous, best sorted by slot."""
-        y = outs[0]
-        stride = y.stride(0)
-        assert len(outs) == table.n and x.dtype == y.dtype == torch.float32
-        assert x.stride(1) == 1 and x.shape[1] == table.in_dim
-        base = y.data_ptr()
-        cols = (ctypes.c_int64 * table.n)()
-        for p, o in enumerate(outs):
-            assert o.stride(1) == 1 and o.stride(0) == stride and o.shape == (y.shape[0], table.out_dims[p])
-            assert o.dtype == torch.float32
-            cols[p] = (o.data_ptr() - base) // 4
-        assert rows.dtype == row_slots.dtype == torch.int64 and rows.is_contiguous() and row_slots.is_contiguous()
-        rc = self._fn(x.data_ptr(), x.stride(0), base, stride, table.n, cols, table.out_dims, table.a_ptrs,
-                      table.b_ptrs, table.scale_ptrs, int(table.transposed), rows.data_ptr(), row_slots.data_ptr(),
-                      int(rows.numel()), table.in_dim, table.rank, int(table.bf16), torch.get_num_threads())
-        if rc == 1:
-            raise MemoryError("native LoRA kernel: no memory for the shrunk rows")
-        if rc != 0:
-            raise RuntimeError(f"native LoRA kernel failed ({rc}): rank {table.rank}")
-
-    def __call__(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                 rows: torch.Tensor, row_slots: torch.Tensor) -> None:
-        """One projection: ``y [T, out]``, ``x [T, in]``, stacks as in :meth:`table`."""
-        self.run(self.table([(a, b, scale)]), x, [y], rows, row_slots)
-
-
-@lru_cache(maxsize=1)
-def lora_rows_kernel() -> LoRARows | None:
-    lib = _library()
-    return LoRARows(lib) if lib is not None else None
 
 
 class Gemv:
@@ -609,145 +473,3 @@ def tile_matmul_kernel() -> TileMatmul | None:
         log.warning("native %s matmul disagrees with torch; not used", isa)
         return None
     return kernel
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("d", _ptr), ("extra", _ptr), ("bias", _ptr), ("format", _int), ("n", _int), ("k", _int)]
-
-
-class _LayerArgs(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
-                ("down", _Weight), ("k_pool", _ptr), ("v_pool", _ptr)]
-
-
-class _StepArgs(ctypes.Structure):
-    _fields_ = [("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("res", _ptr), ("mlp", _ptr),
-                ("gate_up", _ptr), ("xb", _ptr), ("q", _ptr), ("lora", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("head_scale", _ptr),
-                ("cs_row_stride", _i64), ("cs_head_stride", _i64), ("slots", _ptr), ("row_blocks", _ptr),
-                ("row_lens", _ptr), ("blocks_per_seq", _i64), ("pool_slots", _i64), ("max_len", _int),
-                ("block_size", _int), ("kv_bf16", _int), ("amx", _int), ("act_bf16", _int), ("rows", _int),
-                ("hidden", _int), ("heads", _int), ("kv_heads", _int), ("head_dim", _int), ("inter", _int),
-                ("eps", _f32)]
-
-
-class NativeWeight:
-    """One projection's matrix as :class:`DecoderLayers` reads it: ``tiles`` packed by
-    :meth:`TileMatmul.pack` (bfloat16, the bias left to the caller's flow), a
-    :class:`engine.quant.PackedQ8` / ``PackedQ4``, or float32 ``panels`` packed by
-    :meth:`PanelMatmul.pack` (the bias added by the matmul for these)."""
-
-    TILE, Q8, Q4, PANEL = 0, 1, 2, 3
-
-    def __init__(self, weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor | None,
-                 n: int | None = None, single: torch.Tensor | None = None) -> None:
-        """``n``: the tiles' or panels' output count (``weight`` then the packed tiles or panels);
-        ``single``: with panels, the float32 ``[n, k]`` matrix a single row multiplies on the gemv
-        kernel (as :class:`engine.linear.Linear` does), or None (panels for it too)."""
-        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-        self.bias = bias
-        # _keep: the tensors behind the C struct's w, d and extra pointers (None, or missing: NULL).
-        if isinstance(weight, PackedQ8 | PackedQ4):
-            q8 = isinstance(weight, PackedQ8)
-            self.format, self.n, self.k = (self.Q8 if q8 else self.Q4), weight.out_features, weight.in_features
-            self._keep: tuple[torch.Tensor | None, ...] = (weight.q, weight.d, weight.comp if q8 else weight.m)
-        elif weight.dtype == torch.float32:
-            assert weight.dim() == 3 and weight.shape[2] == 16 and weight.is_contiguous() and n is not None
-            assert single is None or (single.shape == (n, weight.shape[1]) and single.dtype == torch.float32
-                                      and single.is_contiguous())
-            self.format, self.n, self.k = self.PANEL, n, weight.shape[1]
-            self._keep = (weight, None, single)
-        else:
-            assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and n is not None
-            self.format, self.n, self.k = self.TILE, n, weight.numel() // n
-            self._keep = (weight,)
-
-    def args(self) -> _Weight:
-        p = [t.data_ptr() if t is not None else None for t in self._keep] + [None] * (3 - len(self._keep))
-        return _Weight(*p, self.bias.data_ptr() if self.bias is not None else None, self.format, self.n, self.k)
-
-
-class DecoderLayers:
-    """A step's decoder layers in one native call (``engine/csrc``, section 10), for a model whose
-    matrices all run on native kernels (:class:`NativeWeight`: bfloat16 on the tile kernel, 8- and
-    4-bit blocks, or float32 panels), the step's LoRA rows included (:class:`LoRASteps`): per layer the kernels
-    the model calls one by one (``engine.model.DecoderModel``), in the same order with the same
-    arguments, so the same numbers bit for bit; what it saves is the interpreter between them (240
-    ctypes calls a step for a 30-layer model, about 400 with adapters, each with its checks and
-    allocations, while the second OpenMP thread spins).
-
-    Built once per model and KV cache with :meth:`layers` (weights and pools stay where they are)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.loraplex_decoder_layers
-
-    @staticmethod
-    def layers(weights: Sequence[tuple[torch.Tensor, torch.Tensor, NativeWeight, NativeWeight, NativeWeight,
-                                       NativeWeight]], cache: KVCache) -> ctypes.Array:
-        """``weights``: per layer ``(input_norm, post_norm, qkv, o, gate_up, down)``, every matrix
-        of one kind (tiles, or blocks); the pools are ``cache``'s."""
-        assert len(weights) == len(cache.k)
-        tiles = weights[0][2].format == NativeWeight.TILE
-        arr = (_LayerArgs * len(weights))()
-        for i, (in_norm, post_norm, *mats) in enumerate(weights):
-            assert in_norm.dtype == post_norm.dtype == torch.float32 and in_norm.is_contiguous()
-            assert all((m.format == NativeWeight.TILE) == tiles for m in mats), "tiles and blocks do not mix"
-            assert not tiles or all(m.bias is None for m in mats[1:]), "on tiles only q|k|v has a bias"
-            k, v = cache.k[i], cache.v[i]
-            assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype in (torch.float32, torch.bfloat16)
-            arr[i] = _LayerArgs(in_norm.data_ptr(), post_norm.data_ptr(), *(m.args() for m in mats), k.data_ptr(),
-                                v.data_ptr())
-        arr.tiles = tiles  # type: ignore[attr-defined]
-        arr.keep = weights  # type: ignore[attr-defined]
-        return arr
-
-    def __call__(self, layers: ctypes.Array, h: torch.Tensor, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
-                 head_scale: torch.Tensor, slots: torch.Tensor, row_blocks: torch.Tensor, row_lens: torch.Tensor,
-                 max_len: int, heads: int, inter: int, eps: float, fused_swiglu: bool, amx: bool,
-                 lora: LoRASteps | None = None) -> int:
-        """Runs every layer over ``h [T, hidden]`` (float32, contiguous; updated in place to the
-        residual stream after the last layer). ``cos``/``sin``/``head_scale`` as for
-        :meth:`FusedOps.rope_store`, ``row_blocks``/``row_lens``/``max_len`` as for
-        :class:`DecodeAttention` (one row per token); ``fused_swiglu``: SwiGLU in the gate|up
-        matmul (the tile kernel, or the 8-bit one on AVX512-VNNI; never with ``lora``); ``lora``:
-        the step's LoRA rows. Returns -1, or the index of the LoRA pass that failed (the
-        caller raises what the model's hook would have)."""
-        t, hidden = h.shape
-        kv_heads, d = cache.num_kv_heads, cache.head_dim
-        assert h.dtype == torch.float32 and h.is_contiguous() and t > 0
-        assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(2) == 1
-        assert cos.shape[0] == t and cos.shape[1] in (1, heads + kv_heads) and cos.shape[2] == d
-        assert head_scale.dtype == torch.float32 and head_scale.is_contiguous() and head_scale.numel() == heads + kv_heads
-        assert slots.dtype == row_blocks.dtype == row_lens.dtype == torch.int64
-        assert slots.is_contiguous() and row_blocks.is_contiguous() and row_lens.is_contiguous()
-        assert slots.shape[0] == row_blocks.shape[0] == row_lens.shape[0] == t
-        assert not (fused_swiglu and lora is not None)
-        tiles = layers.tiles  # type: ignore[attr-defined]
-        act = torch.bfloat16 if tiles and lora is None else torch.float32
-        x, res = torch.empty((t, hidden), dtype=act), torch.empty((t, hidden), dtype=act)
-        qkv = torch.empty((t, (heads + 2 * kv_heads) * d), dtype=act)
-        q = torch.empty((t, heads * d), dtype=torch.float32)
-        attn, mlp = torch.empty((t, heads * d), dtype=act), torch.empty((t, inter), dtype=act)
-        gate_up = None if fused_swiglu else torch.empty((t, 2 * inter), dtype=act)
-        xb = torch.empty((t, max(hidden, heads * d, inter)), dtype=torch.bfloat16) if tiles and act != torch.bfloat16 else None
-        args = _StepArgs(h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), res.data_ptr(), mlp.data_ptr(),
-                         gate_up.data_ptr() if gate_up is not None else None, xb.data_ptr() if xb is not None else None,
-                         q.data_ptr(), ctypes.addressof(lora.args) if lora is not None else None, cos.data_ptr(),
-                         sin.data_ptr(), head_scale.data_ptr(), cos.stride(0), 0 if cos.shape[1] == 1 else cos.stride(1),
-                         slots.data_ptr(), row_blocks.data_ptr(), row_lens.data_ptr(), row_blocks.shape[1],
-                         cache.k[0].shape[1], max_len, cache.block_size, cache.k[0].dtype == torch.bfloat16, amx,
-                         act == torch.bfloat16, t, hidden, heads, kv_heads, d, inter, eps)
-        rc = self._fn(ctypes.addressof(layers), len(layers), ctypes.byref(args), torch.get_num_threads())
-        if lora is not None and LoRASteps.FAILED <= rc < LoRASteps.FAILED + lora.num_passes:
-            return rc - LoRASteps.FAILED
-        if rc == 1:
-            raise MemoryError("native decoder layers: no memory for the quantized activations")
-        if rc != 0:
-            raise RuntimeError(f"native decoder layers failed ({rc}): {t} rows, head dim {d}")
-        return -1
-
-
-@lru_cache(maxsize=1)
-def decoder_layers_kernel() -> DecoderLayers | None:
-    lib = _library()
-    return DecoderLayers(lib) if lib is not None else None

@@ -33,7 +33,7 @@ from engine.lora.manager import AdapterLoadError, AdapterManager
 from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.runtime import LoRARuntime
 from engine.lora.slots import NonFiniteAdapter, SlotBank, check_finite
-from engine.native import _LoraCall
+from engine.native_lora import _LoraCall
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SeqEvent, Sequence
 from engine.warmstart import warm
@@ -389,7 +389,7 @@ def test_lora_exception_fails_only_that_adapters_rows(world, native, expected, m
 @pytest.mark.slow
 def test_lora_failure_inside_the_native_decoder_fails_only_that_adapters_rows(world, monkeypatch):
     """8-bit weights: steps with LoRA rows run every layer in one native call
-    (engine.native.DecoderLayers). A LoRA call of one rank class that fails in C there (a rank
+    (engine.native_decoder.DecoderLayers). A LoRA call of one rank class that fails in C there (a rank
     the kernel refuses) fails that class's adapter rows alone, as a hook's exception does."""
     eng = _engine(world, True, weights="int8")
     try:

@@ -326,7 +326,7 @@ def test_int8_weights_hold_the_base_in_a_quarter_of_the_memory(lora_world):
     fused = forced_logits(int8, prompt, 17)
     int8.model.q8_swiglu = False
     assert torch.equal(forced_logits(int8, prompt, 17), fused)
-    # ... in the one native call of engine.native.DecoderLayers or kernel by kernel: the same bits.
+    # ... in the one native call of engine.native_decoder.DecoderLayers or kernel by kernel: the same bits.
     assert int8.model.decoder is not None
     int8.model.decoder = None
     assert torch.equal(forced_logits(int8, prompt, 17), fused)

@@ -153,7 +153,7 @@ def test_bf16_weights_keep_matmul_outputs_narrow_without_changing_a_bit(lora_wor
     prompt = torch.randint(1, 128, (23,), generator=torch.Generator().manual_seed(5)).tolist()
     narrow = forced_logits(engine, prompt, 17)
     if cpu_has_bf16_matmul():
-        # The whole step in one native call (engine.native.DecoderLayers): the same bits as the
+        # The whole step in one native call (engine.native_decoder.DecoderLayers): the same bits as the
         # layers' kernels called one by one, with SwiGLU fused into gate|up and without.
         assert engine.model.decoder is not None
         engine.model.fused_swiglu = False
@@ -179,7 +179,7 @@ NO_PANELS = pytest.mark.skipif(panel_matmul_kernel() is None, reason="this build
 def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, weights, lora, monkeypatch):
     """A mixed step (decode rows of sequences of different lengths beside a prefill chunk; with
     ``lora``, rows of three adapters of different rank classes and targets beside a base row) in
-    the one native call of engine.native.DecoderLayers: the logits, the residual stream's
+    the one native call of engine.native_decoder.DecoderLayers: the logits, the residual stream's
     finiteness and the K/V it writes are bit for bit those of the layers' kernels and LoRA hooks
     called one by one."""
     base_dir, _, _, refs, root = lora_world
@@ -238,7 +238,7 @@ def test_native_decoder_layers_match_the_kernels_called_one_by_one(lora_world, w
 
 @NO_PANELS
 def test_float32_panels_take_the_one_call_decoder_for_prefill_and_single_rows(lora_world):
-    """Float32 weights on the panel kernel go through engine.native.DecoderLayers too: a prompt's
+    """Float32 weights on the panel kernel go through engine.native_decoder.DecoderLayers too: a prompt's
     prefill on the panels and one sequence's decode rows on the gemv, as Linear runs them, give
     the logits of the layer-by-layer path bit for bit."""
     base_dir, *_ = lora_world

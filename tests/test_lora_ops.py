@@ -18,7 +18,7 @@ from engine.lora.ops import (
 )
 from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.slots import RankTooLarge, SlotBank
-from engine.native import lora_rows_kernel
+from engine.native_lora import lora_rows_kernel
 
 
 def _naive(x, slots, adapters):
@@ -398,7 +398,7 @@ def test_native_tables_follow_slot_storage_growth(monkeypatch):
     g = torch.Generator().manual_seed(3)
     bank.write(0, _random_weights(g, 1, shapes, 8, ("q_proj",), 1.0))
     runs: list[str] = []
-    from engine.native import LoRARows
+    from engine.native_lora import LoRARows
 
     real_run = LoRARows.run
     monkeypatch.setattr(LoRARows, "run", lambda self, *a: (runs.append("run"), real_run(self, *a))[1])
@@ -421,7 +421,7 @@ def test_native_tables_follow_slot_storage_growth(monkeypatch):
 
 
 def test_native_flag_keeps_lora_batches_on_torch(monkeypatch):
-    from engine.native import LoRARows
+    from engine.native_lora import LoRARows
 
     calls: list[int] = []
     monkeypatch.setattr(LoRARows, "run", lambda self, *a: calls.append(1))

@@ -22,7 +22,7 @@ import torch
 from engine.lora.ops import choose_path, lora_apply, native_max_tokens
 from engine.lora.plan import SegmentPlan
 from engine.lora.slots import SlotBank
-from engine.native import LoRASteps, lora_rows_kernel
+from engine.native_lora import LoRASteps, lora_rows_kernel
 
 
 class LoRAApplyError(RuntimeError):
@@ -109,7 +109,7 @@ class LoRABatch:
         return LoRAApplyError(tuple(p.class_index * s + local for local in p.plan.seg_slots), message)
 
     def native_steps(self, num_layers: int, inputs: Sequence[Sequence[str]], cols: Mapping[str, int]) -> LoRASteps | None:
-        """This step's LoRA as ``engine.native.DecoderLayers`` applies it inside the layers: per
+        """This step's LoRA as ``engine.native_decoder.DecoderLayers`` applies it inside the layers: per
         layer and input (``inputs``: the projections that read each, in the model's order) the
         stacks :meth:`apply_many` would apply, each projection's output at column ``cols[proj]``
         of its matmul's output. None when some rank class is not on the native path."""

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 
 from engine.lora.plan import SegmentPlan
-from engine.native import lora_rows_kernel
+from engine.native_lora import lora_rows_kernel
 
 Path = Literal["segmented", "padded", "native"]
 
@@ -139,7 +139,7 @@ def lora_padded(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 def lora_native(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 scale: torch.Tensor, plan: SegmentPlan) -> None:
-    """The C kernel (``engine.native.LoRARows``) over the plan's rows, sorted by slot."""
+    """The C kernel (``engine.native_lora.LoRARows``) over the plan's rows, sorted by slot."""
     kernel = lora_rows_kernel()
     if kernel is None:
         raise RuntimeError("the native LoRA kernel is not available here")
