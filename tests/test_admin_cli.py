@@ -97,6 +97,8 @@ def test_admin_cli_end_to_end(server, capsys, tmp_path):
     code, _, err = run(capsys, "tenant", "limits", "acme", "--requests-per-min", "-5")
     assert code == 1 and "422" in err
     assert run_json(capsys, "tenant", "limits", "acme", "--max-concurrent", "3")["max_concurrent"] == 3
+    kept = run_json(capsys, "tenant", "limits", "acme", "--response-retention-s", "86400")
+    assert kept["response_retention_s"] == 86400 and kept["max_concurrent"] == 3
     assert run_json(capsys, "tenant", "disable", "acme")["status"] == "disabled"
     assert run_json(capsys, "tenant", "enable", "acme")["status"] == "active"
     assert [t["slug"] for t in run_json(capsys, "tenant", "list")["data"]] == ["acme"]

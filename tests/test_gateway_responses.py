@@ -271,3 +271,30 @@ async def test_the_store_is_per_tenant_and_expired_rows_are_purged(tmp_path):
         await none.close()
     finally:
         await store.close()
+
+
+async def test_a_tenants_own_retention_is_set_through_the_service_and_zero_keeps_nothing(tmp_path):
+    from registry.responses import ResponseStore
+    from registry.service import RegistryService
+
+    db = f"sqlite+aiosqlite:///{tmp_path / 'r.db'}"
+    await fresh_registry(db)
+    s = Settings(database_url=db, home=str(tmp_path / "home"), response_retention_s=600)
+    svc = RegistryService(s)
+    store = ResponseStore(s)
+    try:
+        for slug in ("keeps", "forgets"):
+            await svc.create_tenant(slug)
+        assert (await svc.get_tenant("keeps"))["response_retention_s"] is None
+        out = await svc.set_tenant_limits("forgets", response_retention_s=0)
+        assert out["response_retention_s"] == 0
+        audit = await svc.audit(action="tenant.limits")
+        assert audit[0]["after"]["response_retention_s"] == 0
+        for slug in ("keeps", "forgets"):
+            await store.put(tenant=slug, response={"id": f"resp_{slug}", "model": "m", "output": []}, input_items=[],
+                            context=[], previous=None, adapter="a@1")
+        assert await store.get("keeps", "resp_keeps") is not None
+        assert await store.get("forgets", "resp_forgets") is None, "a tenant with no retention keeps nothing"
+    finally:
+        await store.close()
+        await svc.close()
