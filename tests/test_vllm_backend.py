@@ -198,6 +198,17 @@ def test_responses_reach_vllm_through_the_agent_and_continue(fleet):
     assert done.usage.input_tokens > first.usage.input_tokens
     assert c.responses.retrieve(done.id).output_text == done.output_text
     assert [i.role for i in c.responses.input_items.list(done.id, order="asc").data] == ["user", "assistant", "user"]
+    other = fleet.cluster.add_gateway("g2")  # a second replica on the same PostgreSQL and Redis
+    try:
+        wait_http(other, "/readyz", 120)
+        c2 = openai.OpenAI(base_url=other.url + "/v1", api_key=fleet.cluster.token("iso"), max_retries=0)
+        third = c2.responses.create(model="r8_all", input=PROMPTS[2], temperature=0, max_output_tokens=8,
+                                    previous_response_id=done.id)
+        assert third.previous_response_id == done.id and third.usage.input_tokens > done.usage.input_tokens
+        assert c.responses.retrieve(third.id).output_text == third.output_text  # and read back on the first
+    finally:
+        other.kill()
+        fleet.cluster.gateways.remove(other)
 
 
 def _report_peft_agreement(fleet: Fleet, texts: dict[str, tuple[str, ...]]) -> None:
