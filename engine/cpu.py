@@ -109,3 +109,15 @@ def default_weights() -> tuple[str, str]:
     if {"avx2", "fma"} <= flags:
         return "int4", "AVX2 without AVX-512: the 4-bit kernel's integer multiply outruns float32 FMA"
     return "float32", "no AVX2: the float32 path"
+
+
+BURST_TOKENS_AMX = 4096
+
+
+def default_burst_tokens() -> int:
+    """A CPU step's token budget while a burst of prompts waits, by default: wider (fewer, larger
+    prefill matmuls) only with AMX, whose tile kernel ran ~1.3x faster per token on large blocks;
+    elsewhere 0 (no wider). On a Zen 4 in bfloat16 a 3,200-token burst step took 1.8 s: every
+    request of the burst waited for all of it (TTFT p50 1.92 s), where 512-token steps gave
+    0.32 s and 6% more tokens/s."""
+    return BURST_TOKENS_AMX if "amx_bf16" in cpu_flags() else 0

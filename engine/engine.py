@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu import default_weights
+from engine.cpu import BURST_TOKENS_AMX, default_burst_tokens, default_weights
 from engine.detokenizer import IncrementalDecoder
 from engine.grammar import Grammars
 from engine.kv_cache import KVCache
@@ -74,7 +74,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     burst_batched_tokens: int = 0
-    """A step's token budget while a burst of prompts waits (``engine.scheduler``); 0: no wider."""
+    """A step's token budget while a burst of prompts waits (``engine.scheduler``); 0: no wider;
+    negative: this device's default (``engine.cpu.default_burst_tokens`` on CPU, 4096 on CUDA)."""
     max_waiting: int = 256
     max_model_len: int = 0
     native_kernels: bool = True
@@ -157,6 +158,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def burst_tokens(setting: int, device: torch.device) -> int:
+    """``burst_batched_tokens`` as the scheduler takes it (a negative setting: the device's default)."""
+    if setting >= 0:
+        return setting
+    return default_burst_tokens() if device.type == "cpu" else BURST_TOKENS_AMX
+
+
 def resolve_weights(weights: str, dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """The projection weights' dtype: ``""`` is the activations' ``dtype`` (the exact path);
     ``auto`` is this CPU's fastest format under float32 activations on a CPU ``device``
@@ -216,7 +224,7 @@ class Engine:
                                         kv_dtype, model.dtype)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   burst_batched_tokens=config.burst_batched_tokens,
+                                   burst_batched_tokens=burst_tokens(config.burst_batched_tokens, model.device),
                                    max_waiting=config.max_waiting)
         eos = set(cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:

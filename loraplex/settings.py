@@ -217,9 +217,10 @@ class Settings:
     """Most sequences running in one batch."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step (prefill chunks + decode rows)."""
-    burst_batched_tokens: int = 4096
+    burst_batched_tokens: int = -1
     """Token budget of a step while the waiting prompts hold more tokens than
-    ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider."""
+    ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider; -1: by device
+    (4096 on CPUs with AMX and on CUDA, where larger matmuls run faster per token; else 0)."""
     max_waiting: int = 256
     """Bounded waiting queue; a full queue answers 503."""
     canary_judge_interval_s: float = 1.0

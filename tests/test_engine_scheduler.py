@@ -279,3 +279,21 @@ def test_burst_budget_widens_steps_only_while_the_queue_exceeds_the_budget():
     for _ in range(6):
         plain.add(_seq(20))
     assert plain.schedule().num_tokens == 32
+
+
+@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 4096),
+                                             ({"avx512f", "avx512_bf16", "avx512_vnni"}, 0), ({"avx2", "fma"}, 0)])
+def test_the_burst_budget_defaults_by_device(monkeypatch, flags, want):
+    """Wider burst steps only where larger prefill matmuls pay (AMX's tiles, CUDA): on other CPUs a
+    burst in one step makes every one of its requests wait for all of it."""
+    import torch
+
+    import engine.cpu as cpu
+    from engine.engine import EngineConfig, burst_tokens
+    from loraplex.settings import Settings
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    assert Settings().burst_batched_tokens == -1 and EngineConfig().burst_batched_tokens == 0
+    assert burst_tokens(-1, torch.device("cpu")) == want
+    assert burst_tokens(-1, torch.device("cuda")) == 4096
+    assert burst_tokens(0, torch.device("cpu")) == 0 and burst_tokens(2048, torch.device("cpu")) == 2048
