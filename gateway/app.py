@@ -59,9 +59,9 @@ SERVED_PATHS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/r
 
 
 class GatewayApp(Starlette):
-    """The gateway's Starlette app; the two hot routes go straight to ``Gateway.completions``
-    (a raw ASGI handler that answers every error itself), skipping the middleware stack and
-    the router."""
+    """The gateway's Starlette app; the hot routes go straight to ``Gateway.completions`` and
+    ``Gateway.responses`` (raw ASGI handlers that answer every error themselves), skipping the
+    middleware stack and the router."""
 
     gateway: Gateway
     metrics_app: Any

@@ -1,4 +1,4 @@
-"""``/v1/responses``: one turn through the chat path (``gateway.app.Gateway.responses``), and the
+"""``/v1/responses``: one turn through the chat path (``gateway.request_path.Gateway.responses``), and the
 stored responses' routes (retrieve, delete, input items).
 
 A turn reads the previous response (``previous_response_id``, the tenant's only) before anything
