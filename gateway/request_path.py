@@ -272,7 +272,7 @@ class Gateway:
             call.headers[HDR_WORKER] = call.worker
             try:
                 if req.stream and opened.response.status == 200:
-                    await (self._relay_turn if call.turn is not None else self._relay)(call, send, req, opened)
+                    await self._relay(call, send, req, opened)
                 else:
                     await self._answer(call, send, opened)
             finally:
@@ -281,33 +281,18 @@ class Gateway:
             guard.stop()
 
     async def _relay(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
-        """A streamed answer, event by event; a stream that breaks ends with an error event (502)."""
+        """A streamed answer, event by event (a Responses turn's as the Responses events, kept before
+        it completes); a stream that breaks ends with an error event (502)."""
         call.status = 200
         await send({"type": "http.response.start", "status": 200,
                     "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
         call.started = True
         result = call.streamed = StreamResult(watch=bool(call.judged))
-        await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
-                        strip_chunk_usage=not req.fields.continuous_usage)
-        call.usage = result.usage
-        if result.first_token_at is not None:
-            self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
-        if result.error or result.worker_error:
-            call.status = 502
-            self.metrics.upstream_failure(call.worker)
-        call.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _relay_turn(self, call: _Call, send: Any, req: ValidRequest, opened: Opened) -> None:
-        """A streamed Responses turn: the chat stream as Responses events, kept before it completes."""
-        call.status = 200
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _headers(call.headers, b"text/event-stream", extra=_SSE)})
-        call.started = True
-        result = call.streamed = StreamResult(watch=bool(call.judged))
-        assert call.turn is not None
-        await responses_api.relay(call.turn, call.alias, opened, send, result,
-                                  lambda: self._keep(call))
+        if call.turn is None:
+            await relay_sse(opened, send, keep_usage=req.include_usage, result=result,
+                            strip_chunk_usage=not req.fields.continuous_usage)
+        else:
+            await responses_api.relay(call.turn, call.alias, opened, send, result, lambda: self._keep(call))
         call.usage = result.usage
         if result.first_token_at is not None:
             self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
