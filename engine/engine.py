@@ -362,14 +362,16 @@ class Engine:
         if len(seqs) > 1:
             seq.samples = seqs
         rt = self.lora_runtime
+        tier = None
         if adapter is None or rt is None:
             seq.extra["cache"] = "base"
         else:
-            warm = rt.manager.state(adapter).state in ("host", "device")
-            seq.extra["cache"] = "warm" if warm else "cold"
+            tier = rt.manager.state(adapter).state
+            seq.extra["cache"] = "warm" if tier in ("host", "device") else "cold"
+            tier = "absent" if tier == "failed" else tier
             rt.prefetch(seq)  # load while earlier requests run
         if self.metrics is not None:
-            self.metrics.observe_arrival(seq.extra["cache"])
+            self.metrics.observe_arrival(seq.extra["cache"], tier)
         with self._wake:
             sched = self.scheduler
             if len(seqs) > 1 and sched.num_waiting + len(seqs) > sched.max_waiting:

@@ -14,6 +14,9 @@ Adapter tiers (with LoRA on; every series carries ``worker``):
   ``loraplex_worker_adapter_misses_total``, ``loraplex_worker_adapter_load_failures_total``;
 * ``loraplex_worker_adapter_requests_total{cache}``: per request, ``warm`` (hit), ``cold``
   (miss), ``base``;
+* ``loraplex_worker_adapter_arrivals_total{tier}``: per adapter request, where its adapter was
+  when it arrived: ``device``, ``host``, ``loading`` (a load already under way) or ``absent``
+  (this request starts a load): the measured side of ``loraplex plan``'s hit ratios;
 * ``loraplex_worker_time_to_first_token_seconds{cache}``: ``warm`` (adapter on device or in
   host memory at arrival), ``cold`` (had to be loaded), ``base`` (no adapter).
 
@@ -65,6 +68,8 @@ class WorkerMetrics:
         self._arrivals = Counter("loraplex_worker_adapter_requests", "Requests by adapter cache state at "
                                  "arrival: warm (hit: device or host), cold (miss: had to load), base",
                                  [*labels, "cache"], registry=r)
+        self._tiers = Counter("loraplex_worker_adapter_arrivals", "Adapter requests by where their adapter "
+                              "was at arrival: device, host, loading, absent", [*labels, "tier"], registry=r)
         grammars = getattr(engine, "grammars", None)
         if grammars is not None:
             r.register(_GrammarCollector(grammars, worker_id))
@@ -77,9 +82,12 @@ class WorkerMetrics:
             manager.on_load = self.observe_adapter_load
             r.register(_LoRACollector(manager, worker_id))
 
-    def observe_arrival(self, cache: str) -> None:
-        """One request arrived; ``cache`` is ``warm``/``cold`` for adapter requests, ``base`` otherwise."""
+    def observe_arrival(self, cache: str, tier: str | None = None) -> None:
+        """One request arrived; ``cache`` is ``warm``/``cold`` for adapter requests, ``base`` otherwise;
+        ``tier``: its adapter's state then (``device``, ``host``, ``loading``, ``absent``)."""
         self._arrivals.labels(cache=cache, **self._labels).inc()
+        if tier is not None:
+            self._tiers.labels(tier=tier, **self._labels).inc()
 
     def observe_adapter_load(self, tier: str, seconds: float) -> None:
         self._load_seconds.labels(tier=tier, **self._labels).observe(seconds)

@@ -193,6 +193,10 @@ class Router:
         self._ring_cache[ck] = ids
         return ids
 
+    def candidates(self, base_model: str, key: str) -> list[str]:
+        """The ring's candidate worker ids for ``key`` (an adapter version id), preferred first."""
+        return self._ring_candidates(base_model, key)
+
     def _pool(self, base_model: str) -> list[Worker]:
         pool = self._pools.get(base_model)
         if pool is None:

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("engine.cli", "write a base model (GGUF or HF) as a Hugging Face directory for vLLM/transformers"),
     "serve": ("loraplex_cli.serve", "run gateway + one worker in one process on the embedded default"),
     "demo": ("loraplex_cli.serve", "seed demo tenants/adapters and run the embedded system"),
+    "plan": ("planner.cli", "size the fleet (workers, device slots, host cache) from the gateways' access logs"),
     "config": ("loraplex.config_cmd", "print every setting (LORAPLEX_* variable) and its effective value"),
 }
 

@@ -7,6 +7,7 @@
 | ``gateway/`` | loraplex, registry | engine, loraplex_cli, torch (not even when it admits an adapter) |
 | ``engine/`` | loraplex | gateway, registry, vllm_agent, loraplex_cli |
 | ``vllm_agent/`` | loraplex, engine's torch-free worker pieces (sources, control shapes, secret, reports) | gateway, registry, loraplex_cli, torch |
+| ``planner/`` | loraplex, gateway's router, engine's eviction policy (torch-free) | registry, loraplex_cli, torch |
 | ``loraplex_cli/`` (composition root) | every package, each only for the command that runs it | |
 """
 
@@ -110,11 +111,17 @@ def test_the_vllm_agent_is_a_package_of_its_own_without_torch():
     assert "vllm_agent" in top and not top & {"gateway", "registry", "loraplex_cli", "torch"}, sorted(top)
 
 
+def test_the_planner_replays_the_real_router_and_policy_without_torch():
+    mods = _modules_after("import planner.cli, planner.replay, planner.report")
+    assert {"gateway.router", "engine.lora.eviction"} <= mods
+    assert not _top(mods) & {"registry", "loraplex_cli", "torch"}, sorted(_top(mods))
+
+
 def _project_imports() -> dict[str, set[str]]:
     """Each project module -> the project modules it imports anywhere in its source (function
     bodies included: a deferred import is a dependency too)."""
     mods = {}
-    for pkg in ("engine", "gateway", "registry", "loraplex", "loraplex_cli", "vllm_agent"):
+    for pkg in ("engine", "gateway", "registry", "loraplex", "loraplex_cli", "vllm_agent", "planner"):
         for f in (ROOT / pkg).rglob("*.py"):
             name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             mods[name] = f

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.lora.manager import AdapterLoadError, AdapterManager, LRUPolicy, SlotsExhausted
+from engine.lora.eviction import LRUPolicy
+from engine.lora.manager import AdapterLoadError, AdapterManager, SlotsExhausted
 from engine.lora.slots import SlotBank
 from engine.lora.sources import AdapterFetchError, HttpSource, LocalSource, SourceRegistry
 from loraplex.digest import digest_directory

@@ -281,6 +281,7 @@ async def test_metrics_adapter_tiers_and_ttft_by_cache(client, world):
                    'loraplex_worker_adapter_hits_total{tier="host",worker="w-lora"}',
                    "loraplex_worker_adapter_misses_total", "loraplex_worker_adapter_load_failures_total",
                    'loraplex_worker_adapter_requests_total{cache="cold",worker="w-lora"}',
+                   'loraplex_worker_adapter_arrivals_total{tier="absent",worker="w-lora"} 1.0',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="warm",worker="w-lora"}',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="cold",worker="w-lora"}',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="base",worker="w-lora"}'):

@@ -27,15 +27,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
+from engine.lora.eviction import EvictionPolicy, LRUPolicy
 from engine.lora.peft import AdapterFormatError, load_adapter_files
 from engine.lora.slots import NonFiniteAdapter, RankTooLarge, SlotBank, SlotImage, check_finite
 from engine.lora.sources import (
@@ -71,37 +71,6 @@ class AdapterBusy(RuntimeError):
 
 class SlotsExhausted(RuntimeError):
     """No device slot can take the adapter now (all in use or pinned, or max_loras reached)."""
-
-
-# --- eviction policy ----------------------------------------------------------------------
-
-class EvictionPolicy(Protocol):
-    def touch(self, key: Hashable) -> None:
-        """``key`` was used now."""
-
-    def remove(self, key: Hashable) -> None:
-        """``key`` left the tier."""
-
-    def order(self, candidates: Iterable[Hashable]) -> list[Hashable]:
-        """``candidates`` in eviction order (first is evicted first)."""
-        ...
-
-
-class LRUPolicy:
-    def __init__(self) -> None:
-        self._used: OrderedDict[Hashable, None] = OrderedDict()
-
-    def touch(self, key: Hashable) -> None:
-        self._used[key] = None
-        self._used.move_to_end(key)
-
-    def remove(self, key: Hashable) -> None:
-        self._used.pop(key, None)
-
-    def order(self, candidates: Iterable[Hashable]) -> list[Hashable]:
-        cand = set(candidates)
-        ranked = [k for k in self._used if k in cand]
-        return ranked + [k for k in cand if k not in self._used]
 
 
 # --- stats --------------------------------------------------------------------------------
@@ -353,8 +322,10 @@ class AdapterManager:
         excess = len(held) - self.max_cpu_loras
         if excess <= 0:
             return
-        candidates = [k for k in held if k != keep and not self._entries[k].pinned]
-        for k in self._host_policy.order(candidates)[:excess]:
+        candidates = {k for k in held if k != keep and not self._entries[k].pinned}
+        for _ in range(min(excess, len(candidates))):
+            k = self._host_policy.victim(candidates)
+            candidates.discard(k)
             e = self._entries[k]
             e.weights = None
             self._host_policy.remove(k)
@@ -419,20 +390,20 @@ class AdapterManager:
         else:
             on_class = {e2.slot: k for k, e2 in self._entries.items()
                         if e2.slot is not None and self.bank.split(e2.slot)[0] == c}
-            candidates = [k for k in on_class.values()
-                          if self._entries[k].users == 0 and not self._entries[k].pinned and k not in protect]
-            order = self._device_policy.order(candidates)
-            if not order:
+            candidates = {k for k in on_class.values()
+                          if self._entries[k].users == 0 and not self._entries[k].pinned and k not in protect}
+            key = self._device_policy.victim(candidates)
+            if key is None:
                 rc = self.bank.rank_classes[c]
                 raise SlotsExhausted(f"all {self.bank.slots_per_class} rank-{rc} slots are in use or pinned")
-            victim = self._entries[order[0]]
+            victim = self._entries[key]
             slot = victim.slot
             assert slot is not None
             victim.slot = None
-            self._device_policy.remove(order[0])
+            self._device_policy.remove(key)
             self.stats.evictions["device"] += 1
             if victim.weights is None and not victim.pinned:
-                del self._entries[order[0]]
+                del self._entries[key]
         t0 = time.perf_counter()
         try:
             self.bank.write(slot, e.weights)

@@ -1,0 +1,202 @@
+"""Replay a trace through the fleet's routing and each worker's adapter tiers.
+
+Routing: with the fleet's own worker count, each request goes where it went (the log says
+which worker served it); for another count, to its adapter's first candidate on the
+gateway's own consistent-hash ring (``gateway.router.Router``), the observed workers kept
+and new ones added to the ring, as growing the fleet would.
+
+Tiers: every worker keeps ``max_loras`` adapters in device slots and ``max_cpu_loras`` in
+host memory, each tier evicting by the engine's own policy (``engine.lora.eviction``,
+driven through the same ``touch``/``victim``/``remove`` calls the engine's
+``AdapterManager`` makes). A request hits the tier its adapter is in when it arrives; a
+host miss is a cold start (a load from disk or the store). The two tiers see the same
+arrivals, so each is replayed on its own.
+
+A long worker stream replays ``WINDOWS`` stretches of it, spread over its whole span, each
+after a warm-up of the requests just before it that used at least twice as many distinct
+adapters as the tier holds: an LRU tier then holds exactly what the full replay would hold
+when the stretch begins, so only which stretches were taken can make the estimate differ
+(well under a point on Zipf traffic; ``tests/test_plan.py``). Where the warm-ups would cost
+as much as the whole stream, it replays whole. (Sampling adapters instead, as SHARDS does,
+missed by 8 points on Zipf traffic: a few hot adapters in or out of the sample swing it.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.lora.eviction import EvictionPolicy, LRUPolicy
+from gateway.router import Router
+from planner.trace import Trace
+
+SAMPLE_BUDGET = 400_000
+"""Requests a sampled replay counts (a worker's stream at most this long replays whole)."""
+WINDOWS = 40
+"""Stretches a sampled replay takes."""
+
+
+@dataclass(frozen=True)
+class TierResult:
+    workers: int
+    capacity: int
+    requests: int
+    """Adapter requests (every worker's)."""
+    hits: float
+    """Requests whose adapter was in the tier (estimated when sampled)."""
+    misses_max_worker: float
+    """Misses of the worker with the most."""
+    sampled: bool
+    """Replayed on stretches of a long stream (``windows``), not whole."""
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.requests if self.requests else 1.0
+
+
+def assign(trace: Trace, workers: int) -> np.ndarray:
+    """The worker index (``0..workers-1``) of each request with a fleet of ``workers``."""
+    if workers == len(trace.workers):
+        return trace.worker
+    ids = sorted(trace.workers)[:workers]
+    ids += [f"planned-{k}" for k in range(1, workers - len(ids) + 1)]
+    router = Router(None, candidates=1, static_urls=tuple(ids))
+    index = {w: i for i, w in enumerate(ids)}
+    of_adapter = np.fromiter((index[router.candidates("", name)[0]] for name in trace.adapters), np.int32,
+                             len(trace.adapters))
+    base = index[router.candidates("", "base:")[0]]
+    return np.where(trace.adapter >= 0, of_adapter[np.maximum(trace.adapter, 0)], base).astype(np.int32)
+
+
+def replay_tier(keys: Sequence[int], capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy,
+                skip: int = 0) -> int:
+    """Hits of a tier of ``capacity`` adapters over ``keys`` (one per arrival), evicting by
+    ``policy``; the first ``skip`` arrivals warm the tier up and are not counted."""
+    pol = policy()
+    touch, victim, remove = pol.touch, pol.victim, pol.remove
+    held: set[int] = set()
+
+    def run(part: Sequence[int]) -> int:
+        hits = 0
+        for key in part:
+            if key in held:
+                hits += 1
+            else:
+                if len(held) >= capacity:
+                    out = victim(held)
+                    held.discard(out)  # type: ignore[arg-type]
+                    remove(out)
+                held.add(key)
+            touch(key)
+        return hits
+
+    if skip:
+        run(keys[:skip])
+    return run(keys[skip:])
+
+
+def _warmup(keys: np.ndarray, start: int, distinct: int) -> int:
+    """How many requests before ``start`` use ``distinct`` adapters (all of them if fewer do)."""
+    u = distinct
+    while u < start:
+        if np.unique(keys[start - u:start]).size >= distinct:
+            return u
+        u *= 2
+    return start
+
+
+def windows(keys: np.ndarray, capacity: int) -> list[tuple[int, int]] | None:
+    """``(warm-up start, counted start)`` of each stretch a sampled replay takes, or None when
+    ``keys`` replays whole."""
+    n = int(keys.size)
+    if n <= SAMPLE_BUDGET:
+        return None
+    length = SAMPLE_BUDGET // WINDOWS
+    out = []
+    for start in np.linspace(0, n - length, WINDOWS).astype(np.int64).tolist():
+        out.append((start - _warmup(keys, start, 2 * capacity), start))
+    if sum(s - lo for lo, s in out) + SAMPLE_BUDGET >= n // 2:
+        return None
+    return out
+
+
+def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy) -> tuple[float, bool]:
+    """The tier's hit ratio over ``keys``, and whether it was replayed on stretches (``windows``)."""
+    if not keys.size:
+        return 1.0, False
+    distinct = int(np.unique(keys).size)
+    if capacity >= distinct:  # nothing is ever evicted, whatever the policy: only first uses miss
+        return 1.0 - distinct / keys.size, False
+    spans = windows(keys, capacity)
+    if spans is None:
+        return replay_tier(keys.tolist(), capacity, policy) / keys.size, False
+    length = SAMPLE_BUDGET // WINDOWS
+    hits = sum(replay_tier(keys[lo:start + length].tolist(), capacity, policy, skip=start - lo)
+               for lo, start in spans)
+    return hits / (length * len(spans)), True
+
+
+# The replay jobs read the trace's per-worker streams from here: set before the pool forks,
+# shared copy-on-write, never pickled.
+_STREAMS: dict[int, list[np.ndarray]] = {}
+
+
+def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]:
+    workers, j, capacity = args
+    keys = _STREAMS[workers][j]
+    ratio, sampled = hit_ratio(keys, capacity)
+    return workers, j, capacity, ratio * keys.size, keys.size * (1.0 - ratio), sampled
+
+
+def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *, jobs: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> dict[str, list[TierResult]]:
+    """Each tier (``{"device": [max_loras...], "host": [max_cpu_loras...]}``) replayed for each
+    worker count."""
+    _STREAMS.clear()
+    for w in workers:
+        where = assign(trace, w)
+        mask = trace.adapter >= 0
+        keys, owner = trace.adapter[mask], where[mask]
+        order = np.argsort(owner, kind="stable")  # stays in arrival order within each worker
+        bounds = np.searchsorted(owner[order], np.arange(w + 1))
+        ordered = keys[order]
+        _STREAMS[w] = [ordered[bounds[j]:bounds[j + 1]] for j in range(w)]
+    tasks = []
+    for tier, caps in capacities.items():
+        for w in workers:
+            for c in caps:
+                for j in range(len(_STREAMS[w])):
+                    tasks.append((tier, (w, j, c)))
+    tasks.sort(key=lambda t: -min(SAMPLE_BUDGET * 2, _STREAMS[t[1][0]][t[1][1]].size))  # longest first
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    done: list[tuple[int, int, int, float, float, bool]] = []
+    try:
+        if jobs == 1:
+            for i, (_, a) in enumerate(tasks):
+                done.append(_job(a))
+                if progress:
+                    progress(i + 1, len(tasks))
+        else:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for i, r in enumerate(pool.imap(_job, [a for _, a in tasks])):
+                    done.append(r)
+                    if progress:
+                        progress(i + 1, len(tasks))
+    finally:
+        streams = dict(_STREAMS)
+        _STREAMS.clear()
+    out: dict[str, list[TierResult]] = {}
+    for tier, caps in capacities.items():
+        rows = []
+        for w in workers:
+            for c in caps:
+                mine = [(r, t) for (tr, t), r in zip(tasks, done, strict=True) if tr == tier and t[0] == w and t[2] == c]
+                n = sum(streams[w][r[1]].size for r, _ in mine)
+                rows.append(TierResult(w, c, n, sum(r[3] for r, _ in mine),
+                                       max((r[4] for r, _ in mine), default=0.0), any(r[5] for r, _ in mine)))
+        out[tier] = rows
+    return out

@@ -1,0 +1,170 @@
+"""What ``loraplex plan`` says: the per-size table, the recommendation, JSON and an SVG plot."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from planner.replay import TierResult
+from planner.trace import Trace
+from planner.zipf import fit_zipf
+
+
+@dataclass
+class Plan:
+    trace: dict[str, Any]
+    zipf_s: float
+    device: list[TierResult]
+    host: list[TierResult]
+    span_s: float
+    target_cold: float
+    target_slot_miss: float
+    current: dict[str, int]
+
+    def recommendation(self) -> dict[str, Any]:
+        """The smallest fleet (fewest workers, then the smallest host cache) whose cold-start
+        share is within ``target_cold``; then the fewest device slots whose slot-miss share is
+        within ``target_slot_miss`` for that many workers (else the most the sweep tried)."""
+        ok = [r for r in self.host if 1.0 - r.hit_ratio <= self.target_cold]
+        if not ok:
+            best = max(self.host, key=lambda r: (r.hit_ratio, -r.workers, -r.capacity))
+            return {"met": False, "workers": best.workers, "max_cpu_loras": best.capacity,
+                    "cold_share": round(1.0 - best.hit_ratio, 4),
+                    "why": f"no size tried keeps cold starts within {self.target_cold:.1%}: the best is "
+                           f"{1.0 - best.hit_ratio:.2%} ({best.workers} workers, max_cpu_loras {best.capacity}); "
+                           "try more workers or larger --max-cpu-loras"}
+        pick = min(ok, key=lambda r: (r.workers, r.capacity))
+        slots = sorted((r for r in self.device if r.workers == pick.workers), key=lambda r: r.capacity)
+        fit = [r for r in slots if 1.0 - r.hit_ratio <= self.target_slot_miss]
+        dev = fit[0] if fit else slots[-1]
+        return {"met": True, "workers": pick.workers, "max_cpu_loras": pick.capacity, "max_loras": dev.capacity,
+                "cold_share": round(1.0 - pick.hit_ratio, 4), "slot_miss_share": round(1.0 - dev.hit_ratio, 4),
+                "loads_per_s_per_worker": round(self._per_worker_s(pick), 4),
+                "why": f"the fewest workers and smallest host cache that keep cold starts within "
+                       f"{self.target_cold:.1%}; the fewest slots with slot misses within {self.target_slot_miss:.0%}"
+                       + ("" if fit else " (none reached it: the largest tried)")}
+
+    def _per_worker_s(self, r: TierResult) -> float:
+        return (r.requests - r.hits) / self.span_s / r.workers
+
+    def rows(self, tier: str) -> list[dict[str, Any]]:
+        out = []
+        for r in self.device if tier == "device" else self.host:
+            out.append({"workers": r.workers, ("max_loras" if tier == "device" else "max_cpu_loras"): r.capacity,
+                        "hit_ratio": round(r.hit_ratio, 4), "miss_share": round(1.0 - r.hit_ratio, 4),
+                        "loads_per_s_per_worker": round(self._per_worker_s(r), 4),
+                        "loads_per_s_busiest_worker": round(r.misses_max_worker / self.span_s, 4),
+                        "replayed": r.sampled})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"trace": self.trace, "zipf_exponent": self.zipf_s, "current": self.current,
+                "targets": {"cold_share": self.target_cold, "slot_miss_share": self.target_slot_miss},
+                "device_slots": self.rows("device"), "host_cache": self.rows("host"),
+                "recommendation": self.recommendation()}
+
+    def text(self) -> str:
+        t = self.trace
+        lines = [f"trace: {t['requests']:,} requests ({t['adapter_requests']:,} on adapters, "
+                 f"{t['distinct_adapters']:,} adapters) over {t['span_s']:,.0f} s "
+                 f"({t['requests_per_s']:,.1f} req/s) on {t['workers']} workers; "
+                 f"Zipf exponent {self.zipf_s:.2f}", ""]
+        lines.append("host cache (max_cpu_loras): hit ratio | cold starts | loads/s per worker (busiest)")
+        lines += _table(self.host, self._per_worker_s, self.span_s)
+        lines.append("")
+        lines.append("device slots (max_loras): hit ratio | slot misses | slot loads/s per worker (busiest)")
+        lines += _table(self.device, self._per_worker_s, self.span_s)
+        rec = self.recommendation()
+        lines.append("")
+        if rec["met"]:
+            lines.append(f"recommendation: {rec['workers']} workers, LORAPLEX_MAX_CPU_LORAS={rec['max_cpu_loras']}, "
+                         f"LORAPLEX_MAX_LORAS={rec['max_loras']}: cold starts {rec['cold_share']:.2%} "
+                         f"(target {self.target_cold:.1%}), slot misses {rec['slot_miss_share']:.1%}, "
+                         f"{rec['loads_per_s_per_worker']:.2f} adapter loads/s per worker")
+            lines.append(f"  ({rec['why']})")
+        else:
+            lines.append(f"recommendation: none met: {rec['why']}")
+        return "\n".join(lines)
+
+    def svg(self) -> str:
+        return _svg([("host cache: hit ratio by max_cpu_loras", self.host),
+                     ("device slots: hit ratio by max_loras", self.device)], self.zipf_s)
+
+
+def plan(trace: Trace, tiers: dict[str, list[TierResult]], *, target_cold: float, target_slot_miss: float,
+         current: dict[str, int]) -> Plan:
+    mask = trace.adapter >= 0
+    counts = np.bincount(trace.adapter[mask], minlength=len(trace.adapters))
+    facts = {"requests": len(trace), "adapter_requests": int(mask.sum()), "distinct_adapters": int((counts > 0).sum()),
+             "span_s": round(trace.span_s, 3), "requests_per_s": round(len(trace) / trace.span_s, 3),
+             "tokens_per_s": round(float(trace.tokens.sum()) / trace.span_s, 1), "workers": len(trace.workers),
+             "skipped_lines": trace.skipped,
+             "from": float(trace.start[0]), "to": float(trace.start[-1])}
+    return Plan(facts, fit_zipf(counts), tiers["device"], tiers["host"], trace.span_s, target_cold,
+                target_slot_miss, current)
+
+
+def _table(rows: list[TierResult], per_worker: Any, span_s: float) -> list[str]:
+    sizes = sorted({r.capacity for r in rows})
+    fleets = sorted({r.workers for r in rows})
+    by = {(r.workers, r.capacity): r for r in rows}
+    out = [f"  {'size':>7} " + "".join(f"| {f'{w} workers':^31} " for w in fleets)]
+    for c in sizes:
+        cells = []
+        for w in fleets:
+            r = by[(w, c)]
+            cells.append(f"| {r.hit_ratio:6.1%} {1 - r.hit_ratio:6.2%} {per_worker(r):7.2f} "
+                         f"({r.misses_max_worker / span_s:6.2f}) ")
+        out.append(f"  {c:>7} " + "".join(cells))
+    return out
+
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+
+
+def _svg(panels: list[tuple[str, list[TierResult]]], zipf_s: float) -> str:
+    """Hit ratio against tier size (log2 axis), one line per worker count, one panel per tier."""
+    pw, ph, left, top, gap = 420, 260, 56, 40, 40
+    width = left + len(panels) * (pw + gap) + 90
+    height = top + ph + 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="14">loraplex plan: hit ratio against size '
+           f'(Zipf exponent {zipf_s:.2f})</text>']
+    fleets = sorted({r.workers for _, rows in panels for r in rows})
+    for p, (title, rows) in enumerate(panels):
+        x0 = left + p * (pw + gap)
+        sizes = sorted({r.capacity for r in rows})
+        lo, hi = math.log2(sizes[0]), math.log2(sizes[-1])
+        span = hi - lo or 1.0
+
+        def x(c: int, x0: int = x0, lo: float = lo, span: float = span) -> float:
+            return x0 + pw * (math.log2(c) - lo) / span
+
+        def y(v: float) -> float:
+            return top + ph * (1.0 - v)
+
+        out.append(f'<text x="{x0}" y="{top - 8}">{html.escape(title)}</text>')
+        out.append(f'<rect x="{x0}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+        for v in (0.0, 0.25, 0.5, 0.75, 1.0):
+            out.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>')
+            out.append(f'<text x="{x0 - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0%}</text>')
+        for c in sizes:
+            out.append(f'<text x="{x(c):.1f}" y="{top + ph + 16}" text-anchor="middle">{c}</text>')
+        for i, w in enumerate(fleets):
+            pts = sorted((r.capacity, r.hit_ratio) for r in rows if r.workers == w)
+            color = _COLORS[i % len(_COLORS)]
+            path = " ".join(f"{x(c):.1f},{y(v):.1f}" for c, v in pts)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+            out += [f'<circle cx="{x(c):.1f}" cy="{y(v):.1f}" r="3" fill="{color}"/>' for c, v in pts]
+    lx = left + len(panels) * (pw + gap) - gap + 12
+    for i, w in enumerate(fleets):
+        color = _COLORS[i % len(_COLORS)]
+        out.append(f'<rect x="{lx}" y="{top + 18 * i}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{lx + 18}" y="{top + 18 * i + 11}">{w} worker{"s" if w > 1 else ""}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,165 @@
+"""A traffic trace from the gateways' access logs, as arrays.
+
+Each gateway writes one JSON line per request (``gateway.request_path``: ``ts`` at the end,
+``latency_ms``, ``adapter`` as ``name@version`` or ``base``, ``worker``, tokens, status).
+Any file holding such lines will do: a gateway's stderr, a collector's export, several
+gateways' logs together; other lines (start-up messages, tracebacks, a log shipper's
+prefix before the JSON) are skipped and counted. A request that never reached a worker
+(refused by the limiter, a bad request) has no ``worker`` and is not part of the trace.
+
+Requests are ordered by when they started (``ts - latency_ms``), the order the workers
+saw them arrive. Big files are read by several processes, each taking a byte range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+BASE = "base"
+"""The ``adapter`` of a request the base model answered."""
+_MARK = b'{"ts":'
+_CHUNK = 64 << 20
+
+
+class TraceError(ValueError):
+    """The logs hold no usable request (or a window leaves none)."""
+
+
+@dataclass
+class Trace:
+    start: np.ndarray
+    """Start time of each request (unix seconds, ascending)."""
+    adapter: np.ndarray
+    """Index into ``adapters`` (int32); -1 for a base-model request."""
+    worker: np.ndarray
+    """Index into ``workers`` (int32): the worker that served it."""
+    tokens: np.ndarray
+    """Prompt plus completion tokens (int64)."""
+    adapters: list[str]
+    workers: list[str]
+    skipped: int = 0
+    """Lines that were not access-log records of a request that reached a worker."""
+
+    def __len__(self) -> int:
+        return int(self.start.size)
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first request's start to the last one's (at least one)."""
+        return max(1.0, float(self.start[-1] - self.start[0])) if len(self) else 1.0
+
+    def window(self, since: float | None = None, until: float | None = None) -> Trace:
+        """The requests that started in ``[since, until)``."""
+        lo = 0 if since is None else int(np.searchsorted(self.start, since, "left"))
+        hi = len(self) if until is None else int(np.searchsorted(self.start, until, "left"))
+        return Trace(self.start[lo:hi], self.adapter[lo:hi], self.worker[lo:hi], self.tokens[lo:hi],
+                     self.adapters, self.workers, self.skipped)
+
+
+@dataclass
+class _Part:
+    start: np.ndarray
+    adapter: np.ndarray
+    worker: np.ndarray
+    tokens: np.ndarray
+    adapters: list[str]
+    workers: list[str]
+    skipped: int
+
+
+def _parse(path: str, lo: int, hi: int) -> _Part:
+    """The records of the lines that begin in ``[lo, hi)`` of ``path``."""
+    adapters: dict[str, int] = {}
+    workers: dict[str, int] = {}
+    start: list[float] = []
+    adapter: list[int] = []
+    worker: list[int] = []
+    tokens: list[int] = []
+    skipped = 0
+    loads = orjson.loads
+    with open(path, "rb") as fh:
+        if lo:
+            fh.seek(lo - 1)
+            fh.readline()  # the line that crosses ``lo`` belongs to the range before
+        pos = fh.tell()
+        while pos < hi:
+            line = fh.readline()
+            if not line:
+                break
+            pos += len(line)
+            at = line.find(_MARK)
+            try:
+                rec = loads(line[at:]) if at >= 0 else None
+                w = rec["worker"]
+                if not w:
+                    raise KeyError("worker")
+                t = rec["ts"] - rec["latency_ms"] / 1000.0
+                a = rec["adapter"]
+                n = rec["prompt_tokens"] + rec["completion_tokens"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                skipped += 1
+                continue
+            start.append(t)
+            adapter.append(-1 if a == BASE else adapters.setdefault(a, len(adapters)))
+            worker.append(workers.setdefault(w, len(workers)))
+            tokens.append(n)
+    return _Part(np.asarray(start, np.float64), np.asarray(adapter, np.int32), np.asarray(worker, np.int32),
+                 np.asarray(tokens, np.int64), list(adapters), list(workers), skipped)
+
+
+def _ranges(paths: Sequence[str | Path]) -> list[tuple[str, int, int]]:
+    out = []
+    for p in paths:
+        size = os.path.getsize(p)
+        n = max(1, math.ceil(size / _CHUNK))
+        step = math.ceil(size / n) if size else 1
+        out += [(str(p), i * step, min(size, (i + 1) * step)) for i in range(n)]
+    return out
+
+
+def _codes(local: list[str], index: dict[str, int], names: list[str]) -> np.ndarray:
+    """Where each of a part's names sits in the merged list (added when new), as an array."""
+    out = np.empty(len(local) + 1, np.int32)
+    for i, name in enumerate(local):
+        code = index.get(name)
+        if code is None:
+            code = index[name] = len(names)
+            names.append(name)
+        out[i] = code
+    out[-1] = -1  # local -1 (base) maps to -1
+    return out
+
+
+def read_trace(paths: Sequence[str | Path], *, jobs: int | None = None) -> Trace:
+    """Every request in ``paths`` that reached a worker, ordered by start time."""
+    ranges = _ranges(paths)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(ranges)))
+    if jobs == 1:
+        parts = [_parse(*r) for r in ranges]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            parts = list(pool.map(_parse, *zip(*ranges, strict=True)))
+    adapters: list[str] = []
+    workers: list[str] = []
+    a_index: dict[str, int] = {}
+    w_index: dict[str, int] = {}
+    a_cols, w_cols = [], []
+    for part in parts:
+        a_cols.append(_codes(part.adapters, a_index, adapters)[part.adapter])
+        w_cols.append(_codes(part.workers, w_index, workers)[part.worker])
+    start = np.concatenate([p.start for p in parts]) if parts else np.empty(0)
+    if not start.size:
+        raise TraceError("no access-log records of requests that reached a worker in "
+                         + ", ".join(str(p) for p in paths))
+    order = np.argsort(start, kind="stable")
+    return Trace(start[order], np.concatenate(a_cols)[order], np.concatenate(w_cols)[order],
+                 np.concatenate([p.tokens for p in parts])[order], adapters, workers,
+                 sum(p.skipped for p in parts))
