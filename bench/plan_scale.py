@@ -62,13 +62,17 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--log", default=str(RESULTS / "plan_scale.log"))
     ap.add_argument("--plan-args", default="", help="extra arguments for loraplex plan")
+    ap.add_argument("--reuse", action="store_true", help="keep the log of an earlier run with the same arguments")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     log = Path(args.log)
-    t0 = time.perf_counter()
-    write_log(log, args.requests, args.adapters, args.zipf, args.workers, seed=0)
-    written = time.perf_counter() - t0
-    print(f"wrote {log} ({log.stat().st_size / 1e9:.2f} GB) in {written:.1f} s", flush=True)
+    stamp = log.with_suffix(".args")
+    same = f"{args.requests} {args.adapters} {args.zipf} {args.workers}"
+    if not (args.reuse and log.exists() and stamp.exists() and stamp.read_text() == same):
+        t0 = time.perf_counter()
+        write_log(log, args.requests, args.adapters, args.zipf, args.workers, seed=0)
+        stamp.write_text(same)
+        print(f"wrote {log} ({log.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
     cmd = [str(Path(sys.executable).parent / "loraplex"), "plan", str(log), "--json", *args.plan_args.split()]
     t1 = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
@@ -79,12 +83,14 @@ def main() -> int:
     plan = json.loads(run.stdout)
     read = float(re.search(r"requests from .* in ([\d.]+) s", run.stderr).group(1))
     replayed = float(re.search(r"replayed in ([\d.]+) s", run.stderr).group(1))
-    runs = len(plan["device_slots"]) + len(plan["host_cache"])
+    fleets = len(plan["load"])
+    sizes = len({r["max_loras"] for r in plan["device_slots"]} | {r["max_cpu_loras"] for r in plan["host_cache"]})
     out = {"requests": args.requests, "adapters": args.adapters, "zipf": args.zipf, "workers": args.workers,
-           "read_s": read, "replay_s": replayed, "total_s": round(total, 1), "tier_sizes": runs,
+           "read_s": read, "replay_s": replayed, "total_s": round(total, 1), "worker_counts": fleets, "sizes": sizes,
            "fitted_zipf": plan["zipf_exponent"], "recommendation": plan["recommendation"],
            "cpus": os.cpu_count()}
-    print(f"| requests | adapters | read s | replay s ({runs} sizes x workers) | plan total s | fitted Zipf |")
+    print(f"| requests | adapters | read s | replay s ({fleets} worker counts x {sizes} sizes) | plan total s "
+          "| fitted Zipf |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.requests:,} | {args.adapters:,} | {read:.1f} | {replayed:.1f} | {total:.1f} | "
           f"{plan['zipf_exponent']:.3f} (true {args.zipf}) |")

@@ -75,11 +75,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-loras", type=_sizes, help="device slots per worker to try (default: around "
                    "LORAPLEX_MAX_LORAS)")
     p.add_argument("--max-cpu-loras", type=_sizes, help="host-cache adapters per worker to try (default: "
-                   "powers of two up to the adapters seen, and LORAPLEX_MAX_CPU_LORAS)")
+                   "16, 64, 256, ... until one worker holds every adapter seen, and LORAPLEX_MAX_CPU_LORAS)")
     p.add_argument("--target-cold", type=_share, default=0.01,
                    help="most requests that may wait for an adapter load (default 0.01, 1%%)")
     p.add_argument("--target-slot-miss", type=_share, default=0.10,
                    help="most requests whose adapter may need a slot copy (default 0.10)")
+    p.add_argument("--worker-tokens-per-s", type=float, metavar="N",
+                   help="tokens/s one worker sustains (from a load test such as bench/serve_vs_vllm.py): "
+                   "advise only fleets whose busiest worker stays within it at the busiest minute")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit ratio against size as an SVG chart")
     p.add_argument("--jobs", type=int, default=None, help="processes to read and replay with (default: CPUs)")
@@ -93,12 +96,14 @@ def _defaults(args: argparse.Namespace, trace: Trace, settings: Settings) -> Non
     ml = settings.max_loras
     if args.max_loras is None:
         args.max_loras = sorted({max(1, ml // 2), ml, ml * 2, ml * 4})
-    if args.max_cpu_loras is None:
-        distinct = max(1, int(np.unique(trace.adapter[trace.adapter >= 0]).size))
+    if args.max_cpu_loras is None:  # x4 steps from 16 until one worker of the smallest fleet holds them all
+        distinct = int(np.unique(trace.adapter[trace.adapter >= 0]).size)
         sizes, c = {settings.max_cpu_loras}, 16
-        while c < distinct * 2 and len(sizes) < 14:
+        while True:
             sizes.add(c)
-            c *= 2
+            if c * min(args.workers) >= distinct:
+                break
+            c *= 4
         args.max_cpu_loras = sorted(sizes)
 
 
@@ -133,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
             last[0] = now
             say(f"  replayed {done}/{total} tier runs ({now - t1:.1f} s)")
 
-    tiers = replay(trace, args.workers, {"device": args.max_loras, "host": args.max_cpu_loras},
-                   jobs=args.jobs, progress=progress)
-    result = plan(trace, tiers, target_cold=args.target_cold, target_slot_miss=args.target_slot_miss,
+    replayed = replay(trace, args.workers, {"device": args.max_loras, "host": args.max_cpu_loras},
+                      jobs=args.jobs, progress=progress)
+    result = plan(trace, replayed, target_cold=args.target_cold, target_slot_miss=args.target_slot_miss,
                   current={"workers": len(trace.workers), "max_loras": settings.max_loras,
-                           "max_cpu_loras": settings.max_cpu_loras})
+                           "max_cpu_loras": settings.max_cpu_loras}, worker_tokens_per_s=args.worker_tokens_per_s)
     say(f"replayed in {time.perf_counter() - t1:.1f} s")
     if args.plot:
         with open(args.plot, "w", encoding="utf-8") as fh:

@@ -13,9 +13,9 @@ host miss is a cold start (a load from disk or the store). The two tiers see the
 arrivals, so each is replayed on its own.
 
 A long worker stream replays ``WINDOWS`` stretches of it, spread over its whole span, each
-after a warm-up of the requests just before it that used at least twice as many distinct
-adapters as the tier holds: an LRU tier then holds exactly what the full replay would hold
-when the stretch begins, so only which stretches were taken can make the estimate differ
+after a warm-up of the requests just before it that used at least as many distinct adapters
+as the tier holds: an LRU tier holds the last ``capacity`` distinct adapters used, so it then
+holds exactly what the full replay would hold when the stretch begins, so only which stretches were taken can make the estimate differ
 (well under a point on Zipf traffic; ``tests/test_plan.py``). Where the warm-ups would cost
 as much as the whole stream, it replays whole. (Sampling adapters instead, as SHARDS does,
 missed by 8 points on Zipf traffic: a few hot adapters in or out of the sample swing it.)
@@ -23,9 +23,10 @@ missed by 8 points on Zipf traffic: a few hot adapters in or out of the sample s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,33 @@ class TierResult:
     @property
     def hit_ratio(self) -> float:
         return self.hits / self.requests if self.requests else 1.0
+
+
+@dataclass(frozen=True)
+class Load:
+    workers: int
+    peak_tokens_per_s: float
+    """The busiest worker's tokens/s (prompt + completion) in the trace's busiest ``PEAK_WINDOW_S``."""
+    peak_requests_per_s: float
+
+
+@dataclass(frozen=True)
+class Replayed:
+    device: list[TierResult]
+    host: list[TierResult]
+    load: list[Load]
+
+
+PEAK_WINDOW_S = 60.0
+
+
+def peak_load(trace: Trace, where: np.ndarray, workers: int) -> Load:
+    """How busy the busiest worker gets, per ``PEAK_WINDOW_S``, when requests go to ``where``."""
+    window = min(PEAK_WINDOW_S, trace.span_s)
+    slot = ((trace.start - trace.start[0]) // window).astype(np.int64)
+    cell = where.astype(np.int64) * (int(slot[-1]) + 1) + slot
+    tokens = np.bincount(cell, weights=trace.tokens.astype(np.float64))
+    return Load(workers, round(float(tokens.max()) / window, 2), round(float(np.bincount(cell).max()) / window, 3))
 
 
 def assign(trace: Trace, workers: int) -> np.ndarray:
@@ -118,17 +146,20 @@ def windows(keys: np.ndarray, capacity: int) -> list[tuple[int, int]] | None:
     length = SAMPLE_BUDGET // WINDOWS
     out = []
     for start in np.linspace(0, n - length, WINDOWS).astype(np.int64).tolist():
-        out.append((start - _warmup(keys, start, 2 * capacity), start))
+        out.append((start - _warmup(keys, start, capacity), start))
     if sum(s - lo for lo, s in out) + SAMPLE_BUDGET >= n // 2:
         return None
     return out
 
 
-def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy) -> tuple[float, bool]:
-    """The tier's hit ratio over ``keys``, and whether it was replayed on stretches (``windows``)."""
+def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy,
+              distinct: int | None = None) -> tuple[float, bool]:
+    """The tier's hit ratio over ``keys`` (``distinct`` adapters, counted when not given), and
+    whether it was replayed on stretches (``windows``)."""
     if not keys.size:
         return 1.0, False
-    distinct = int(np.unique(keys).size)
+    if distinct is None:
+        distinct = int(np.unique(keys).size)
     if capacity >= distinct:  # nothing is ever evicted, whatever the policy: only first uses miss
         return 1.0 - distinct / keys.size, False
     spans = windows(keys, capacity)
@@ -143,60 +174,61 @@ def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPoli
 # The replay jobs read the trace's per-worker streams from here: set before the pool forks,
 # shared copy-on-write, never pickled.
 _STREAMS: dict[int, list[np.ndarray]] = {}
+_DISTINCT: dict[int, list[int]] = {}
 
 
 def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]:
     workers, j, capacity = args
     keys = _STREAMS[workers][j]
-    ratio, sampled = hit_ratio(keys, capacity)
+    ratio, sampled = hit_ratio(keys, capacity, distinct=_DISTINCT[workers][j])
     return workers, j, capacity, ratio * keys.size, keys.size * (1.0 - ratio), sampled
 
 
 def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *, jobs: int | None = None,
-           progress: Callable[[int, int], None] | None = None) -> dict[str, list[TierResult]]:
+           progress: Callable[[int, int], None] | None = None) -> Replayed:
     """Each tier (``{"device": [max_loras...], "host": [max_cpu_loras...]}``) replayed for each
-    worker count."""
+    worker count, and each count's peak load."""
     _STREAMS.clear()
+    _DISTINCT.clear()
+    load = []
     for w in workers:
         where = assign(trace, w)
+        load.append(peak_load(trace, where, w))
         mask = trace.adapter >= 0
         keys, owner = trace.adapter[mask], where[mask]
         order = np.argsort(owner, kind="stable")  # stays in arrival order within each worker
         bounds = np.searchsorted(owner[order], np.arange(w + 1))
         ordered = keys[order]
         _STREAMS[w] = [ordered[bounds[j]:bounds[j + 1]] for j in range(w)]
-    tasks = []
-    for tier, caps in capacities.items():
-        for w in workers:
-            for c in caps:
-                for j in range(len(_STREAMS[w])):
-                    tasks.append((tier, (w, j, c)))
-    tasks.sort(key=lambda t: -min(SAMPLE_BUDGET * 2, _STREAMS[t[1][0]][t[1][1]].size))  # longest first
+        # Adapters per worker: one bincount, not a sort per replay.
+        seen = np.bincount(owner.astype(np.int64) * len(trace.adapters) + keys, minlength=w * len(trace.adapters))
+        _DISTINCT[w] = (seen.reshape(w, -1) > 0).sum(axis=1).tolist()
+    # A size both tiers try is one replay: the tiers see the same arrivals under the same policy.
+    tasks = sorted({(w, j, c) for caps in capacities.values() for w in workers for c in caps
+                    for j in range(w)}, key=lambda t: (-_STREAMS[t[0]][t[1]].size, -t[2]))  # longest first
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
-    done: list[tuple[int, int, int, float, float, bool]] = []
+    done: dict[tuple[int, int, int], tuple[float, float, bool]] = {}
     try:
-        if jobs == 1:
-            for i, (_, a) in enumerate(tasks):
-                done.append(_job(a))
+        with contextlib.ExitStack() as stack:
+            if jobs == 1:
+                results: Iterator[tuple[int, int, int, float, float, bool]] = map(_job, tasks)
+            else:
+                pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
+                results = pool.imap_unordered(_job, tasks)
+            for i, (w, j, c, hits, misses, sampled) in enumerate(results):
+                done[(w, j, c)] = (hits, misses, sampled)
                 if progress:
                     progress(i + 1, len(tasks))
-        else:
-            with multiprocessing.get_context("fork").Pool(jobs) as pool:
-                for i, r in enumerate(pool.imap(_job, [a for _, a in tasks])):
-                    done.append(r)
-                    if progress:
-                        progress(i + 1, len(tasks))
     finally:
         streams = dict(_STREAMS)
         _STREAMS.clear()
+        _DISTINCT.clear()
     out: dict[str, list[TierResult]] = {}
     for tier, caps in capacities.items():
-        rows = []
+        out[tier] = []
         for w in workers:
             for c in caps:
-                mine = [(r, t) for (tr, t), r in zip(tasks, done, strict=True) if tr == tier and t[0] == w and t[2] == c]
-                n = sum(streams[w][r[1]].size for r, _ in mine)
-                rows.append(TierResult(w, c, n, sum(r[3] for r, _ in mine),
-                                       max((r[4] for r, _ in mine), default=0.0), any(r[5] for r, _ in mine)))
-        out[tier] = rows
-    return out
+                mine = [done[(w, j, c)] for j in range(w)]
+                out[tier].append(TierResult(w, c, sum(streams[w][j].size for j in range(w)), sum(m[0] for m in mine),
+                                            max(m[1] for m in mine), any(m[2] for m in mine)))
+    return Replayed(out["device"], out["host"], load)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.replay import TierResult
+from planner.replay import Load, Replayed, TierResult
 from planner.trace import Trace
 from planner.zipf import fit_zipf
 
@@ -24,14 +24,30 @@ class Plan:
     target_cold: float
     target_slot_miss: float
     current: dict[str, int]
+    load: list[Load]
+    worker_tokens_per_s: float | None = None
+    """What one worker sustains (tokens/s); fleets whose busiest worker needs more are not advised."""
+
+    def _carries(self, workers: int) -> bool:
+        if self.worker_tokens_per_s is None:
+            return True
+        return all(x.peak_tokens_per_s <= self.worker_tokens_per_s for x in self.load if x.workers == workers)
 
     def recommendation(self) -> dict[str, Any]:
         """The smallest fleet (fewest workers, then the smallest host cache) whose cold-start
-        share is within ``target_cold``; then the fewest device slots whose slot-miss share is
+        share is within ``target_cold`` and whose busiest worker stays within
+        ``worker_tokens_per_s`` (when given); then the fewest device slots whose slot-miss share is
         within ``target_slot_miss`` for that many workers (else the most the sweep tried)."""
-        ok = [r for r in self.host if 1.0 - r.hit_ratio <= self.target_cold]
+        if not any(self._carries(x.workers) for x in self.load):
+            most = max(self.load, key=lambda x: x.workers)
+            return {"met": False, "workers": most.workers,
+                    "why": f"no worker count tried carries the load: with {most.workers} the busiest worker needs "
+                           f"{most.peak_tokens_per_s:,.0f} tokens/s at the busiest minute, over the "
+                           f"{self.worker_tokens_per_s:,.0f} given; try more --workers"}
+        ok = [r for r in self.host if 1.0 - r.hit_ratio <= self.target_cold and self._carries(r.workers)]
         if not ok:
-            best = max(self.host, key=lambda r: (r.hit_ratio, -r.workers, -r.capacity))
+            best = max((r for r in self.host if self._carries(r.workers)),
+                       key=lambda r: (r.hit_ratio, -r.workers, -r.capacity))
             return {"met": False, "workers": best.workers, "max_cpu_loras": best.capacity,
                     "cold_share": round(1.0 - best.hit_ratio, 4),
                     "why": f"no size tried keeps cold starts within {self.target_cold:.1%}: the best is "
@@ -44,7 +60,8 @@ class Plan:
         return {"met": True, "workers": pick.workers, "max_cpu_loras": pick.capacity, "max_loras": dev.capacity,
                 "cold_share": round(1.0 - pick.hit_ratio, 4), "slot_miss_share": round(1.0 - dev.hit_ratio, 4),
                 "loads_per_s_per_worker": round(self._per_worker_s(pick), 4),
-                "why": f"the fewest workers and smallest host cache that keep cold starts within "
+                "why": f"the fewest workers{' that carry the peak load' if self.worker_tokens_per_s else ''} "
+                       f"and smallest host cache that keep cold starts within "
                        f"{self.target_cold:.1%}; the fewest slots with slot misses within {self.target_slot_miss:.0%}"
                        + ("" if fit else " (none reached it: the largest tried)")}
 
@@ -64,6 +81,9 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {"trace": self.trace, "zipf_exponent": self.zipf_s, "current": self.current,
                 "targets": {"cold_share": self.target_cold, "slot_miss_share": self.target_slot_miss},
+                "worker_tokens_per_s": self.worker_tokens_per_s,
+                "load": [{"workers": x.workers, "peak_tokens_per_s": x.peak_tokens_per_s,
+                          "peak_requests_per_s": x.peak_requests_per_s} for x in self.load],
                 "device_slots": self.rows("device"), "host_cache": self.rows("host"),
                 "recommendation": self.recommendation()}
 
@@ -71,8 +91,15 @@ class Plan:
         t = self.trace
         lines = [f"trace: {t['requests']:,} requests ({t['adapter_requests']:,} on adapters, "
                  f"{t['distinct_adapters']:,} adapters) over {t['span_s']:,.0f} s "
-                 f"({t['requests_per_s']:,.1f} req/s) on {t['workers']} workers; "
-                 f"Zipf exponent {self.zipf_s:.2f}", ""]
+                 f"({t['requests_per_s']:,.1f} req/s) on {_n(t['workers'], 'worker')}; "
+                 f"Zipf exponent {self.zipf_s:.2f}",
+                 f"first uses: {t['first_use_share']:.2%} of adapter requests are an adapter's first in the "
+                 "trace, a cold start no size avoids (a longer window makes it smaller)",
+                 "busiest worker at the busiest minute: " + ", ".join(
+                     f"{x.peak_tokens_per_s:,.0f} tokens/s ({x.peak_requests_per_s:,.1f} req/s) with {_n(x.workers, 'worker')}"
+                     for x in self.load)
+                 + (f"; one worker sustains {self.worker_tokens_per_s:,.0f}" if self.worker_tokens_per_s else ""),
+                 ""]
         lines.append("host cache (max_cpu_loras): hit ratio | cold starts | loads/s per worker (busiest)")
         lines += _table(self.host, self._per_worker_s, self.span_s)
         lines.append("")
@@ -81,7 +108,7 @@ class Plan:
         rec = self.recommendation()
         lines.append("")
         if rec["met"]:
-            lines.append(f"recommendation: {rec['workers']} workers, LORAPLEX_MAX_CPU_LORAS={rec['max_cpu_loras']}, "
+            lines.append(f"recommendation: {_n(rec['workers'], 'worker')}, LORAPLEX_MAX_CPU_LORAS={rec['max_cpu_loras']}, "
                          f"LORAPLEX_MAX_LORAS={rec['max_loras']}: cold starts {rec['cold_share']:.2%} "
                          f"(target {self.target_cold:.1%}), slot misses {rec['slot_miss_share']:.1%}, "
                          f"{rec['loads_per_s_per_worker']:.2f} adapter loads/s per worker")
@@ -95,24 +122,25 @@ class Plan:
                      ("device slots: hit ratio by max_loras", self.device)], self.zipf_s)
 
 
-def plan(trace: Trace, tiers: dict[str, list[TierResult]], *, target_cold: float, target_slot_miss: float,
-         current: dict[str, int]) -> Plan:
+def plan(trace: Trace, replayed: Replayed, *, target_cold: float, target_slot_miss: float,
+         current: dict[str, int], worker_tokens_per_s: float | None = None) -> Plan:
     mask = trace.adapter >= 0
     counts = np.bincount(trace.adapter[mask], minlength=len(trace.adapters))
     facts = {"requests": len(trace), "adapter_requests": int(mask.sum()), "distinct_adapters": int((counts > 0).sum()),
              "span_s": round(trace.span_s, 3), "requests_per_s": round(len(trace) / trace.span_s, 3),
              "tokens_per_s": round(float(trace.tokens.sum()) / trace.span_s, 1), "workers": len(trace.workers),
              "skipped_lines": trace.skipped,
+             "first_use_share": round(int((counts > 0).sum()) / max(1, int(mask.sum())), 4),
              "from": float(trace.start[0]), "to": float(trace.start[-1])}
-    return Plan(facts, fit_zipf(counts), tiers["device"], tiers["host"], trace.span_s, target_cold,
-                target_slot_miss, current)
+    return Plan(facts, fit_zipf(counts), replayed.device, replayed.host, trace.span_s, target_cold,
+                target_slot_miss, current, replayed.load, worker_tokens_per_s)
 
 
 def _table(rows: list[TierResult], per_worker: Any, span_s: float) -> list[str]:
     sizes = sorted({r.capacity for r in rows})
     fleets = sorted({r.workers for r in rows})
     by = {(r.workers, r.capacity): r for r in rows}
-    out = [f"  {'size':>7} " + "".join(f"| {f'{w} workers':^31} " for w in fleets)]
+    out = [f"  {'size':>7} " + "".join(f"| {_n(w, 'worker'):^31} " for w in fleets)]
     for c in sizes:
         cells = []
         for w in fleets:
@@ -123,17 +151,21 @@ def _table(rows: list[TierResult], per_worker: Any, span_s: float) -> list[str]:
     return out
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 
 
 def _svg(panels: list[tuple[str, list[TierResult]]], zipf_s: float) -> str:
     """Hit ratio against tier size (log2 axis), one line per worker count, one panel per tier."""
-    pw, ph, left, top, gap = 420, 260, 56, 40, 40
+    pw, ph, left, top, gap = 420, 260, 56, 60, 40
     width = left + len(panels) * (pw + gap) + 90
-    height = top + ph + 60
+    height = top + ph + 46
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="18" font-size="14">loraplex plan: hit ratio against size '
+           f'<text x="{left}" y="22" font-size="15">loraplex plan: hit ratio against size '
            f'(Zipf exponent {zipf_s:.2f})</text>']
     fleets = sorted({r.workers for _, rows in panels for r in rows})
     for p, (title, rows) in enumerate(panels):
@@ -155,6 +187,8 @@ def _svg(panels: list[tuple[str, list[TierResult]]], zipf_s: float) -> str:
             out.append(f'<text x="{x0 - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0%}</text>')
         for c in sizes:
             out.append(f'<text x="{x(c):.1f}" y="{top + ph + 16}" text-anchor="middle">{c}</text>')
+        out.append(f'<text x="{x0 + pw / 2:.0f}" y="{top + ph + 34}" text-anchor="middle" fill="#555">'
+                   'adapters per worker</text>')
         for i, w in enumerate(fleets):
             pts = sorted((r.capacity, r.hit_ratio) for r in rows if r.workers == w)
             color = _COLORS[i % len(_COLORS)]
@@ -165,6 +199,6 @@ def _svg(panels: list[tuple[str, list[TierResult]]], zipf_s: float) -> str:
     for i, w in enumerate(fleets):
         color = _COLORS[i % len(_COLORS)]
         out.append(f'<rect x="{lx}" y="{top + 18 * i}" width="12" height="12" fill="{color}"/>')
-        out.append(f'<text x="{lx + 18}" y="{top + 18 * i + 11}">{w} worker{"s" if w > 1 else ""}</text>')
+        out.append(f'<text x="{lx + 18}" y="{top + 18 * i + 11}">{_n(w, "worker")}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

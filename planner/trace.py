@@ -77,42 +77,48 @@ class _Part:
 
 def _parse(path: str, lo: int, hi: int) -> _Part:
     """The records of the lines that begin in ``[lo, hi)`` of ``path``."""
-    adapters: dict[str, int] = {}
+    adapters: dict[str, int] = {BASE: -1}
     workers: dict[str, int] = {}
     start: list[float] = []
     adapter: list[int] = []
     worker: list[int] = []
     tokens: list[int] = []
     skipped = 0
-    loads = orjson.loads
     with open(path, "rb") as fh:
         if lo:
             fh.seek(lo - 1)
             fh.readline()  # the line that crosses ``lo`` belongs to the range before
-        pos = fh.tell()
-        while pos < hi:
-            line = fh.readline()
-            if not line:
-                break
-            pos += len(line)
+        data = fh.read(max(0, hi - fh.tell()))
+        if data and not data.endswith(b"\n"):
+            data += fh.readline()
+    loads = orjson.loads
+    for line in data.split(b"\n"):
+        if line[:6] != _MARK:
             at = line.find(_MARK)
-            try:
-                rec = loads(line[at:]) if at >= 0 else None
-                w = rec["worker"]
-                if not w:
-                    raise KeyError("worker")
-                t = rec["ts"] - rec["latency_ms"] / 1000.0
-                a = rec["adapter"]
-                n = rec["prompt_tokens"] + rec["completion_tokens"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                skipped += 1
+            if at < 0:
+                skipped += bool(line)
                 continue
-            start.append(t)
-            adapter.append(-1 if a == BASE else adapters.setdefault(a, len(adapters)))
-            worker.append(workers.setdefault(w, len(workers)))
-            tokens.append(n)
+            line = line[at:]
+        try:
+            rec = loads(line)
+            w = rec["worker"]
+            if not w:
+                raise ValueError("not sent to a worker")
+            t = rec["ts"] - rec["latency_ms"] / 1000.0
+            a = rec["adapter"]
+            n = rec["prompt_tokens"] + rec["completion_tokens"]
+            a_code = adapters.get(a)
+            if a_code is None:
+                a_code = adapters[a] = len(adapters) - 1
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            skipped += 1
+            continue
+        start.append(t)
+        adapter.append(a_code)
+        worker.append(workers.setdefault(w, len(workers)))
+        tokens.append(n)
     return _Part(np.asarray(start, np.float64), np.asarray(adapter, np.int32), np.asarray(worker, np.int32),
-                 np.asarray(tokens, np.int64), list(adapters), list(workers), skipped)
+                 np.asarray(tokens, np.int64), list(adapters)[1:], list(workers), skipped)
 
 
 def _ranges(paths: Sequence[str | Path]) -> list[tuple[str, int, int]]:

@@ -17,7 +17,7 @@ import pytest
 import planner.replay as replay_mod
 import planner.trace as trace_mod
 from engine.lora.eviction import LRUPolicy
-from planner.replay import TierResult, assign, hit_ratio, replay, replay_tier
+from planner.replay import Load, TierResult, assign, hit_ratio, replay, replay_tier
 from planner.report import Plan
 from planner.trace import TraceError, read_trace
 from planner.zipf import fit_zipf
@@ -158,12 +158,16 @@ def test_more_workers_and_bigger_tiers_hit_more(tmp_path):
     keys = zipf_keys(6000, 400, 1.0)
     t = read_trace([write_log(tmp_path / "g.log", keys, workers=1)], jobs=1)
     tiers = replay(t, [1, 4], {"device": [4, 16], "host": [32, 128]}, jobs=2)
-    host = {(r.workers, r.capacity): r.hit_ratio for r in tiers["host"]}
-    dev = {(r.workers, r.capacity): r.hit_ratio for r in tiers["device"]}
+    host = {(r.workers, r.capacity): r.hit_ratio for r in tiers.host}
+    dev = {(r.workers, r.capacity): r.hit_ratio for r in tiers.device}
     assert host[(1, 32)] < host[(1, 128)] and host[(1, 32)] < host[(4, 32)]
     assert dev[(1, 4)] < dev[(1, 16)] <= host[(1, 32)]
-    one = [r for r in tiers["host"] if r.workers == 1 and r.capacity == 32][0]
+    one = next(r for r in tiers.host if r.workers == 1 and r.capacity == 32)
     assert one.hits == replay_tier(t.adapter.tolist(), 32) and one.requests == 6000
+    # 100 requests/s of 15 tokens each on one worker: 1,500 tokens/s at its busiest minute
+    load = {x.workers: x for x in tiers.load}
+    assert load[1].peak_tokens_per_s == 1500.0 and load[1].peak_requests_per_s == 100.0
+    assert 375.0 <= load[4].peak_tokens_per_s < 1500.0
 
 
 def test_the_zipf_fit_recovers_the_exponent():
@@ -173,18 +177,25 @@ def test_the_zipf_fit_recovers_the_exponent():
     assert fit_zipf(np.array([10])) == 0.0
 
 
-def _plan(host: list[tuple[int, int, float]], device: list[tuple[int, int, float]], target: float) -> Plan:
+def _plan(host: list[tuple[int, int, float]], device: list[tuple[int, int, float]], target: float,
+          peaks: dict[int, float] | None = None, capacity: float | None = None) -> Plan:
     def rows(spec: list[tuple[int, int, float]]) -> list[TierResult]:
         return [TierResult(w, c, 1000, 1000 * h, 1000 * (1 - h) / w, False) for w, c, h in spec]
 
-    return Plan({}, 1.0, rows(device), rows(host), 100.0, target, 0.1, {})
+    load = [Load(w, t, t / 100) for w, t in (peaks or {1: 100.0, 2: 50.0}).items()]
+    return Plan({}, 1.0, rows(device), rows(host), 100.0, target, 0.1, {}, load, capacity)
 
 
 def test_the_recommendation_is_the_smallest_fleet_within_the_targets():
-    p = _plan(host=[(1, 64, 0.90), (1, 256, 0.985), (2, 64, 0.992), (2, 256, 0.999)],
-              device=[(1, 4, 0.7), (1, 8, 0.92), (1, 16, 0.95), (2, 4, 0.8), (2, 8, 0.9)], target=0.02)
-    rec = p.recommendation()
+    host = [(1, 64, 0.90), (1, 256, 0.985), (2, 64, 0.992), (2, 256, 0.999)]
+    device = [(1, 4, 0.7), (1, 8, 0.92), (1, 16, 0.95), (2, 4, 0.8), (2, 8, 0.9)]
+    rec = _plan(host, device, target=0.02).recommendation()
     assert (rec["met"], rec["workers"], rec["max_cpu_loras"], rec["max_loras"]) == (True, 1, 256, 8)
+    # One worker cannot carry 900 tokens/s at the peak when it sustains 600: two are advised.
+    rec = _plan(host, device, target=0.02, peaks={1: 900.0, 2: 480.0}, capacity=600).recommendation()
+    assert (rec["met"], rec["workers"], rec["max_cpu_loras"], rec["max_loras"]) == (True, 2, 64, 8)
+    rec = _plan(host, device, target=0.02, peaks={1: 900.0, 2: 480.0}, capacity=400).recommendation()
+    assert not rec["met"] and "carries the load" in rec["why"]
     rec = _plan(host=[(1, 64, 0.90), (2, 64, 0.95)], device=[(1, 4, 0.5), (2, 4, 0.5)], target=0.01).recommendation()
     assert not rec["met"] and "no size tried" in rec["why"] and rec["workers"] == 2
 
@@ -202,13 +213,16 @@ def test_the_command_prints_a_plan_json_and_a_plot(tmp_path):
     assert "read 5,000 requests" in run.stderr and "replayed in" in run.stderr
     root = ET.fromstring(svg.read_text())
     assert root.tag.endswith("svg") and len(root.findall(".//{http://www.w3.org/2000/svg}polyline")) == 4
-    js = subprocess.run([str(BIN), "plan", str(log), "--last", "20s", "--json", "--max-cpu-loras", "16,64"],
-                        capture_output=True, text=True, timeout=120)
+    js = subprocess.run([str(BIN), "plan", str(log), "--last", "20s", "--json", "--max-cpu-loras", "16,64",
+                         "--worker-tokens-per-s", "1000"], capture_output=True, text=True, timeout=120)
     plan = json.loads(js.stdout)
+    # 100 requests/s of 15 tokens: 1,500 tokens/s, more than one worker's 1,000
+    assert {x["workers"]: x["peak_tokens_per_s"] for x in plan["load"]}[1] == 1500.0
+    assert plan["recommendation"]["workers"] >= 2
     assert plan["trace"]["requests"] == 2001  # the last 20 s at 100 requests/s
     assert {r["max_cpu_loras"] for r in plan["host_cache"]} == {16, 64}
     assert {r["workers"] for r in plan["host_cache"]} == {1, 2, 4}  # the logs' own, half and double
-    assert plan["recommendation"]["workers"] in (1, 2, 4)
+    assert plan["recommendation"]["workers"] in (2, 4)
 
 
 @pytest.mark.parametrize("args, message", [
