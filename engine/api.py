@@ -59,7 +59,7 @@ from engine.threads import single_threaded
 from engine.worker_auth import WorkerSecretMiddleware
 from loraplex.settings import Settings
 from loraplex.tool_calls import parse_output
-from loraplex.wire import HDR_ADAPTER, HDR_REQUEST_ID, HDR_WORKER, error_body
+from loraplex.wire import HDR_ADAPTER, HDR_CACHE, HDR_REQUEST_ID, HDR_WORKER, error_body
 
 log = logging.getLogger("loraplex.engine.api")
 
@@ -155,7 +155,8 @@ class Generation:
         self.seqs = seq.samples or [seq]
         """The request's samples (``n``), choice ``index`` order."""
         self.created = now()
-        self.headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base"}
+        self.headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base",
+                        HDR_CACHE: seq.extra.get("cache", "base")}
         if req.ext.request_id:
             self.headers[HDR_REQUEST_ID] = req.ext.request_id
 

@@ -24,7 +24,9 @@ from starlette.routing import Mount, Route
 
 from gateway import responses_api
 from gateway.canary_samples import MemorySamples, RedisSamples
+from gateway.console_sources import GatewayConsoleSources
 from gateway.errors import GatewayError
+from gateway.live_stats import LiveStats
 from gateway.metrics import metrics_app
 from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
 from gateway.request_path import Gateway, access_log, flush_access_log
@@ -105,9 +107,10 @@ def _default_snapshots(settings: Settings) -> Any:
     return SnapshotCache(settings)
 
 
-def _admin_app(settings: Settings, router: Router,
-               client: WorkerClient) -> tuple[Any, Any] | tuple[None, None]:
-    """The registry admin API (``registry.admin_api``) behind the activation gate, and its service."""
+def _admin_app(settings: Settings, router: Router, client: WorkerClient,
+               live: LiveStats) -> tuple[Any, Any] | tuple[None, None]:
+    """The registry admin API (``registry.admin_api``) behind the activation gate, with the console
+    (fleet and live numbers from ``router`` and ``live``), and its service."""
     try:
         from registry.admin_api import admin_app
         from registry.service import RegistryService
@@ -117,7 +120,8 @@ def _admin_app(settings: Settings, router: Router,
     from gateway.activation import ActivationGate
 
     service = RegistryService(settings)
-    return admin_app(service, settings, gate=ActivationGate(settings, router, client)), service
+    return admin_app(service, settings, gate=ActivationGate(settings, router, client),
+                     console=GatewayConsoleSources(router.residency, live)), service
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
@@ -223,7 +227,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _error(500, "internal error", "internal_error")
 
-    admin, admin_service = _admin_app(settings, router, http_client) if mount_admin else (None, None)
+    if redis is not None:
+        gw.live = LiveStats(redis, settings.redis_prefix)
+    admin, admin_service = _admin_app(settings, router, http_client, gw.live) if mount_admin else (None, None)
     judge = None
     if admin_service is not None and settings.canary_judge_interval_s > 0 and not settings.registry_snapshot_file:
         from gateway.canary_judge import CanaryJudge
@@ -244,12 +250,13 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         purging = asyncio.create_task(_purge_responses(gw.responses_store), name="responses-purge") \
             if gw.responses_store is not None else None
         judging = asyncio.create_task(judge.run(), name="canary-judge") if judge is not None else None
+        live = asyncio.create_task(gw.live.publish_forever(), name="live-numbers")
         try:
             yield
         finally:
             flusher.cancel()
             lag.cancel()
-            for task in (samples, judging, purging):
+            for task in (samples, judging, purging, live):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):

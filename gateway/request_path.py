@@ -24,6 +24,7 @@ from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
 from gateway.errors import GatewayError, send_error
+from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokens import PromptCounter, PromptError
 from gateway.proxy import Opened, StreamResult, Upstream, finish_of, read_rest, relay_sse, sse_error, usage_of
@@ -72,6 +73,8 @@ class Gateway:
         self.auth = Authenticator(settings)
         self.resolver = Resolver()
         self.metrics = GatewayMetrics()
+        self.live = LiveStats()
+        """Per-version numbers for the console (``create_app`` gives it Redis to share them)."""
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
                                  on_failure=self.metrics.upstream_failure)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
@@ -269,6 +272,7 @@ class Gateway:
                 raise
             call.upstream = opened.response.status
             call.worker = opened.worker.id
+            call.cold = opened.response.cache == "cold"
             call.headers[HDR_WORKER] = call.worker
             try:
                 if req.stream and opened.response.status == 200:
@@ -393,6 +397,10 @@ class Gateway:
         if call.judged and self.canary is not None and call.status != 499 and (
                 call.upstream != _NOT_SENT or call.status >= 500):  # a client's 4xx is not the version's doing
             self._sample(call, elapsed, ct)
+        if call.worker:
+            streamed = call.streamed
+            ttft = None if streamed is None or streamed.first_token_at is None else streamed.first_token_at - call.t0
+            self.live.record(call.label, call.status, ttft, call.cold)
         if self.log_enabled and access_log.isEnabledFor(logging.INFO):
             now = time.time()
             _access_records.emit(orjson.dumps({
@@ -406,7 +414,7 @@ class Gateway:
 class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
-    __slots__ = ("alias", "authorization", "chat", "declared", "finish", "finished", "guard", "headers", "judged",
+    __slots__ = ("alias", "authorization", "chat", "cold", "declared", "finish", "finished", "guard", "headers", "judged",
                  "label", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
                  "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
 
@@ -437,6 +445,7 @@ class _Call:
         self.headers: dict[str, str] = {HDR_REQUEST_ID: self.request_id}
         """Response headers so far."""
         self.tenant = self.alias = self.label = self.worker = ""
+        self.cold = False
         self.lease: Any = None
         self.plan: Reservation | None = None
         self.upstream = _NOT_SENT

@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 from yarl import URL
 
-from loraplex.wire import HDR_REQUEST_ID, HDR_WORKER_SECRET
+from loraplex.wire import HDR_CACHE, HDR_REQUEST_ID, HDR_WORKER_SECRET
 
 CONNECT_TIMEOUT_S = 2.0
 KEEPALIVE_S = 4.0
@@ -72,7 +72,7 @@ class Exchange:
     """``WorkerResponse`` over the response aiohttp's protocol parsed; ``close`` pools the
     connection when the body was read to its end."""
 
-    __slots__ = ("_client", "_key", "_payload", "_proto", "content_type", "status")
+    __slots__ = ("_client", "_key", "_payload", "_proto", "cache", "content_type", "status")
 
     def __init__(self, client: WorkerClient, key: tuple[str, int], proto: ResponseHandler,
                  message: aiohttp.http.RawResponseMessage, payload: StreamReader) -> None:
@@ -82,6 +82,8 @@ class Exchange:
         self._payload = payload
         self.status = message.code
         self.content_type = message.headers.get("content-type", "application/json")
+        self.cache = message.headers.get(HDR_CACHE, "")
+        """``x-loraplex-cache``: ``cold`` when the worker had to load the adapter first."""
 
     async def read(self) -> bytes:
         payload = self._payload

@@ -23,6 +23,9 @@ HDR_REQUEST_ID = "x-request-id"
 HDR_ADAPTER = "x-loraplex-adapter"
 """``name@version`` of the adapter that answered, or ``base`` for the base model."""
 HDR_WORKER = "x-loraplex-worker"
+HDR_CACHE = "x-loraplex-cache"
+"""A worker's answer: where the request's adapter was when it arrived: ``warm`` (device or host
+memory), ``cold`` (it had to be loaded) or ``base`` (no adapter)."""
 HDR_WORKER_SECRET = "x-loraplex-worker-secret"
 """Request header with ``settings.worker_secret``: the gateway sends it on every worker request,
 and workers trust the ``"loraplex"`` extension (or serve any route but ``/health``, ``/metrics``)

@@ -25,6 +25,7 @@ from loraplex.settings import Settings
 from loraplex.tokens import TokenError, Verifier, bearer
 from loraplex.wire import PRIORITY_CLASSES, error_body
 from registry.canary import CanaryPolicies
+from registry.console import ConsoleSources, console_routes
 from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
 from registry.records import DIMENSIONS
 from registry.service import RegistryService
@@ -579,10 +580,13 @@ def _error(status: int, message: str, type: str = "invalid_request_error", code:
     return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
 
 
-def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationGate | None = None) -> Starlette:
-    """The admin API as a Starlette app, to mount at ``/admin``.
+def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationGate | None = None,
+              console: ConsoleSources | None = None) -> Starlette:
+    """The admin API as a Starlette app, to mount at ``/admin``, with the web console at
+    ``/admin/console`` (``registry.console``).
 
-    With ``gate``, activating an adapter version first verifies it on a worker.
+    With ``gate``, activating an adapter version first verifies it on a worker; ``console``
+    gives the console the fleet and live numbers (without it those pages say so).
     """
     verifier = Verifier(settings)
     doc = openapi_document()
@@ -700,6 +704,7 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
     app_routes = [Route("/openapi.json", openapi, methods=["GET"]),
                   Route("/adapters/upload", upload, methods=["POST"])]
     app_routes += [Route(path, dispatch(by_method), methods=list(by_method)) for path, by_method in routes.items()]
+    app_routes += console_routes(service, settings, verifier, console)
     app = Starlette(routes=app_routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.service = service
     return app

@@ -1,0 +1,145 @@
+"""The console's reads: one page at a time, by key (never OFFSET), searched by prefix.
+
+Every list is ordered by a unique key and a page starts after the last key of the one before
+(``after``), so page 2,000 of 100k tenants costs what page 1 does. Counts are one indexed
+``count(*)`` each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from registry.canary import policy_dict
+from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, CanaryPolicy, Tenant
+from registry.records import adapter_dict, audit_dict, binding_dict, tenant_dict
+from registry.service import RegistryService
+
+PAGE = 50
+
+
+@dataclass
+class Page:
+    rows: list[dict[str, Any]]
+    total: int | None
+    """Rows matching the filters (None where counting is not offered: the audit log)."""
+    after: str | None
+    """Key to pass as ``after`` for the next page (None on the last)."""
+
+
+def _prefix(column: Any, text: str) -> Any:
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return column.like(escaped + "%", escape="\\")
+
+
+async def tenants(service: RegistryService, *, q: str = "", status: str = "", after: str = "",
+                  limit: int = PAGE) -> Page:
+    async def op(s: AsyncSession) -> Page:
+        where = []
+        if q:
+            where.append(_prefix(Tenant.slug, q))
+        if status:
+            where.append(Tenant.status == status)
+        total = (await s.execute(select(func.count()).select_from(Tenant).where(*where))).scalar_one()
+        stmt = select(Tenant).where(*where)
+        if after:
+            stmt = stmt.where(Tenant.slug > after)
+        rows = (await s.execute(stmt.order_by(Tenant.slug).limit(limit + 1))).scalars().all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page([tenant_dict(t) for t in rows], total, rows[-1].slug if more else None)
+
+    return await service._read(op)
+
+
+async def labels(s: AsyncSession, ids: set[str]) -> dict[str, str]:
+    if not ids:
+        return {}
+    rows = await s.execute(select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)
+                           .where(AdapterVersion.id.in_(ids)))
+    return {i: f"{n}@{v}" for i, n, v in rows}
+
+
+async def tenant(service: RegistryService, slug: str) -> dict[str, Any]:
+    """The tenant, its bindings (with labels) and the canary policies on them."""
+
+    async def op(s: AsyncSession) -> dict[str, Any]:
+        t = await service._tenant(s, slug)
+        rows = (await s.execute(select(Binding).where(Binding.tenant == slug).order_by(Binding.alias))).scalars().all()
+        pols = (await s.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == slug))).scalars().all()
+        ids = {i for b in rows for i in (b.active_id, b.previous_id, b.canary_id) if i}
+        ids |= {p.canary_id for p in pols if p.canary_id}
+        names = await labels(s, ids)
+        policies = {p.alias: policy_dict(p, names) for p in pols}
+        return {"tenant": tenant_dict(t), "bindings": [binding_dict(b, names) for b in rows], "policies": policies}
+
+    return await service._read(op)
+
+
+async def binding(service: RegistryService, slug: str, alias: str) -> dict[str, Any]:
+    async def op(s: AsyncSession) -> dict[str, Any]:
+        b = await service._binding(s, slug, alias)
+        return binding_dict(b, await labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
+
+    return await service._read(op)
+
+
+async def adapters(service: RegistryService, *, q: str = "", status: str = "", after: str = "",
+                   limit: int = PAGE) -> Page:
+    """Versions by name then version; ``after`` is ``name@version`` of the last row shown."""
+
+    async def op(s: AsyncSession) -> Page:
+        where = []
+        if q:
+            where.append(_prefix(AdapterVersion.name, q))
+        if status:
+            where.append(AdapterVersion.status == status)
+        total = (await s.execute(select(func.count()).select_from(AdapterVersion).where(*where))).scalar_one()
+        stmt = (select(AdapterVersion, BaseModelRow.revision).join(BaseModelRow,
+                                                                  BaseModelRow.name == AdapterVersion.base_model)
+                .where(*where))
+        if after and "@" in after:
+            name, _, ver = after.rpartition("@")
+            v = int(ver) if ver.isdigit() else 0
+            stmt = stmt.where(or_(AdapterVersion.name > name, and_(AdapterVersion.name == name,
+                                                                    AdapterVersion.version > v)))
+        got = (await s.execute(stmt.order_by(AdapterVersion.name, AdapterVersion.version).limit(limit + 1))).all()
+        more = len(got) > limit
+        got = got[:limit]
+        rows = [{**adapter_dict(a), "base_revision": rev} for a, rev in got]
+        return Page(rows, total, rows[-1]["label"] if more else None)
+
+    return await service._read(op)
+
+
+async def audit(service: RegistryService, *, actor: str = "", action: str = "", target: str = "",
+                before: int | None = None, limit: int = PAGE) -> Page:
+    """Newest first; ``target`` matches exactly or, ending in ``*``, as a prefix."""
+
+    async def op(s: AsyncSession) -> Page:
+        stmt = select(AuditEntry)
+        if actor:
+            stmt = stmt.where(AuditEntry.actor == actor)
+        if action:
+            stmt = stmt.where(AuditEntry.action == action)
+        if target:
+            stmt = stmt.where(_prefix(AuditEntry.target, target[:-1]) if target.endswith("*")
+                              else AuditEntry.target == target)
+        if before is not None:
+            stmt = stmt.where(AuditEntry.id < before)
+        rows = (await s.execute(stmt.order_by(AuditEntry.id.desc()).limit(limit + 1))).scalars().all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page([audit_dict(e) for e in rows], None, str(rows[-1].id) if more else None)
+
+    return await service._read(op)
+
+
+async def version_labels(service: RegistryService, ids: set[str]) -> dict[str, str]:
+    async def op(s: AsyncSession) -> dict[str, str]:
+        return await labels(s, ids)
+
+    return await service._read(op)

@@ -1,0 +1,225 @@
+"""The console in a real headless Chromium: sign in, change a tenant's limit, move a canary,
+roll back, and see each audit row appear; on the embedded default (``loraplex demo``) and on
+PostgreSQL + Redis with two gateways (a change made through one is seen through the other).
+Bad, expired and tenant tokens each get a refusal page."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from selenium.webdriver.common.by import By
+
+from loraplex.settings import Settings
+from loraplex.tokens import mint, mint_admin
+from tests.console_browser import Console, browser_missing, chromium
+from tests.e2e_cluster import BIN, Cluster, free_port
+from tests.engine_fixtures import demo_model_file
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+Admin = Callable[[str, str, Any], Any]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = browser_missing()
+    if missing:
+        pytest.fail(missing, pytrace=False)
+    with chromium() as driver:
+        yield driver
+
+
+def _admin(url: str, settings: Settings) -> Admin:
+    headers = {"authorization": f"Bearer {mint_admin(settings, subject='seeder')}"}
+
+    def call(method: str, path: str, body: Any = None) -> Any:
+        r = httpx.request(method, url + "/admin" + path, json=body, headers=headers, timeout=300)
+        assert r.status_code < 400, (method, path, r.status_code, r.text)
+        return r.json()
+
+    return call
+
+
+def _prepare(admin: Admin) -> None:
+    """acme/assistant gets a previous version (rollback) and acme/support a 10% canary."""
+    versions = {a["label"]: a["id"] for a in admin("GET", "/adapters", None)["data"]}
+    admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": versions["acme-terse@1"]})
+    admin("POST", "/tenants/acme/bindings/support/canary", {"adapter": versions["acme-french@1"], "percent": 10})
+
+
+def _traffic(url: str, settings: Settings, n: int = 3) -> None:
+    token = mint(settings, "acme-backend", tenant="acme")
+    for _ in range(n):
+        r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"}, timeout=120,
+                       json={"model": "support", "max_tokens": 3, "stream": True,
+                             "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+
+
+def _operate(c: Console, subject: str) -> None:
+    """The operator's round: limit, canary percent, rollback, each seen in the audit log."""
+    c.go("#tenants", "tenants")
+    c.shot("tenants")
+    c.d.find_element(By.CSS_SELECTOR, "tr[data-tenant='acme'] a").click()
+    page = c.page("tenant")
+    old = page.find_element(By.NAME, "requests_per_min").get_attribute("value")
+    box = page.find_element(By.NAME, "requests_per_min")
+    box.clear()
+    box.send_keys(str(int(old) + 17))
+    page.find_element(By.CSS_SELECTOR, "form.limits button[type=submit]").click()
+    assert c.confirm() == {"requests_per_min": (old, str(int(old) + 17))}
+    c.shot("confirm-limits")
+    c.accept()
+    assert c.page("tenant").find_element(By.NAME, "requests_per_min").get_attribute("value") == str(int(old) + 17)
+
+    row = c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='support']")
+    pct = row.find_element(By.NAME, "percent")
+    pct.clear()
+    pct.send_keys("25")
+    row.find_element(By.CSS_SELECTOR, "form.inline button").click()
+    assert c.confirm()["canary_percent"] == ("10.0", "25.0")
+    c.accept()
+    assert c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='support'] .percent").text == "25.0%"
+
+    row = c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='assistant']")
+    row.find_element(By.CSS_SELECTOR, "[data-confirm='rollback']").click()
+    assert c.confirm() == {"active": ("acme-terse@1", "acme-french@1"), "previous": ("acme-french@1", "acme-terse@1")}
+    c.shot("confirm-rollback")
+    c.accept()
+    row = c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='assistant']")
+    assert row.find_element(By.CSS_SELECTOR, ".active").text == "acme-french@1"
+    c.shot("tenant")
+
+    audit = c.go(f"#audit?actor={subject}", "audit")
+    actions = [r.get_attribute("data-action") for r in audit.find_elements(By.CSS_SELECTOR, "tr[data-audit]")]
+    assert actions[:3] == ["binding.rollback", "binding.canary_set", "tenant.limits"], actions
+    c.shot("audit")
+
+
+def _refusals(c: Console, settings: Settings) -> None:
+    for token, words, shot in (
+        ("not-a-jwt", "not valid", "refused-bad-token"),
+        (mint(settings, "ops", scopes=(settings.jwt_admin_scope,), ttl_s=-3600), "expired", "refused-expired"),
+        (mint(settings, "acme-backend", tenant="acme"), "not an admin token", None),
+    ):
+        c.d.execute_script("sessionStorage.clear()")
+        c.open()
+        c.sign_in(token)
+        text = c.refusal()
+        assert words in text and "Traceback" not in c.d.page_source, text
+        assert not c.d.find_element(By.ID, "nav").is_displayed()
+        if shot:
+            c.shot(shot)
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory) -> Iterator[tuple[str, Settings]]:
+    """``loraplex demo``: SQLite registry, in-process limiter, one worker on the demo model."""
+    home = tmp_path_factory.mktemp("console-embedded")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env |= {"LORAPLEX_HOME": str(home), "LORAPLEX_MODEL": str(demo_model_file()), "LORAPLEX_GATEWAY_PORT": str(port),
+            "LORAPLEX_WORKER_PORT": str(free_port()), "LORAPLEX_GATEWAY_METRICS_PORT": str(free_port()),
+            "HF_HUB_OFFLINE": "1"}
+    log = home / "demo.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([str(BIN), "demo"], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "curl" not in log.read_text(errors="replace"):  # printed once seeded
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", Settings.from_env(env)
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+def test_the_console_on_the_embedded_default(embedded, browser):
+    url, settings = embedded
+    admin = _admin(url, settings)
+    _prepare(admin)
+    _traffic(url, settings)
+    c = Console(browser, url)
+    c.open()
+    c.shot("signin")
+    c.sign_in(mint_admin(settings, subject="ops-alice"))
+    c.signed_in_as("ops-alice")
+    _operate(c, "ops-alice")
+    adapters = c.go("#adapters?q=acme", "adapters")
+    labels = [r.get_attribute("data-adapter") for r in adapters.find_elements(By.CSS_SELECTOR, "tr[data-adapter]")]
+    assert labels == ["acme-french@1", "acme-terse@1"]
+    assert "passed" in adapters.find_element(By.CSS_SELECTOR, "tr[data-adapter='acme-french@1']").text  # the gate
+    c.shot("adapters")
+    fleet = c.go("#fleet", "fleet")
+    assert fleet.find_elements(By.CSS_SELECTOR, "tr[data-worker]"), fleet.text
+    assert "acme-" in fleet.find_element(By.CSS_SELECTOR, "tr[data-worker] .device").text
+    c.shot("fleet")
+    live = c.go("#live", "live")
+    versions = {r.get_attribute("data-version") for r in live.find_elements(By.CSS_SELECTOR, "tr[data-version]")}
+    assert versions & {"acme-terse@1", "acme-french@1"}, live.text
+    c.shot("live")
+    _refusals(c, settings)
+
+
+def test_the_console_on_postgres_and_redis_with_two_gateways(pg_url, redis_url, tmp_path, browser):
+    from tests.test_e2e import DEMO
+
+    c = Cluster(home=tmp_path, database_url=pg_url, redis_url=redis_url,
+                redis_prefix=f"loraplex-console-{uuid.uuid4().hex[:8]}", model=str(demo_model_file()))
+    with c.running(workers=("w1",), gateways=("g1", "g2")):
+        base = c.admin("POST", "/base-models", {"path": c.model})["name"]
+        c.admin("POST", "/tenants", {"slug": "acme", "requests_per_min": 600, "tokens_per_min": 100_000})
+        for name in ("french", "terse"):
+            dst = c.home / "adapters" / "acme" / name
+            shutil.copytree(DEMO / name, dst)
+            ad = c.admin("POST", "/adapters", {"name": f"acme-{name}", "uri": str(dst), "base_model": base,
+                                               "owner": "acme"})
+            c.admin("POST", f"/adapters/{ad['id']}/activate", {})
+        c.admin("PUT", "/tenants/acme/bindings/assistant", {"adapter": "acme-french@1"})
+        c.admin("PUT", "/tenants/acme/bindings/support", {"adapter": "acme-terse@1"})
+        g1, g2 = c.gateways[0].url, c.gateways[1].url
+        _prepare(_admin(g1, c.settings))
+        c.wait_current()
+        _traffic(g1, c.settings)
+        one = Console(browser, g1)
+        one.open()
+        one.sign_in(mint_admin(c.settings, subject="ops-bob"))
+        one.signed_in_as("ops-bob")
+        _operate(one, "ops-bob")
+        # The other gateway: the new limit, the canary at 25% and the rollback, and the audit rows.
+        c.wait_current()
+        two = Console(browser, g2)
+        two.open()  # another origin: its own session storage, sign in again
+        two.sign_in(mint_admin(c.settings, subject="ops-carol"))
+        two.signed_in_as("ops-carol")
+        page = two.go("#tenant?slug=acme", "tenant")
+        assert page.find_element(By.NAME, "requests_per_min").get_attribute("value") == "617"
+        assert page.find_element(By.CSS_SELECTOR, "tr[data-alias='support'] .percent").text == "25.0%"
+        assert page.find_element(By.CSS_SELECTOR, "tr[data-alias='assistant'] .active").text == "acme-french@1"
+        audit = two.go("#audit?actor=ops-bob", "audit")
+        assert len(audit.find_elements(By.CSS_SELECTOR, "tr[data-audit]")) == 3
+        # Live numbers of traffic sent through g1, merged through Redis, seen on g2.
+        deadline = time.monotonic() + 20
+        while True:
+            live = two.go("#live", "live")
+            if live.find_elements(By.CSS_SELECTOR, "tr[data-version]") or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+            two.go("#tenants", "tenants")
+        assert live.find_elements(By.CSS_SELECTOR, "tr[data-version]"), live.text
+        fleet = two.go("#fleet", "fleet")
+        assert [r.get_attribute("data-worker") for r in fleet.find_elements(By.CSS_SELECTOR, "tr[data-worker]")] == ["w1"]
