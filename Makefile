@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.loraplex-installed
 
-.PHONY: venv demo serve test test-fast lint bench
+.PHONY: venv demo serve test test-fast screenshots lint bench
 
 venv: $(STAMP)
 
@@ -27,6 +27,9 @@ test: venv  ## the whole suite, slow model-level and end-to-end tests included
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow and not e2e"
+
+screenshots: venv  ## the console's screenshots in docs/console, made by its browser tests
+	LORAPLEX_SCREENSHOTS=docs/console $(VENV)/bin/pytest -q tests/test_console_browser.py -k embedded
 
 lint: venv
 	$(VENV)/bin/ruff check .
