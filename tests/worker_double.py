@@ -10,14 +10,16 @@ import httpx
 
 from gateway.worker_client import WorkerBroke, WorkerClient, WorkerResponse, WorkerUnreachable
 from loraplex.settings import DEV_WORKER_SECRET
+from loraplex.wire import HDR_CACHE
 
 
 class _Buffered:
     """A worker's answer read whole at the exchange (in-process transports buffer it anyway)."""
 
-    def __init__(self, status: int, content_type: str, parts: list[bytes]) -> None:
+    def __init__(self, status: int, content_type: str, parts: list[bytes], cache: str = "") -> None:
         self.status = status
         self.content_type = content_type
+        self.cache = cache
         self._parts = parts
 
     async def read(self) -> bytes:
@@ -43,7 +45,8 @@ class TransportWorkerClient(WorkerClient):
             raise WorkerUnreachable(f"{type(exc).__name__}: {exc}") from None
         except httpx.HTTPError as exc:
             raise WorkerBroke(f"{type(exc).__name__}: {exc}") from None
-        return _Buffered(r.status_code, r.headers.get("content-type", "application/json"), [r.content])
+        return _Buffered(r.status_code, r.headers.get("content-type", "application/json"), [r.content],
+                         r.headers.get(HDR_CACHE, ""))
 
     async def close(self) -> None:
         await self.client.aclose()
