@@ -14,8 +14,8 @@ each send one decode-heavy request for an adapter of a second set of 32 that no 
 tokens/s from the burst's start until the last answer ends.
 
 * ``worker``: ``loraplex worker`` in its own process at its defaults (float32 activations; base
-  weights ``auto``: the CPU's fastest, ``engine.cpu.default_weights``: bfloat16 where the CPU
-  multiplies it natively, else int8 on AVX512-VNNI, else int4 on AVX2, else float32;
+  weights ``auto``, ``engine.cpu.default_weights``: bfloat16 where the CPU
+  multiplies it natively, else float32;
   ``--worker-weights`` sets another), driven over HTTP;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) on the same directory (bfloat16 where
   the CPU multiplies bfloat16 natively, else float32: ``--vllm-dtype``), ``--enable-lora`` for

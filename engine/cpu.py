@@ -94,21 +94,22 @@ def cpu_has_avx2() -> bool:
 
 def default_weights() -> tuple[str, str]:
     """What ``weights=auto`` serves the base model's projections in on this CPU (float32
-    activations), and why: the fastest format measured on each class of CPU, as vLLM defaults
-    to bfloat16 on CPU. Every choice is held to the float32 path's greedy output by the accuracy
-    gates of ``tests/test_engine_weights.py``, ``test_engine_int8.py`` and ``test_engine_int4.py``
-    (top-1 agreement >= 0.9 on the demo model, base and adapter rows)."""
+    activations), and why: bfloat16 where the CPU multiplies it natively (as vLLM-CPU defaults to
+    bfloat16 there), else float32, as vLLM-CPU falls back to float32 on such CPUs.
+
+    The narrower formats are faster where bfloat16 is not native (int4 1.35x float32 on a Zen 3
+    with AVX2, int8 on AVX512-VNNI) but less faithful: on a Zen 3, against transformers + PEFT
+    float32, int4 kept 21 of 36 greedy rows and int8 17 where float32 (and vLLM-CPU's default
+    there) kept 36 (``tests/test_fidelity.py``, which holds the default to vLLM's default within
+    3 rows). They stay one setting away (``--weights int8`` / ``int4``)."""
     flags = cpu_flags()
     if "amx_bf16" in flags:
         return "bfloat16", "AMX multiplies bfloat16 natively"
     if "avx512_bf16" in flags:
         # Zen 4 measured int8 1.1-1.4x bfloat16's tokens/s, at 7x bfloat16's KL divergence from float32
         return "bfloat16", "AVX512-BF16 multiplies bfloat16 natively"
-    if "avx512_vnni" in flags:
-        return "int8", "AVX512-VNNI without bfloat16: the 8-bit kernel outruns float32"
-    if {"avx2", "fma"} <= flags:
-        return "int4", "AVX2 without AVX-512: the 4-bit kernel's integer multiply outruns float32 FMA"
-    return "float32", "no AVX2: the float32 path"
+    return "float32", ("no native bfloat16 on this CPU: the exact float32 path (--weights int8 or int4 is "
+                       "faster and less faithful)")
 
 
 BURST_TOKENS_AMX = 4096

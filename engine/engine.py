@@ -271,8 +271,8 @@ class Engine:
         tok = TextTokenizer.from_model_path(path, reader)
         engine = cls(model, tok, config, model_path=path)
         if config.weights == "auto":
-            engine.weights_reason = f"auto: {default_weights()[1]}" if matmul_dtype != dtype else \
-                f"auto: the activations' dtype on {device.type}"
+            engine.weights_reason = f"auto: {default_weights()[1]}" \
+                if device.type == "cpu" and dtype == torch.float32 else f"auto: the activations' dtype on {device.type}"
         else:
             engine.weights_reason = f"weights={config.weights}" if config.weights else "the activations' dtype"
         release_team()  # loading ran parallel ops here: this thread's team would slow the engine's

@@ -188,9 +188,9 @@ class Settings:
     dtype: str = "auto"
     """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``."""
     weights: str = "auto"
-    """The base model's projection weights: ``auto`` (under float32 activations on CPU, this CPU's fastest format,
-    said in the worker's start-up line and ``/health``: bfloat16 on AMX, int8 on AVX512-VNNI, bfloat16 on
-    AVX512-BF16, int4 on AVX2, else float32; elsewhere in ``dtype``), ``float32`` (the float32 path),
+    """The base model's projection weights: ``auto`` (under float32 activations on CPU, by CPU as vLLM-CPU's
+    default dtype, said in the worker's start-up line and ``/health``: bfloat16 where the CPU multiplies it
+    natively (AMX or AVX512-BF16), else float32; elsewhere in ``dtype``), ``float32`` (the float32 path),
     ``bfloat16`` (bfloat16 matrices under
     float32 activations: half the memory and, on CPUs with AVX512-BF16 or AMX, about twice the matmul rate),
     ``int8`` (CPU, float32 activations: 8-bit blocks of 32 with a scale each, llama.cpp's Q8_0, about a

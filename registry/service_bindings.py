@@ -221,8 +221,11 @@ class BindingOps(ServiceCore):
                 await self._tenant(s, tenant)
                 stmt = stmt.where(Binding.tenant == tenant)
             rows = (await s.execute(stmt)).scalars().all()
-            labels = {r.id: f"{r.name}@{r.version}" for r in (await s.execute(
-                select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)))}
+            ids = {i for b in rows for i in (b.active_id, b.previous_id, b.canary_id) if i}
+            names = select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)
+            if len(ids) <= 1000:  # one tenant's: only its versions (beyond that, one scan beats a huge IN)
+                names = names.where(AdapterVersion.id.in_(ids))
+            labels = {r.id: f"{r.name}@{r.version}" for r in (await s.execute(names))} if ids else {}
             return [binding_dict(b, labels) for b in rows]
 
         return await self._read(op)

@@ -142,6 +142,9 @@ async def test_the_confirm_step_shows_before_and_after_and_the_call(console, tmp
     await console.service.rollback("acme", "chat")
     r = await console.get("/console/view/confirm?action=abort&slug=acme&alias=chat")
     assert 'data-field="canary"' in r.text
+    r = (await console.get("/console/view/confirm?action=disable&slug=acme")).text
+    assert 'data-field="status"><th>status</th><td class="before">active</td><td class="after">disabled<' in r
+    assert 'data-method="POST" data-path="/admin/tenants/acme/disable"' in r
     r = await console.get("/console/view/confirm?action=explode&slug=acme&alias=chat")
     assert r.status_code == 422 and "unknown action" in r.text
 

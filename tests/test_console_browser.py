@@ -22,6 +22,7 @@ from loraplex.tokens import mint, mint_admin
 from tests.console_browser import Console, browser_missing, chromium
 from tests.e2e_cluster import BIN, Cluster, free_port
 from tests.engine_fixtures import demo_model_file
+from tests.test_e2e import DEMO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -108,7 +109,7 @@ def _refusals(c: Console, settings: Settings) -> None:
     for token, words, shot in (
         ("not-a-jwt", "not valid", "refused-bad-token"),
         (mint(settings, "ops", scopes=(settings.jwt_admin_scope,), ttl_s=-3600), "expired", "refused-expired"),
-        (mint(settings, "acme-backend", tenant="acme"), "not an admin token", None),
+        (mint(settings, "acme-backend", tenant="acme"), "not an admin token", "refused-tenant-token"),
     ):
         c.d.execute_script("sessionStorage.clear()")
         c.open()
@@ -164,6 +165,17 @@ def test_the_console_on_the_embedded_default(embedded, browser):
     assert labels == ["acme-french@1", "acme-terse@1"]
     assert "passed" in adapters.find_element(By.CSS_SELECTOR, "tr[data-adapter='acme-french@1']").text  # the gate
     c.shot("adapters")
+    # Upload a version through the form (it starts pending, as the CLI's upload does).
+    form = adapters.find_element(By.CSS_SELECTOR, "form[data-upload]")
+    form.find_element(By.NAME, "name").send_keys("acme-uploaded")
+    form.find_element(By.NAME, "owner").send_keys("acme")
+    form.find_element(By.NAME, "config").send_keys(str(DEMO / "terse" / "adapter_config.json"))
+    form.find_element(By.NAME, "weights").send_keys(str(DEMO / "terse" / "adapter_model.safetensors"))
+    form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    c.wait.until(lambda d: d.find_element(By.ID, "flash").text == "Uploaded acme-uploaded@1 (pending)")
+    uploaded = c.go("#adapters?q=acme-up", "adapters").find_element(By.CSS_SELECTOR, "tr[data-adapter='acme-uploaded@1']")
+    assert "pending" in uploaded.text
+    assert admin("GET", "/audit?action=adapter.register&limit=1", None)["data"][0]["actor"] == "ops-alice"
     fleet = c.go("#fleet", "fleet")
     assert fleet.find_elements(By.CSS_SELECTOR, "tr[data-worker]"), fleet.text
     assert "acme-" in fleet.find_element(By.CSS_SELECTOR, "tr[data-worker] .device").text
@@ -176,8 +188,6 @@ def test_the_console_on_the_embedded_default(embedded, browser):
 
 
 def test_the_console_on_postgres_and_redis_with_two_gateways(pg_url, redis_url, tmp_path, browser):
-    from tests.test_e2e import DEMO
-
     c = Cluster(home=tmp_path, database_url=pg_url, redis_url=redis_url,
                 redis_prefix=f"loraplex-console-{uuid.uuid4().hex[:8]}", model=str(demo_model_file()))
     with c.running(workers=("w1",), gateways=("g1", "g2")):

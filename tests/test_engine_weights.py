@@ -75,13 +75,14 @@ def test_weights_setting_resolves_and_refuses_what_it_cannot_serve(monkeypatch):
 @pytest.mark.parametrize(("flags", "want"), [
     ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}, "bfloat16"),  # AMX Xeon
     ({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}, "bfloat16"),  # Zen 4 / Zen 5
-    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "int8"),  # Ice Lake, Cascade Lake
-    ({"avx2", "fma"}, "int4"),  # Zen 3, Haswell to Alder Lake
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "float32"),  # Ice Lake, Cascade Lake: no native bfloat16
+    ({"avx2", "fma"}, "float32"),  # Zen 3, Haswell to Alder Lake
     ({"sse2"}, "float32"),
 ])
 def test_auto_weights_follow_the_cpu(monkeypatch, flags, want):
-    """``weights=auto`` is the fastest format measured for the CPU (float32 activations on CPU
-    only: CUDA and bfloat16 activations keep their dtype); the worker says which and why."""
+    """``weights=auto`` is bfloat16 where the CPU multiplies it natively, else float32 (float32
+    activations on CPU only: CUDA and bfloat16 activations keep their dtype); the worker says
+    which and why."""
     import engine.cpu as cpu
     import engine.engine as eng
 
