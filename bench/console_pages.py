@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,6 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-PG_ADMIN_URL = os.environ.get("LORAPLEX_TEST_PG_URL", "postgresql://127.0.0.1:5432/test")
 
 
 async def seed(url: str, tenants: int) -> None:
@@ -156,26 +154,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=200)
     ap.add_argument("--versions", type=int, default=5000)
     args = ap.parse_args()
-    import asyncpg
+    from bench.scratch_db import scratch_database
 
-    name = f"loraplex_console_{uuid.uuid4().hex[:8]}"
-
-    async def sql(q: str) -> None:
-        conn = await asyncpg.connect(PG_ADMIN_URL)
-        try:
-            await conn.execute(q)
-        finally:
-            await conn.close()
-
-    asyncio.run(sql(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1) + "/" + name
-    try:
+    with scratch_database("loraplex_console") as url:
         t0 = time.perf_counter()
         asyncio.run(seed(url, args.tenants))
         print(f"seeded in {time.perf_counter() - t0:.0f} s", flush=True)
         result = asyncio.run(measure(url, args.tenants, args.repeat, args.workers, args.versions))
-    finally:
-        asyncio.run(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     print(f"\nconsole views, {args.tenants:,} tenants in PostgreSQL, {args.repeat} requests each (server time)")
     print("| view | p50 ms | p99 ms | wall p50 ms |")
     print("|---|---|---|---|")

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +40,6 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
-PG_ADMIN_URL = os.environ.get("LORAPLEX_TEST_PG_URL", "postgresql://127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 TIERS = ("device", "host", "loading", "absent")
 
@@ -160,30 +160,14 @@ def main() -> int:
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = ap.parse_args()
     cfg = Config(**{k: getattr(args, k) for k in Config.__dataclass_fields__})
-    import asyncpg
-
+    from bench.scratch_db import scratch_database
     from engine.fetch_demo import demo_model_path
 
-    name = f"loraplex_plan_{uuid.uuid4().hex[:10]}"
-
-    async def sql(q: str) -> None:
-        conn = await asyncpg.connect(PG_ADMIN_URL)
-        try:
-            await conn.execute(q)
-        finally:
-            await conn.close()
-
-    asyncio.run(sql(f'CREATE DATABASE "{name}"'))
     home = RESULTS / "plan_check"
-    import shutil
-
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    try:
-        url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1) + "/" + name
+    with scratch_database("loraplex_plan") as url:
         out = run(cfg, home, str(demo_model_path()), database_url=url, redis_url=REDIS_URL)
-    finally:
-        asyncio.run(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     m, p = out["measured"], out["predicted"]
     print(f"{cfg.requests} requests, {cfg.clients} clients, Zipf {cfg.zipf} over {cfg.adapters} adapters "
           f"(fitted {out['zipf_fitted']}), {cfg.workers} workers, max_loras {cfg.max_loras}, "

@@ -64,19 +64,8 @@ class Trace:
                      self.adapters, self.workers, self.skipped)
 
 
-@dataclass
-class _Part:
-    start: np.ndarray
-    adapter: np.ndarray
-    worker: np.ndarray
-    tokens: np.ndarray
-    adapters: list[str]
-    workers: list[str]
-    skipped: int
-
-
-def _parse(path: str, lo: int, hi: int) -> _Part:
-    """The records of the lines that begin in ``[lo, hi)`` of ``path``."""
+def _parse(path: str, lo: int, hi: int) -> Trace:
+    """The records of the lines that begin in ``[lo, hi)`` of ``path``, in file order."""
     adapters: dict[str, int] = {BASE: -1}
     workers: dict[str, int] = {}
     start: list[float] = []
@@ -117,7 +106,7 @@ def _parse(path: str, lo: int, hi: int) -> _Part:
         adapter.append(a_code)
         worker.append(workers.setdefault(w, len(workers)))
         tokens.append(n)
-    return _Part(np.asarray(start, np.float64), np.asarray(adapter, np.int32), np.asarray(worker, np.int32),
+    return Trace(np.asarray(start, np.float64), np.asarray(adapter, np.int32), np.asarray(worker, np.int32),
                  np.asarray(tokens, np.int64), list(adapters)[1:], list(workers), skipped)
 
 
