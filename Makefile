@@ -22,11 +22,15 @@ demo: venv  ## seed demo tenants + adapters, run gateway + one worker (embedded)
 serve: venv
 	$(VENV)/bin/loraplex serve
 
+# The fast tests in parallel, one process a core (each module has its own database and Redis
+# prefix); the slow and end-to-end ones after them, one at a time: they start real processes
+# and time them, and two at once would share the cores they measure.
 test: venv  ## the whole suite, slow model-level and end-to-end tests included
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n auto -m "not slow and not e2e" --durations=10
+	$(VENV)/bin/pytest -q -m "slow or e2e" --durations=25
 
 test-fast: venv
-	$(VENV)/bin/pytest -q -m "not slow and not e2e"
+	$(VENV)/bin/pytest -q -n auto -m "not slow and not e2e"
 
 screenshots: venv  ## the console's screenshots in docs/console, made by its browser tests
 	LORAPLEX_SCREENSHOTS=docs/console $(VENV)/bin/pytest -q tests/test_console_browser.py -k embedded
