@@ -6,9 +6,19 @@ class the engine builds for the format (``engine.linear.make_linear``: oneDNN-pr
 bfloat16 on the native tile kernel where the CPU has AMX or AVX512-BF16, else oneDNN-prepacked,
 the native gemv for one row, the native 8-bit and 4-bit kernels), plus oneDNN's prepacked
 bfloat16 matmul beside the tile kernel. Median of repeated calls after a warm-up; the ratio is
-float32's time over the format's.
+float32's time over the format's. float32 runs as the engine runs it: on the native panel kernel on
+AVX2 CPUs without AVX-512.
 
-Prints a table and writes ``bench/results/block_matmul.json``.
+Then each format's matmul-only ceiling for ``serve_vs_vllm.py``'s base-only cases: the tokens/s a
+server would reach if a step did nothing but the projections (``LAYERS`` layers) and the LM head,
+at the best per-row rate measured over the row counts of at least 32, with the weights in cache
+(an upper bound: attention, norms, sampling and the weights' trips from memory come on top). A
+prompt-heavy token (100-token prompt, 64 new) takes (100 + 64) / 64 rows through the layers and
+one through the LM head, a decode-heavy one (16, 256) 272 / 256 and one. Where
+``bench/results/serve_vs_vllm.json`` holds vLLM's tokens/s for those cases, the ceiling is shown
+over it: below 2.0, a format cannot serve twice vLLM's rate on this CPU.
+
+Prints the tables and writes ``bench/results/block_matmul.json``.
 
     python bench/block_matmul.py [--threads 2] [--rows 1,32,256] [--min-time 0.2]
 """
@@ -26,12 +36,23 @@ from pathlib import Path
 import torch
 
 from engine.linear import BF16Linear, make_linear
-from engine.native import gemv_kernel, q4_matmul_kernel, q8_matmul_kernel, tile_matmul_kernel
+from engine.native import (
+    gemv_kernel,
+    panel_matmul_kernel,
+    q4_matmul_kernel,
+    q8_matmul_kernel,
+    tile_matmul_kernel,
+)
 from engine.quant import pack_q4, pack_q8, quantize_q4, quantize_q8
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 """(out, in) of the demo model's fused projections and its LM head."""
+LAYERS = 30
+"""The demo model's decoder layers."""
+BASE_CASES = {"prompt-heavy/base": (100, 64), "decode-heavy/base": (16, 256)}
+"""serve_vs_vllm.py's base-only cases: (prompt tokens, new tokens)."""
+FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
 def timeit(fn, min_time: float) -> float:
@@ -50,12 +71,43 @@ def layers(w: torch.Tensor, pack_batch: int) -> dict[str, object]:
     """The engine's projection for ``w`` in each format."""
     gemv = gemv_kernel()
     return {
-        "float32": make_linear(w, None, torch.float32, pack_batch, gemv),
+        "float32": make_linear(w, None, torch.float32, pack_batch, gemv, panel=panel_matmul_kernel()),
         "bfloat16": make_linear(w.bfloat16(), None, torch.float32, pack_batch, gemv, tile=tile_matmul_kernel()),
         "bf16-onednn": BF16Linear(w.bfloat16(), None, pack_batch, gemv),
         "int8": make_linear(pack_q8(quantize_q8(w)), None, torch.float32, q8_kernel=q8_matmul_kernel()),
         "int4": make_linear(pack_q4(quantize_q4(w)), None, torch.float32, q4_kernel=q4_matmul_kernel()),
     }
+
+
+def ceiling(rows: list[dict], fmt: str, prompt: int, new: int) -> float | None:
+    """Tokens/s if a step were only matmuls at ``fmt``'s best per-row rate (rows >= 32)."""
+    def per_row(names: tuple[str, ...]) -> float | None:
+        best = [min((r[f"{fmt}_s"] / r["rows"] for r in rows if r["projection"] == n and r["rows"] >= 32),
+                    default=None) for n in names]
+        return None if None in best else sum(best)
+
+    layer, head = per_row(("qkv", "o", "gate_up", "down")), per_row(("lm_head",))
+    if layer is None or head is None:
+        return None
+    return 1.0 / (LAYERS * layer * (prompt + new) / new + head)
+
+
+def print_ceilings(rows: list[dict]) -> dict[str, dict[str, float | None]]:
+    served = RESULTS / "serve_vs_vllm.json"
+    vllm = {}
+    if served.exists():
+        vllm = {r["case"]: r.get("vllm_tok_s") for r in json.loads(served.read_text()).get("rows", [])}
+    print("\nmatmul-only ceiling, tokens/s (projections and LM head alone, weights in cache; "
+          "over vLLM's tokens/s in bench/results/serve_vs_vllm.json where it has them)")
+    print(f"{'case':>18} | " + " | ".join(f"{f:>16}" for f in FORMATS) + f" | {'vLLM tok/s':>10}")
+    out: dict[str, dict[str, float | None]] = {}
+    for case, (prompt, new) in BASE_CASES.items():
+        out[case] = {f: ceiling(rows, f, prompt, new) for f in FORMATS}
+        v = vllm.get(case)
+        cells = [("-" if c is None else f"{c:.0f}" + (f" ({c / v:.2f}x)" if v else "")) for c in out[case].values()]
+        print(f"{case:>18} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {v or '-':>10}")
+        out[case]["vllm_tok_s"] = v
+    return out
 
 
 def main() -> int:
@@ -87,12 +139,13 @@ def main() -> int:
                   f"{t['bf16-onednn'] * 1e6:>14.1f} | {t['int8'] * 1e6:>8.1f} | "
                   f"{t['int4'] * 1e6:>8.1f} | {ref / t['bfloat16']:>6.2f} | {ref / t['int8']:>6.2f} | "
                   f"{ref / t['int4']:>6.2f}", flush=True)
+    ceilings = print_ceilings(out)
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
             "bf16_kernel": tile.isa if tile else "onednn",
             "load_average": os.getloadavg()}
     (RESULTS / "block_matmul.json").write_text(json.dumps({"machine": meta, "args": vars(args), "matmuls": out,
-                                                           "time": time.time()}, indent=2))
+                                                           "ceilings": ceilings, "time": time.time()}, indent=2))
     print(f"wrote {RESULTS / 'block_matmul.json'}")
     return 0
 
