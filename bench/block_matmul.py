@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from serve_vs_vllm import LOADS
 
 from engine.linear import BF16Linear, make_linear
 from engine.native import (
@@ -50,7 +51,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 """(out, in) of the demo model's fused projections and its LM head."""
 LAYERS = 30
 """The demo model's decoder layers."""
-BASE_CASES = {"prompt-heavy/base": (100, 64), "decode-heavy/base": (16, 256)}
+BASE_CASES = {f"{load}/base": shape for load, shape in LOADS.items()}
 """serve_vs_vllm.py's base-only cases: (prompt tokens, new tokens)."""
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 

@@ -100,9 +100,13 @@ class Case:
     """One request per client, each for an adapter of the cold set (see the module's docstring)."""
 
 
+LOADS = {"prompt-heavy": (100, 64), "decode-heavy": (16, 256)}
+"""The two loads: (prompt tokens, new tokens) of each request."""
+
+
 def all_cases(clients: int) -> list[Case]:
     cases = [Case(f"{load}/{'base' if n == 0 else n}", prompt, new, n, clients)
-             for load, prompt, new in (("prompt-heavy", 100, 64), ("decode-heavy", 16, 256))
+             for load, (prompt, new) in LOADS.items()
              for n in (0, 1, 8, 32)]
     return [*cases, Case("single", 16, 128, 1, 1), Case("decode-heavy/32-cold", 16, 256, NUM_ADAPTERS, clients,
                                                         cold=True)]
