@@ -18,6 +18,13 @@ one through the LM head, a decode-heavy one (16, 256) 272 / 256 and one. Where
 ``bench/results/serve_vs_vllm.json`` holds vLLM's tokens/s for those cases, the ceiling is shown
 over it: below 2.0, a format cannot serve twice vLLM's rate on this CPU.
 
+Last, the multiply units' own peak (``bench/peak.c``: the instruction each format's kernel
+multiplies with, float32 FMA, AVX512-BF16's pair dot product, AVX512-VNNI's 8-bit one, looped on
+registers alone on every thread), each format's best projection rate as a share of it, and the
+base-only cases' tokens/s if every multiply ran at that peak and nothing else ran: a bound no
+kernel can pass on this CPU (none where the CPU lacks the instruction, or on AMX, whose tiles the
+probe does not drive).
+
 Prints the tables and writes ``bench/results/block_matmul.json``.
 
     python bench/block_matmul.py [--threads 2] [--rows 1,32,256] [--min-time 0.2]
@@ -26,18 +33,23 @@ Prints the tables and writes ``bench/results/block_matmul.json``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from serve_vs_vllm import LOADS
 
+from engine.cpu import c_compiler
 from engine.linear import BF16Linear, make_linear
 from engine.native import (
+    cflags,
     gemv_kernel,
     panel_matmul_kernel,
     q4_matmul_kernel,
@@ -93,11 +105,15 @@ def ceiling(rows: list[dict], fmt: str, prompt: int, new: int) -> float | None:
     return 1.0 / (LAYERS * layer * (prompt + new) / new + head)
 
 
-def print_ceilings(rows: list[dict]) -> dict[str, dict[str, float | None]]:
+def vllm_tok_s() -> dict[str, float | None]:
+    """vLLM's tokens/s per case in ``bench/results/serve_vs_vllm.json``, where it has them."""
     served = RESULTS / "serve_vs_vllm.json"
-    vllm = {}
-    if served.exists():
-        vllm = {r["case"]: r.get("vllm_tok_s") for r in json.loads(served.read_text()).get("rows", [])}
+    if not served.exists():
+        return {}
+    return {r["case"]: r.get("vllm_tok_s") for r in json.loads(served.read_text()).get("rows", [])}
+
+
+def print_ceilings(rows: list[dict], vllm: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
     print("\nmatmul-only ceiling, tokens/s (projections and LM head alone, weights in cache; "
           "over vLLM's tokens/s in bench/results/serve_vs_vllm.json where it has them)")
     print(f"{'case':>18} | " + " | ".join(f"{f:>16}" for f in FORMATS) + f" | {'vLLM tok/s':>10}")
@@ -108,6 +124,63 @@ def print_ceilings(rows: list[dict]) -> dict[str, dict[str, float | None]]:
         cells = [("-" if c is None else f"{c:.0f}" + (f" ({c / v:.2f}x)" if v else "")) for c in out[case].values()]
         print(f"{case:>18} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {v or '-':>10}")
         out[case]["vllm_tok_s"] = v
+    return out
+
+
+PEAK_KINDS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 2}
+"""``bench/peak.c``'s instruction for each format's kernel (int4's multiplies its unpacked nibbles
+as bytes)."""
+
+
+def unit_peaks(threads: int, bf16_isa: str | None) -> dict[str, float | None]:
+    """GFLOP/s of each format's multiply instruction on ``threads`` threads (``bench/peak.c``, built
+    as the native kernels are); None where this CPU has no such instruction, and for bfloat16
+    where its kernel is not the AVX512-BF16 one."""
+    cc = c_compiler()
+    if cc is None:
+        return dict.fromkeys(FORMATS)
+    with tempfile.TemporaryDirectory() as tmp:
+        so = Path(tmp) / "peak.so"
+        subprocess.run([cc, *cflags(), str(Path(__file__).with_name("peak.c")), "-o", str(so)], check=True,
+                       capture_output=True, timeout=120)
+        fn = ctypes.CDLL(str(so)).loraplex_bench_peak
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+        out: dict[str, float | None] = {}
+        for fmt in FORMATS:
+            if fmt == "bfloat16" and bf16_isa != "avx512_bf16":
+                out[fmt] = None
+                continue
+            best = max(fn(PEAK_KINDS[fmt], 20_000_000, threads) for _ in range(3))
+            out[fmt] = best if best > 0 else None
+    return out
+
+
+def flops_per_token(prompt: int, new: int) -> float:
+    """Multiply FLOP of one generated token: ``(prompt + new) / new`` rows through the layers'
+    projections, one through the LM head."""
+    layer = sum(n * k for name, (n, k) in SHAPES.items() if name != "lm_head")
+    n, k = SHAPES["lm_head"]
+    return 2.0 * (LAYERS * layer * (prompt + new) / new + n * k)
+
+
+def print_peaks(rows: list[dict], peaks: dict[str, float | None],
+                vllm: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
+    print("\nmultiply units' peak (bench/peak.c), each format's best projection rate (>= 32 rows) against it, "
+          "and tokens/s with every multiply at that peak and nothing else")
+    print(f"{'format':>9} | {'peak GFLOP/s':>12} | {'best GFLOP/s':>12} | {'of peak':>7} | "
+          + " | ".join(f"{c:>24}" for c in BASE_CASES))
+    out: dict[str, dict[str, float | None]] = {}
+    for fmt in FORMATS:
+        best = max((2 * r["rows"] * r["out"] * r["in"] / r[f"{fmt}_s"] / 1e9 for r in rows if r["rows"] >= 32),
+                   default=None)
+        peak = peaks.get(fmt)
+        bounds = {case: (peak * 1e9 / flops_per_token(*load) if peak else None) for case, load in BASE_CASES.items()}
+        cells = [("-" if b is None else f"{b:.0f}" + (f" ({b / vllm[c]:.2f}x vLLM)" if vllm.get(c) else ""))
+                 for c, b in bounds.items()]
+        share = f"{best / peak:.0%}" if peak and best else "-"
+        print(f"{fmt:>9} | {f'{peak:.0f}' if peak else '-':>12} | {f'{best:.0f}' if best else '-':>12} | {share:>7} | "
+              + " | ".join(f"{c:>24}" for c in cells))
+        out[fmt] = {"peak_gflops": peak, "best_gflops": best, **{f"{c}_tok_s_at_peak": b for c, b in bounds.items()}}
     return out
 
 
@@ -140,13 +213,16 @@ def main() -> int:
                   f"{t['bf16-onednn'] * 1e6:>14.1f} | {t['int8'] * 1e6:>8.1f} | "
                   f"{t['int4'] * 1e6:>8.1f} | {ref / t['bfloat16']:>6.2f} | {ref / t['int8']:>6.2f} | "
                   f"{ref / t['int4']:>6.2f}", flush=True)
-    ceilings = print_ceilings(out)
+    vllm = vllm_tok_s()
+    ceilings = print_ceilings(out, vllm)
+    peaks = print_peaks(out, unit_peaks(args.threads, tile.isa if tile else None), vllm)
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
             "bf16_kernel": tile.isa if tile else "onednn",
             "load_average": os.getloadavg()}
     (RESULTS / "block_matmul.json").write_text(json.dumps({"machine": meta, "args": vars(args), "matmuls": out,
-                                                           "ceilings": ceilings, "time": time.time()}, indent=2))
+                                                           "ceilings": ceilings, "peaks": peaks,
+                                                           "time": time.time()}, indent=2))
     print(f"wrote {RESULTS / 'block_matmul.json'}")
     return 0
 
