@@ -34,6 +34,7 @@ import pytest
 from loraplex.settings import Settings
 from loraplex.tokens import mint, mint_admin
 from loraplex.wire import HDR_ADAPTER
+from registry.canary import CHECKS
 from registry.service import RegistryService
 from tests.e2e_cluster import BIN, Cluster, free_port
 from tests.engine_fixtures import demo_model_file
@@ -42,7 +43,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "adapters"
 INTERVAL_S = 4.0
-POLICY = {"steps": [20, 50, 100], "interval_s": INTERVAL_S, "min_requests": 8, "max_failures": 2}
+POLICY = {"steps": [20, 50, 100], "interval_s": INTERVAL_S, "min_requests": 8, "max_failures": 2,
+          "checks": {**CHECKS, "ttft_p99": 3.0}}
+"""Every check at its default threshold but TTFT's: affinity can place the two versions on different
+workers, and here two one-thread workers share two cores with two gateways, the databases and the
+load, so which worker an arm lands on moves its TTFT (a healthy version's p99 came at 1.64x the
+active's, its whole sample later, p < 0.001, on a slow machine). The scenario is the error-rate
+abort and the walk to promotion; the TTFT test itself is ``tests/test_canary_stats.py``'s."""
 NO_BOUNDS = {"LORAPLEX_MAX_LORA_SCALE": "inf", "LORAPLEX_MAX_LORA_DELTA": "inf"}
 """Admission bounds off, so the broken version (alpha 1e38) can be registered and loaded."""
 
