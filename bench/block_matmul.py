@@ -33,23 +33,19 @@ Prints the tables and writes ``bench/results/block_matmul.json``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
+import peak
 import torch
 from serve_vs_vllm import LOADS
 
-from engine.cpu import c_compiler
 from engine.linear import BF16Linear, make_linear
 from engine.native import (
-    cflags,
     gemv_kernel,
     panel_matmul_kernel,
     q4_matmul_kernel,
@@ -127,7 +123,7 @@ def print_ceilings(rows: list[dict], vllm: dict[str, float | None]) -> dict[str,
     return out
 
 
-PEAK_KINDS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 2}
+PEAK_KINDS = {"float32": peak.FLOAT32, "bfloat16": peak.BFLOAT16, "int8": peak.INT8, "int4": peak.INT8}
 """``bench/peak.c``'s instruction for each format's kernel (int4's multiplies its unpacked nibbles
 as bytes)."""
 
@@ -136,22 +132,16 @@ def unit_peaks(threads: int, bf16_isa: str | None) -> dict[str, float | None]:
     """GFLOP/s of each format's multiply instruction on ``threads`` threads (``bench/peak.c``, built
     as the native kernels are); None where this CPU has no such instruction, and for bfloat16
     where its kernel is not the AVX512-BF16 one."""
-    cc = c_compiler()
-    if cc is None:
+    fn = peak.peak_kernel()
+    if fn is None:
         return dict.fromkeys(FORMATS)
-    with tempfile.TemporaryDirectory() as tmp:
-        so = Path(tmp) / "peak.so"
-        subprocess.run([cc, *cflags(), str(Path(__file__).with_name("peak.c")), "-o", str(so)], check=True,
-                       capture_output=True, timeout=120)
-        fn = ctypes.CDLL(str(so)).loraplex_bench_peak
-        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long, ctypes.c_int]
-        out: dict[str, float | None] = {}
-        for fmt in FORMATS:
-            if fmt == "bfloat16" and bf16_isa != "avx512_bf16":
-                out[fmt] = None
-                continue
-            best = max(fn(PEAK_KINDS[fmt], 20_000_000, threads) for _ in range(3))
-            out[fmt] = best if best > 0 else None
+    out: dict[str, float | None] = {}
+    for fmt in FORMATS:
+        if fmt == "bfloat16" and bf16_isa != "avx512_bf16":
+            out[fmt] = None
+            continue
+        best = max(fn(PEAK_KINDS[fmt], 20_000_000, threads) for _ in range(3))
+        out[fmt] = best if best > 0 else None
     return out
 
 

@@ -40,7 +40,12 @@ the engine's steps in the window are read too: mean step time, tokens per step a
 of the window spent in steps ("busy"; a step counts when it ends, so a prefill burst's long step
 across an edge of the window can push it past 1). Slower steps mean the engine shares its CPUs,
 fewer tokens per step a batch that runs short of requests, lower busy an engine left waiting.
-Prints a table with ratios and the load average, writes ``bench/results/serve_vs_vllm.json``.
+Between cases, while no server computes, ``bench/peak.c``'s float32 multiply-add loop measures the
+cores' own speed (``probe``, GFLOP/s, before and after each case): on a shared VM it moves by
+10-40% within minutes, so figures are comparable only where their probes agree, and the run
+prints the spread.
+Prints a table with ratios, the load average and the probes' spread, writes
+``bench/results/serve_vs_vllm.json``.
 
     python bench/serve_vs_vllm.py [--quick] [--cases prompt-heavy/8,single] [--seconds 60]
                                   [--servers worker,vllm,inprocess] [--rounds 3] [--vllm-python PY]
@@ -454,18 +459,33 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def speed_probe(threads: int) -> float:
+    """GFLOP/s of float32 multiply-adds on registers alone on ``threads`` threads (``bench/peak.c``,
+    about 0.2 s), run between cases while no server computes: the cores' own speed at that moment.
+    A shared VM's cores slow by 10-40% within minutes (another guest on the same cores), and the
+    base-only cases are bound by the same multiply-adds, so figures are comparable only where
+    their probes agree. 0.0 without a C compiler."""
+    from peak import FLOAT32, peak_kernel
+
+    fn = peak_kernel()
+    return fn(FLOAT32, 100_000_000, threads) if fn is not None else 0.0
+
+
+def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any]],
+              threads: int) -> dict[str, dict[str, Any]]:
     out = {}
     for case in cases:
-        before = loadavg()
+        before, probe = loadavg(), speed_probe(threads)
         r = run(case)
         r["loadavg_before"], r["loadavg_after"] = before, loadavg()
+        r["probe_gflops"] = [probe, speed_probe(threads)]
         out[case.name] = r
         p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
         steps = (f"  steps {r['step_ms']:.1f} ms x {r['tokens_per_step']:.1f} tokens, busy {r['busy']:.2f}"
                  if "steps" in r else "")
         print(f"  {label:9} {case.name:20} {r['tok_s']:8.1f} tok/s  TTFT p50 {p50} s  "
-              f"({r['requests']} requests, load {before[0]:.1f}){steps}"
+              f"({r['requests']} requests, load {before[0]:.1f}, probe {probe:.0f}/{r['probe_gflops'][1]:.0f} "
+              f"GFLOP/s){steps}"
               f"{'  WRONG LENGTHS ' + str(r['wrong_lengths']) if r['wrong_lengths'] else ''}"
               f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
               flush=True)
@@ -488,7 +508,7 @@ def http_phase(make: Callable[[bool], Server], cases: list[Case], vocab: int, ar
                 asyncio.run(warm(server, case, vocab))
                 return asyncio.run(drive_http(server, case, vocab, args.warmup, args.seconds))
 
-            out.update(run_cases(server.label, group, run))
+            out.update(run_cases(server.label, group, run, args.threads))
         finally:
             server.stop()
     return out
@@ -512,7 +532,7 @@ def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: in
             engine.start()
             try:
                 out.update(run_cases("inprocess", group, lambda case, engine=engine: _inprocess_case(
-                    engine, refs, case, vocab, args)))
+                    engine, refs, case, vocab, args), args.threads))
             finally:
                 engine.close()
     return out
@@ -699,6 +719,10 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     res = {name: median_of_rounds(rs) for name, rs in runs.items()}
     rows = print_table(cases, res)
     print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
+    probes = [g for rs in runs.values() for r in rs for case in r.values() for g in case["probe_gflops"]]
+    if min(probes) > 0:
+        print(f"speed probe between cases: {min(probes):.0f}-{max(probes):.0f} GFLOP/s "
+              f"({max(probes) / min(probes) - 1:.0%} apart; figures taken at different probes carry that much)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "serve_vs_vllm.json"
     out.write_text(json.dumps({
@@ -706,7 +730,8 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
         "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
         "worker_dtype": args.worker_dtype,
         "worker_weights": args.worker_weights, "native_march": march(),
-        "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(), "rows": rows,
+        "vllm_dtype": args.vllm_dtype, "loadavg_start": started, "loadavg_end": loadavg(),
+        "probe_gflops": [min(probes), max(probes)], "rows": rows,
         "raw": res}, indent=2))
     print(f"wrote {out}")
     return 0
