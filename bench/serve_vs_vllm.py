@@ -40,10 +40,11 @@ the engine's steps in the window are read too: mean step time, tokens per step a
 of the window spent in steps ("busy"; a step counts when it ends, so a prefill burst's long step
 across an edge of the window can push it past 1). Slower steps mean the engine shares its CPUs,
 fewer tokens per step a batch that runs short of requests, lower busy an engine left waiting.
-Between cases, while no server computes, ``bench/peak.c``'s float32 multiply-add loop measures the
-cores' own speed (``probe``, GFLOP/s, before and after each case): on a shared VM it moves by
-10-40% within minutes, so figures are comparable only where their probes agree, and the run
-prints the spread.
+Before each server process starts and after it stops, ``bench/peak.c``'s float32 multiply-add
+loop measures the cores' own speed (``probe``, GFLOP/s): on a shared VM it moves by 10-40%
+within minutes, so figures are comparable only where their probes agree, and the run prints
+the spread. (Not while a server is up: an idle vLLM-CPU server's threads keep polling and take
+half of a 2-core machine from anything else.)
 Prints a table with ratios, the load average and the probes' spread, writes
 ``bench/results/serve_vs_vllm.json``.
 
@@ -461,7 +462,7 @@ def loadavg() -> list[float]:
 
 def speed_probe(threads: int) -> float:
     """GFLOP/s of float32 multiply-adds on registers alone on ``threads`` threads (``bench/peak.c``,
-    about 0.2 s), run between cases while no server computes: the cores' own speed at that moment.
+    about 0.2 s), run while no server is up: the cores' own speed at that moment.
     A shared VM's cores slow by 10-40% within minutes (another guest on the same cores), and the
     base-only cases are bound by the same multiply-adds, so figures are comparable only where
     their probes agree. 0.0 without a C compiler."""
@@ -471,21 +472,28 @@ def speed_probe(threads: int) -> float:
     return fn(FLOAT32, 100_000_000, threads) if fn is not None else 0.0
 
 
-def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any]],
-              threads: int) -> dict[str, dict[str, Any]]:
+def with_probes(label: str, results: dict[str, dict[str, Any]], before: float,
+                after: float) -> dict[str, dict[str, Any]]:
+    """One server process's case results, each given the probes from before it started and after
+    it stopped."""
+    print(f"  {label:9} speed probe {before:.0f} GFLOP/s before these cases, {after:.0f} after", flush=True)
+    for r in results.values():
+        r["probe_gflops"] = [before, after]
+    return results
+
+
+def run_cases(label: str, cases: list[Case], run: Callable[[Case], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for case in cases:
-        before, probe = loadavg(), speed_probe(threads)
+        before = loadavg()
         r = run(case)
         r["loadavg_before"], r["loadavg_after"] = before, loadavg()
-        r["probe_gflops"] = [probe, speed_probe(threads)]
         out[case.name] = r
         p50 = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.2f}"
         steps = (f"  steps {r['step_ms']:.1f} ms x {r['tokens_per_step']:.1f} tokens, busy {r['busy']:.2f}"
                  if "steps" in r else "")
         print(f"  {label:9} {case.name:20} {r['tok_s']:8.1f} tok/s  TTFT p50 {p50} s  "
-              f"({r['requests']} requests, load {before[0]:.1f}, probe {probe:.0f}/{r['probe_gflops'][1]:.0f} "
-              f"GFLOP/s){steps}"
+              f"({r['requests']} requests, load {before[0]:.1f}){steps}"
               f"{'  WRONG LENGTHS ' + str(r['wrong_lengths']) if r['wrong_lengths'] else ''}"
               f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
               flush=True)
@@ -500,6 +508,7 @@ def http_phase(make: Callable[[bool], Server], cases: list[Case], vocab: int, ar
         group = [c for c in cases if bool(c.adapters) == lora]
         if not group:
             continue
+        before = speed_probe(args.threads)
         server = make(lora)
         try:
             server.wait_ready(start_timeout)
@@ -508,9 +517,10 @@ def http_phase(make: Callable[[bool], Server], cases: list[Case], vocab: int, ar
                 asyncio.run(warm(server, case, vocab))
                 return asyncio.run(drive_http(server, case, vocab, args.warmup, args.seconds))
 
-            out.update(run_cases(server.label, group, run, args.threads))
+            res = run_cases(server.label, group, run)
         finally:
             server.stop()
+        out.update(with_probes(server.label, res, before, speed_probe(args.threads)))
     return out
 
 
@@ -527,14 +537,16 @@ def inprocess_phase(settings: Any, refs: list[Any], cases: list[Case], vocab: in
     for lora in (False, True):
         group = [c for c in cases if bool(c.adapters) == lora]
         if group:
+            before = speed_probe(args.threads)
             engine = Engine.from_settings(settings.replace(max_loras=NUM_ADAPTERS if lora else 0))
             engine.metrics = WorkerMetrics(engine, "inprocess")  # what the worker keeps, for the step counters
             engine.start()
             try:
-                out.update(run_cases("inprocess", group, lambda case, engine=engine: _inprocess_case(
-                    engine, refs, case, vocab, args), args.threads))
+                res = run_cases("inprocess", group, lambda case, engine=engine: _inprocess_case(
+                    engine, refs, case, vocab, args))
             finally:
                 engine.close()
+            out.update(with_probes("inprocess", res, before, speed_probe(args.threads)))
     return out
 
 
@@ -721,7 +733,7 @@ def run(args: argparse.Namespace, cases: list[Case], tmp: Path) -> int:
     print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
     probes = [g for rs in runs.values() for r in rs for case in r.values() for g in case["probe_gflops"]]
     if min(probes) > 0:
-        print(f"speed probe between cases: {min(probes):.0f}-{max(probes):.0f} GFLOP/s "
+        print(f"speed probe between servers: {min(probes):.0f}-{max(probes):.0f} GFLOP/s "
               f"({max(probes) / min(probes) - 1:.0%} apart; figures taken at different probes carry that much)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "serve_vs_vllm.json"
