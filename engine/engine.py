@@ -76,6 +76,10 @@ class EngineConfig:
     burst_batched_tokens: int = 0
     """A step's token budget while a burst of prompts waits (``engine.scheduler``); 0: no wider;
     negative: this device's default (``engine.cpu.default_burst_tokens`` on CPU, 4096 on CUDA)."""
+    idle_gather_ms: float = 0.0
+    """Woken from idle by a request, the engine thread waits until no other has arrived for this
+    long (at most 5 times it in all, and no longer once the waiting prompts fill a step) before
+    its first step: see ``Engine._gather_arrivals``. 0: it steps at once."""
     max_waiting: int = 256
     max_model_len: int = 0
     native_kernels: bool = True
@@ -242,6 +246,8 @@ class Engine:
         """Why the base weights are in their format (``weights=auto``: the CPU's fastest; else as set)."""
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
+        self._arrivals = 0
+        """Requests queued so far (``_gather_arrivals`` watches it move)."""
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._in_forward: frozenset[int] = frozenset()
@@ -292,7 +298,8 @@ class Engine:
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_bytes=settings.kv_cache_bytes,
             kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
-            burst_batched_tokens=settings.burst_batched_tokens, max_waiting=settings.max_waiting,
+            burst_batched_tokens=settings.burst_batched_tokens, idle_gather_ms=settings.idle_gather_ms,
+            max_waiting=settings.max_waiting,
             max_model_len=settings.max_model_len, native_kernels=settings.native_kernels,
             grammar_compile_threads=settings.grammar_compile_threads,
             grammar_compile_budget_s=settings.grammar_compile_budget_s)
@@ -380,6 +387,7 @@ class Engine:
             for s in seqs:
                 s.extra["cache"] = seq.extra["cache"]
                 sched.add(s)
+            self._arrivals += 1
             self._wake.notify()
         return seq
 
@@ -672,12 +680,38 @@ class Engine:
             return threads
         return threads - min(rt.manager.loading(), rt.manager.loader_threads, threads - 1)
 
+    def _gather_arrivals(self) -> None:
+        """Woken from idle (under ``_wake``): wait while requests keep arriving, until none has come
+        for ``idle_gather_ms``, 5 times that has passed, or the waiting prompts fill a step.
+
+        Requests that a client sends together reach the engine over a few milliseconds (over
+        HTTP, one handler after another on the event loop: 32 prompts in 27 ms on a 2-core
+        Zen 3). Stepping at the first one makes a step of one prompt (0.2 s of float32 prefill
+        for 100 tokens there) that every other one of the burst then waits behind: the burst's
+        last first token came 0.3-0.4 s later served than in-process. A request alone pays one
+        quiet gap."""
+        gap = self.config.idle_gather_ms / 1000.0
+        if gap <= 0:
+            return
+        deadline = time.monotonic() + 5 * gap
+        while not self._stopping and not self.scheduler.fills_a_step():
+            seen, left = self._arrivals, deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(min(gap, left))
+            if self._arrivals == seen:
+                return
+
     def _loop(self) -> None:
         threads = torch.get_num_threads()
         while True:
             with self._wake:
+                idle = False
                 while not self._stopping and not self.scheduler.has_work():
+                    idle = True
                     self._wake.wait(0.5)
+                if idle:
+                    self._gather_arrivals()
                 if self._stopping:
                     return
             team = self._team(threads)

@@ -165,12 +165,20 @@ class Scheduler:
         return parent.block_table[:full], partial, covered
 
     # ------------------------------------------------------------------ step
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting sequences still have to compute."""
+        return sum(seq.remaining for _, _, seq in self.waiting)
+
+    def fills_a_step(self) -> bool:
+        """The waiting sequences hold at least the widest step's budget."""
+        return self.waiting_tokens() >= max(self.max_num_batched_tokens, self.burst_batched_tokens)
+
     def _budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, wider during a burst."""
         budget = self.max_num_batched_tokens
         if self.burst_batched_tokens <= budget or not self.waiting:
             return budget
-        queued = sum(seq.remaining for _, _, seq in self.waiting)
+        queued = self.waiting_tokens()
         if queued <= budget:
             return budget
         return min(self.burst_batched_tokens, queued + len(self.running))

@@ -221,6 +221,11 @@ class Settings:
     """Token budget of a step while the waiting prompts hold more tokens than
     ``max_num_batched_tokens`` (a burst: fewer, larger prefill steps); 0: no wider; -1: by device
     (4096 on CPUs with AMX and on CUDA, where larger matmuls run faster per token; else 0)."""
+    idle_gather_ms: float = 5.0
+    """Woken from idle by a request, the engine waits until no other request has arrived for
+    this long (at most 5 times it in all, and no longer once the waiting prompts fill a step)
+    before its first step, so that a burst arriving over a few milliseconds shares a full first
+    step instead of waiting behind a step of one prompt; 0: step at once."""
     max_waiting: int = 256
     """Bounded waiting queue; a full queue answers 503."""
     canary_judge_interval_s: float = 1.0
