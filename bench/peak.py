@@ -3,7 +3,7 @@
 ``peak_kernel()(kind, iters, threads)`` returns GFLOP/s of ``kind``'s multiply instruction looped
 on registers alone on ``threads`` threads (``peak.c`` lists the kinds), or -1 where this build has
 no such instruction. ``block_matmul.py`` reports each format's peak with it;
-``serve_vs_vllm.py`` probes the machine's speed between cases with its float32 kind.
+``serve_vs_vllm.py`` probes the cores' speed around each server with its float32 kind.
 """
 
 from __future__ import annotations

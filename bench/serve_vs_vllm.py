@@ -462,10 +462,8 @@ def loadavg() -> list[float]:
 
 def speed_probe(threads: int) -> float:
     """GFLOP/s of float32 multiply-adds on registers alone on ``threads`` threads (``bench/peak.c``,
-    about 0.2 s), run while no server is up: the cores' own speed at that moment.
-    A shared VM's cores slow by 10-40% within minutes (another guest on the same cores), and the
-    base-only cases are bound by the same multiply-adds, so figures are comparable only where
-    their probes agree. 0.0 without a C compiler."""
+    about 0.2 s): the cores' own speed at that moment (the module's docstring says why). 0.0
+    without a C compiler."""
     from peak import FLOAT32, peak_kernel
 
     fn = peak_kernel()
