@@ -2,24 +2,33 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-STAMP := $(VENV)/.loraplex-installed
+ENGINE_STAMP := $(VENV)/.loraplex-engine
+TEST_STAMP := $(VENV)/.loraplex-test
 
 .PHONY: venv demo serve test test-fast screenshots lint bench
 
-venv: $(STAMP)
+# `make venv` (tests, CI): the engine and test extras. The demo and serve need only the engine one
+# (the test extra adds transformers, PEFT, moto, selenium, ...: most of a 2.7 GB venv); a later
+# `make test` adds it to the same venv.
+venv: $(TEST_STAMP)
 
 # torch first: the CPU wheel then satisfies the engine extra's torch range (no CUDA torch is pulled).
-$(STAMP): pyproject.toml
+$(ENGINE_STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@echo "==> installing torch 2.13.0 (CPU) and loraplex with the engine and test extras into $(VENV)"
+	@echo "==> installing torch 2.13.0 (CPU) and loraplex with the engine extra into $(VENV)"
 	$(PIP) install --progress-bar on torch==2.13.0
-	$(PIP) install --progress-bar on -e '.[engine,test]'
-	@touch $(STAMP)
+	$(PIP) install --progress-bar on -e '.[engine]'
+	@touch $(ENGINE_STAMP)
 
-demo: venv  ## seed demo tenants + adapters, run gateway + one worker (embedded)
+$(TEST_STAMP): $(ENGINE_STAMP) pyproject.toml
+	@echo "==> installing loraplex's test extra into $(VENV)"
+	$(PIP) install --progress-bar on -e '.[engine,test]'
+	@touch $(TEST_STAMP)
+
+demo: $(ENGINE_STAMP)  ## seed demo tenants + adapters, run gateway + one worker (embedded)
 	$(VENV)/bin/loraplex demo
 
-serve: venv
+serve: $(ENGINE_STAMP)
 	$(VENV)/bin/loraplex serve
 
 # The fast tests in parallel, one process a core (each module has its own database and Redis
