@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from gateway import responses_api
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.console_sources import GatewayConsoleSources
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, from_registry
 from gateway.live_stats import LiveStats
 from gateway.metrics import metrics_app
 from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
@@ -35,6 +35,7 @@ from gateway.traffic import AdapterTraffic
 from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
+from registry.errors import RegistryError
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -78,7 +79,24 @@ class GatewayApp(Starlette):
             if scope["path"] == "/v1/responses":
                 await self.gateway.responses(scope, receive, send)
                 return
-        await super().__call__(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+            return
+        answered = False
+
+        async def sending(message: Any) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, sending)
+        except Exception:
+            if not answered:
+                raise
+            # Answered already (``server_error``'s 500, logged): Starlette re-raises for the server,
+            # which would drop the keep-alive connection and fail the client's next request on it.
 
 
 def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> Response:
@@ -227,6 +245,14 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _error(500, "internal error", "internal_error")
 
+    async def registry_error(request: Request, exc: Exception) -> Response:
+        """The registry's refusal (the stored Responses' database down: 503 ``store_unavailable``
+        with ``retry-after``), its detail in the log (``registry.errors.database_unavailable``)."""
+        assert isinstance(exc, RegistryError)
+        err = from_registry(exc)
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, err.message, err.code)
+        return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
+
     if redis is not None:
         gw.live = LiveStats(redis, settings.redis_prefix)
     admin, admin_service = _admin_app(settings, router, http_client, gw.live) if mount_admin else (None, None)
@@ -294,7 +320,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     if admin is not None:
         routes.append(Mount("/admin", app=admin))
     app = GatewayApp(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: not_found, Exception: server_error})
+                     exception_handlers={HTTPException: not_found, RegistryError: registry_error,
+                                         Exception: server_error})
     app.gateway = gw
     app.state.gateway = gw
     app.state.canary_judge = judge

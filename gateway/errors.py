@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 
 from loraplex.wire import error_body
+from registry.errors import RegistryError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -41,6 +42,13 @@ class GatewayError(Exception):
 
     def body(self) -> bytes:
         return orjson.dumps(error_body(self.message, self.type, self.code, self.param))
+
+
+def from_registry(err: RegistryError) -> GatewayError:
+    """The registry's refusal (``registry.errors``: a 503 ``store_unavailable`` or
+    ``registry_unavailable`` with its ``retry-after``) as the gateway answers it."""
+    return GatewayError(err.status, err.message, code=err.code, param=err.param, headers=dict(err.headers),
+                        type=err.type)
 
 
 def raw_headers(headers: dict[str, str], content_type: bytes = b"application/json") -> list[tuple[bytes, bytes]]:

@@ -23,7 +23,7 @@ from gateway import responses_api
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
-from gateway.errors import GatewayError, send_error
+from gateway.errors import GatewayError, from_registry, send_error
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokens import PromptCounter, PromptError
@@ -47,6 +47,7 @@ from loraplex.wire import (
     WorkerRequestExt,
     error_body,
 )
+from registry.errors import RegistryError
 from registry.snapshot import RegistrySnapshot, TenantView
 
 log = logging.getLogger("loraplex.gateway")
@@ -143,7 +144,10 @@ class Gateway:
             if scope["method"] != "POST":
                 raise GatewayError(405, "use POST", code="method_not_allowed")
             await self._serve(call, receive, send)
-        except GatewayError as err:
+        except (GatewayError, RegistryError) as exc:
+            err = exc if isinstance(exc, GatewayError) else from_registry(exc)
+            if isinstance(exc, RegistryError):
+                log.warning("request %s: %s (%s)", call.request_id, exc.message, exc.code)
             call.status = err.status
             if not call.started:
                 await send_error(send, err, call.headers)
@@ -312,11 +316,14 @@ class Gateway:
         assert call.turn is not None
         try:
             await responses_api.keep(call.turn, self.responses_store, call.tenant, call.label)
+        except RegistryError as exc:  # the database is down: its detail is in the log already
+            log.warning("request %s: storing response %s failed: %s", call.request_id, call.turn.id, exc.code)
         except Exception:
-            log.exception("storing response %s failed", call.turn.id)
-            call.status = 503
-            return "the response could not be stored; retry, or send it with store: false"
-        return None
+            log.exception("request %s: storing response %s failed", call.request_id, call.turn.id)
+        else:
+            return None
+        call.status = 503
+        return responses_api.NOT_STORED
 
     async def _answer(self, call: _Call, send: Any, opened: Opened) -> None:
         """A whole answer (or the worker's error): passed on as it is, a worker's 5xx as our 502."""
@@ -330,7 +337,7 @@ class Gateway:
                 content = responses_api.whole(call.turn, call.alias, content)
                 problem = await self._keep(call)
                 if problem is not None:
-                    raise GatewayError(503, problem, code="store_unavailable")
+                    raise GatewayError(503, problem, code="store_unavailable", headers=responses_api.RETRY)
         elif status >= 500:
             status = call.status = 502
             content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))

@@ -24,11 +24,15 @@ from gateway.proxy import Opened, StreamResult, relay_sse
 from gateway.responses import ResponsesRequest, StreamTranslator, answer, new_id, read_request, usage_of
 from loraplex import json_body
 from loraplex.wire import error_body
+from registry.errors import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from registry.responses import ResponseStore, Stored
 
 log = logging.getLogger("loraplex.gateway.responses")
+NOT_STORED = "The response could not be stored; retry, or send it with store: false."
+"""Why a turn failed when the database did not take its response (503 ``store_unavailable``)."""
+RETRY = {"retry-after": str(RETRY_AFTER_S)}
 
 @dataclass
 class Turn:
@@ -123,7 +127,9 @@ def _missing(response_id: str) -> Response:
 
 
 def routes(gw: Any, store: ResponseStore | None) -> list[Any]:
-    """Starlette routes for the stored responses (the tenant's only; any other id is the same 404)."""
+    """Starlette routes for the stored responses (the tenant's only; any other id is the same 404).
+    A database failure raises ``registry.errors.Unavailable``, which the app answers as 503
+    ``store_unavailable`` with ``retry-after`` (``gateway.app``)."""
     from starlette.routing import Route
 
     async def stored(request: Request) -> tuple[str, Stored | None] | Response:

@@ -696,7 +696,7 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
             return _error(exc.status, exc.message, "authentication_error" if exc.status == 401 else
                           "permission_error", exc.code)
         except RegistryError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except Exception:
             log.exception("admin upload failed")
             return _error(500, "internal error in the registry admin API", "server_error", "internal_error")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from loraplex.wire import error_body
+
+log = logging.getLogger("loraplex.registry")
 
 
 class RegistryError(Exception):
@@ -64,6 +67,10 @@ class PreconditionFailed(RegistryError):
         return {"etag": etag(self.row_version)} if self.row_version is not None else {}
 
 
+RETRY_AFTER_S = 2
+"""The ``retry-after`` of a registry outage's 503 (the database is usually back, or failed over, in seconds)."""
+
+
 class Unavailable(RegistryError):
     """The registry database cannot be reached (or is busy); the write did not happen."""
 
@@ -71,13 +78,62 @@ class Unavailable(RegistryError):
     type = "service_unavailable_error"
     default_code = "registry_unavailable"
 
-    def __init__(self, message: str, code: str | None = None, *, retry_after: int = 2) -> None:
+    def __init__(self, message: str, code: str | None = None, *, retry_after: int = RETRY_AFTER_S) -> None:
         super().__init__(message, code)
         self.retry_after = retry_after
 
     @property
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(self.retry_after)}
+
+
+def database_unavailable(exc: BaseException, tail: str = "try again", *,
+                         code: str | None = None) -> Unavailable | None:
+    """The 503 a client gets for a failure of the registry database that is not about its request
+    (the database down or unreachable, a connection lost or timed out, the pool exhausted, the
+    schema missing), or None when ``exc`` is no such failure (a bug: let it be a 500).
+
+    The one mapping from SQLAlchemy, asyncpg, socket and timeout errors onto the registry's own
+    error, for the admin API and the stored Responses alike: the message is a fixed sentence and
+    ``tail`` (what the caller should know: "nothing was changed"); the exception's text (hosts,
+    ports, SQL) goes to the log only. ``code`` replaces the code (``store_unavailable`` for the
+    stored Responses)."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(exc, PoolTimeout):
+        log.warning("registry connection pool exhausted: %s", _short(exc))
+        return Unavailable(f"the registry is busy (all database connections in use); {tail}",
+                           code=code or "registry_busy", retry_after=1)
+    if not isinstance(exc, DBAPIError | OSError | ConnectionError | TimeoutError) and not _asyncpg_failure(exc):
+        return None
+    text = _short(exc).lower()
+    if isinstance(exc, ProgrammingError | OperationalError) and (
+            "no such table" in text or ("does not exist" in text and "relation" in text)):
+        log.error("registry schema missing: %s", _short(exc))
+        return Unavailable(f"the registry schema is missing or outdated (run `loraplex migrate`); {tail}",
+                           code=code or "registry_schema_missing")
+    if isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError | InterfaceError) \
+            and not exc.connection_invalidated:
+        log.error("registry database error: %s", _short(exc))
+        return Unavailable(f"the registry database failed the operation; {tail}", code=code or "registry_error")
+    log.warning("registry database unavailable: %s", _short(exc))
+    return Unavailable(f"the registry database is unavailable; {tail}", code=code)
+
+
+def _asyncpg_failure(exc: BaseException) -> bool:
+    """An asyncpg connection failure that reached us unwrapped (outside a SQLAlchemy call)."""
+    try:
+        from asyncpg.exceptions import InterfaceError, PostgresConnectionError
+    except ImportError:
+        return False
+    return isinstance(exc, PostgresConnectionError | InterfaceError)
+
+
+def _short(exc: BaseException) -> str:
+    """The first line of a database error (for the log)."""
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def etag(row_version: int) -> str:

@@ -7,7 +7,9 @@ Each row keeps what a continuation needs in one read: the items the model saw be
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.settings import Settings
 from registry.db import make_engine, resolve_url, session_factory
+from registry.errors import RegistryError, database_unavailable
 from registry.models import StoredResponse, Tenant
 
 log = logging.getLogger("loraplex.registry.responses")
@@ -44,6 +47,9 @@ def retention_s(settings: Settings, tenant_retention_s: int | None) -> int:
 
 
 class ResponseStore:
+    """The stored Responses; every method raises ``registry.errors.Unavailable`` (503
+    ``store_unavailable``) when the database fails, never the driver's exception."""
+
     def __init__(self, settings: Settings, engine: AsyncEngine | None = None) -> None:
         self.settings = settings
         self._engine = engine
@@ -60,13 +66,26 @@ class ResponseStore:
             self._sessions = session_factory(self._engine)
         return self._sessions
 
+    @contextlib.asynccontextmanager
+    async def _database(self, tail: str) -> AsyncIterator[None]:
+        """A database failure as ``registry.errors.Unavailable`` (503 ``store_unavailable``)."""
+        try:
+            yield
+        except RegistryError:
+            raise
+        except Exception as exc:
+            err = database_unavailable(exc, tail, code="store_unavailable")
+            if err is None:
+                raise
+            raise err from None
+
     async def close(self) -> None:
         if self._own and self._engine is not None:
             await self._engine.dispose()
 
     async def get(self, tenant: str, response_id: str) -> Stored | None:
         """The tenant's unexpired response ``response_id`` (None for a missing, expired or foreign id)."""
-        async with self._session() as s:
+        async with self._database("nothing was read"), self._session() as s:
             row = (await s.execute(select(StoredResponse).where(
                 StoredResponse.id == response_id, StoredResponse.tenant == tenant,
                 StoredResponse.expires_at > datetime.now(UTC)))).scalar_one_or_none()
@@ -78,7 +97,7 @@ class ResponseStore:
                   context: list[dict[str, Any]], previous: Stored | None, adapter: str) -> None:
         """Keep ``response`` for the tenant's retention (none: nothing is written)."""
         now = datetime.now(UTC)
-        async with self._session.begin() as s:
+        async with self._database("the response was not stored"), self._session.begin() as s:
             own = (await s.execute(select(Tenant.response_retention_s).where(Tenant.slug == tenant))).scalar()
             keep_s = retention_s(self.settings, own)
             if keep_s <= 0:
@@ -90,14 +109,14 @@ class ResponseStore:
                                  adapter=adapter, response=response, input_items=input_items, context=context))
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        async with self._session.begin() as s:
+        async with self._database("nothing was deleted"), self._session.begin() as s:
             done = await s.execute(delete(StoredResponse).where(StoredResponse.id == response_id,
                                                                 StoredResponse.tenant == tenant))
         return bool(done.rowcount)
 
     async def purge(self, batch: int = 500) -> int:
         """Delete up to ``batch`` expired rows (call again while it returns ``batch``)."""
-        async with self._session.begin() as s:
+        async with self._database("nothing was removed"), self._session.begin() as s:
             ids = select(StoredResponse.id).where(StoredResponse.expires_at <= datetime.now(UTC)).limit(batch)
             done = await s.execute(delete(StoredResponse).where(StoredResponse.id.in_(ids.scalar_subquery())))
         return int(done.rowcount or 0)

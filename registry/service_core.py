@@ -15,9 +15,6 @@ from sqlalchemy.exc import (
     DataError,
     DBAPIError,
     IntegrityError,
-    InterfaceError,
-    OperationalError,
-    ProgrammingError,
 )
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -27,7 +24,7 @@ from loraplex.adapter_store import AdapterStore
 from loraplex.settings import Settings
 from registry.changes import ChangeBus
 from registry.db import make_engine, resolve_url, session_factory
-from registry.errors import Conflict, Invalid, NotFound, RegistryError, Unavailable
+from registry.errors import Conflict, Invalid, NotFound, RegistryError, database_unavailable
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -116,13 +113,13 @@ class ServiceCore:
             raise
         except StaleDataError:
             raise Conflict("the row changed concurrently; retry", code="concurrent_update") from None
-        except IntegrityError as exc:
-            raise Conflict(f"the change conflicts with existing registry rows: {_short(exc)}") from None
+        except IntegrityError as exc:  # the database's text (constraint and row values) goes to the log only
+            log.warning("registry write refused by a constraint: %s", _short(exc))
+            raise Conflict("the change conflicts with existing registry rows; nothing was changed") from None
         except DataError as exc:
-            raise Invalid(f"a value does not fit the registry schema: {_short(exc)}") from None
-        except PoolTimeout as exc:
-            raise _busy(exc, "nothing was changed") from None
-        except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
+            log.warning("registry write refused by the schema: %s", _short(exc))
+            raise Invalid("a value does not fit the registry schema; nothing was changed") from None
+        except (DBAPIError, PoolTimeout, OSError, ConnectionError, TimeoutError) as exc:
             raise _unavailable(exc, "nothing was changed") from None
         COMMITTED.set(version)
         await self.bus.announce_committed(version)
@@ -156,10 +153,8 @@ class ServiceCore:
                 return await op(session)
         except RegistryError:
             raise
-        except PoolTimeout as exc:
-            raise _busy(exc, "nothing was read") from None
-        except (DBAPIError, OSError, ConnectionError, TimeoutError) as exc:
-            raise _unavailable(exc, "try again") from None
+        except (DBAPIError, PoolTimeout, OSError, ConnectionError, TimeoutError) as exc:
+            raise _unavailable(exc, "nothing was read") from None
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -254,27 +249,12 @@ class _NoChange(Exception):
         self.result = result
 
 
-def _busy(exc: BaseException, tail: str) -> RegistryError:
-    """Every pooled database connection is in use (``sqlalchemy.exc.TimeoutError``): retry soon."""
-    log.warning("registry connection pool exhausted: %s", _short(exc))
-    return Unavailable(f"the registry is busy (all database connections in use); {tail}; retry shortly",
-                       code="registry_busy", retry_after=1)
-
-
 def _unavailable(exc: BaseException, tail: str) -> RegistryError:
-    """Database errors that are not about the request: schema missing, or the database down."""
-    text = _short(exc).lower()
-    if isinstance(exc, ProgrammingError | OperationalError) and (
-            "no such table" in text or ("does not exist" in text and "relation" in text)):
-        log.error("registry schema missing: %s", _short(exc))
-        return Unavailable(f"the registry schema is missing or outdated (run `loraplex migrate`); {tail}",
-                           code="registry_schema_missing")
-    if isinstance(exc, DBAPIError) and not isinstance(exc, OperationalError | InterfaceError) \
-            and not exc.connection_invalidated:
-        log.error("registry database error: %s", _short(exc))
-        return Unavailable(f"the registry database failed the operation; {tail}", code="registry_error")
-    log.warning("registry database unavailable: %s", _short(exc))
-    return Unavailable(f"the registry database is unavailable; {tail}")
+    """Database errors that are not about the request (``registry.errors.database_unavailable``)."""
+    err = database_unavailable(exc, tail)
+    if err is None:  # not a database failure: the caller's except clauses name only those
+        raise exc
+    return err
 
 
 def _short(exc: BaseException) -> str:

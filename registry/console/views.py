@@ -120,6 +120,7 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         except RegistryError as exc:
             resp = render("refused.html", exc.status, title="The registry refused", detail=exc.message,
                           signed_out=False)
+            resp.headers.update(exc.headers)  # a 503's retry-after
         except Exception:
             log.exception("console view %s failed", page)
             resp = render("refused.html", 500, title="This page failed",
