@@ -6,20 +6,14 @@ PostgreSQL the acting one holds a session advisory lock on a connection of its o
 it, and another replica takes over at its next tick. On SQLite (the embedded default: one
 process) the judge always acts.
 
-Each tick (``interval_s``, about a second) the acting judge looks at the bindings with a canary
-policy (``registry.canary``):
-
-* a new canary on the binding starts at the policy's first step;
-* fewer than ``min_requests`` samples on either arm since the step began: hold;
-* any check failed (``gateway.canary_stats.judge``): one more failure in a row; at
-  ``max_failures`` the canary is aborted;
-* every check passed and the step has lasted ``interval_s``: the next step, or the promotion
-  after the last one (a step of 100% is the promotion itself: the active arm would get no
-  traffic to compare with).
-
-Decisions go through the registry service's calls (the CLI's), with actor ``canary-judge`` and
-the judgement (every check's numbers, the window, the sample sizes) in the audit row; each
-commits a registry version, which every gateway serves within about a second.
+Each tick (``interval_s``, about a second) the acting judge, for every binding with a canary
+policy (``registry.canary``), reads the samples of the current step (``gateway.canary_samples``),
+asks ``gateway.canary_decide.decide`` for the decision (pure: the rules are there), and
+``apply``-s it: stepping up, promoting and aborting go through the registry service's calls
+(the CLI's), with actor ``canary-judge`` and the judgement record in the audit row; each commits
+a registry version, which every gateway serves within about a second. The judgement record is
+also the policy's ``last`` (``canary status``), written only if no operator changed the policy in
+between.
 """
 
 from __future__ import annotations
@@ -28,12 +22,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
 
-from gateway.canary_stats import Arm, judge
+from gateway.canary_decide import Arms, Decision, decide, summary, window_start
+from gateway.canary_stats import Arm
 from registry.canary import JUDGE, CanaryPolicies
 from registry.errors import RegistryError
 
@@ -118,83 +112,43 @@ class CanaryJudge:
             await self.leadership.release()
 
     async def tick(self, now: float | None = None) -> list[dict[str, Any]]:
-        """One look at every judged binding; the decisions made (also the holds)."""
+        """One look at every judged binding; the judgements made (every decision but ``stopped``)."""
         now = time.time() if now is None else now
         out = []
         for policy, binding in await self.policies.judged():
+            policy = {**policy, "binding": binding}
+            since = window_start(policy)
+            arms = Arms()
+            if since is not None:
+                read = await self.samples.read(f"{policy['tenant']}/{policy['alias']}", since)
+                arms = Arms(read.get(binding["canary_id"], Arm()), read.get(binding["active_id"], Arm()))
+            decision = decide(policy, arms, now)
             try:
-                decision = await self._judge(policy, binding, now)
+                await self.apply(decision)
             except RegistryError as exc:  # an operator acted in between: look again next tick
                 log.info("canary of %s/%s: %s", policy["tenant"], policy["alias"], exc)
                 continue
-            if decision is not None:
-                out.append(decision)
+            if decision.judgement is not None:
+                out.append({"tenant": decision.tenant, "alias": decision.alias, **decision.judgement})
         return out
 
-    def _count(self, policy: dict[str, Any], decision: str) -> None:
-        if self.metrics is not None:
-            self.metrics.canary_decision(policy["tenant"], policy["alias"], decision)
-
-    async def _judge(self, policy: dict[str, Any], binding: dict[str, Any], now: float) -> dict[str, Any] | None:
-        tenant, alias = policy["tenant"], policy["alias"]
-        canary_id = binding["canary_id"]
-        steps: list[float] = policy["steps"]
-        save = self.policies.save_state
-        if canary_id is None:  # a person promoted or aborted it: wait for the next canary
-            await save(policy["id"], policy["row_version"], status="waiting", failures=0)
-            return None
-        started = policy["step_started"]
-        if policy["status"] != "running" or policy["canary_id"] != canary_id or started is None:
-            first = steps[0] if steps[0] < 100 else binding["percent"]
-            judgement = {"decision": "start", "step": 0, "percent": first}
-            if binding["percent"] != first:
-                await self.service.canary_set(tenant, alias, first, actor=JUDGE, judgement=judgement)
-            await save(policy["id"], policy["row_version"], status="running", canary_id=canary_id, step=0,
-                       step_started_at=_dt(now), failures=0, last=judgement | {"at": now})
-            self._count(policy, "start")
-            return {"tenant": tenant, "alias": alias, **judgement}
-        since = started.timestamp()
-        step = policy["step"]
-        arms = await self.samples.read(f"{tenant}/{alias}", since)
-        c, a = arms.get(canary_id, Arm()), arms.get(binding["active_id"], Arm())
-        judgement: dict[str, Any] = {"step": step, "percent": binding["percent"], "window_s": round(now - since, 3),
-                                     "canary_requests": c.requests, "active_requests": a.requests}
-        if min(c.requests, a.requests) < policy["min_requests"]:
-            judgement |= {"decision": "hold", "reason": f"waiting for {policy['min_requests']} requests on each arm"}
-            await save(policy["id"], policy["row_version"], last=judgement | {"at": now})
-            return {"tenant": tenant, "alias": alias, **judgement}
-        checks = judge(policy, c, a)
-        judgement["checks"] = checks
-        failed = [r["check"] for r in checks if r["failed"]]
-        state: dict[str, Any] = {}
-        if failed:
-            failures = policy["failures"] + 1
-            judgement["failed"] = failed
-            if failures >= policy["max_failures"]:
-                judgement["decision"] = "abort"
-                await self.service.canary_abort(tenant, alias, actor=JUDGE, judgement=judgement)
-                state = {"status": "aborted", "failures": failures}
-            else:
-                judgement["decision"] = "hold"
-                state = {"failures": failures}
-        elif now - since < policy["interval_s"]:
-            judgement["decision"] = "hold"
-            state = {"failures": 0}
-        elif step + 1 >= len(steps) or steps[step + 1] >= 100:
-            judgement["decision"] = "promote"
+    async def apply(self, decision: Decision) -> None:
+        """The decision's side effects: the registry change (audited with the judgement), the
+        policy's state, the decision metric and the log line."""
+        tenant, alias, judgement = decision.tenant, decision.alias, decision.judgement
+        change = decision.registry_change
+        if change == "set":
+            assert decision.percent is not None
+            await self.service.canary_set(tenant, alias, decision.percent, actor=JUDGE, judgement=judgement)
+        elif change == "promote":
             await self.service.canary_promote(tenant, alias, actor=JUDGE, judgement=judgement)
-            state = {"status": "promoted", "failures": 0}
-        else:
-            judgement |= {"decision": "step", "next_percent": steps[step + 1]}
-            await self.service.canary_set(tenant, alias, steps[step + 1], actor=JUDGE, judgement=judgement)
-            state = {"step": step + 1, "step_started_at": _dt(now), "failures": 0}
-        await save(policy["id"], policy["row_version"], last=judgement | {"at": now}, **state)
-        if judgement["decision"] != "hold":
-            self._count(policy, judgement["decision"])
-            log.info("canary of %s/%s: %s (%s)", tenant, alias, judgement["decision"],
-                     ", ".join(f"{r['check']} {r['ratio']} p={r['p']}" for r in checks))
-        return {"tenant": tenant, "alias": alias, **judgement}
-
-
-def _dt(epoch: float) -> datetime:
-    return datetime.fromtimestamp(epoch, UTC)
+        elif change == "abort":
+            await self.service.canary_abort(tenant, alias, actor=JUDGE, judgement=judgement)
+        await self.policies.save_state(decision.policy_id, decision.row_version, **decision.state)
+        if judgement is None or decision.kind in ("waiting", "passing", "inconclusive"):
+            return  # looked at again every tick: no metric, no log line
+        if decision.kind == "failing" and not judgement.get("counted"):
+            return
+        if self.metrics is not None and decision.kind != "failing":
+            self.metrics.canary_decision(tenant, alias, decision.kind)
+        log.info("canary of %s/%s: %s", tenant, alias, summary(judgement))

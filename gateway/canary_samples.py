@@ -2,8 +2,10 @@
 
 While a binding has a canary, each of its requests that reached a worker (on either arm: the
 canary or the active version) leaves one sample: the version, whether it failed (5xx, an
-engine error in the stream), its TTFT, tokens/s, completion tokens, and whether the completion
-was empty or stopped on ``length``. The canary judge (``gateway.canary_judge``) reads the
+engine error in the stream), its TTFT, tokens/s, completion tokens, whether the completion
+was empty or stopped on ``length``, and the request's ``metadata`` labels (what a check
+segmented by ``metadata.KEY`` splits on; at most ``MAX_LABELS`` keys, values cut to
+``MAX_LABEL_CHARS``). The canary judge (``gateway.canary_judge``) reads the
 samples of the current step from every replica at once:
 
 * ``RedisSamples``: one Redis stream per binding, ``{prefix}:canary:{tenant}/{alias}``
@@ -21,7 +23,9 @@ import time
 from collections import deque
 from typing import Any
 
-from gateway.canary_stats import Arm
+import orjson
+
+from gateway.canary_stats import Arm, Labels
 
 log = logging.getLogger("loraplex.gateway.canary")
 
@@ -29,16 +33,18 @@ MAX_SAMPLES = 50_000
 """Samples kept per binding (the newest)."""
 TTL_S = 3600
 FLUSH_S = 0.25
+MAX_LABELS = 16
+MAX_LABEL_CHARS = 64
 
-Sample = tuple[float, str, bool, float, float, int, bool, bool]
-"""(time, version id, ok, ttft s, tokens/s, completion tokens, empty, length)."""
+Sample = tuple[float, str, bool, float, float, int, bool, bool, Labels | None]
+"""(time, version id, ok, ttft s, tokens/s, completion tokens, empty, length, labels)."""
 
 
 def _arms(samples: list[Sample], since: float) -> dict[str, Arm]:
     arms: dict[str, Arm] = {}
-    for t, version, ok, ttft, tps, ct, empty, length in samples:
+    for t, version, ok, ttft, tps, ct, empty, length, labels in samples:
         if t >= since:
-            arms.setdefault(version, Arm()).add(ok, ttft, tps, ct, empty, length)
+            arms.setdefault(version, Arm()).add(ok, ttft, tps, ct, empty, length, labels)
     return arms
 
 
@@ -82,12 +88,14 @@ class RedisSamples:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 keys = set()
-                for binding, (t, v, ok, ttft, tps, ct, empty, length) in pending:
+                for binding, (t, v, ok, ttft, tps, ct, empty, length, labels) in pending:
                     key = self._key(binding)
                     keys.add(key)
-                    pipe.xadd(key, {"t": repr(t), "v": v, "ok": int(ok), "ttft": repr(ttft), "tps": repr(tps),
-                                    "ct": ct, "e": int(empty), "l": int(length)},
-                              maxlen=MAX_SAMPLES, approximate=True)
+                    fields = {"t": repr(t), "v": v, "ok": int(ok), "ttft": repr(ttft), "tps": repr(tps),
+                              "ct": ct, "e": int(empty), "l": int(length)}
+                    if labels:
+                        fields["m"] = orjson.dumps(labels)
+                    pipe.xadd(key, fields, maxlen=MAX_SAMPLES, approximate=True)
                 for key in keys:
                     pipe.expire(key, TTL_S)
                 await pipe.execute()
@@ -103,9 +111,10 @@ class RedisSamples:
             g = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
                  for k, v in f.items()}
             try:
+                labels = orjson.loads(g["m"]) if "m" in g else None
                 samples.append((float(g["t"]), g["v"], g["ok"] == "1", float(g["ttft"]), float(g["tps"]),
-                                int(g["ct"]), g["e"] == "1", g["l"] == "1"))
-            except (KeyError, ValueError):
+                                int(g["ct"]), g["e"] == "1", g["l"] == "1", labels))
+            except (KeyError, ValueError, orjson.JSONDecodeError):
                 continue
         return _arms(samples, since)
 
@@ -117,9 +126,14 @@ class RedisSamples:
 
 
 def sample(version: str, ok: bool, elapsed_s: float, ttft_s: float | None, completion_tokens: int, empty: bool,
-           length: bool) -> Sample:
+           length: bool, metadata: dict[str, str] | None = None) -> Sample:
     """A whole answer's TTFT is its latency, and it has no decode rate (0: not a tokens/s sample): a
-    stream's decode rate is its tokens after the first over the time after the first."""
+    stream's decode rate is its tokens after the first over the time after the first. ``metadata``:
+    the request's labels (module docstring)."""
     ttft = elapsed_s if ttft_s is None else ttft_s
     tps = (completion_tokens - 1) / max(elapsed_s - ttft, 1e-3) if ttft_s is not None and completion_tokens > 1 else 0.0
-    return (time.time(), version, ok, ttft, tps, completion_tokens, empty, length)
+    labels = None
+    if metadata:
+        labels = {str(k)[:MAX_LABEL_CHARS]: str(v)[:MAX_LABEL_CHARS]
+                  for k, v in list(metadata.items())[:MAX_LABELS] if isinstance(v, str)}
+    return (time.time(), version, ok, ttft, tps, completion_tokens, empty, length, labels or None)

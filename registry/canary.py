@@ -6,14 +6,20 @@ A policy belongs to a binding (tenant, alias). Its configuration is the operator
   canary is promoted;
 * ``interval_s``: the least time spent on a step before stepping up;
 * ``min_requests``: no judgement on fewer requests than this, per arm (canary and active);
-* ``max_failures``: failed judgements in a row that abort the canary;
+* ``max_failures``: failed judgements in a row that abort the canary; a failure counts only on
+  new evidence: ``interval_s`` after the previous counted one, with new samples on both arms
+  (``gateway.canary_decide``);
 * ``checks``: each compares the canary with the active version over the same window (the
   current step), and fails when the canary is worse by more than its threshold *and* the
   policy's test calls the difference significant at ``alpha`` (``gateway.canary_stats``):
   ``error_rate``, ``empty_share``, ``length_share`` (ratio canary/active above the threshold;
   ``proportion_test``), ``ttft_p99`` (ratio above; ``sample_test`` on the TTFT samples),
   ``tokens_per_s`` (ratio of means below; ``sample_test``) and ``completion_length`` (ratio of
-  means outside [1/t, t]; ``sample_test``, two-sided).
+  means outside [1/t, t]; ``sample_test``, two-sided). A check given as ``{"threshold": t,
+  "segment": "metadata.topic"}`` is judged per value of the requests' ``metadata.topic``
+  (``gateway.canary_stats``). Share checks need a few events on the canary to fail, and use
+  Fisher's exact test where the z test's approximation does not hold; checks with nothing to
+  compare say "no data" and neither pass nor fail.
 
 The state is the judge's (``gateway.canary_judge``): ``status`` (``waiting`` for a canary,
 ``running``, ``paused``, ``promoted``, ``aborted``), the version judged (``canary_id``: a new
@@ -59,6 +65,28 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, *, integer: bo
     return int(v) if integer else float(v)
 
 
+def _check(name: str, value: Any) -> float | dict[str, Any]:
+    """A check's threshold, or ``{"threshold": t, "segment": "metadata.KEY"}`` to judge it per value
+    of a request label."""
+    segment = None
+    t = value
+    if isinstance(value, dict):
+        unknown = set(value) - {"threshold", "segment"}
+        if unknown or "threshold" not in value:
+            raise Invalid(f"the check {name} takes a threshold or {{\"threshold\": T, \"segment\": "
+                          f"\"metadata.KEY\"}}, got {value!r}", param="checks")
+        t, segment = value["threshold"], value.get("segment")
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t < 1e6:
+        raise Invalid(f"the threshold of {name} must be a positive ratio, got {t!r}", param="checks")
+    if segment is None:
+        return float(t)
+    key = segment.removeprefix("metadata.") if isinstance(segment, str) else ""
+    if not (isinstance(segment, str) and segment.startswith("metadata.") and 0 < len(key) <= 64):
+        raise Invalid(f"the segment of {name} must be metadata.KEY (a key of the requests' metadata), "
+                      f"got {segment!r}", param="checks")
+    return {"threshold": float(t), "segment": segment}
+
+
 def validate_policy(body: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A complete policy configuration: ``body``'s fields over ``base`` (or the defaults)."""
     merged = {**(base or DEFAULTS), **{k: v for k, v in body.items() if v is not None}}
@@ -76,12 +104,10 @@ def validate_policy(body: dict[str, Any], base: dict[str, Any] | None = None) ->
     if not isinstance(checks, dict) or not checks:
         raise Invalid(f"checks must map check names ({', '.join(CHECKS)}) to thresholds", param="checks")
     out_checks = {}
-    for name, t in checks.items():
+    for name, value in checks.items():
         if name not in CHECKS:
             raise Invalid(f"unknown check {name!r}; known: {', '.join(CHECKS)}", param="checks")
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t < 1e6:
-            raise Invalid(f"the threshold of {name} must be a positive ratio, got {t!r}", param="checks")
-        out_checks[name] = float(t)
+        out_checks[name] = _check(name, value)
     if merged["proportion_test"] not in PROPORTION_TESTS:
         raise Invalid(f"proportion_test must be one of {', '.join(PROPORTION_TESTS)}", param="proportion_test")
     if merged["sample_test"] not in SAMPLE_TESTS:

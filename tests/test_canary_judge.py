@@ -39,7 +39,7 @@ def _feed(samples: MemorySamples, version: str, n: int, at: float, *, errors: in
     for i in range(n):
         ok = i >= errors
         samples.record("acme/support", (at + i * 1e-3, version, ok, 0.05 + (i % 7) * 1e-3, 40.0 + i % 5, 12, False,
-                                        False))
+                                        False, None))
 
 
 @pytest.fixture
@@ -65,14 +65,22 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     assert start["decision"] == "start" and (await svc.get_binding("acme", "support"))["canary_percent"] == 10
     _feed(samples, ids[1], 10, 1001.0, errors=4)
     _feed(samples, ids[0], 90, 1001.0)
-    [hold] = await judge.tick(now=1002.0)
-    assert hold["decision"] == "hold" and "waiting for 20" in hold["reason"]  # never on fewer than the minimum
+    [waiting] = await judge.tick(now=1002.0)
+    assert waiting["decision"] == "waiting" and "waiting for 20" in waiting["reason"]  # never below the minimum
     _feed(samples, ids[1], 20, 1003.0, errors=8)
     _feed(samples, ids[0], 180, 1003.0)
     [first] = await judge.tick(now=1004.0)
-    assert first["decision"] == "hold" and first["failed"] == ["error_rate"]
-    [abort] = await judge.tick(now=1005.0)
-    assert abort["decision"] == "abort" and abort["canary_requests"] == 30
+    assert first["decision"] == "failing" and first["failed"] == ["error_rate"] and first["counted"]
+    # Judged again a second later on the same samples: still failing, but not a second failure.
+    [again] = await judge.tick(now=1005.0)
+    assert again["decision"] == "failing" and not again["counted"] and again["failures"] == 1
+    assert "Not counted" in again["reason"]
+    status = await policies.get("acme", "support")
+    assert status["failures"] == 1 and status["last"]["counted_failure"]["at"] == 1004.0
+    _feed(samples, ids[1], 10, 1030.0, errors=4)  # new evidence, an interval after the counted failure
+    _feed(samples, ids[0], 90, 1030.0)
+    [abort] = await judge.tick(now=1034.0)
+    assert abort["decision"] == "abort" and abort["canary_requests"] == 40 and abort["failures"] == 2
     b = await svc.get_binding("acme", "support")
     assert b["canary"] is None and b["active"]["id"] == ids[0]
     status = await policies.get("acme", "support")
@@ -80,7 +88,10 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     entry = (await svc.audit(action="binding.canary_abort"))[0]
     assert entry["actor"] == JUDGE
     checks = {r["check"]: r for r in entry["after"]["judgement"]["checks"]}
-    assert checks["error_rate"]["failed"] and checks["error_rate"]["canary"] == pytest.approx(12 / 30, abs=1e-4)
+    assert checks["error_rate"]["verdict"] == "fail" and checks["error_rate"]["canary"] == pytest.approx(16 / 40, abs=1e-4)
+    assert (checks["error_rate"]["canary_events"], checks["error_rate"]["canary_n"]) == (16, 40)
+    assert "canary 16 of 40 requests vs active 0 of 360" in checks["error_rate"]["reason"]
+    assert entry["after"]["judgement"]["failed"] == ["error_rate"] and "error_rate" in entry["after"]["judgement"]["reason"]
 
     # A healthy version walks 10% -> 50% and is promoted (a 100% step is the promotion itself).
     await svc.canary_start("acme", "support", ids[2], 5, actor="ops")
@@ -88,8 +99,8 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     assert start["decision"] == "start"
     _feed(samples, ids[2], 40, 2001.0)
     _feed(samples, ids[0], 300, 2001.0)
-    [hold] = await judge.tick(now=2010.0)
-    assert hold["decision"] == "hold" and "failed" not in hold  # healthy, but the step lasts 30 s
+    [passing] = await judge.tick(now=2010.0)
+    assert passing["decision"] == "passing" and passing["failed"] == []  # healthy, but the step lasts 30 s
     [step] = await judge.tick(now=2031.0)
     assert step["decision"] == "step" and step["next_percent"] == 50
     assert (await svc.get_binding("acme", "support"))["canary_percent"] == 50

@@ -78,3 +78,14 @@ async def test_samples_by_binding_version_and_time(store):
     assert whole[3] == 0.5 and whole[4] == 0.0
     assert await store.read("acme/support", s2[0] + 1) == {}  # only what came after the step began
     assert (await store.read("globex/support", 0))["v1"].length == 1
+
+
+async def test_samples_keep_the_requests_metadata_labels(store):
+    s = sample("v1", True, 0.5, None, 3, True, False, {"topic": "refund", "n": 3, "long": "x" * 100})  # type: ignore[dict-item]
+    store.record("acme/support", s)
+    store.record("acme/support", sample("v1", True, 0.5, None, 3, False, False))
+    await store.flush()
+    arm = (await store.read("acme/support", s[0] - 1))["v1"]
+    by_topic = arm.segments("topic")
+    assert by_topic["refund"].empty == 1 and by_topic["(none)"].requests == 1
+    assert arm.rows[0][6] == {"topic": "refund", "long": "x" * 64}  # strings only, cut to 64 characters
