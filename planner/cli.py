@@ -64,7 +64,7 @@ def _share(text: str) -> float:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="size the fleet (workers, device slots, host cache) from access logs",
-                              description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1],
+                              description=" ".join(__doc__.splitlines()[:2]).replace("``", ""),
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("logs", nargs="+", help="gateway access logs (JSON lines; other lines are skipped)")

@@ -37,22 +37,38 @@ class Plan:
         """The smallest fleet (fewest workers, then the smallest host cache) whose cold-start
         share is within ``target_cold`` and whose busiest worker stays within
         ``worker_tokens_per_s`` (when given); then the fewest device slots whose slot-miss share is
-        within ``target_slot_miss`` for that many workers (else the most the sweep tried)."""
+        within ``target_slot_miss`` for that many workers (else the most the sweep tried).
+
+        A target below the floor (the share of requests that are an adapter's first in the logs:
+        cold with any size) is said as such, with the smallest fleet at the fewest cold starts tried."""
         if not any(self._carries(x.workers) for x in self.load):
             most = max(self.load, key=lambda x: x.workers)
             return {"met": False, "workers": most.workers,
-                    "why": f"no worker count tried carries the load: with {most.workers} the busiest worker needs "
-                           f"{most.peak_tokens_per_s:,.0f} tokens/s at the busiest minute, over the "
+                    "why": f"no worker count tried carries the load: with {_n(most.workers, 'worker')} the busiest "
+                           f"worker needs {most.peak_tokens_per_s:,.0f} tokens/s at the busiest minute, over the "
                            f"{self.worker_tokens_per_s:,.0f} given; try more --workers"}
-        ok = [r for r in self.host if 1.0 - r.hit_ratio <= self.target_cold and self._carries(r.workers)]
+        floor = float(self.trace.get("first_use_share", 0.0))
+        if self.target_cold < floor:
+            fewest = min(1.0 - r.hit_ratio for r in self.host if self._carries(r.workers))
+            rec = self._pick(fewest)
+            rec.update(met=False, floor=floor,
+                       why=f"the target {self.target_cold:.1%} is below the floor of {floor:.2%}: that share of "
+                           "requests are an adapter's first in the logs, a cold start no size avoids (a longer "
+                           f"window makes it smaller); this is the smallest fleet at the fewest cold starts tried, "
+                           f"{fewest:.2%}")
+            return rec
+        return self._pick(self.target_cold)
+
+    def _pick(self, target_cold: float) -> dict[str, Any]:
+        ok = [r for r in self.host if 1.0 - r.hit_ratio <= target_cold and self._carries(r.workers)]
         if not ok:
             best = max((r for r in self.host if self._carries(r.workers)),
                        key=lambda r: (r.hit_ratio, -r.workers, -r.capacity))
             return {"met": False, "workers": best.workers, "max_cpu_loras": best.capacity,
                     "cold_share": round(1.0 - best.hit_ratio, 4),
-                    "why": f"no size tried keeps cold starts within {self.target_cold:.1%}: the best is "
-                           f"{1.0 - best.hit_ratio:.2%} ({best.workers} workers, max_cpu_loras {best.capacity}); "
-                           "try more workers or larger --max-cpu-loras"}
+                    "why": f"no size tried keeps cold starts within {target_cold:.1%}: the best is "
+                           f"{1.0 - best.hit_ratio:.2%} ({_n(best.workers, 'worker')}, max_cpu_loras "
+                           f"{best.capacity}); try more workers or larger --max-cpu-loras"}
         pick = min(ok, key=lambda r: (r.workers, r.capacity))
         slots = sorted((r for r in self.device if r.workers == pick.workers), key=lambda r: r.capacity)
         fit = [r for r in slots if 1.0 - r.hit_ratio <= self.target_slot_miss]
@@ -62,7 +78,7 @@ class Plan:
                 "loads_per_s_per_worker": round(self._per_worker_s(pick), 4),
                 "why": f"the fewest workers{' that carry the peak load' if self.worker_tokens_per_s else ''} "
                        f"and smallest host cache that keep cold starts within "
-                       f"{self.target_cold:.1%}; the fewest slots with slot misses within {self.target_slot_miss:.0%}"
+                       f"{target_cold:.1%}; the fewest slots with slot misses within {self.target_slot_miss:.0%}"
                        + ("" if fit else " (none reached it: the largest tried)")}
 
     def _per_worker_s(self, r: TierResult) -> float:
@@ -107,8 +123,9 @@ class Plan:
         lines += _table(self.device, self._per_worker_s, self.span_s)
         rec = self.recommendation()
         lines.append("")
-        if rec["met"]:
-            lines.append(f"recommendation: {_n(rec['workers'], 'worker')}, LORAPLEX_MAX_CPU_LORAS={rec['max_cpu_loras']}, "
+        if rec["met"] or "floor" in rec:
+            head = "recommendation" if rec["met"] else "recommendation, the target being below the floor"
+            lines.append(f"{head}: {_n(rec['workers'], 'worker')}, LORAPLEX_MAX_CPU_LORAS={rec['max_cpu_loras']}, "
                          f"LORAPLEX_MAX_LORAS={rec['max_loras']}: cold starts {rec['cold_share']:.2%} "
                          f"(target {self.target_cold:.1%}), slot misses {rec['slot_miss_share']:.1%}, "
                          f"{rec['loads_per_s_per_worker']:.2f} adapter loads/s per worker")

@@ -178,12 +178,13 @@ def test_the_zipf_fit_recovers_the_exponent():
 
 
 def _plan(host: list[tuple[int, int, float]], device: list[tuple[int, int, float]], target: float,
-          peaks: dict[int, float] | None = None, capacity: float | None = None) -> Plan:
+          peaks: dict[int, float] | None = None, capacity: float | None = None,
+          trace: dict[str, float] | None = None) -> Plan:
     def rows(spec: list[tuple[int, int, float]]) -> list[TierResult]:
         return [TierResult(w, c, 1000, 1000 * h, 1000 * (1 - h) / w, False) for w, c, h in spec]
 
     load = [Load(w, t, t / 100) for w, t in (peaks or {1: 100.0, 2: 50.0}).items()]
-    return Plan({}, 1.0, rows(device), rows(host), 100.0, target, 0.1, {}, load, capacity)
+    return Plan(trace or {}, 1.0, rows(device), rows(host), 100.0, target, 0.1, {}, load, capacity)
 
 
 def test_the_recommendation_is_the_smallest_fleet_within_the_targets():
@@ -198,6 +199,35 @@ def test_the_recommendation_is_the_smallest_fleet_within_the_targets():
     assert not rec["met"] and "carries the load" in rec["why"]
     rec = _plan(host=[(1, 64, 0.90), (2, 64, 0.95)], device=[(1, 4, 0.5), (2, 4, 0.5)], target=0.01).recommendation()
     assert not rec["met"] and "no size tried" in rec["why"] and rec["workers"] == 2
+    rec = _plan(host=[(1, 64, 0.90)], device=[(1, 4, 0.5)], target=0.01, peaks={1: 100.0}).recommendation()
+    assert "(1 worker, max_cpu_loras 64)" in rec["why"]
+
+
+def test_a_target_below_the_first_use_floor_is_said_with_the_floor():
+    """2.88% of the requests are an adapter's first: no size gets below that, so a 1% target is
+    not advice to add workers but a target below the floor; the plan is the smallest fleet at the
+    fewest cold starts tried."""
+    host = [(1, 64, 0.95), (1, 256, 0.97), (2, 64, 0.97), (2, 256, 0.97)]
+    device = [(1, 4, 0.8), (1, 8, 0.95), (2, 4, 0.9)]
+    rec = _plan(host, device, target=0.01, trace={"first_use_share": 0.0288}).recommendation()
+    assert (rec["met"], rec["floor"], rec["workers"], rec["max_cpu_loras"], rec["max_loras"]) == \
+        (False, 0.0288, 1, 256, 8)
+    assert "below the floor of 2.88%" in rec["why"] and "3.00%" in rec["why"]
+    assert "try more workers" not in rec["why"]
+    # At or above the floor: the ordinary advice.
+    rec = _plan(host, device, target=0.035, trace={"first_use_share": 0.0288}).recommendation()
+    assert rec["met"] and "floor" not in rec and (rec["workers"], rec["max_cpu_loras"]) == (1, 256)
+
+
+def test_the_command_on_a_short_window_says_the_floor_and_counts_right(tmp_path):
+    # 300 requests over 100 adapters, all on one worker: a third are first uses.
+    log = write_log(tmp_path / "g.log", zipf_keys(300, 100, 0.8), workers=1)
+    run = subprocess.run([str(BIN), "plan", str(log), "--workers", "1,2", "--max-cpu-loras", "16,128"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "none met" not in run.stdout and "try more workers" not in run.stdout
+    assert "recommendation, the target being below the floor: 1 worker," in run.stdout, run.stdout
+    assert "on 1 worker;" in run.stdout and "1 workers" not in run.stdout
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -206,7 +236,7 @@ def test_the_command_prints_a_plan_json_and_a_plot(tmp_path):
     log = write_log(tmp_path / "g.log", zipf_keys(5000, 300, 1.1), workers=2)
     svg = tmp_path / "plan.svg"
     run = subprocess.run([str(BIN), "plan", str(log), "--workers", "1,2", "--max-loras", "4,8",
-                          "--max-cpu-loras", "32,64,128", "--target-cold", "5%", "--plot", str(svg)],
+                          "--max-cpu-loras", "32,64,128", "--target-cold", "10%", "--plot", str(svg)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "Zipf exponent 1.1" in run.stdout and "recommendation:" in run.stdout
