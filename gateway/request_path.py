@@ -215,6 +215,7 @@ class Gateway:
         call.headers[HDR_ADAPTER] = res.label
         if res.judged and res.adapter is not None:
             call.judged, call.version = f"{tenant.slug}/{res.alias}", res.adapter.id
+            call.labels = req.fields.metadata
         if res.fallback:
             call.headers[HDR_FALLBACK] = "binding-disabled"
         return res
@@ -388,7 +389,7 @@ class Gateway:
         ok = call.status < 500
         assert self.canary is not None
         self.canary.record(call.judged, canary_sample(call.version, ok, elapsed, ttft, completion_tokens,
-                                                      ok and empty, length))
+                                                      ok and empty, length, call.labels))
 
     def _finish(self, call: _Call) -> None:
         """Settle the reservation with what the request is charged, then metrics and the access log."""
@@ -422,7 +423,7 @@ class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
     __slots__ = ("alias", "authorization", "chat", "cold", "declared", "finish", "finished", "guard", "headers", "judged",
-                 "label", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
+                 "label", "labels", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
                  "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
 
     def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
@@ -463,6 +464,8 @@ class _Call:
         self.guard: _Guard | None = None
         self.judged = self.version = ""
         """Under a canary: the binding (``tenant/alias``) and the version id this request went to."""
+        self.labels: dict[str, str] | None = None
+        """Under a canary: the request's ``metadata`` (what a check segmented by a label splits on)."""
         self.finish: tuple[bool, bool] | None = None
         """A whole answer's (empty, stopped on length), read only for judged requests."""
         self.started = False

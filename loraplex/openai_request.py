@@ -25,6 +25,8 @@ MAX_STOP_SEQUENCES = 16
 """OpenAI allows 4; more are accepted (as vLLM does)."""
 MAX_N = 16
 """Samples per request (``n``)."""
+MAX_METADATA = 16
+"""Key-value pairs in ``metadata`` (keys up to 64 characters, values up to 512), as in the API."""
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 1024
@@ -91,6 +93,8 @@ class OpenAIRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    """The client's labels: not generated from; a canary check may be judged per label."""
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -146,6 +150,16 @@ def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None =
         bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
         raise FieldError(f"'{key}' must be {bound}, got {v}", key)
     return v
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
+        raise FieldError(f"'metadata' must be an object of at most {MAX_METADATA} string values (keys up to 64 "
+                         f"characters, values up to 512)", "metadata")
+    return value or None
 
 
 def _bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
@@ -366,7 +380,8 @@ def _parse(body: Any, *, chat: bool, max_tokens_cap: int | None) -> OpenAIReques
         raise FieldError("'user' must be a string", "user")
     req = OpenAIRequest(chat=chat, model=model, messages=messages, prompt=prompt, stream=stream,
                         include_usage=include_usage, continuous_usage=continuous,
-                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user, n=n)
+                        max_tokens=mct if mct is not None else mt, max_tokens_param=param, user=user, n=n,
+                        metadata=_metadata(body.get("metadata")))
     if not _SAMPLING.isdisjoint(body):
         _sampling(body, req)
     if "tools" in body or "tool_choice" in body:

@@ -319,6 +319,39 @@ def canary_abort(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_value(r: dict[str, Any], side: str) -> str:
+    """One arm's number in a check row: ``x of n`` for a share, ``value (n)`` for samples."""
+    events, n, v = r.get(f"{side}_events"), r.get(f"{side}_n"), r.get(side)
+    if events is not None and n:
+        return f"{events} of {n}"
+    if v is None:
+        return "-" if n is None else f"- ({n})"
+    return f"{v:.4g}" + (f" ({n})" if n is not None else "")
+
+
+VERDICTS = {"fail": "FAILED", "pass": "ok", "inconclusive": "unsure", "no data": "no data"}
+
+
+def _checks_table(checks: list[dict[str, Any]], said: str = "") -> list[str]:
+    """A judgement's checks as a table, then the failed and unsure ones in words (but what ``said``
+    already says)."""
+    rows = [("CHECK", "VERDICT", "CANARY", "ACTIVE", "RATIO", "LIMIT", "TEST", "P")]
+    words = []
+    for r in checks:
+        name = f"{r['check']}[{r['segment']}]" if r.get("segment") else r["check"]
+        verdict = r.get("verdict") or ("fail" if r.get("failed") else "pass")
+        ratio = r.get("ratio")
+        rows.append((name, VERDICTS.get(verdict, verdict), _check_value(r, "canary"), _check_value(r, "active"),
+                     "-" if ratio is None else ratio if isinstance(ratio, str) else f"{ratio:.3g}",
+                     f"{r['threshold']:g}", r.get("test") or "-", "-" if r.get("p") is None else f"{r['p']:.3g}"))
+        if verdict in ("fail", "inconclusive") and r.get("reason") and r["reason"] not in said:
+            words.append(f"    {name}: {r['reason']}")
+    if len(rows) == 1:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows] + words
+
+
 def _policy_text(d: dict[str, Any]) -> str:
     """The status of a binding's canary, as ``canary status`` prints it."""
     at = f"{d['percent']:g}% (step {d['step'] + 1} of {len(d['steps'])})" if d["percent"] is not None else ""
@@ -331,24 +364,20 @@ def _policy_text(d: dict[str, Any]) -> str:
     lines = [f"canary of {d['tenant']}/{d['alias']}: {d['status']}, {where}"]
     if d["next_step_at"]:
         lines.append(f"  next step no earlier than {d['next_step_at']}")
+    segmented = [f"{k} per {v['segment']}" for k, v in d["checks"].items() if isinstance(v, dict)]
     lines.append(f"  policy: steps {'/'.join(f'{x:g}' for x in d['steps'])} %, every {d['interval_s']:g} s, "
                  f"at least {d['min_requests']} requests per arm, abort after {d['max_failures']} failed "
-                 f"judgement(s), {d['proportion_test']} / {d['sample_test']} at alpha {d['alpha']:g}")
+                 f"judgement(s) an interval apart, {d['proportion_test']} / {d['sample_test']} at alpha "
+                 f"{d['alpha']:g}" + (f"; {', '.join(segmented)}" if segmented else ""))
     last = d.get("last") or {}
     if last:
         lines.append(f"  last judgement: {last.get('decision')}"
-                     + (f" ({last['reason']})" if last.get("reason") else "")
                      + (f", window {last['window_s']:g} s: canary {last['canary_requests']} requests, active "
-                        f"{last['active_requests']}" if "window_s" in last else ""))
-        rows = [("CHECK", "CANARY", "ACTIVE", "RATIO", "LIMIT", "TEST", "P", "")]
-        for r in last.get("checks", []):
-            rows.append((r["check"], f"{r['canary']:.4g}", f"{r['active']:.4g}",
-                         "inf" if r["ratio"] is None else f"{r['ratio']:.3g}", f"{r['threshold']:g}", r["test"],
-                         f"{r['p']:.3g}", "FAILED" if r["failed"] else "ok"))
-        if len(rows) > 1:
-            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-            lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                      for row in rows]
+                        f"{last['active_requests']}" if "window_s" in last else "")
+                     + (f", failures {last['failures']} of {last['max_failures']}" if last.get("failures") else ""))
+        if last.get("reason"):
+            lines.append(f"    {last['reason']}")
+        lines += _checks_table(last.get("checks", []), last.get("reason") or "")
     return "\n".join(lines)
 
 
@@ -368,12 +397,16 @@ def canary_set_policy(a: argparse.Namespace) -> int:
         checks = {}
         for item in a.check:
             name, sep, value = item.partition("=")
+            value, _, segment = value.partition("@")
+            bad = AdminError(400, f"--check takes NAME=THRESHOLD or NAME=THRESHOLD@metadata.KEY, got {item!r}",
+                             "invalid_value")
             try:
-                checks[name] = float(value)
+                threshold = float(value)
             except ValueError:
-                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value") from None
+                raise bad from None
             if not sep:
-                raise AdminError(400, f"--check takes NAME=THRESHOLD, got {item!r}", "invalid_value")
+                raise bad
+            checks[name] = {"threshold": threshold, "segment": segment} if segment else threshold
         body["checks"] = checks
     data = _request(a, "PUT", _b(a, "/canary/policy"), {k: v for k, v in body.items() if v is not None})
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))

@@ -297,9 +297,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--interval", type=float, help="least seconds on a step (default 60)")
     p.add_argument("--min-requests", type=int, help="no judgement on fewer requests per arm (default 50)")
     p.add_argument("--max-failures", type=int, help="failed judgements in a row that abort (default 2)")
-    p.add_argument("--check", action="append", metavar="NAME=THRESHOLD",
+    p.add_argument("--check", action="append", metavar="NAME=THRESHOLD[@metadata.KEY]",
                    help="replaces the checks: error_rate, empty_share, length_share, ttft_p99 (ratio above), "
-                        "tokens_per_s (ratio below), completion_length (ratio outside [1/t, t]); repeat")
+                        "tokens_per_s (ratio below), completion_length (ratio outside [1/t, t]); repeat. "
+                        "@metadata.KEY judges the check per value of that key of the requests' metadata, "
+                        "e.g. empty_share=2@metadata.topic")
     p.add_argument("--proportion-test", choices=["two-proportion-z", "fisher-exact"])
     p.add_argument("--sample-test", choices=["mann-whitney-u"])
     p.add_argument("--alpha", type=float, help="significance level (default 0.05)")

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from gateway.canary_samples import MemorySamples, RedisSamples, sample
 from gateway.proxy import Opened, StreamResult, finish_of, relay_sse
+from loraplex.openai_request import FieldError, parse
 
 
 def _chunk(content: str, finish: str | None = None) -> bytes:
@@ -89,3 +90,13 @@ async def test_samples_keep_the_requests_metadata_labels(store):
     by_topic = arm.segments("topic")
     assert by_topic["refund"].empty == 1 and by_topic["(none)"].requests == 1
     assert arm.rows[0][6] == {"topic": "refund", "long": "x" * 64}  # strings only, cut to 64 characters
+
+
+def test_a_requests_metadata_is_parsed_and_checked():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"topic": "refund"}}
+    assert parse(body, chat=True).metadata == {"topic": "refund"}
+    assert parse({**body, "metadata": None}, chat=True).metadata is None
+    for bad in ({"topic": 3}, ["topic"], {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}):
+        with pytest.raises(FieldError) as exc:
+            parse({**body, "metadata": bad}, chat=True)
+        assert exc.value.param == "metadata"
