@@ -22,6 +22,10 @@ _KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC"}
 _ASYM = {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "PS384", "PS512", "EdDSA"}
 
 
+INVALID = "invalid token"
+"""What a 401 says of a token that does not decode (never the decoder's own words)."""
+
+
 class TokenError(Exception):
     """A token was refused. ``status`` is 401 (bad credentials) or 403 (not allowed)."""
 
@@ -81,8 +85,8 @@ class Verifier:
     def _key(self, token: str) -> tuple[Any, str]:
         try:
             header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError as exc:
-            raise TokenError(f"malformed token: {exc}") from None
+        except jwt.PyJWTError:  # its words are a decoder's (padding, segments, JSON): not the caller's business
+            raise TokenError(INVALID) from None
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in self.algorithms:
             raise TokenError(f"token algorithm {alg!r} is not allowed")
@@ -114,7 +118,11 @@ class Verifier:
             )
         except jwt.ExpiredSignatureError:
             raise TokenError("token has expired") from None
-        except jwt.PyJWTError as exc:
+        except jwt.InvalidSignatureError:
+            raise TokenError(f"{INVALID}: signature verification failed") from None
+        except jwt.DecodeError:  # a payload or signature that does not decode: the decoder's words, again
+            raise TokenError(INVALID) from None
+        except jwt.PyJWTError as exc:  # a claim's check (audience, issuer, a required claim): PyJWT's own sentence
             raise TokenError(f"invalid token: {exc}") from None
         tenant = claims.get(s.jwt_tenant_claim)
         if tenant is not None and not isinstance(tenant, str):

@@ -194,3 +194,22 @@ async def test_jwks_key_is_chosen_by_algorithm_family(tmp_path):
     h = base64.urlsafe_b64encode(b'{"alg":"RS256","kid":"oct"}').rstrip(b"=")
     _assert_401(await _post(app, forged.split(".", 1)[0].replace(forged.split(".")[0], h.decode())
                             + "." + forged.split(".", 1)[1]))
+
+
+async def test_a_garbage_token_gets_a_401_that_says_only_that_it_is_invalid():
+    """Whatever the decoder said of it (segments, padding, JSON) is not the caller's business."""
+    s = _settings()
+    app = _app(s)
+    valid = mint(s, "u", tenant="acme")
+    head, payload, _ = valid.split(".")
+    cases = {"one segment": "garbage", "three segments": "a.b.c", "not base64": "!!!.???.***",
+             "payload not JSON, signed": jwt.api_jws.encode(b"[1,", s.jwt_secret, algorithm="HS256"),
+             "signature padding": f"{head}.{payload}.x"}
+    for name, token in cases.items():
+        r = await _post(app, token)
+        _assert_401(r)
+        assert r.json()["error"]["message"] == "invalid token", (name, r.text)
+        assert r.json()["error"]["code"] == "invalid_token"
+    forged = jwt.encode(_claims(s), "some-other-secret-of-sufficient-len", algorithm="HS256")
+    r = await _post(app, forged)
+    assert r.json()["error"]["message"] == "invalid token: signature verification failed", r.text
