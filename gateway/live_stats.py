@@ -4,7 +4,11 @@ Each request that reached a worker adds to a 10-second bucket of its version (``
 or ``base``): requests, errors (5xx), cold loads (the worker's ``x-loraplex-cache: cold``) and
 its time to first token (streamed requests; at most ``TTFT_KEEP`` per bucket and version).
 The console reads ``WINDOW_S`` seconds of buckets: requests/s, error rate, TTFT p50/p99 and
-cold loads per version.
+cold loads per version, and each version's ``series`` (per bucket: its start, requests, errors
+and TTFT p50) for the live page's charts.
+
+TTFT is the time to the first streamed token: a non-streamed answer arrives whole, so its
+requests count everywhere but carry no TTFT (a version with only those shows none).
 
 With Redis every gateway replica publishes its buckets every ``PUBLISH_S`` to
 ``{prefix}:live:{replica}`` (expiring after ``3 * WINDOW_S``) and the console merges every
@@ -96,25 +100,32 @@ class LiveStats:
         return out
 
     async def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per version over the window: requests, requests_per_s, error_rate, ttft_p50_s, ttft_p99_s, cold_loads."""
+        """Per version over the window: requests, requests_per_s, error_rate, ttft_p50_s, ttft_p99_s,
+        cold_loads, streamed (requests with a TTFT, up to ``TTFT_KEEP`` a bucket) and ``series``:
+        ``[bucket start (epoch s), requests, errors, TTFT p50 s or None]`` per bucket with traffic."""
         first = int(time.time()) // BUCKET_S - WINDOW_S // BUCKET_S + 1
         merged: dict[str, list[Any]] = {}
+        per_bucket: dict[str, dict[int, list[Any]]] = {}
         for replica in await self._all():
             for b, bucket in replica.items():
                 if b < first:
                     continue
                 for version, (n, err, cold, ttfts) in bucket.items():
-                    row = merged.setdefault(version, [0, 0, 0, []])
-                    row[0] += n
-                    row[1] += err
-                    row[2] += cold
-                    row[3].extend(ttfts)
+                    for row in (merged.setdefault(version, [0, 0, 0, []]),
+                                per_bucket.setdefault(version, {}).setdefault(b, [0, 0, 0, []])):
+                        row[0] += n
+                        row[1] += err
+                        row[2] += cold
+                        row[3].extend(ttfts)
         out = {}
         for version, (n, err, cold, ttfts) in merged.items():
             ttfts.sort()
+            series = [[b * BUCKET_S, bn, berr, _pct(sorted(bt), 0.50)]
+                      for b, (bn, berr, _, bt) in sorted(per_bucket[version].items())]
             out[version] = {"requests": n, "requests_per_s": round(n / WINDOW_S, 3),
                             "error_rate": round(err / n, 4) if n else 0.0, "cold_loads": cold,
-                            "ttft_p50_s": _pct(ttfts, 0.50), "ttft_p99_s": _pct(ttfts, 0.99)}
+                            "ttft_p50_s": _pct(ttfts, 0.50), "ttft_p99_s": _pct(ttfts, 0.99),
+                            "streamed": len(ttfts), "series": series}
         return out
 
 

@@ -79,6 +79,47 @@ async def tenant(service: RegistryService, slug: str) -> dict[str, Any]:
     return await service._read(op)
 
 
+BINDABLE = 200
+"""Active versions offered in a tenant's bind and canary forms (the newest first, by name)."""
+
+
+async def bindable(service: RegistryService, slug: str) -> list[str]:
+    """``name@version`` of the active versions the tenant may bind: its own and the shared ones."""
+
+    async def op(s: AsyncSession) -> list[str]:
+        rows = await s.execute(select(AdapterVersion.name, AdapterVersion.version)
+                               .where(AdapterVersion.status == "active",
+                                      or_(AdapterVersion.owner_tenant == slug, AdapterVersion.owner_tenant.is_(None)))
+                               .order_by(AdapterVersion.name, AdapterVersion.version.desc()).limit(BINDABLE))
+        return [f"{n}@{v}" for n, v in rows]
+
+    return await service._read(op)
+
+
+async def policy(service: RegistryService, slug: str, alias: str) -> dict[str, Any] | None:
+    """The binding's canary policy (None where it has none)."""
+
+    async def op(s: AsyncSession) -> dict[str, Any] | None:
+        p = (await s.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == slug, CanaryPolicy.alias == alias))
+             ).scalar_one_or_none()
+        return None if p is None else policy_dict(p)
+
+    return await service._read(op)
+
+
+async def binding_or_none(service: RegistryService, slug: str, alias: str) -> dict[str, Any] | None:
+    """The binding, or None where the tenant has no such alias yet (404 for an unknown tenant)."""
+
+    async def op(s: AsyncSession) -> dict[str, Any] | None:
+        await service._tenant(s, slug)
+        b = (await s.execute(select(Binding).where(Binding.tenant == slug, Binding.alias == alias))).scalar_one_or_none()
+        if b is None:
+            return None
+        return binding_dict(b, await labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
+
+    return await service._read(op)
+
+
 async def binding(service: RegistryService, slug: str, alias: str) -> dict[str, Any]:
     async def op(s: AsyncSession) -> dict[str, Any]:
         b = await service._binding(s, slug, alias)
@@ -133,7 +174,18 @@ async def audit(service: RegistryService, *, actor: str = "", action: str = "", 
         rows = (await s.execute(stmt.order_by(AuditEntry.id.desc()).limit(limit + 1))).scalars().all()
         more = len(rows) > limit
         rows = rows[:limit]
-        return Page([audit_dict(e) for e in rows], None, str(rows[-1].id) if more else None)
+        ids = {e.target.removeprefix("adapter:") for e in rows if e.target.startswith("adapter:")}
+        names = await labels(s, ids)
+        out = []
+        for e in rows:
+            d = audit_dict(e)
+            if e.target.startswith("adapter:"):
+                ref = e.target.removeprefix("adapter:")
+                d["target_label"] = f"adapter:{names.get(ref, ref)}"
+            else:
+                d["target_label"] = e.target
+            out.append(d)
+        return Page(out, None, str(rows[-1].id) if more else None)
 
     return await service._read(op)
 

@@ -18,7 +18,8 @@ from starlette.routing import Route
 from loraplex.settings import Settings
 from loraplex.tokens import Principal, TokenError, Verifier, bearer
 from loraplex.wire import WorkerReport
-from registry.console import queries
+from registry.canary import DEFAULTS, validate_policy
+from registry.console import present, queries
 from registry.errors import Conflict, Invalid, RegistryError
 from registry.service import RegistryService
 
@@ -32,6 +33,10 @@ SECURITY_HEADERS = {
     "cache-control": "no-store",
 }
 FLEET_PAGE = 50
+CHARTED = 8
+"""Versions drawn in the live page's charts (the busiest of the page): more lines are unreadable."""
+LIVE_WINDOW_S = 300
+"""The span of the live page's charts (the live numbers' window, ``gateway.live_stats.WINDOW_S``)."""
 
 
 class ConsoleSources(Protocol):
@@ -50,22 +55,11 @@ def _env() -> Environment:
     env.filters["ms"] = lambda v: "" if v is None else f"{1000 * v:.0f} ms"
     env.filters["tojson_attr"] = lambda v: json.dumps(v, separators=(",", ":"))
     env.filters["plural"] = lambda n, noun: f"{n:,} {noun}{'' if n == 1 else 's'}"
-    env.globals["changes"] = changes
+    env.filters["text"] = present.text
+    env.filters["short"] = present.short
+    env.globals.update(changes=present.changes, judgement=present.judgement, checks=present.checks,
+                       summary=present.summary)
     return env
-
-
-def _short(v: Any) -> Any:
-    if isinstance(v, dict) and "label" in v:
-        return v["label"]  # an adapter reference: its name@version
-    return v
-
-
-def changes(before: Any, after: Any) -> list[tuple[str, Any, Any]]:
-    """An audit row's fields that changed, ``(field, before, after)`` (row versions and times left out)."""
-    if not isinstance(before, dict) or not isinstance(after, dict):
-        return [("", before, after)]
-    keys = [k for k in {**before, **after} if k not in ("row_version", "updated_at", "created_at")]
-    return [(k, _short(before.get(k)), _short(after.get(k))) for k in keys if before.get(k) != after.get(k)]
 
 
 class Refused(Exception):
@@ -141,14 +135,20 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         return render("tenants.html", page=page, q=q, status=status, after=after)
 
     async def tenant(request: Request, who: Principal) -> Response:
-        data = await queries.tenant(service, arg(request, "slug"))
-        return render("tenant.html", **data, priorities=("high", "normal", "low"))
+        slug = arg(request, "slug")
+        data = await queries.tenant(service, slug)
+        return render("tenant.html", **data, priorities=("high", "normal", "low"),
+                      bindable=await queries.bindable(service, slug), defaults=DEFAULTS)
 
     async def adapters(request: Request, who: Principal) -> Response:
         q, status, after = arg(request, "q"), arg(request, "status"), arg(request, "after")
         page = await queries.adapters(service, q=q, status=status, after=after)
         bases = [b["name"] for b in await service.list_base_models()]
         return render("adapters.html", page=page, q=q, status=status, after=after, bases=bases)
+
+    async def adapter(request: Request, who: Principal) -> Response:
+        a = await service.get_adapter(arg(request, "ref"))
+        return render("adapter.html", a=a, v=a["verification"] or {})
 
     async def fleet(request: Request, who: Principal) -> Response:
         if sources is None:
@@ -178,8 +178,10 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         stats = await sources.live()
         rows = sorted(((v, s) for v, s in stats.items() if not q or v.startswith(q)),
                       key=lambda vs: (-vs[1]["requests"], vs[0]))
-        return render("live.html", rows=rows[start:start + FLEET_PAGE], total=len(rows), start=start, q=q,
-                      page=FLEET_PAGE)
+        shown = rows[start:start + FLEET_PAGE]
+        charted = {v: s.get("series", []) for v, s in shown[:CHARTED]}
+        return render("live.html", rows=shown, total=len(rows), start=start, q=q, page=FLEET_PAGE,
+                      charted={v: c for v, c in charted.items() if c}, window_s=LIVE_WINDOW_S, now=int(time.time()))
 
     async def audit(request: Request, who: Principal) -> Response:
         f = {k: arg(request, k) for k in ("actor", "action", "target")}
@@ -191,7 +193,8 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         return render("confirm.html", **await _confirm(service, request))
 
     VIEWS: dict[str, Callable[[Request, Principal], Awaitable[Response]]] = {
-        "whoami": whoami, "tenants": tenants, "tenant": tenant, "adapters": adapters, "fleet": fleet,
+        "whoami": whoami, "tenants": tenants, "tenant": tenant, "adapters": adapters, "adapter": adapter,
+        "fleet": fleet,
         "live": live, "audit": audit, "confirm": confirm,
     }
     return [Route("/console", shell, methods=["GET"]), Route("/console/static/{name}", static, methods=["GET"]),
@@ -223,6 +226,12 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
         after = "active" if action == "enable" else "disabled"
         return _call(f"{action.capitalize()} tenant {slug}", [("status", t["status"], after)], "POST",
                      f"{t_path}/{action}", None, None, back)
+    if action == "activate":
+        return await _activate(service, q.get("ref", ""), request.scope.get("root_path", ""))
+    if action == "bind":
+        return await _bind(service, slug, alias, q.get("adapter", "").strip(), b_path, back)
+    if action == "canary":
+        return await _canary(service, slug, alias, q, b_path, back)
     b = await queries.binding(service, slug, alias)
     label = {k: (b[k] or {}).get("label") for k in ("active", "previous", "canary")}
     if action == "percent":
@@ -249,9 +258,96 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
 
 
 def _call(title: str, rows: list[tuple[str, Any, Any]], method: str, path: str, body: dict[str, Any] | None,
-          row_version: int | None, back: str) -> dict[str, Any]:
-    return {"title": title, "rows": rows, "method": method, "path": path, "body": body,
-            "row_version": row_version, "back": back}
+          row_version: int | None, back: str, **extra: Any) -> dict[str, Any]:
+    return _calls(title, rows, [(method, path, body, row_version)], back, **extra)
+
+
+def _calls(title: str, rows: list[tuple[str, Any, Any]], calls: list[tuple[str, str, Any, int | None]], back: str,
+           **extra: Any) -> dict[str, Any]:
+    """A confirm step: its rows and the admin API calls it makes, in order (each one audited)."""
+    return {"title": title, "rows": rows, "back": back, "note": None, "evidence": None, **extra,
+            "calls": [{"method": m, "path": p, "body": b, "if_match": v} for m, p, b, v in calls]}
+
+
+async def _activate(service: RegistryService, ref: str, root: str) -> dict[str, Any]:
+    a = await service.get_adapter(ref)
+    path = f"{root}/adapters/{quote(a['label'], safe='')}"
+    back = f"#adapter?ref={quote(a['label'], safe='')}"
+    if a["status"] == "active":
+        return _calls(f"Activate {a['label']}", [], [], back)
+    note = ("The activation gate runs first: a worker of its base model loads the version and answers probe "
+            "prompts with and without it. The version becomes active only if its answers differ from the base "
+            "model's and are answers (not empty, not one text for every prompt); otherwise it is marked failed "
+            "with the evidence. Either way the evidence is recorded on the version and in the audit log.")
+    return _call(f"Activate {a['label']}", [("status", a["status"], "active (if the gate passes)")], "POST",
+                 f"{path}/activate", {}, a["row_version"], back, note=note, evidence=a["verification"])
+
+
+async def _bind(service: RegistryService, slug: str, alias: str, adapter: str, b_path: str,
+                back: str) -> dict[str, Any]:
+    if not alias:
+        raise Invalid("give the alias to bind", param="alias")
+    if not adapter:
+        raise Invalid("choose the adapter version to bind", param="adapter")
+    a = await service.get_adapter(adapter)
+    if a["status"] != "active":
+        raise Conflict(f"{a['label']} is {a['status']}: activate it first (the activation gate)", "adapter_not_active")
+    b = await queries.binding_or_none(service, slug, alias)
+    if b is None:
+        return _call(f"Bind a new alias {slug}/{alias}", [("active", None, a["label"])], "PUT", b_path,
+                     {"adapter": a["label"]}, None, back)
+    cur = (b["active"] or {}).get("label")
+    prev = (b["previous"] or {}).get("label")
+    rows = [("active", cur, a["label"]), ("previous", prev, cur if cur != a["label"] else prev)]
+    return _call(f"Bind {slug}/{alias} to {a['label']}", [r for r in rows if r[1] != r[2]], "PUT", b_path,
+                 {"adapter": a["label"]}, b["row_version"], back)
+
+
+POLICY_FIELDS = ("steps", "interval_s", "min_requests", "max_failures")
+"""The policy fields the console's canary form sets (the rest keep their values or defaults)."""
+
+
+async def _canary(service: RegistryService, slug: str, alias: str, q: Any, b_path: str, back: str) -> dict[str, Any]:
+    """Start a canary judged by a policy: set the policy (where it changes), then start at its first step."""
+    adapter = q.get("adapter", "").strip()
+    if not adapter:
+        raise Invalid("choose the adapter version to canary", param="adapter")
+    a = await service.get_adapter(adapter)
+    b = await queries.binding(service, slug, alias)
+    if a["status"] != "active":
+        raise Conflict(f"{a['label']} is {a['status']}: activate it first (the activation gate)", "adapter_not_active")
+    if a["label"] == (b["active"] or {}).get("label"):
+        raise Invalid(f"{a['label']} is already the active version of {slug}/{alias}", "canary_is_active",
+                      param="adapter")
+    if b["canary"] and b["canary"]["label"] != a["label"]:
+        raise Conflict(f"{slug}/{alias} already has a canary ({b['canary']['label']}); promote or abort it first",
+                       "canary_in_progress")
+    old = await queries.policy(service, slug, alias)
+    base = {k: old[k] for k in DEFAULTS} if old else None
+    given: dict[str, Any] = {}
+    raw_steps = q.get("steps", "").strip()
+    if raw_steps:
+        given["steps"] = [_number(x.strip().rstrip("%"), "steps") for x in raw_steps.split(",") if x.strip()]
+    for k in ("interval_s",):
+        if q.get(k, "").strip():
+            given[k] = _number(q[k].strip(), k)
+    for k in ("min_requests", "max_failures"):
+        if q.get(k, "").strip():
+            given[k] = _int(q[k].strip(), k)
+    config = validate_policy(given, base)  # the refusal here, before anything is called
+    first = config["steps"][0]
+    rows: list[tuple[str, Any, Any]] = [("canary", (b["canary"] or {}).get("label"), a["label"]),
+                                        ("canary_percent", b["canary_percent"], first)]
+    rows += [(f"policy {k}", present.text(old[k]) if old else None, present.text(config[k])) for k in POLICY_FIELDS
+             if not old or old[k] != config[k]]
+    calls: list[tuple[str, str, Any, int | None]] = []
+    if not old or any(old[k] != config[k] for k in POLICY_FIELDS):
+        calls.append(("PUT", f"{b_path}/canary/policy", {k: config[k] for k in POLICY_FIELDS}, None))
+    calls.append(("POST", f"{b_path}/canary", {"adapter": a["label"], "percent": first}, b["row_version"]))
+    note = (f"The canary judge then steps it through {'/'.join(f'{s:g}' for s in config['steps'])} %, at least "
+            f"{config['interval_s']:g} s a step, judging on at least {config['min_requests']} requests per arm; "
+            f"{config['max_failures']} failed judgements abort it, and after the last step it is promoted.")
+    return _calls(f"Start a canary of {a['label']} on {slug}/{alias}", rows, calls, back, note=note)
 
 
 def _int(v: str, name: str) -> int:

@@ -42,6 +42,7 @@
     const html = await fragment(page);
     if (html === null) return;
     $("view").innerHTML = html;
+    $("view").querySelectorAll("[data-charts]").forEach(charts);
     document.querySelectorAll("#nav a").forEach((a) => {
       a.classList.toggle("current", page.split("?")[0].replace(/^tenant$/, "tenants") === a.hash.slice(1));
     });
@@ -75,7 +76,7 @@
   }
 
   async function confirmStep(action, data, fields) {
-    const html = await fragment("confirm?" + query({ action, slug: data.slug, alias: data.alias, ...fields }));
+    const html = await fragment("confirm?" + query({ action, slug: data.slug, alias: data.alias, ref: data.ref, ...fields }));
     if (html === null) return;
     $("dialog").innerHTML = html;
     $("dialog").hidden = false;
@@ -83,27 +84,86 @@
     (ok || $("dialog").querySelector("[data-cancel]")).focus();
   }
 
+  // The confirm step's admin API calls, in order; the first refusal stops the rest and is shown.
   async function call(button) {
     const d = button.dataset;
-    const headers = auth();
-    if (d.body) headers["Content-Type"] = "application/json";
-    if (d.ifMatch) headers["If-Match"] = '"' + d.ifMatch + '"';
+    const calls = JSON.parse(d.calls || "[]");
     button.disabled = true;
     try {
-      const r = await fetch(d.path, { method: d.method, headers, body: d.body || undefined });
-      const out = await r.json().catch(() => ({}));
-      if (r.status === 401 || r.status === 403) return signOut(await fragment("whoami"));
-      if (!r.ok) {
-        const msg = (out.error && out.error.message) || ("HTTP " + r.status);
-        button.closest(".confirm").querySelector(".error").textContent = msg;
-        return;
+      for (const c of calls) {
+        const headers = auth();
+        if (c.body !== null) headers["Content-Type"] = "application/json";
+        if (c.if_match !== null) headers["If-Match"] = '"' + c.if_match + '"';
+        const r = await fetch(c.path, { method: c.method, headers, body: c.body === null ? undefined : JSON.stringify(c.body) });
+        const out = await r.json().catch(() => ({}));
+        if (r.status === 401 || r.status === 403) return signOut(await fragment("whoami"));
+        if (!r.ok) {
+          const msg = (out.error && out.error.message) || ("HTTP " + r.status);
+          button.closest(".confirm").querySelector(".error").textContent = msg;
+          return;
+        }
       }
       closeDialog();
-      flash("Done: " + d.method + " " + d.path.replace(BASE, "") + " (in the audit log)");
+      const done = calls.map((c) => c.method + " " + c.path.replace(BASE, "")).join(", then ");
+      flash("Done: " + done + " (in the audit log)");
       if (location.hash === d.back) await route(); else location.hash = d.back;
     } finally {
       button.disabled = false;
     }
+  }
+
+  // Charts of the live page: one SVG per metric, a line per version over the window, drawn here
+  // from the numbers the page carries (no library, nothing fetched).
+  const SVG = "http://www.w3.org/2000/svg";
+  const COLORS = ["#2456c7", "#c75d24", "#1e7b34", "#8a2be2", "#b3261e", "#0f8b8d", "#a67c00", "#5b6475"];
+  const METRICS = { requests: (p) => p[1], errors: (p) => p[2], ttft: (p) => (p[3] === null ? null : 1000 * p[3]) };
+
+  function svg(tag, attrs, parent) {
+    const el = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+    if (parent) parent.appendChild(el);
+    return el;
+  }
+
+  function charts(box) {
+    const series = JSON.parse(box.dataset.charts);
+    const end = Number(box.dataset.now), start = end - Number(box.dataset.windowS);
+    const versions = Object.keys(series);
+    box.querySelectorAll("figure[data-chart]").forEach((fig) => {
+      const pick = METRICS[fig.dataset.chart];
+      const W = 420, H = 150, L = 44, R = 8, T = 8, B = 22;
+      const lines = versions.map((v) => series[v].map((p) => [p[0], pick(p)]).filter((p) => p[1] !== null));
+      const top = Math.max(1, ...lines.flat().map((p) => p[1]));
+      const x = (t) => L + (W - L - R) * Math.min(1, Math.max(0, (t - start) / (end - start)));
+      const y = (v) => T + (H - T - B) * (1 - v / top);
+      const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", class: "chart",
+                                 "aria-label": fig.querySelector("figcaption").textContent });
+      svg("line", { x1: L, y1: y(0), x2: W - R, y2: y(0), class: "axis" }, chart);
+      for (const [v, label] of [[top, top >= 10 ? top.toFixed(0) : top.toPrecision(2)], [0, "0"]]) {
+        svg("text", { x: L - 4, y: y(v) + 4, "text-anchor": "end", class: "tick" }, chart).textContent = label;
+      }
+      svg("text", { x: L, y: H - 6, class: "tick" }, chart).textContent = "−5 min";
+      svg("text", { x: W - R, y: H - 6, "text-anchor": "end", class: "tick" }, chart).textContent = "now";
+      lines.forEach((pts, i) => {
+        if (!pts.length) return;
+        const color = COLORS[i % COLORS.length];
+        const d = pts.map((p, j) => (j ? "L" : "M") + x(p[0] + 5).toFixed(1) + " " + y(p[1]).toFixed(1)).join(" ");
+        svg("path", { d, fill: "none", stroke: color, "stroke-width": 2, "data-version": versions[i] }, chart);
+        pts.forEach((p) => svg("circle", { cx: x(p[0] + 5), cy: y(p[1]), r: 2.5, fill: color }, chart));
+      });
+      fig.appendChild(chart);
+    });
+    const legend = document.createElement("p");
+    legend.className = "legend";
+    versions.forEach((v, i) => {
+      const item = document.createElement("span");
+      const swatch = svg("svg", { width: 12, height: 12, viewBox: "0 0 12 12" });
+      svg("rect", { width: 12, height: 12, fill: COLORS[i % COLORS.length] }, swatch);
+      item.appendChild(swatch);
+      item.appendChild(document.createTextNode(" " + v));
+      legend.appendChild(item);
+    });
+    box.appendChild(legend);
   }
 
   async function upload(form) {
