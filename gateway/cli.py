@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 from loraplex.devsecrets import refusal
@@ -47,6 +48,18 @@ class BufferedLines(logging.Handler):
         super().close()
 
 
+def log_access(path: str | None = None) -> None:
+    """The access log (one JSON line per request, what ``loraplex plan`` reads) to ``path``, appended,
+    or to stderr: buffered (flushed every second by the app, or when full), as a write per request
+    would cost more CPU than the rest of the request path."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    stream = open(path, "a", encoding="utf-8") if path else sys.stderr  # open for the process's life
+    access = logging.getLogger("loraplex.gateway.access")
+    access.addHandler(BufferedLines(stream))
+    access.propagate = False
+
+
 GC_GEN0_THRESHOLD = 50_000
 """Allocations between young-generation collections (Python's default: 700). A request makes
 a few hundred objects (the HTTP client's futures, responses, buffers): at the default the
@@ -83,10 +96,7 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.no_access_log:
         access.setLevel(logging.WARNING)
     else:
-        # One JSON line per request, buffered (flushed every second by the app, or when full):
-        # a write per request would cost more CPU than the rest of the request path.
-        access.addHandler(BufferedLines(sys.stderr))
-        access.propagate = False
+        log_access(settings.access_log or None)
     app = create_app(settings, mount_admin=settings.gateway_mount_admin)
     if hasattr(app.gateway.snapshots, "freeze_gc"):  # the live registry: its snapshot out of the GC's walk too
         app.gateway.snapshots.freeze_gc = True
@@ -123,6 +133,17 @@ def _admin_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """A token's lifetime: a number of seconds above 0 (an expired token is no use to mint)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds: {text!r}")
+    return value
+
+
 def _token(args: argparse.Namespace) -> int:
     from loraplex.tokens import mint, mint_admin
 
@@ -152,5 +173,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tenant", default="", help="tenant slug the token belongs to")
     t.add_argument("--admin", action="store_true", help="an admin token (admin scope)")
     t.add_argument("--subject", default="", help="the sub claim (default: the tenant or 'admin')")
-    t.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds")
+    t.add_argument("--ttl", type=_seconds, default=3600.0, help="lifetime in seconds (more than 0; default 3600)")
     t.set_defaults(handler=_token)

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, public_event, public_message
 from gateway.router import Router, Worker
 from gateway.worker_client import WorkerBroke, WorkerClient, WorkerResponse, WorkerUnreachable
 from loraplex.wire import error_body
@@ -199,7 +199,8 @@ def finish_of(body: bytes) -> tuple[bool, bool]:
 
 
 def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
-    return b"data: " + orjson.dumps(error_body(message, "upstream_error", code)) + b"\n\n"
+    """An error event (``code``'s fixed sentence where it has one: ``gateway.errors.ERROR_CODES``)."""
+    return b"data: " + orjson.dumps(error_body(public_message(code, message), "upstream_error", code)) + b"\n\n"
 
 
 @dataclass(slots=True)
@@ -213,6 +214,8 @@ class StreamResult:
     error: str | None = None
     """Why the stream broke (the gateway then ends it with an error event)."""
     worker_error: bool = False
+    worker_detail: str | None = None
+    """The worker's own text of its in-stream error, when the client got a fixed sentence (for the log)."""
     sent_bytes: int = 0
     first_token_at: float | None = None
     """``time.perf_counter()`` when the first event went to the client."""
@@ -280,6 +283,7 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
                     result.done = True
                 elif event.startswith(b'data: {"error"'):
                     result.worker_error = True  # the worker reported a failure in-stream
+                    event, result.worker_detail = public_event(event)
                 elif b'"choices":[]' in event and b'"usage"' in event and event.startswith(b"data:"):
                     try:
                         obj = orjson.loads(event[5:])

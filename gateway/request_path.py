@@ -23,7 +23,7 @@ from gateway import responses_api
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
-from gateway.errors import GatewayError, from_registry, send_error
+from gateway.errors import GatewayError, from_registry, public_body, public_message, send_error
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokens import PromptCounter, PromptError
@@ -148,6 +148,8 @@ class Gateway:
             err = exc if isinstance(exc, GatewayError) else from_registry(exc)
             if isinstance(exc, RegistryError):
                 log.warning("request %s: %s (%s)", call.request_id, exc.message, exc.code)
+            elif err.detail != err.message:  # the client got the code's fixed sentence
+                log.warning("request %s: %s: %s", call.request_id, err.code, err.detail)
             call.status = err.status
             if not call.started:
                 await send_error(send, err, call.headers)
@@ -308,6 +310,8 @@ class Gateway:
         if result.error or result.worker_error:
             call.status = 502
             self.metrics.upstream_failure(call.worker)
+            log.warning("request %s: the stream from worker %s failed: %s", call.request_id, call.worker,
+                        result.worker_detail or result.error or "an error event")
         call.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -340,12 +344,19 @@ class Gateway:
                 if problem is not None:
                     raise GatewayError(503, problem, code="store_unavailable", headers=responses_api.RETRY)
         elif status >= 500:
+            log.warning("request %s: worker %s answered %d: %s", call.request_id, call.worker, status,
+                        content[:300].decode("utf-8", "replace"))
             status = call.status = 502
-            content = orjson.dumps(error_body("the worker failed to answer", "upstream_error", "upstream_error"))
+            content = orjson.dumps(error_body(public_message("upstream_error", "the worker failed"),
+                                              "upstream_error", "upstream_error"))
+        else:  # the worker's 4xx, without the servers' insides
+            content, detail = public_body(content)
+            if detail is not None:
+                log.warning("request %s: worker %s answered %d: %s", call.request_id, call.worker, status, detail)
+        ctype = opened.response.content_type if status == 200 else "application/json"
         call.finished = True
         await send({"type": "http.response.start", "status": status,
-                    "headers": _headers(call.headers, opened.response.content_type.encode("latin-1"),
-                                        length=len(content))})
+                    "headers": _headers(call.headers, ctype.encode("latin-1"), length=len(content))})
         call.started = True
         await send({"type": "http.response.body", "body": content})
 

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="print every setting (LORAPLEX_* variable) and its effective value",
-                              description=__doc__.splitlines()[0])
+                              description="loraplex config: every setting, its variable, its effective value and what it means.")
     p.add_argument("--json", action="store_true", help="JSON object of variable -> value")
     p.add_argument("--markdown", action="store_true", help="the reference table (defaults and meanings)")
     p.add_argument("-v", "--verbose", action="store_true", help="with each setting's meaning")

@@ -48,6 +48,9 @@ class Settings:
     """Namespace for every Redis key and channel (lets several deployments share one Redis)."""
     log_level: str = "INFO"
     """Python logging level of every process (DEBUG, INFO, WARNING, ...)."""
+    access_log: str = ""
+    """File the gateway appends its access log to: a JSON line per request, what ``loraplex plan`` reads.
+    Empty: stderr (``loraplex gateway``, ``serve``), ``{home}/access.log`` (``loraplex demo``)."""
 
     # --- registry / control plane ------------------------------------------------------
     adapter_root: str = ""

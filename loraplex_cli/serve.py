@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import logging
+import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from loraplex.devsecrets import refusal
 from loraplex.ports import busy
@@ -31,6 +33,11 @@ from loraplex.settings import Settings, get_settings
 log = logging.getLogger("loraplex_cli.serve")
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "adapters"
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+ACCESS_LOG = "access.log"
+"""In ``LORAPLEX_HOME``: where ``loraplex demo`` writes its access log unless LORAPLEX_ACCESS_LOG says."""
+LOCK_FILE = "serve.lock"
+"""In ``LORAPLEX_HOME``: held by the ``serve`` or ``demo`` process that uses the home."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,31 @@ DEMO_BINDINGS: tuple[DemoBinding, ...] = (
     DemoBinding("acme", "support", "terse"),
     DemoBinding("globex", "assistant", "json"),
 )
+DEMO_ACTOR = "demo"
+"""The subject of the demo's admin token: its changes are audited under this name."""
+
+
+def hold_home(settings: Settings, command: str) -> IO[str] | str:
+    """The home's lock, held (``fcntl.flock``) until this process exits: one embedded runner per
+    home, so two never share its SQLite registry (two canary judges on one registry). Returns the open
+    lock file (keep it), or why another process holds it."""
+    home = Path(settings.home)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / LOCK_FILE
+    fh = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        return (f"{holder} already runs on LORAPLEX_HOME={home} (lock {path}); stop it, or set LORAPLEX_HOME "
+                "to another directory")
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"loraplex {command} (pid {os.getpid()})\n")
+    fh.flush()
+    return fh
 
 
 def _step(message: str) -> None:
@@ -95,24 +127,36 @@ async def register_base_model(settings: Settings) -> str:
         await service.close()
 
 
-async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[str, str]:
-    """Register the base model, tenants, demo adapters and bindings through the admin API.
+@dataclass(frozen=True)
+class Seeded:
+    tokens: dict[str, str]
+    """A token per demo tenant."""
+    bindings: list[tuple[str, str, str]]
+    """(tenant, alias, active version's label) of each demo tenant's binding, as served now."""
 
-    Idempotent. Each adapter version goes through the activation gate (a worker probes
-    it against the base model) exactly as an operator's would. Returns a token per tenant.
+
+async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> Seeded:
+    """Create what the demo needs and is missing: the base model, tenants, demo adapters and bindings,
+    through the admin API. Returns a token per tenant and what each alias serves.
+
+    What exists is left as it is: a tenant is never re-enabled, an adapter with any version is never
+    registered again nor re-activated, and a binding that exists is never re-pointed (a restart after
+    an operator's bind, rollback or canary abort serves what the operator left); a binding the demo
+    created once and an operator removed stays removed. Each new adapter version goes through the
+    activation gate (a worker probes it against the base model) exactly as an operator's would.
     """
     import httpx
 
     from loraplex.tokens import mint, mint_admin
 
     url = f"http://{settings.gateway_host}:{settings.gateway_port}/admin"
-    headers = {"Authorization": f"Bearer {mint_admin(settings, subject='demo')}"}
+    headers = {"Authorization": f"Bearer {mint_admin(settings, subject=DEMO_ACTOR)}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600.0, trust_env=False) as api:
         async def call(method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
             r = await api.request(method, path, json=body)
             if r.status_code >= 400 and r.status_code not in ok:
                 raise RuntimeError(f"{method} /admin{path}: {r.status_code} {r.text}")
-            return r.json()
+            return r.json() if r.status_code < 400 else None
 
         base_name = await register_base_model(settings)
         for slug, limits in DEMO_TENANTS.items():
@@ -120,34 +164,58 @@ async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> dict[s
         root = Path(settings.resolved_adapter_root()) / "demo"
         root.mkdir(parents=True, exist_ok=True)
         for b in DEMO_BINDINGS:
-            src = adapters_dir / b.adapter
-            if not (src / "adapter_model.safetensors").is_file():
-                raise FileNotFoundError(f"demo adapter {src} is missing (see demo/README.md)")
-            name = f"{b.tenant}-{b.adapter}"
-            versions = (await call("GET", f"/adapters?name={name}"))["data"]
-            version = versions[-1] if versions else None
+            if await call("GET", f"/tenants/{b.tenant}/bindings/{b.alias}", ok=(404,)) is not None:
+                continue  # the operator's (or an earlier start's): never re-pointed
+            target = f"binding:{b.tenant}/{b.alias}"
+            if (await call("GET", f"/audit?actor={DEMO_ACTOR}&action=binding.create&target={target}"))["data"]:
+                _step(f"{b.tenant}/{b.alias}: removed since the demo created it; left out")
+                continue
+            version = await _demo_version(call, b, adapters_dir, root, base_name)
             if version is None:
-                dst = root / name
-                if dst.exists():
-                    shutil.rmtree(dst)
-                shutil.copytree(src, dst)
-                version = await call("POST", "/adapters", {"name": name, "uri": str(dst), "base_model": base_name,
-                                                           "owner": b.tenant})
-            if version["status"] == "pending":
-                _step(f"activation gate: probing {name}@{version['version']} on the worker")
-                version = await call("POST", f"/adapters/{version['id']}/activate", {})
-                v = version.get("verification") or {}
-                _step(f"  {v.get('probes_differing')} of {len(v.get('probes') or [])} probes differ from base")
+                _step(f"{b.tenant}/{b.alias}: {b.tenant}-{b.adapter} has no active version; left unbound")
+                continue
             await call("PUT", f"/tenants/{b.tenant}/bindings/{b.alias}", {"adapter": version["id"]})
-    return {slug: mint(settings, f"{slug}-backend", tenant=slug, ttl_s=30 * 86400) for slug in DEMO_TENANTS}
+        served = [(r["tenant"], r["alias"], (r.get("active") or {}).get("label", "-"))
+                  for slug in DEMO_TENANTS for r in (await call("GET", f"/bindings?tenant={slug}"))["data"]]
+    tokens = {slug: mint(settings, f"{slug}-backend", tenant=slug, ttl_s=30 * 86400) for slug in DEMO_TENANTS}
+    return Seeded(tokens, served)
 
 
-def print_instructions(settings: Settings, tokens: dict[str, str]) -> None:
+async def _demo_version(call: Any, b: DemoBinding, adapters_dir: Path, root: Path,
+                        base_name: str) -> dict[str, Any] | None:
+    """The version an unbound demo alias gets: the newest active one of its adapter; a new adapter is
+    registered and activated first (as is a first version left pending by an interrupted start)."""
+    name = f"{b.tenant}-{b.adapter}"
+    versions = (await call("GET", f"/adapters?name={name}"))["data"]
+    active = [v for v in versions if v["status"] == "active"]
+    if active:
+        return dict(active[-1])
+    if not versions:
+        src = adapters_dir / b.adapter
+        if not (src / "adapter_model.safetensors").is_file():
+            raise FileNotFoundError(f"demo adapter {src} is missing (see demo/README.md)")
+        dst = root / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+        versions = [await call("POST", "/adapters", {"name": name, "uri": str(dst), "base_model": base_name,
+                                                     "owner": b.tenant})]
+    if len(versions) != 1 or versions[0]["status"] != "pending":
+        return None  # disabled or failed by an operator or the gate: not the demo's to undo
+    version = versions[0]
+    _step(f"activation gate: probing {name}@{version['version']} on the worker")
+    version = await call("POST", f"/adapters/{version['id']}/activate", {})
+    v = version.get("verification") or {}
+    _step(f"  {v.get('probes_differing')} of {len(v.get('probes') or [])} probes differ from base")
+    return dict(version)
+
+
+def print_instructions(settings: Settings, seeded: Seeded) -> None:
     url = f"http://{settings.gateway_host}:{settings.gateway_port}"
     print("\nloraplex is up. One endpoint, one base model, an adapter per tenant:\n")
-    for b in DEMO_BINDINGS:
-        print(f"  tenant {b.tenant:<7} model {b.alias!r:<12} -> adapter {b.adapter}")
-    for slug, token in tokens.items():
+    for tenant, alias, label in seeded.bindings:
+        print(f"  tenant {tenant:<7} model {alias!r:<12} -> adapter {label}")
+    for slug, token in seeded.tokens.items():
         print(f"\n# {slug}\nexport {slug.upper()}_TOKEN={token}")
     print(f"""
 # Same model name, two tenants, two adapters:
@@ -216,13 +284,13 @@ async def run(settings: Settings, *, demo: bool = False) -> None:
     if demo:
         _step("seeding demo tenants, adapters and bindings")
         try:
-            tokens = await seed_demo(settings)
+            seeded = await seed_demo(settings)
         except (RuntimeError, OSError) as exc:
             for s in servers:
                 s.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
             raise SystemExit(f"error: demo seeding failed: {exc}") from None
-        print_instructions(settings, tokens)
+        print_instructions(settings, seeded)
     else:
         name = await register_base_model(settings)
         print(f"Serving base model {name!r}. Ctrl-C stops it.", flush=True)
@@ -254,8 +322,8 @@ async def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
 def _handler(demo: bool):  # type: ignore[no-untyped-def]
     def handle(args: argparse.Namespace) -> int:
         settings = get_settings()
-        overrides = {k: v for k, v in (("gateway_port", args.port), ("worker_port", args.worker_port))
-                     if v is not None}
+        overrides = {k: v for k, v in (("gateway_port", args.port), ("worker_port", args.worker_port),
+                                       ("weights", args.weights)) if v is not None}
         settings = settings.replace(**overrides)
         problem = refusal(settings, {"LORAPLEX_GATEWAY_HOST": settings.gateway_host,
                                      "LORAPLEX_WORKER_HOST": settings.worker_host}, ("jwt_secret", "worker_secret"))
@@ -268,9 +336,19 @@ def _handler(demo: bool):  # type: ignore[no-untyped-def]
         if taken:
             print(f"error: {taken}", file=sys.stderr)
             return 2
+        lock = hold_home(settings, "demo" if demo else "serve")
+        if isinstance(lock, str):
+            print(f"error: {lock}", file=sys.stderr)
+            return 2
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
         for chatty in ("httpx", "alembic"):
             logging.getLogger(chatty).setLevel(logging.WARNING)
+        access = settings.access_log or (str(Path(settings.home) / ACCESS_LOG) if demo else "")
+        if access:  # else (serve) on stderr with the other lines, as before
+            from gateway.cli import log_access
+
+            log_access(access)
+            _step(f"access log: {access} (a JSON line per request; `loraplex plan {access}` sizes a fleet from it)")
         try:
             settings = prepare(settings)
             asyncio.run(run(settings, demo=demo))
@@ -279,6 +357,8 @@ def _handler(demo: bool):  # type: ignore[no-untyped-def]
         except (FileNotFoundError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        finally:
+            lock.close()
         return 0
 
     return handle
@@ -292,4 +372,6 @@ def register(subparsers: Any) -> None:
         p = subparsers.add_parser(name, help=text, description=text)
         p.add_argument("--port", type=int, help="gateway port (default LORAPLEX_GATEWAY_PORT or 8000)")
         p.add_argument("--worker-port", type=int, help="worker port (default LORAPLEX_WORKER_PORT or 8100)")
+        p.add_argument("--weights", choices=WEIGHTS, help="base weights (default LORAPLEX_WEIGHTS or auto: bfloat16 "
+                       "where the CPU multiplies it natively, else float32); int8 and int4 are faster, less faithful")
         p.set_defaults(handler=_handler(demo))

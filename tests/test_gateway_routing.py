@@ -155,7 +155,7 @@ async def test_routing_and_failover_with_real_workers(stubs, redis_url, redis_pr
         before = sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2")
         r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "load-fail"}}, headers=h)
         assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_load_failed"
-        assert "sha256 mismatch" in r.json()["error"]["message"]
+        assert "sha256" not in r.json()["error"]["message"]  # the worker's reason is for the log only
         assert sum(st.stats()["requests"] for name, st in stubs.items() if name != "w2") == before + 1
         # Nor is an adapter whose values went non-finite: it would poison every candidate's batch.
         r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_mode": "non-finite"}}, headers=h)
