@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from loraplex.wire import error_body
-from registry.errors import RegistryError
+from registry.errors import RETRY_AFTER_S, RegistryError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -123,6 +123,11 @@ class GatewayError(Exception):
 
     def body(self) -> bytes:
         return orjson.dumps(error_body(self.message, self.type, self.code, self.param))
+
+
+def retry_later() -> dict[str, str]:
+    """The ``retry-after`` of a 503 for an outage of the registry or its database."""
+    return {"retry-after": str(RETRY_AFTER_S)}
 
 
 def from_registry(err: RegistryError) -> GatewayError:

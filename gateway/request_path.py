@@ -23,7 +23,7 @@ from gateway import responses_api
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
-from gateway.errors import GatewayError, from_registry, public_body, public_message, send_error
+from gateway.errors import GatewayError, from_registry, public_body, public_message, retry_later, send_error
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokens import PromptCounter, PromptError
@@ -202,7 +202,7 @@ class Gateway:
             return self.snapshots.current
         except Exception:
             raise GatewayError(503, "The registry is not available yet; try again shortly.",
-                               code="registry_unavailable") from None
+                               code="registry_unavailable", headers=retry_later()) from None
 
     def _parse(self, raw: bytes, chat: bool) -> ValidRequest:
         try:
@@ -342,7 +342,7 @@ class Gateway:
                 content = responses_api.whole(call.turn, call.alias, content)
                 problem = await self._keep(call)
                 if problem is not None:
-                    raise GatewayError(503, problem, code="store_unavailable", headers=responses_api.RETRY)
+                    raise GatewayError(503, problem, code="store_unavailable", headers=retry_later())
         elif status >= 500:
             log.warning("request %s: worker %s answered %d: %s", call.request_id, call.worker, status,
                         content[:300].decode("utf-8", "replace"))

@@ -24,7 +24,6 @@ from gateway.proxy import Opened, StreamResult, relay_sse
 from gateway.responses import ResponsesRequest, StreamTranslator, answer, new_id, read_request, usage_of
 from loraplex import json_body
 from loraplex.wire import error_body
-from registry.errors import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from registry.responses import ResponseStore, Stored
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("loraplex.gateway.responses")
 NOT_STORED = "The response could not be stored; retry, or send it with store: false."
 """Why a turn failed when the database did not take its response (503 ``store_unavailable``)."""
-RETRY = {"retry-after": str(RETRY_AFTER_S)}
 
 @dataclass
 class Turn:

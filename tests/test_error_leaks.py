@@ -6,8 +6,10 @@ host or an exception's text. The worker's detail reaches the gateway's log with 
 from __future__ import annotations
 
 import ast
+import asyncio
 import logging
 import re
+import shutil
 import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,6 +39,8 @@ LEAKS = {
     "host": re.compile(r"127\.0\.0\.1|10\.0\.3\.7|:5432|:\d{2,5}\b|localhost"),
     "exception": re.compile(r"Traceback|\w+Error\(|Exception\(|OperationalError|no such table"),
 }
+OUTAGES = {"registry_unavailable", "store_unavailable", "no_worker"}
+"""Codes of a passing outage: their 503 says when to retry."""
 TENANTS = {
     "acme": {"tokens_per_min": 1_000_000, "requests_per_min": 100_000, "max_concurrent": 64,
              "bindings": {"support": {"active": ("sup", 1)},
@@ -171,10 +175,18 @@ class Snapshots(MutableSnapshots):
         self._current = value
 
 
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory) -> Path:
+    """A migrated registry database, copied for each test (migrating takes longer than a test)."""
+    path = tmp_path_factory.mktemp("leaks") / "registry.db"
+    asyncio.run(fresh_registry(f"sqlite+aiosqlite:///{path}"))
+    return path
+
+
 @pytest.fixture
-async def gw(tmp_path):
+async def gw(tmp_path, migrated):
+    shutil.copy(migrated, tmp_path / "registry.db")
     db = f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}"
-    await fresh_registry(db)
     settings = Settings(database_url=db, worker_urls=("http://worker",), max_body_bytes=8192,
                         response_retention_s=3600, response_max_chain=2, canary_judge_interval_s=0.0)
     snapshots = Snapshots(make_snapshot(TENANTS))
@@ -347,6 +359,8 @@ async def test_an_error_says_nothing_of_the_servers_insides(gw, code, caplog):
             found = pattern.search(scrubbed)
             assert found is None, f"{code}: the answer names a {kind} ({found.group(0)!r}): {text[:600]}"
         assert r.status_code != 500 or code == "internal_error", text
+        if code in OUTAGES:
+            assert r.headers.get("retry-after", "").isdigit(), f"{code}: a 503 without retry-after"
 
 
 async def test_adapter_load_failed_is_a_fixed_sentence_and_the_reason_is_logged(gw, caplog):
