@@ -303,3 +303,23 @@ def test_a_route_with_the_registry_down(outage, route):
         # The connection serves the next request.
         assert conn.request("GET", "/healthz")[0] == 200
     conn.close()
+
+
+def test_an_unexpected_error_keeps_the_connection(outage, monkeypatch, caplog):
+    """A bug (not an outage) on a Starlette route is a logged 500, and the keep-alive connection
+    serves the next request (Starlette re-raises after answering; the app does not let the server
+    see it)."""
+    app, port, seeded = outage
+
+    async def broken(tenant: str, response_id: str) -> None:
+        raise RuntimeError("a bug at /srv/loraplex/registry/responses.py")
+
+    monkeypatch.setattr(app.gateway.responses_store, "get", broken)
+    conn = Conn(port)
+    user = {"authorization": f"Bearer {mint(seeded.settings, 'u', tenant='acme')}"}
+    status, _, body = conn.request("GET", f"/v1/responses/{seeded.response_id}", headers=user)
+    assert status == 500 and json.loads(body)["error"]["code"] == "internal_error", body
+    assert b"/srv/" not in body and b"RuntimeError" not in body
+    assert conn.request("GET", "/healthz")[0] == 200
+    assert any("unhandled error" in r.getMessage() for r in caplog.records)
+    conn.close()
