@@ -28,6 +28,7 @@ from gateway.console_sources import GatewayConsoleSources
 from gateway.errors import GatewayError, from_registry
 from gateway.live_stats import LiveStats
 from gateway.metrics import metrics_app
+from gateway.outliers import Outliers, SharedEjections
 from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
 from gateway.request_path import Gateway, access_log, flush_access_log
 from gateway.router import Router
@@ -36,6 +37,7 @@ from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
 from registry.errors import RegistryError
+from registry.snapshot import RegistrySnapshot, TenantView
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -102,6 +104,16 @@ class GatewayApp(Starlette):
 def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> Response:
     err = GatewayError(status, message, code=code)
     return Response(err.body(), status_code=status, media_type="application/json", headers=headers)
+
+
+def _created(snapshot: RegistrySnapshot, tenant: TenantView, name: str) -> int:
+    """``/v1/models``' ``created`` of a name: when its alias's active version, or the base model, was
+    registered (unix seconds; 0 for an alias with no active version)."""
+    binding = tenant.bindings.get(name)
+    if binding is not None:
+        return binding.active.created if binding.active is not None else 0
+    base = snapshot.base_models.get(name)
+    return base.created if base is not None else 0
 
 
 def _redis_client(settings: Settings) -> Any:
@@ -171,7 +183,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         http_client = WorkerClient(settings.worker_secret)
     router = Router(residency, candidates=settings.route_candidates, load_factor=settings.route_load_factor,
                     static_urls=settings.worker_urls,
-                    cooldown_s=max(2.0, settings.worker_report_ttl_s))
+                    cooldown_s=max(2.0, settings.worker_report_ttl_s), report_ttl_s=settings.worker_report_ttl_s,
+                    outliers=Outliers(settings.worker_eject_failures, settings.worker_eject_base_s,
+                                      settings.worker_eject_max_s,
+                                      shared=SharedEjections(redis, settings.redis_prefix) if redis is not None else None))
     gw = Gateway(settings, snapshots, limiter, router, http_client)
     gw.metrics.observe_snapshots(snapshots)
     if redis is not None:
@@ -186,8 +201,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         """The models the caller's tenant may name, in ``/v1/models``' shape (GatewayError: refused)."""
         snapshot = gw._snapshot()
         tenant = gw.auth.tenant(request.headers.get("authorization"), snapshot)
-        return [{"id": name, "object": "model", "created": 0, "owned_by": tenant.slug if name in tenant.bindings
-                 else "loraplex"} for name in gw.resolver.models(snapshot, tenant)]
+        return [{"id": name, "object": "model", "created": _created(snapshot, tenant, name),
+                 "owned_by": tenant.slug if name in tenant.bindings else "loraplex"}
+                for name in gw.resolver.models(snapshot, tenant)]
 
     async def models(request: Request) -> Response:
         try:

@@ -115,6 +115,23 @@ class _SnapshotCollector:
         yield loads
 
 
+class _EjectionCollector:
+    """``loraplex_gateway_worker_ejected{worker}``: 1 while outlier detection skips the worker, for
+    every worker this replica knows (read from the router when scraped)."""
+
+    def __init__(self, router: Any, cap: LabelCap) -> None:
+        self.router = router
+        self.cap = cap
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily("loraplex_gateway_worker_ejected", "1 while this replica's outlier detection "
+                                  "ejects the worker (consecutive failures or timeouts)", labels=["worker"])
+        ejected = self.router.outliers.ejections()
+        for w in self.router.workers():
+            gauge.add_metric([self.cap(w.id)], 1 if w.id in ejected else 0)
+        yield gauge
+
+
 class GatewayMetrics:
     def __init__(self, max_tenants: int = 200, max_adapters: int = 500, max_workers: int = 100) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -132,6 +149,8 @@ class GatewayMetrics:
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.upstream_failures = Counter("loraplex_gateway_upstream_failures", "Worker attempts that failed",
                                          ["worker"], registry=r)
+        self.ejections = Counter("loraplex_gateway_worker_ejections", "Times outlier detection ejected a worker, "
+                                 "by the failure that did it", ["worker", "reason"], registry=r)
         self.routes = Counter("loraplex_gateway_route_requests", "Requests by the API route the client called "
                               "(chat, completions, responses) and status class", ["route", "code"], registry=r)
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
@@ -186,6 +205,13 @@ class GatewayMetrics:
 
     def track_redis(self) -> Gauge:
         if self.redis_up is None:
+    def ejected(self, worker: str, reason: str) -> None:
+        self.ejections.labels(self.worker_cap(worker), reason).inc()
+
+    def track_ejections(self, router: Any) -> None:
+        """Expose which of ``router``'s workers are ejected now (``gateway.outliers``)."""
+        self.registry.register(_EjectionCollector(router, self.worker_cap))  # type: ignore[arg-type]
+
             self.redis_up = Gauge("loraplex_gateway_redis_up", "1 while the rate limiter reaches Redis (0: on its "
                                   "local fallback)", registry=self.registry)
         return self.redis_up

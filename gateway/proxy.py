@@ -3,19 +3,27 @@
 ``Upstream.open`` tries the routed workers in order until one answers: a worker that cannot
 be reached, a 503, a 401/403 (the worker refused this gateway's worker secret: logged, never
 passed to the client), or a response that breaks before its first byte moves on to the next
-candidate (connection failures also mark the worker failed in the router). Nothing has
-reached the client at that point, so a retry is invisible to it. A 503 that blames the
-adapter itself is not retried: another worker would fail the same way.
+candidate (connection failures also mark the worker failed in the router). So does a
+worker, other than the last candidate, that sends no first byte within its deadline (``first_byte_s`` plus ``per_queued_s``
+per request it has waiting; a whole answer's worker, which sends nothing until it is done,
+keeps its request past the deadline while its report stays fresh, or while it has none: a
+static URL): the attempt is cancelled
+and its connection closed. Nothing has reached the client at that point, so a retry is
+invisible to it. A 503 that blames the adapter itself is not retried: another worker would
+fail the same way. Every attempt's outcome feeds the router's outlier detection
+(``gateway.outliers``).
 
 ``relay_sse`` passes a worker's SSE stream through event by event without buffering
 the response; it picks the usage chunk out (and drops it when the client did not ask
 for ``stream_options.include_usage``), keeps count of the tokens relayed from the
 per-chunk usage, and ends a stream that breaks mid-way with an SSE error event, never
-silently.
+silently: ``stream_interrupted``, or ``upstream_stalled`` when the worker sent nothing for
+``stall_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -25,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from gateway import outliers
 from gateway.errors import GatewayError, public_event, public_message
 from gateway.router import Router, Worker
 from gateway.worker_client import WorkerBroke, WorkerClient, WorkerResponse, WorkerUnreachable
@@ -42,15 +51,101 @@ class Opened:
     the whole body when it was opened with ``whole``."""
     chunks: AsyncIterator[bytes] | None
     """The rest of the body (None: ``first`` is all of it)."""
+    stall_s: float = 0.0
+    """A stream whose worker sends nothing for this long is ended (``relay_sse``; 0: never)."""
+    outcome: str | None = None
+    """How the worker did: ``ok``, a failure (``gateway.outliers.REASONS``), or None when the
+    request ended before that was known (the client left); ``Upstream.done`` records it."""
+
+
+class Watchdog:
+    """Cancels the task that made it when it has waited ``seconds`` for its worker (``fired``).
+
+    ``waiting`` is False while the task does something else (sends to the client): that time
+    does not count. ``extend`` (optional) is asked when the time is up: seconds more to wait,
+    or None to fire. One timer per watchdog, re-armed only when it goes off."""
+
+    __slots__ = ("_handle", "_loop", "_task", "due", "extend", "fired", "seconds", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float,
+                 extend: Callable[[], float | None] | None = None) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task(loop)
+        self.seconds = seconds
+        self.extend = extend
+        self.fired = False
+        self.waiting = True
+        self.due = loop.time() + seconds
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self.due, self._check)
+
+    def wait(self) -> None:
+        """The task waits for its worker again: ``seconds`` from now."""
+        self.waiting = True
+        self.due = self._loop.time() + self.seconds
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if not self.waiting or now < self.due:
+            self._handle = self._loop.call_at(max(self.due, now + self.seconds) if not self.waiting else self.due,
+                                              self._check)
+            return
+        more = self.extend() if self.extend is not None else None
+        if more is not None:
+            self.due = now + more
+            self._handle = self._loop.call_at(self.due, self._check)
+            return
+        self._handle = None
+        task = self._task
+        if task is not None and not task.done():
+            self.fired = True
+            task.cancel()
+
+    def caught(self) -> bool:
+        """In an ``except CancelledError``: whether this watchdog's cancellation (alone) is the cause."""
+        task = self._task
+        return self.fired and task is not None and task.uncancel() == 0
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class Upstream:
     def __init__(self, client: WorkerClient, router: Router, max_attempts: int = 4,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+                 on_failure: Callable[[str], None] | None = None, *, first_byte_s: float = 10.0,
+                 per_queued_s: float = 0.5, stall_s: float = 20.0) -> None:
         self.client = client
         self.on_failure = on_failure
         self.router = router
         self.max_attempts = max_attempts
+        self.first_byte_s = first_byte_s
+        self.per_queued_s = per_queued_s
+        self.stall_s = stall_s
+
+    def first_byte_deadline(self, worker: Worker) -> float:
+        """Seconds ``worker`` has to send its first byte: the base, plus an allowance per request
+        ahead of this one."""
+        return self.first_byte_s + self.per_queued_s * worker.waiting
+
+    def _failed(self, worker: Worker, reason: str) -> None:
+        self.router.outliers.failure(worker.id, reason)
+        if self.on_failure is not None:
+            self.on_failure(worker.id)
+
+    def _still_working(self, worker: Worker) -> Callable[[], float | None]:
+        """``Watchdog.extend`` for a whole answer, which a worker sends only when it is done: wait
+        on while the worker keeps reporting (it is alive, generating) or has no reports to go by (a
+        static URL); a worker that stopped reporting, or was ejected meanwhile, is given up on."""
+        router = self.router
+
+        def extend() -> float | None:
+            router.refresh_soon()
+            if router.gone_quiet(worker) or router.outliers.ejected(worker.id):
+                return None
+            return max(0.1, min(1.0, router.report_ttl_s / 3))
+
+        return extend
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
                    whole: bool = False, vllm: Callable[[Worker, bool], Awaitable[bytes]] | None = None) -> Opened:
@@ -68,12 +163,17 @@ class Upstream:
         router = self.router
         tries = workers[: self.max_attempts]
         reloaded: set[str] = set()
+        loop = asyncio.get_running_loop()
         while tries:
             worker = tries.pop(0)
             router.acquire(worker)
             resp: WorkerResponse | None = None
+            watch: Watchdog | None = None
             try:
                 body = payload if not worker.vllm or vllm is None else await vllm(worker, worker.id in reloaded)
+                if tries:  # the last candidate has no deadline of its own: there is nowhere else to go
+                    watch = Watchdog(loop, self.first_byte_deadline(worker),
+                                     self._still_working(worker) if whole else None)
                 resp = await self.client.post(worker.url + path, body, request_id)
                 status = resp.status
                 if status == 404 and worker.vllm:
@@ -102,29 +202,46 @@ class Upstream:
                     if load_failure is not None:
                         break  # the adapter itself failed: another worker would fail the same way
                     last = f"worker {worker.id} is overloaded"
+                    self._failed(worker, outliers.STATUS_5XX)
                     continue
                 if whole:
-                    return Opened(worker, resp, await resp.read(), None)
+                    content = await resp.read()
+                    if watch is not None:
+                        watch.stop()
+                    return Opened(worker, resp, content, None, outcome="ok" if status < 500 else outliers.STATUS_5XX)
                 chunks = resp.chunks()
                 first = b""
                 async for chunk in chunks:
                     if chunk:
                         first = chunk
                         break
-                return Opened(worker, resp, first, chunks)
+                if watch is not None:
+                    watch.stop()
+                return Opened(worker, resp, first, chunks, stall_s=self.stall_s)
             except (WorkerUnreachable, WorkerBroke) as exc:
                 router.release(worker)
                 if resp is not None:
                     resp.close()
                 last = f"worker {worker.id}: {exc}"
                 router.mark_failed(worker)
-                if self.on_failure is not None:
-                    self.on_failure(worker.id)
+                self._failed(worker, outliers.CONNECT if isinstance(exc, WorkerUnreachable) else outliers.BROKE)
+            except asyncio.CancelledError:
+                router.release(worker)
+                if resp is not None:
+                    resp.close()
+                if watch is None or not watch.caught():
+                    raise
+                last = f"worker {worker.id} sent nothing within {watch.seconds:g} s"
+                log.warning("request %s: %s; trying the next candidate", request_id, last)
+                self._failed(worker, outliers.FIRST_BYTE)
             except BaseException:
                 router.release(worker)
                 if resp is not None:
                     resp.close()
                 raise
+            finally:
+                if watch is not None:
+                    watch.stop()
         if load_failure is not None:
             code, message = load_failure
             what = "could not be loaded" if code == "adapter_load_failed" else "failed on this request"
@@ -134,9 +251,19 @@ class Upstream:
                            headers={"retry-after": "1"})
 
     def done(self, opened: Opened) -> None:
-        """The request is over: the worker's load drops and the connection is released."""
+        """The request is over: the worker's load drops, the connection is released, and how
+        the worker did goes to outlier detection (a 5xx of its own or a broken or stalled
+        stream: a failure; an answer to its end: a success; a request the client left: neither)."""
         self.router.release(opened.worker)
         opened.response.close()
+        status = opened.response.status
+        outcome = outliers.STATUS_5XX if status >= 500 else opened.outcome
+        if outcome is None and status != 200:
+            outcome = "ok"  # a 4xx: the worker answered
+        if outcome == "ok":
+            self.router.outliers.success(opened.worker.id)
+        elif outcome is not None:
+            self.router.outliers.failure(opened.worker.id, outcome)
 
 
 ADAPTER_FAILURES = (b"adapter_load_failed", b"non_finite_output", b"adapter_error")
@@ -213,6 +340,8 @@ class StreamResult:
     done: bool = False
     error: str | None = None
     """Why the stream broke (the gateway then ends it with an error event)."""
+    stalled: bool = False
+    """It broke because the worker sent nothing for the stall bound (``upstream_stalled``)."""
     worker_error: bool = False
     worker_detail: str | None = None
     """The worker's own text of its in-stream error, when the client got a fixed sentence (for the log)."""
@@ -250,6 +379,7 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
     the relay is cancelled). ``strip_chunk_usage``: the client did not ask for them, so
     they are taken out (``"usage": null`` when it asked for ``include_usage``)."""
     result = result if result is not None else StreamResult()
+    watch = Watchdog(asyncio.get_running_loop(), opened.stall_s) if opened.stall_s > 0 else None
     buf = b""
     chunk_usage = b',"usage":null' if keep_usage else b""
 
@@ -303,16 +433,39 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
             result.sent_bytes += len(out)
             await send({"type": "http.response.body", "body": out, "more_body": True})
 
+    code = "stream_interrupted"
     try:
+        if watch is not None:
+            watch.waiting = False
         if opened.first:
             await push(opened.first)
         if opened.chunks is not None:
+            if watch is not None:
+                watch.wait()
             async for chunk in opened.chunks:
+                if watch is not None:
+                    watch.waiting = False
                 await push(chunk)
+                if watch is not None:
+                    watch.wait()
     except WorkerBroke as exc:
         result.error = f"the worker stream broke: {exc}"
+        opened.outcome = outliers.BROKE
+    except asyncio.CancelledError:
+        if watch is None or not watch.caught():
+            raise
+        result.error = f"the worker sent nothing for {opened.stall_s:g} s"
+        result.stalled = True
+        code = "upstream_stalled"
+        opened.outcome = outliers.STALL
+    finally:
+        if watch is not None:
+            watch.stop()
     if result.error is None and not result.done:
         result.error = "the worker stream ended early"
+        opened.outcome = outliers.BROKE
+    elif result.error is None:
+        opened.outcome = "ok"
     if result.error is not None:
-        await send({"type": "http.response.body", "body": sse_error(result.error), "more_body": True})
+        await send({"type": "http.response.body", "body": sse_error(result.error, code), "more_body": True})
     return result

@@ -77,7 +77,12 @@ class Gateway:
         self.live = LiveStats()
         """Per-version numbers for the console (``create_app`` gives it Redis to share them)."""
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
-                                 on_failure=self.metrics.upstream_failure)
+                                 on_failure=self.metrics.upstream_failure,
+                                 first_byte_s=settings.worker_first_byte_timeout_s,
+                                 per_queued_s=settings.worker_first_byte_per_queued_s,
+                                 stall_s=settings.worker_stall_timeout_s)
+        router.outliers.on_eject = self.metrics.ejected
+        self.metrics.track_ejections(router)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.prompts = PromptCounter(router, client)
         self._limits: dict[tuple[int, int, int], Limits] = {}

@@ -11,8 +11,13 @@ stable, so an adapter keeps landing on the same few workers and stays warm there
 
 A worker that fails (connection error, broken response) is marked failed for
 ``cooldown_s`` and leaves the candidate lists; it comes back earlier when it publishes
-a fresh report. When no usable worker is left for a base model, ``route`` reloads the
-live set at once instead of waiting for the next periodic refresh. Static ``worker_urls`` are always live (unless failed) for every base model.
+a fresh report. A worker whose last report this replica saw is older than ``report_ttl_s``
+is never chosen, whatever the background refresh did (a hung worker stops reporting);
+while the store is unreachable the last known set is routed on as it is. Workers that
+keep failing are ejected for a while (``gateway.outliers``) and skipped unless every
+candidate is. When no usable worker is left for a base model, ``route`` reloads the
+live set at once instead of waiting for the next periodic refresh. Static ``worker_urls``
+are always live (unless failed or ejected) for every base model.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 from uhashring import HashRing
 
+from gateway.outliers import Outliers
 from loraplex.residency import ResidencyStore
 from loraplex.wire import BACKEND_VLLM, WorkerReport
 
@@ -48,6 +54,12 @@ class Worker:
     """Where its control API answers (``/internal/...``): its agent's URL for vLLM, else ``url``."""
     served_model: str = ""
     """vLLM's name of the base model."""
+    queued: int = 0
+    """Requests the worker reported waiting in its queue."""
+    max_seqs: int = 0
+    """Sequences it runs at once (0: not reported)."""
+    seen_at: float = float("inf")
+    """``time.monotonic()`` when this replica last saw a new report of it (static workers: never stale)."""
 
     def __post_init__(self) -> None:
         self.control = self.control or self.url
@@ -56,11 +68,23 @@ class Worker:
     def load(self) -> int:
         return max(self.reported_load, self.inflight)
 
+    @property
+    def waiting(self) -> int:
+        """Requests ahead of a new one: those it reported queued, or this replica's own beyond
+        its sequence slots, whichever is more."""
+        own = self.inflight - self.max_seqs if self.max_seqs else 0
+        return max(self.queued, own)
+
 
 class Router:
     def __init__(self, residency: ResidencyStore | None, *, candidates: int = 3, load_factor: float = 1.5,
-                 static_urls: tuple[str, ...] = (), refresh_s: float = 0.5, cooldown_s: float = 5.0) -> None:
+                 static_urls: tuple[str, ...] = (), refresh_s: float = 0.5, cooldown_s: float = 5.0,
+                 report_ttl_s: float = 3.0, outliers: Outliers | None = None) -> None:
         self.residency = residency
+        self.report_ttl_s = report_ttl_s
+        self.outliers = outliers if outliers is not None else Outliers()
+        self._blind = False
+        """The last refresh could not read the store: staleness is unknown, the last set is used."""
         self.n_candidates = max(1, candidates)
         self.load_factor = load_factor
         self.refresh_s = refresh_s
@@ -92,12 +116,15 @@ class Router:
             log.warning("residency store unreachable (%s); keeping %d known workers",
                         type(exc).__name__, len(self._workers))
             self._refreshed = time.monotonic()
+            self._blind = True
             return
         self._apply(reports)
         self._refreshed = time.monotonic()
+        self._blind = False
 
     def _apply(self, reports: list[WorkerReport]) -> None:
         old = self._workers
+        seen = time.monotonic()
         workers: dict[str, Worker] = {w.id: w for w in self._static}
         for r in reports:
             prev = old.get(r.worker_id)
@@ -106,6 +133,10 @@ class Router:
                 del self._failed[r.worker_id]  # a fresh report after the failure: back in
             if prev is not None and prev.url == r.url.rstrip("/") and prev.base_model == r.base_model:
                 # Update in place: requests in flight hold this object and decrement its counter.
+                if r.timestamp != prev.report_ts:
+                    prev.seen_at = seen
+                prev.queued = r.queue_depth
+                prev.max_seqs = r.max_num_seqs
                 prev.device = frozenset(r.device_adapters)
                 prev.host = frozenset(r.host_adapters)
                 prev.reported_load = r.load
@@ -120,12 +151,14 @@ class Router:
                 id=r.worker_id, url=r.url.rstrip("/"), base_model=r.base_model,
                 device=frozenset(r.device_adapters), host=frozenset(r.host_adapters),
                 reported_load=r.load, report_ts=r.timestamp, base_revision=r.base_revision,
-                vllm=r.backend == BACKEND_VLLM, control=r.control_url.rstrip("/"), served_model=r.served_model)
+                vllm=r.backend == BACKEND_VLLM, control=r.control_url.rstrip("/"), served_model=r.served_model,
+                queued=r.queue_depth, max_seqs=r.max_num_seqs, seen_at=seen)
         if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
             self._rings = {}
             self._ring_cache = {}
         self._workers = workers
         self._pools = {}
+        self.outliers.forget(set(workers))
 
     async def _maybe_refresh(self) -> None:
         if time.monotonic() - self._refreshed < self.refresh_s:
@@ -160,6 +193,15 @@ class Router:
         self._failed[worker.id] = time.time()
         self._ring_cache = {}
         log.warning("worker %s (%s) marked failed for %.1fs", worker.id, worker.url, self.cooldown_s)
+
+    def fresh(self, w: Worker) -> bool:
+        """Whether ``w``'s last report is recent enough to route to it (or nothing can tell)."""
+        return self._blind or time.monotonic() - w.seen_at <= self.report_ttl_s
+
+    def gone_quiet(self, w: Worker) -> bool:
+        """Whether ``w`` stopped reporting: a refresh that ran more than ``report_ttl_s`` after its
+        last new report found none newer (False while the store is unreachable, or for a static URL)."""
+        return not self._blind and self._refreshed - w.seen_at > self.report_ttl_s
 
     def _usable(self, w: Worker, now: float) -> bool:
         failed_at = self._failed.get(w.id)
@@ -217,6 +259,12 @@ class Router:
             workers = self.choose(base_model, adapter_id)
         return workers
 
+    def refresh_soon(self) -> None:
+        """Start a refresh in the background when one is due (no waiting for it)."""
+        if self.residency is not None and self.due() and self._refreshed and (
+                self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self.refresh())
+
     async def _refresh_now(self) -> None:
         """A refresh now, shared by every caller that asks while it runs."""
         task = self._refreshing
@@ -235,14 +283,25 @@ class Router:
         pool = self._pool(base_model)
         if self._failed:
             pool = [w for w in pool if self._usable(w, now)]
+        if not self._blind:  # a worker that stopped reporting is never chosen
+            fresh_after = time.monotonic() - self.report_ttl_s
+            if any(w.seen_at < fresh_after for w in pool):
+                pool = [w for w in pool if w.seen_at >= fresh_after]
+        outliers = self.outliers
+        if outliers.any_ejected and pool:
+            t = time.time()
+            healthy = [w for w in pool if not outliers.ejected(w.id, t)]
+            if healthy:  # every one ejected: try them anyway (the best of a bad lot)
+                pool = healthy
         if not pool:
             return []
+        usable = None if len(pool) == len(self._pool(base_model)) else {w.id for w in pool}
         bound = self.load_factor * sum(w.load for w in pool) / len(pool) + 1
         workers = self._workers
         ok = []
         for i in self._ring_candidates(base_model, adapter_id or f"base:{base_model}"):
             w = workers.get(i)
-            if w is not None and w.load <= bound and (not self._failed or self._usable(w, now)):
+            if w is not None and w.load <= bound and (usable is None or w.id in usable):
                 ok.append(w)
         if adapter_id is not None and len(ok) > 1:
             ok.sort(key=lambda w: 0 if adapter_id in w.device else 1 if adapter_id in w.host else 2)

@@ -28,12 +28,13 @@ from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, Re
 
 def snapshot_from_dict(data: dict[str, Any]) -> RegistrySnapshot:
     bases = {name: BaseModelView(name=name, revision=str(b.get("revision", "")),
-                                 architecture=str(b.get("architecture", "")))
+                                 architecture=str(b.get("architecture", "")), created=int(b.get("created", 0)))
              for name, b in data.get("base_models", {}).items()}
     versions = {vid: AdapterVersionView(id=vid, name=a["name"], version=int(a["version"]),
                                         base_model=a["base_model"], uri=a.get("uri", ""),
                                         sha256=a.get("sha256", ""), rank=int(a.get("rank", 0)),
-                                        alpha=float(a.get("alpha", 0)), status=a.get("status", "ready"))
+                                        alpha=float(a.get("alpha", 0)), status=a.get("status", "ready"),
+                                        created=int(a.get("created", 0)))
                 for vid, a in data.get("adapters", {}).items()}
     tenants = {}
     for slug, t in data.get("tenants", {}).items():

@@ -154,7 +154,22 @@ class Settings:
     route_load_factor: float = 1.5
     """Bounded load: a candidate is skipped above this multiple of the mean load (+1)."""
     worker_report_ttl_s: float = 3.0
-    """A worker that has not reported for this long leaves the ring."""
+    """A worker that has not reported for this long leaves the ring, and is never chosen (checked per request)."""
+    worker_first_byte_timeout_s: float = 10.0
+    """A worker must send a streamed answer's first chunk within this, plus ``worker_first_byte_per_queued_s`` per
+    request it has queued; else the request, which has sent the client nothing yet, goes to the next candidate. A
+    whole answer (sent only when done) waits past it while its worker keeps reporting (or has no reports: a static
+    URL)."""
+    worker_first_byte_per_queued_s: float = 0.5
+    """Added to ``worker_first_byte_timeout_s`` per request the worker reports queued."""
+    worker_stall_timeout_s: float = 20.0
+    """A started stream whose worker sends nothing for this long ends with an ``upstream_stalled`` error event."""
+    worker_eject_failures: int = 3
+    """Consecutive failures (connect errors, worker 5xx, first-byte timeouts, stalls) that eject a worker."""
+    worker_eject_base_s: float = 5.0
+    """A worker's first ejection lasts this long; each ejection in a row doubles it."""
+    worker_eject_max_s: float = 120.0
+    """The longest ejection."""
     worker_urls: tuple[str, ...] = ()
     """Static worker list (besides the ones that report themselves)."""
     gateway_mount_admin: bool = True

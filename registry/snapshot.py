@@ -23,6 +23,8 @@ class AdapterVersionView:
     rank: int
     alpha: float
     status: str
+    created: int = 0
+    """When the version was registered (unix seconds): ``/v1/models``' ``created``."""
 
     @property
     def label(self) -> str:
@@ -61,6 +63,8 @@ class BaseModelView:
     name: str
     revision: str
     architecture: str
+    created: int = 0
+    """When the base model was registered (unix seconds)."""
 
 
 class TenantMap(Mapping[str, TenantView]):

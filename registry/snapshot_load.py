@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Select, and_, bindparam, or_, select, union
@@ -49,7 +50,7 @@ _BINDING_COLS = (Binding.tenant, Binding.alias, Binding.active_id, Binding.canar
                  Binding.enabled, Binding.on_disabled, Binding.base_model)
 _VERSION_COLS = (AdapterVersion.id, AdapterVersion.name, AdapterVersion.version, AdapterVersion.base_model,
                  AdapterVersion.uri, AdapterVersion.sha256, AdapterVersion.rank, AdapterVersion.alpha,
-                 AdapterVersion.status)
+                 AdapterVersion.status, AdapterVersion.created_at)
 _EMPTY: dict[str, BindingView] = {}
 """Shared by every tenant without bindings (snapshot views are never mutated)."""
 
@@ -88,7 +89,15 @@ async def _all(conn: AsyncConnection, stmt: Select[Any], stall_s: float,
 
 def _version_view(r: Any) -> AdapterVersionView:
     return AdapterVersionView(id=r[0], name=_intern(r[1]), version=r[2], base_model=_intern(r[3]), uri=r[4],
-                              sha256=r[5], rank=r[6], alpha=float(r[7]), status=_intern(r[8]))
+                              sha256=r[5], rank=r[6], alpha=float(r[7]), status=_intern(r[8]),
+                              created=_unix(r[9]))
+
+
+def _unix(at: datetime | None) -> int:
+    """A registry timestamp as unix seconds (SQLite hands back UTC without its zone)."""
+    if at is None:
+        return 0
+    return int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp())
 
 
 def _binding_view(r: Any, versions: dict[str, AdapterVersionView]) -> BindingView:
@@ -109,8 +118,9 @@ async def _version(conn: AsyncConnection, stall_s: float) -> int:
 
 
 async def _base_models(conn: AsyncConnection, stall_s: float) -> dict[str, BaseModelView]:
-    rows = await _all(conn, select(BaseModelRow.name, BaseModelRow.revision, BaseModelRow.architecture), stall_s)
-    return {r[0]: BaseModelView(name=r[0], revision=r[1], architecture=r[2]) for r in rows}
+    rows = await _all(conn, select(BaseModelRow.name, BaseModelRow.revision, BaseModelRow.architecture,
+                                   BaseModelRow.created_at), stall_s)
+    return {r[0]: BaseModelView(name=r[0], revision=r[1], architecture=r[2], created=_unix(r[3])) for r in rows}
 
 
 async def load_full(conn: AsyncConnection, stall_s: float = 15.0) -> RegistrySnapshot:

@@ -8,7 +8,8 @@ requests were cancelled by their client (``GET /stub/stats``).
 
 Per-request behaviour can be changed through the OpenAI ``metadata`` field:
 ``stub_delay`` (seconds before answering), ``stub_chunk_delay`` (seconds between
-chunks), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
+chunks), ``stub_stall_after`` (a stream sends this many chunks, then nothing until the client
+leaves), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
 ``500``, ``400`` = a worker 4xx, ``load-fail`` = the adapter could not be loaded, ``non-finite`` = its
 values went NaN/Inf). ``--mode`` sets the
 default for every request.
@@ -34,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -163,6 +165,7 @@ class Stub:
         mode = str(meta.get("stub_mode", self.args.mode))
         delay = float(meta.get("stub_delay", self.args.delay))
         chunk_delay = float(meta.get("stub_chunk_delay", self.args.chunk_delay))
+        stall_after = int(meta["stub_stall_after"]) if "stub_stall_after" in meta else None
         if mode == "503":
             await self._json(send, 503, {"error": {"message": "overloaded", "type": "overloaded", "code": None}})
             return
@@ -190,7 +193,7 @@ class Stub:
                     disconnected.set()
                     return
 
-        watcher = asyncio.create_task(watch()) if (delay or chunk_delay) else None
+        watcher = asyncio.create_task(watch()) if (delay or chunk_delay or stall_after is not None) else None
         try:
             if delay and await self._wait(disconnected, delay):
                 self.cancelled += 1
@@ -229,6 +232,10 @@ class Stub:
                     self.cancelled += 1
                     return
                 if disconnected.is_set():
+                    self.cancelled += 1
+                    return
+                if i == stall_after:  # stalled: sends nothing more, holds the connection open
+                    await disconnected.wait()
                     self.cancelled += 1
                     return
                 if mode == "break" and i == n_chunks // 2:
@@ -392,7 +399,17 @@ class StubProcess:
             self.proc.kill()
             self.proc.wait(5)
 
+    def pause(self) -> None:
+        """Hang (``SIGSTOP``): connections are still accepted, nothing is answered, no report is sent."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -181,3 +181,97 @@ def test_client_gone_while_sending_body(stub):
         # the gateway is fine afterwards
         r = httpx.post(gw.url + "/v1/chat/completions", json=_body(), headers={"authorization": f"Bearer {token}"})
         assert r.status_code == 200
+
+
+class _Recording(LocalLimiter):
+    """The local limiter, keeping what each request was settled at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled: list[int] = []
+
+    def settle_nowait(self, lease, used_tokens):  # type: ignore[no-untyped-def]
+        self.settled.append(used_tokens)
+        super().settle_nowait(lease, used_tokens)
+
+
+def test_stalled_stream_ends_upstream_stalled_frees_the_slot_and_settles_what_was_streamed(stub):
+    """A worker that stops sending mid-stream: the client gets an ``upstream_stalled`` error event
+    after the stall bound (not the request deadline), the tenant's one slot is free at once and
+    the reservation is settled at the prompt + the tokens that went out."""
+    limiter = _Recording()
+    s = Settings(worker_urls=(stub.url,), worker_stall_timeout_s=0.5, request_timeout_s=20)
+    tenants = {"acme": {"max_concurrent": 1, **TENANTS["acme"]}}
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(tenants)), limiter=limiter,
+                     residency=MemoryResidency(), mount_admin=False)
+    h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+    with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=30) as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/chat/completions", json=_body(stream=True, metadata={"stub_stall_after": "2"},
+                                                      stream_options={"continuous_usage_stats": True}), headers=h)
+        assert time.monotonic() - t0 < 10  # the stall bound ended it, not the 20 s deadline
+        assert r.status_code == 200
+        events = _events(r.text)
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [e["choices"][0]["delta"]["content"] for e in chunks] == ["t0 ", "t1 "]
+        err = json.loads(events[-1])["error"]
+        assert err["code"] == "upstream_stalled" and err["type"] == "upstream_error"
+        # Settled at what was streamed: the worker's prompt count + the 2 tokens that went out.
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 2
+        assert limiter.settled == [usage["prompt_tokens"] + 2]
+        assert _wait_for(lambda: stub.stats()["cancelled"] >= 1), "the stalled worker never saw the hang-up"
+        # The tenant's only slot is free again: the next request is admitted and served.
+        r = c.post("/v1/chat/completions", json=_body(), headers=h)
+        assert r.status_code == 200, r.text
+        assert _wait_for(lambda: app.state.gateway.router.workers()[0].inflight == 0)
+
+
+def test_hung_worker_is_routed_around_before_the_first_byte_and_ejected():
+    """The preferred worker hangs (SIGSTOP): a stream sent to it, before or after the hang, is
+    answered by the other worker once the first-byte deadline passes (not the request deadline);
+    three misses in a row eject it, and the next request goes to the other worker straight away."""
+    import threading
+
+    with StubProcess("a") as a, StubProcess("b") as b:
+        s = Settings(worker_urls=(a.url, b.url), worker_first_byte_timeout_s=0.5, worker_first_byte_per_queued_s=0,
+                     request_timeout_s=8, worker_eject_failures=3, worker_eject_base_s=30)
+        app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                         residency=MemoryResidency(), mount_admin=False)
+        gateway = app.state.gateway
+        hung_url = gateway.router.choose("smol", "sup-v1")[0].url  # where sup@1's requests go first
+        hung, other = (a, b) if hung_url == a.url else (b, a)
+        h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+
+        def ask(c: httpx.Client, **meta: str) -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = c.post("/v1/chat/completions", json=_body(stream=True, metadata=meta), headers=h)
+            return r, time.monotonic() - t0
+
+        with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, timeout=30) as c:
+            r, _ = ask(c)
+            assert r.headers["x-loraplex-worker"] == hung.url  # it is the preferred one
+            in_flight: list[tuple[httpx.Response, float]] = []
+            t = threading.Thread(target=lambda: in_flight.append(ask(c, stub_delay="0.4")))
+            t.start()
+            assert _wait_for(lambda: hung.stats()["inflight"] == 1)
+            hung.pause()  # it holds the request it was sent, and takes new connections without answering
+            try:
+                t.join(15)
+                for r, took in [in_flight[0], ask(c), ask(c)]:
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-loraplex-worker"] == other.url
+                    assert _events(r.text)[-1] == "[DONE]"
+                    assert took < 6  # the first-byte deadline moved it on, not the 8 s request deadline
+                m = gateway.metrics.render().decode()
+                assert f'loraplex_gateway_worker_ejected{{worker="{hung.url}"}} 1.0' in m
+                assert f'loraplex_gateway_worker_ejected{{worker="{other.url}"}} 0.0' in m
+                assert (f'loraplex_gateway_worker_ejections_total{{reason="first_byte_timeout",'
+                        f'worker="{hung.url}"}} 1.0') in m
+                failures = f'loraplex_gateway_upstream_failures_total{{worker="{hung.url}"}} 3.0'
+                assert failures in m
+                r, _ = ask(c)  # ejected: not tried at all
+                assert r.status_code == 200 and r.headers["x-loraplex-worker"] == other.url
+                assert failures in gateway.metrics.render().decode()
+            finally:
+                hung.resume()

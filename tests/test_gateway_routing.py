@@ -236,3 +236,105 @@ async def test_readyz_without_workers_is_ready_and_says_so():
         snapshots.current = None  # no registry snapshot: this replica cannot serve
         r = await c.get("/readyz")
         assert r.status_code == 503 and r.json()["problems"] == ["no registry snapshot yet"]
+
+
+async def test_a_worker_that_stopped_reporting_is_not_chosen_before_any_refresh():
+    """Staleness is checked when choosing: a worker whose last report this replica saw is older
+    than the report TTL is left out even while the live set is not due for a refresh."""
+    res = MemoryResidency()
+    await res.publish(_report("w1", device=["a"]), 60)  # stays in the store, never reports again
+    await res.publish(_report("w2"), 60)
+    router = Router(res, refresh_s=60.0, report_ttl_s=0.3)
+    assert [w.id for w in await router.route("smol", "a")] == ["w1", "w2"]
+    await asyncio.sleep(0.2)
+    await res.publish(_report("w2"), 60)  # w2 reports again, w1 does not
+    await router.refresh()
+    await asyncio.sleep(0.2)
+    assert not router.due()  # no refresh runs: the choice itself leaves w1 out
+    assert [w.id for w in router.choose("smol", "a")] == ["w2"]
+    await res.publish(_report("w1", device=["a"]), 60)  # it reports again: back in
+    await router.refresh()
+    assert [w.id for w in router.choose("smol", "a")] == ["w1", "w2"]
+
+
+async def test_a_quiet_replica_does_not_route_to_a_worker_whose_report_expired():
+    """The fault as it was: a worker hangs, its report expires; the next request on a replica
+    that has been quiet must not go to it from the last list while the refresh runs behind."""
+    res = MemoryResidency()
+    await res.publish(_report("w1", device=["a"]), 0.3)  # its last report: it hangs after this
+    await res.publish(_report("w2"), 60)
+    router = Router(res, refresh_s=0.5, report_ttl_s=0.4)
+    assert (await router.route("smol", "a"))[0].id == "w1"
+    await asyncio.sleep(0.6)  # quiet: no request, no refresh
+    await res.publish(_report("w2"), 60)
+    assert [w.id for w in await router.route("smol", "a")] == ["w2"]
+
+
+async def test_stale_reports_are_routed_on_while_the_store_is_unreachable():
+    """Staleness says nothing when the store cannot be read: the last known set is used, as before."""
+    res = MemoryResidency()
+
+    class Flaky:
+        down = False
+
+        async def publish(self, report: WorkerReport, ttl_s: float) -> None:
+            await res.publish(report, ttl_s)
+
+        async def remove(self, worker_id: str) -> None:
+            await res.remove(worker_id)
+
+        async def live(self) -> list[WorkerReport]:
+            if self.down:
+                raise ConnectionError("store down")
+            return await res.live()
+
+    store = Flaky()
+    await res.publish(_report("w1"), 60)
+    router = Router(store, refresh_s=0.0, report_ttl_s=0.2)
+    assert [w.id for w in await router.route("smol", None)] == ["w1"]
+    store.down = True
+    await asyncio.sleep(0.3)
+    assert [w.id for w in await router.route("smol", None)] == ["w1"]
+
+
+async def test_hung_worker_whole_answer_moves_on_once_its_report_stops(redis_url, redis_prefix):
+    """A whole (not streamed) answer is sent only when done, so its first-byte deadline waits on
+    while the worker keeps reporting; a worker that hangs (SIGSTOP) stops reporting, and its
+    requests, the one in flight and new ones, go to the other worker within about the report TTL."""
+    procs = [StubProcess("w1", redis_url=redis_url, redis_prefix=redis_prefix, device=("sup-v1",)),
+             StubProcess("w2", redis_url=redis_url, redis_prefix=redis_prefix)]
+    for p in procs:
+        p.start()
+    hung = procs[0]
+    try:
+        await _wait_live(redis_url, redis_prefix, 2)
+        s = Settings(redis_url=redis_url, redis_prefix=redis_prefix, worker_report_ttl_s=1.0,
+                     worker_first_byte_timeout_s=0.3, request_timeout_s=10)
+        app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
+                         mount_admin=False)
+        h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
+        body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            # Slower than its deadline, yet answered by the worker that has it: it keeps reporting.
+            r = await c.post("/v1/chat/completions", json=body | {"metadata": {"stub_delay": "1"}}, headers=h)
+            assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w1"
+            t0 = time.monotonic()
+            in_flight = asyncio.create_task(c.post("/v1/chat/completions", headers=h,
+                                                   json=body | {"metadata": {"stub_delay": "0.5"}}))
+            for _ in range(250):  # until it reached the worker
+                if hung.stats()["inflight"]:
+                    break
+                await asyncio.sleep(0.02)
+            hung.pause()
+            try:
+                r = await in_flight
+                assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w2", r.text
+                r = await c.post("/v1/chat/completions", json=body, headers=h)
+                assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w2", r.text
+                assert time.monotonic() - t0 < 8  # both well before the 10 s request deadline
+            finally:
+                hung.resume()
+    finally:
+        for p in procs:
+            p.stop()
