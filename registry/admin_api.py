@@ -137,7 +137,9 @@ CANARY_POLICY = _obj({
     "min_requests": {**POS, "description": "no judgement on fewer requests per arm"},
     "max_failures": {**POS, "description": "failed judgements in a row that abort"},
     "checks": {**OBJ, "description": "check name -> threshold (ratio canary/active): error_rate, empty_share, "
-                                     "length_share, ttft_p99, tokens_per_s, completion_length"},
+                                     "length_share, ttft_p99, tokens_per_s, completion_length; or -> "
+                                     "{threshold, segment: 'metadata.KEY'} to judge the check per value of "
+                                     "that key of the requests' metadata"},
     "proportion_test": {"type": "string", "enum": ["two-proportion-z", "fisher-exact"]},
     "sample_test": {"type": "string", "enum": ["mann-whitney-u"]},
     "alpha": {**NUM, "description": "significance level of the tests"},
@@ -170,7 +172,11 @@ RESPONSES: dict[str, dict[str, Any]] = {
                           "canary_id": {"type": ["string", "null"]}, "canary": {"type": ["string", "null"]},
                           "step": INT, "percent": {"type": ["number", "null"]},
                           "step_started_at": {"type": ["string", "null"]}, "next_step_at": {"type": ["string", "null"]},
-                          "failures": INT, "last": {"type": ["object", "null"]}, "row_version": INT}),
+                          "failures": INT, "row_version": INT,
+                          "last": {"type": ["object", "null"], "description": "the last judgement: decision, "
+                                   "reason in words, window, sample sizes, failures counted, and checks (one per "
+                                   "check and segment: verdict pass/fail/inconclusive/no data, canary and active "
+                                   "values and counts, ratio or 'inf', test, p, reason); gateway.canary_decide"}}),
     "AuditEntry": _obj({"id": INT, "registry_version": INT, "at": STR, "actor": STR, "action": STR,
                         "target": STR, "before": {"type": ["object", "null"]}, "after": {"type": ["object", "null"]}}),
     "Version": _obj({"version": INT}),

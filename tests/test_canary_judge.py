@@ -180,3 +180,50 @@ async def test_one_judge_at_a_time_on_postgresql(pg_url, tmp_path):
         await lb.release()
         await a.close()
         await b.close()
+
+
+def _answers(samples: MemorySamples, version: str, n: int, at: float, *, empty: int = 0) -> None:
+    """``n`` whole answers on ``version`` from ``at``, the first ``empty`` of them empty."""
+    for i in range(n):
+        samples.record("acme/support", (at + i * 1e-3, version, True, 0.2 + (i % 7) * 1e-3, 0.0, 12, i < empty, False,
+                                        None))
+
+
+async def test_one_empty_answer_does_not_abort_a_quarter_does(registry):
+    """One empty answer of 10 on the canary against 0 of 90, judged every second for a whole step:
+    never a failure, the canary steps up. A canary empty for a quarter of its answers: aborted an
+    interval after its minimum sample, on new samples."""
+    svc, ids = registry
+    samples = MemorySamples()
+    judge = CanaryJudge(svc, samples)
+    policies = CanaryPolicies(svc)
+    await policies.set_policy("acme", "support", {"steps": [10, 50, 100], "interval_s": 10, "min_requests": 10,
+                                                  "max_failures": 2}, actor="ops")
+    await svc.canary_start("acme", "support", ids[1], 1, actor="ops")
+    await judge.tick(now=1000.0)
+    _answers(samples, ids[1], 10, 1000.5, empty=1)
+    _answers(samples, ids[0], 90, 1000.5)
+    decisions = [(await judge.tick(now=1001.0 + s))[0]["decision"] for s in range(11)]
+    assert decisions == ["passing"] * 9 + ["step", "waiting"], decisions
+    assert (await svc.get_binding("acme", "support"))["canary_percent"] == 50
+    await svc.canary_abort("acme", "support", actor="ops")
+    assert await judge.tick(now=1500.0) == []
+
+    await svc.canary_start("acme", "support", ids[2], 1, actor="ops")
+    await judge.tick(now=2000.0)
+    _answers(samples, ids[2], 16, 2000.5, empty=4)
+    _answers(samples, ids[0], 144, 2000.5)
+    got = {}
+    for s in range(25):
+        now = 2001.0 + s
+        if s % 3 == 2:  # traffic goes on: new samples on both arms
+            _answers(samples, ids[2], 4, now - 0.5, empty=1)
+            _answers(samples, ids[0], 36, now - 0.5)
+        [j] = await judge.tick(now=now)
+        got[now] = j
+        if j["decision"] == "abort":
+            break
+    assert got[2001.0]["decision"] == "failing" and got[2001.0]["counted"]  # at its minimum sample
+    assert [got[t]["counted"] for t in got if got[t]["decision"] == "failing"] == [True] + [False] * 9
+    assert j["decision"] == "abort" and now == 2011.0 and j["failed"] == ["empty_share"]
+    assert (await svc.get_binding("acme", "support"))["canary"] is None
