@@ -151,7 +151,7 @@ def _admin_app(settings: Settings, router: Router, client: WorkerClient,
 
     service = RegistryService(settings)
     return admin_app(service, settings, gate=ActivationGate(settings, router, client),
-                     console=GatewayConsoleSources(router.residency, live)), service
+                     console=GatewayConsoleSources(router.residency, live, router.outliers)), service
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,

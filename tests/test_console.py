@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from html import unescape
 from typing import Any
@@ -27,9 +28,13 @@ class FakeSources:
     def __init__(self) -> None:
         self.reports: list[WorkerReport] = []
         self.stats: dict[str, dict[str, Any]] = {}
+        self.ejected: dict[str, Any] = {}
 
     async def workers(self) -> list[WorkerReport]:
         return self.reports
+
+    async def ejections(self) -> dict[str, Any]:
+        return self.ejected
 
     async def live(self) -> dict[str, dict[str, Any]]:
         return self.stats
@@ -221,6 +226,20 @@ async def test_the_fleet_and_live_views(console, tmp_path):
                                       "ttft_p50_s": None, "ttft_p99_s": None}}
     html = (await console.get("/console/view/live")).text
     assert _rows(html, "data-version") == ["base", "one@1"] and "10.0%" in html and "500 ms" in html
+
+
+async def test_the_fleet_view_says_which_workers_are_ejected_until_when_and_why(console):
+    from gateway.outliers import Ejection
+
+    console.sources.reports = [WorkerReport(worker_id=w, url=f"http://{w}", base_model="tiny", base_revision="r")
+                               for w in ("w1", "w2")]
+    until = time.time() + 40
+    console.sources.ejected = {"w2": Ejection(until=until, reason="first_byte_timeout", streak=3)}
+    html = (await console.get("/console/view/fleet")).text
+    w1, w2 = html[html.index('data-worker="w1"'):html.index('data-worker="w2"')], html[html.index('data-worker="w2"'):]
+    assert "in rotation" in w1 and "ejected" not in w1
+    assert f"<strong>ejected</strong> until {time.strftime('%H:%M:%S', time.gmtime(until))} UTC" in w2
+    assert "first byte timeout, 3 in a row" in w2
 
 
 def test_live_numbers_carry_a_series_per_version_for_the_charts(monkeypatch):

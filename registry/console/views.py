@@ -44,6 +44,11 @@ class ConsoleSources(Protocol):
 
     async def workers(self) -> list[WorkerReport]: ...
 
+    async def ejections(self) -> dict[str, Any]:
+        """Workers the gateways' outlier detection ejected, by id: each with ``until`` (epoch seconds),
+        ``reason`` (the failure that did it) and ``streak`` (ejections in a row)."""
+        ...
+
     async def live(self) -> dict[str, dict[str, Any]]: ...
 
 
@@ -158,6 +163,7 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         reports = sorted(await sources.workers(), key=lambda r: r.worker_id)
         ids = {a for r in reports for a in (*r.device_adapters, *r.host_adapters)}
         names = await queries.version_labels(service, ids)
+        ejected = await sources.ejections()
         rows = []
         now = time.time()
         for r in reports:
@@ -166,7 +172,12 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
             if q and not (r.worker_id.startswith(q) or any(label.startswith(q) for label in (*device, *host))):
                 continue
             used = 1 - r.free_kv_blocks / r.total_kv_blocks if r.total_kv_blocks else None
-            rows.append({"r": r, "device": device, "host": host, "kv_used": used, "age_s": max(0.0, now - r.timestamp)})
+            e = ejected.get(r.worker_id)
+            ejection = None if e is None else {
+                "until": time.strftime("%H:%M:%S", time.gmtime(e.until)), "left_s": max(0.0, e.until - now),
+                "reason": e.reason.replace("_", " "), "streak": e.streak}
+            rows.append({"r": r, "device": device, "host": host, "kv_used": used, "age_s": max(0.0, now - r.timestamp),
+                         "ejected": ejection})
         return render("fleet.html", rows=rows[start:start + FLEET_PAGE], total=len(rows), start=start, q=q,
                       page=FLEET_PAGE)
 
