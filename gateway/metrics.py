@@ -203,8 +203,6 @@ class GatewayMetrics:
     def upstream_failure(self, worker: str) -> None:
         self.upstream_failures.labels(self.worker_cap(worker)).inc()
 
-    def track_redis(self) -> Gauge:
-        if self.redis_up is None:
     def ejected(self, worker: str, reason: str) -> None:
         self.ejections.labels(self.worker_cap(worker), reason).inc()
 
@@ -212,6 +210,8 @@ class GatewayMetrics:
         """Expose which of ``router``'s workers are ejected now (``gateway.outliers``)."""
         self.registry.register(_EjectionCollector(router, self.worker_cap))  # type: ignore[arg-type]
 
+    def track_redis(self) -> Gauge:
+        if self.redis_up is None:
             self.redis_up = Gauge("loraplex_gateway_redis_up", "1 while the rate limiter reaches Redis (0: on its "
                                   "local fallback)", registry=self.registry)
         return self.redis_up
