@@ -8,16 +8,16 @@ TEST_STAMP := $(VENV)/.loraplex-test
 .PHONY: venv demo serve test test-fast screenshots lint bench
 
 # `make venv` (tests, CI): the engine and test extras. The demo and serve need only the engine one
-# (the test extra adds transformers, PEFT, moto, selenium, ...: most of a 2.7 GB venv); a later
-# `make test` adds it to the same venv.
+# and the openai client the demo's instructions use (the test extra adds transformers, PEFT, moto,
+# selenium, ...: most of a 2.7 GB venv); a later `make test` adds it to the same venv.
 venv: $(TEST_STAMP)
 
 # torch first: the CPU wheel then satisfies the engine extra's torch range (no CUDA torch is pulled).
 $(ENGINE_STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@echo "==> installing torch 2.13.0 (CPU) and loraplex with the engine extra into $(VENV)"
+	@echo "==> installing torch 2.13.0 (CPU), loraplex with the engine extra and the openai client into $(VENV)"
 	$(PIP) install --progress-bar on torch==2.13.0
-	$(PIP) install --progress-bar on -e '.[engine]'
+	$(PIP) install --progress-bar on -e '.[engine]' 'openai>=1.40'
 	@touch $(ENGINE_STAMP)
 
 $(TEST_STAMP): $(ENGINE_STAMP) pyproject.toml
