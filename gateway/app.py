@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from gateway import responses_api
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.console_sources import GatewayConsoleSources
-from gateway.errors import GatewayError, from_registry
+from gateway.errors import GatewayError, from_registry, public_message
 from gateway.live_stats import LiveStats
 from gateway.metrics import metrics_app
 from gateway.outliers import Outliers, SharedEjections
@@ -240,7 +240,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 problem = None if snap is not None else "no registry snapshot yet"
         except Exception as exc:
             problem = f"registry snapshot unavailable: {type(exc).__name__}"
-        if problem:
+        if problem:  # the database's error text (its host and port) stays in the registry cache's log
+            problem = public_message(None, problem, "the registry snapshot is not loaded or not current")
             return JSONResponse({"status": "not ready", "problems": [problem]}, status_code=503)
         await router.refresh()
         workers = len(router.workers())

@@ -174,6 +174,11 @@ class Snapshots(MutableSnapshots):
     def current(self, value: Any) -> None:
         self._current = value
 
+    def readiness_problem(self) -> str | None:
+        """As ``registry.cache.SnapshotCache`` says it: with the database's error."""
+        return ("no registry snapshot yet (ConnectionRefusedError: [Errno 111] Connect call failed "
+                "('10.0.3.7', 5432))") if self.down else None
+
 
 @pytest.fixture(scope="module")
 def migrated(tmp_path_factory) -> Path:
@@ -246,6 +251,15 @@ async def _rate_limited(c: httpx.AsyncClient, s: Settings, _snap: Any, _db: Path
 async def _registry_down(c: httpx.AsyncClient, s: Settings, snap: Any, _db: Path) -> httpx.Response:
     snap.down = True
     return await c.post("/v1/chat/completions", json=CHAT, headers=_auth(s))
+
+
+async def test_readiness_says_nothing_of_the_database(gw):
+    c, _settings, snapshots, _db = gw
+    assert (await c.get("/readyz")).status_code == 200
+    snapshots.down = True
+    r = await c.get("/readyz")
+    assert r.status_code == 503 and r.json()["status"] == "not ready", r.text
+    assert "10.0.3.7" not in r.text and "5432" not in r.text and "Error" not in r.text, r.text
 
 
 async def _store_down(c: httpx.AsyncClient, s: Settings, _snap: Any, db: Path) -> httpx.Response:
