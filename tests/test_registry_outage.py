@@ -55,7 +55,17 @@ class Cluster:
         self._run("pg_createcluster", PG_VERSION, self.name, "-p", str(self.port), "--",
                   "--auth=trust", "--no-sync")
         self.start()
-        self._run("su", "postgres", "-c", f"psql -p {self.port} -h 127.0.0.1 -qc 'CREATE DATABASE registry'")
+
+        async def create_db() -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres")
+            try:
+                await conn.execute("CREATE DATABASE registry")
+            finally:
+                await conn.close()
+
+        asyncio.run(create_db())
 
     def start(self) -> None:
         self._run("pg_ctlcluster", PG_VERSION, self.name, "start")
@@ -125,8 +135,8 @@ def outage(tmp_path_factory):
     """The gateway over a seeded registry whose database is then stopped."""
     cluster = Cluster()
     tmp = tmp_path_factory.mktemp("outage")
-    cluster.create()
     try:
+        cluster.create()
         settings = make_settings(tmp, cluster.url, worker_urls=("http://worker",), registry_refresh_s=60.0,
                                  response_retention_s=3600, canary_judge_interval_s=0.0)
         seeded = asyncio.run(_seed(settings))
