@@ -10,6 +10,7 @@ it is given a call below (or an exemption with its reason).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import http.client
 import json
@@ -33,6 +34,7 @@ from tests.worker_double import worker_client
 
 pytestmark = pytest.mark.e2e  # a PostgreSQL cluster of its own, started and stopped
 
+ROOT = Path(__file__).resolve().parent.parent
 PG_VERSION = "15"
 UNAVAILABLE_CODES = {"registry_unavailable", "store_unavailable", "registry_busy"}
 """The codes a 503 may carry while the registry database is down."""
@@ -171,6 +173,9 @@ class Call:
 
 
 B = "/admin/tenants/acme/bindings/support"
+CONSOLE_PAGES = {"tenants": "", "tenant": "?slug=acme", "adapters": "", "adapter": "?ref={adapter}", "audit": "",
+                 "confirm": "?action=disable&slug=acme"}
+"""The console's pages that read the registry, with their query."""
 CALLS: dict[str, list[Call]] = {
     # Public: the completions serve from the last snapshot; what reads the database answers 503.
     "POST /v1/chat/completions": [Call("POST", "/v1/chat/completions", {
@@ -244,9 +249,7 @@ CALLS: dict[str, list[Call]] = {
     "GET /admin/console": [Call("GET", "/admin/console", expect=200)],
     "GET /admin/console/static/{name}": [Call("GET", "/admin/console/static/console.js", expect=200)],
     "GET /admin/console/view/{page}": [
-        *(Call("GET", f"/admin/console/view/{page}", query=q) for page, q in (
-            ("tenants", ""), ("tenant", "?slug=acme"), ("adapters", ""), ("audit", ""),
-            ("confirm", "?action=disable&slug=acme"))),
+        *(Call("GET", f"/admin/console/view/{page}", query=q) for page, q in CONSOLE_PAGES.items()),
         # No worker reports, no live numbers: nothing to look up in the registry.
         *(Call("GET", f"/admin/console/view/{page}", expect=200) for page in ("whoami", "fleet", "live"))],
 }
@@ -272,6 +275,22 @@ def app_routes(app: Any) -> set[str]:
 
     walk(app.routes, "")
     return out
+
+
+def console_pages() -> set[str]:
+    """The console's pages (the keys of ``VIEWS`` in registry/console/views.py)."""
+    tree = ast.parse((ROOT / "registry" / "console" / "views.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign | ast.Assign) and "VIEWS" in ast.unparse(
+                node.target if isinstance(node, ast.AnnAssign) else node.targets[0]):
+            assert isinstance(node.value, ast.Dict)
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    raise AssertionError("no VIEWS table in registry/console/views.py")
+
+
+def test_every_console_page_is_walked():
+    walked = {c.path.rsplit("/", 1)[1] for c in CALLS["GET /admin/console/view/{page}"]}
+    assert console_pages() - walked == set(), "console pages not walked"
 
 
 def test_every_route_is_walked(outage):
@@ -301,7 +320,7 @@ def test_a_route_with_the_registry_down(outage, route):
         if tokens[call.auth]:
             headers["authorization"] = f"Bearer {tokens[call.auth]}"
         what = f"{call.method} {call.path} {call.body}"
-        status, hdrs, body = conn.request(call.method, _fill(call.path, seeded) + call.query, _fill(call.body, seeded),
+        status, hdrs, body = conn.request(call.method, _fill(call.path + call.query, seeded), _fill(call.body, seeded),
                                           headers, call.raw)
         assert status != 500, f"{what}: {body[:300]!r}"
         assert status == call.expect, f"{what}: {status} {body[:300]!r}"
