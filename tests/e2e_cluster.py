@@ -52,6 +52,11 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process group without waiting (``SIGSTOP``/``SIGCONT``)."""
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen is not None and self.popen.poll() is None:
             os.killpg(self.popen.pid, sig)
@@ -115,9 +120,10 @@ class Cluster:
         self.workers.append(proc)
         return proc
 
-    def add_gateway(self, name: str) -> Proc:
+    def add_gateway(self, name: str, **env_extra: str) -> Proc:
+        """Start a gateway; ``env_extra``: variables this one gets besides the fleet's."""
         port = free_port()
-        env = self.env(LORAPLEX_GATEWAY_PORT=str(port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()))
+        env = self.env(LORAPLEX_GATEWAY_PORT=str(port), LORAPLEX_GATEWAY_METRICS_PORT=str(free_port()), **env_extra)
         proc = Proc(name, [str(BIN), "gateway"], env, self.home / f"{name}.log", f"http://127.0.0.1:{port}")
         proc.start()
         self.gateways.append(proc)
