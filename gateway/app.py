@@ -174,8 +174,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         snapshots = _default_snapshots(settings)
     own_limiter = limiter is None
     if limiter is None:
-        limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode) \
-            if redis is not None else LocalLimiter()
+        limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode,
+                               lease_ttl_s=settings.ratelimit_lease_ttl_s) \
+            if redis is not None else LocalLimiter(lease_ttl_s=settings.ratelimit_lease_ttl_s)
     if residency is None:
         residency = RedisResidency(redis, settings.redis_prefix) if redis is not None else process_residency()
     own_client = http_client is None
@@ -286,6 +287,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         if start is not None:
             await start()
         await router.refresh()
+        if own_limiter:
+            await limiter.start()  # the Redis limiter's keepalive: held leases renewed, Redis probed
         flusher = asyncio.create_task(flush_access_log(), name="access-log-flush")
         traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
         lag = asyncio.create_task(gw.metrics.watch_loop_lag(), name="loop-lag")
@@ -348,6 +351,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         gw.metrics.workers.set(len(router.workers()))
         if isinstance(limiter, RedisLimiter):
             gw.metrics.track_redis().set(0 if limiter.degraded else 1)
+            gw.metrics.track_gateways().set(limiter.gateways)
         gw.metrics.canary_judge.set(1 if judge is not None and judge.leader else 0)
 
     app.metrics_app = metrics_app(gw.metrics, refresh_gauges)

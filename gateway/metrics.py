@@ -158,6 +158,8 @@ class GatewayMetrics:
                              "or static URLs)", registry=r)
         self.redis_up: Gauge | None = None
         """Registered by ``track_redis`` when the limiter uses Redis."""
+        self.gateways: Gauge | None = None
+        """Registered by ``track_gateways`` when the limiter uses Redis."""
         self.loop_lag = Histogram(
             "loraplex_gateway_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S * 1000:g} ms: "
@@ -213,8 +215,15 @@ class GatewayMetrics:
     def track_redis(self) -> Gauge:
         if self.redis_up is None:
             self.redis_up = Gauge("loraplex_gateway_redis_up", "1 while the rate limiter reaches Redis (0: on its "
-                                  "local fallback)", registry=self.registry)
+                                  "local fallback), probed every few seconds", registry=self.registry)
         return self.redis_up
+
+    def track_gateways(self) -> Gauge:
+        if self.gateways is None:
+            self.gateways = Gauge("loraplex_gateway_ratelimit_gateways", "Gateways beating in Redis when it last "
+                                  "answered: while Redis is away each admits 1/this of a tenant's limits",
+                                  registry=self.registry)
+        return self.gateways
 
     def canary_decision(self, tenant: str, alias: str, decision: str) -> None:
         self.canary_decisions.labels(self.tenant_cap(tenant), self.adapter_cap(alias), decision).inc()

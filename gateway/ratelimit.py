@@ -2,24 +2,33 @@
 
 Both limiters implement one interface (``Limiter``):
 
-* ``acquire(tenant, limits, tokens, lease_ttl_s) -> Decision`` reserves one request, a
+* ``acquire(tenant, limits, tokens, max_hold_s) -> Decision`` reserves one request, a
   concurrency slot and ``tokens`` (prompt tokens + ``max_tokens``, ``gateway.validate.reserve``)
   *before* the request is admitted, so a concurrent burst can never spend more than the
-  budget; a refusal's ``retry-after`` is when the bucket would hold ``tokens``;
+  budget; a refusal's ``retry-after`` is when the bucket would hold ``tokens``, or for a
+  concurrency refusal when the earliest held slot's lease lapses were its holder to stop
+  renewing it (at least 1 s, at most ``lease_ttl_s``);
 * ``settle(lease, used_tokens)`` returns the unused part of the reservation (or charges
   the overshoot) and frees the concurrency slot; ``settle_nowait`` does the same without
   waiting (the gateway's requests end with it: the Redis limiter sends it before any later
   acquire of the same replica, or within ``settle_delay_s``).
 
 Requests and tokens are token buckets that refill continuously (capacity = the
-per-minute limit). Concurrency slots are lease ids in a sorted set scored by expiry,
-pruned on every acquire, so a gateway that dies holding slots loses them by itself.
+per-minute limit). Concurrency slots are leases (``gateway.leases``): lease ids in a sorted
+set scored by when they lapse, ``lease_ttl_s`` after they were taken or last renewed, pruned
+on every acquire. The gateway holding a slot renews it while its request runs (for at most
+``max_hold_s``), so a gateway that dies holding slots loses them within ``lease_ttl_s``.
 
 ``RedisLimiter`` keeps the state in Redis and does each step in one atomic Lua script,
-sent through ``redis.asyncio``: the calls of one event-loop step go out in one round trip; when Redis is unreachable it degrades to a per-replica ``LocalLimiter`` (fail mode
-``open``) or refuses with 503 (fail mode ``closed``), and goes back to Redis when it
-answers again. ``LocalLimiter`` alone is the embedded default (no ``redis_url``).
-A limit of 0 means unlimited.
+sent through ``redis.asyncio``: the calls of one event-loop step go out in one round trip.
+Its keepalive task (``start``) renews every held lease, beats the gateway's heart and probes
+Redis in one round trip every ``lease_ttl_s / 3``. When Redis is unreachable it degrades to a
+per-replica ``LocalLimiter`` admitting this replica's share of each limit (1/N of it, N the
+gateways last seen in Redis; fail mode ``open``) or refuses with 503 (fail mode ``closed``),
+and goes back to Redis when it answers again. An acquire carries the deadline after which the
+gateway no longer waits for it: Redis refuses it past then, so an acquire the gateway gave up
+on (a hung Redis that resumes) never leaves a lease behind. ``LocalLimiter`` alone is the
+embedded default (no ``redis_url``). A limit of 0 means unlimited.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from gateway.leases import KEEPALIVE, HeldLeases
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript as Script
@@ -81,7 +92,11 @@ class Decision:
 
 
 class Limiter(Protocol):
-    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision: ...
+    async def start(self) -> None:
+        """Begin the limiter's background work (the Redis limiter's keepalive and probe)."""
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, max_hold_s: float) -> Decision:
+        """Admit or refuse; an admitted request's slot is held until settled, at most ``max_hold_s``."""
 
     async def settle(self, lease: Lease, used_tokens: int) -> None: ...
 
@@ -89,6 +104,22 @@ class Limiter(Protocol):
         """``settle`` without waiting for it to be done (failures are handled by the limiter)."""
 
     async def close(self) -> None: ...
+
+
+DEFAULT_LEASE_TTL_S = 10.0
+"""How long a concurrency lease lives unless renewed (``ratelimit_lease_ttl_s``)."""
+
+
+def share(limits: Limits, gateways: int) -> Limits:
+    """One replica's share of ``limits`` among ``gateways`` replicas: each set limit divided,
+    rounded up, at least 1 (0 stays unlimited)."""
+    if gateways <= 1:
+        return limits
+
+    def part(limit: int) -> int:
+        return 0 if limit <= 0 else max(1, math.ceil(limit / gateways))
+
+    return Limits(part(limits.requests_per_min), part(limits.tokens_per_min), part(limits.max_concurrent))
 
 
 def _duration(seconds: float) -> str:
@@ -143,8 +174,12 @@ local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local maxc = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
+local deadline = tonumber(ARGV[6])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if deadline > 0 and now > deadline then
+  return {'late', tostring(now)}
+end
 local h = redis.call('HMGET', kh, 'rq', 'rt', 'tk', 'tt')
 local function level(v, ts, cap)
   if cap <= 0 then return 0 end
@@ -162,6 +197,7 @@ if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
   inflight = redis.call('ZCARD', kc)
 end
+local soonest = nil
 local out = {}
 local slots = {}
 for need, lease in string.gmatch(ARGV[5], '(%S+) (%S+)') do
@@ -182,7 +218,11 @@ for need, lease in string.gmatch(ARGV[5], '(%S+) (%S+)') do
   end
   if maxc > 0 and inflight >= maxc then
     if reason == '' then reason = 'concurrency' end
-    if wait < 1000 then wait = 1000 end
+    if soonest == nil then
+      local first = redis.call('ZRANGE', kc, 0, 0, 'WITHSCORES')
+      soonest = tonumber(first[2]) or (now + ttl)
+    end
+    if soonest - now > wait then wait = soonest - now end
   end
   if reason == '' then
     if rpm > 0 then rq = rq - 1 end
@@ -200,14 +240,21 @@ for need, lease in string.gmatch(ARGV[5], '(%S+) (%S+)') do
 end
 if #slots > 0 then
   redis.call('ZADD', kc, unpack(slots))
-  redis.call('PEXPIRE', kc, ttl + 1000)
+  if redis.call('PTTL', kc) < ttl + 1000 then
+    redis.call('PEXPIRE', kc, ttl + 1000)
+  end
 end
 redis.call('HSET', kh, 'rq', tostring(rq), 'rt', now, 'tk', tostring(tk), 'tt', now)
 redis.call('PEXPIRE', kh, 120000)
+out[#out + 1] = tostring(now)
 return out
 """
 """Acquires the ``need lease`` pairs of ``ARGV[5]`` in turn, as many calls one after
-the other would: four strings per pair (reason or '', requests left, tokens left, wait ms)."""
+the other would: four strings per pair (reason or '', requests left, tokens left, wait ms),
+then Redis's time (ms). Leases lapse ``ARGV[4]`` ms from now unless renewed; a concurrency
+refusal waits until the earliest lease lapses. Past ``ARGV[6]`` (Redis time, ms; 0: none),
+when the gateway no longer waits for the answer, it changes nothing and answers
+``{'late', now}``."""
 
 _SETTLE = """
 local kh = KEYS[1]
@@ -256,12 +303,14 @@ class _Call:
     call on the call and on each argument, and under load dozens of settlements and several
     acquires share one call of a few arguments."""
 
-    __slots__ = ("head", "parts", "script", "waiters")
+    __slots__ = ("deadline", "head", "parts", "script", "waiters")
 
-    def __init__(self, script: Script, head: tuple[bytes, ...]) -> None:
+    def __init__(self, script: Script, head: tuple[bytes, ...], deadline: bool) -> None:
         self.script = script
         self.head = head
         """``EVALSHA sha numkeys keys... const...``, encoded."""
+        self.deadline = deadline
+        """Send the round trip's deadline on Redis's clock after the parts (``_StepPipeline.deadline``)."""
         self.parts: list[str] = []
         self.waiters: list[asyncio.Future[Any]] = []
         """One future per caller that waits: a caller that gives up cancels its own only."""
@@ -286,6 +335,10 @@ class _StepPipeline:
     this replica). A ``NOSCRIPT`` reply (Redis restarted or flushed its scripts) loads the
     scripts and sends the refused calls again before anything queued after them; any other
     failure goes to every caller of the pipeline and to ``on_failure``.
+
+    A call joined with ``deadline`` gets one more argument: when the round trip stops being
+    waited for, on Redis's clock (``clock_offset_ms``, measured by the limiter), so that Redis
+    can refuse what the gateway no longer waits for.
     """
 
     def __init__(self, redis: Any, scripts: list[Script], *, timeout_s: float,
@@ -318,14 +371,28 @@ class _StepPipeline:
         self._due = 0.0
         """When the round trip in flight times out (0: none in flight)."""
         self._expired = False
+        self.clock_offset_ms: float | None = None
+        """Redis's clock less this host's (ms), as last measured; None: not yet known."""
+
+    def deadline(self) -> bytes:
+        """The Redis time (ms) after which the round trip in flight is no longer waited for,
+        a tenth of ``timeout_s`` early (the answer still has to travel back); ``0``: no clock
+        offset known yet. The offset is measured as Redis's time in a reply less this host's
+        when the reply arrived, so it errs early, never late."""
+        if self.clock_offset_ms is None or not self._due:
+            return b"0"
+        left_s = self._due - self._loop.time() - 0.1 * self.timeout_s
+        return b"%d" % int(time.time() * 1000 + left_s * 1000 + self.clock_offset_ms)
 
     def join(self, script: Script, keys: list[str], const: list[Any], part: str, *,
-             defer_s: float = 0.0, wait: bool = True) -> tuple[int, asyncio.Future[Any] | None]:
+             defer_s: float = 0.0, wait: bool = True,
+             deadline: bool = False) -> tuple[int, asyncio.Future[Any] | None]:
         """Queue a call of ``script`` with its own ``part`` of the last argument, joined to the
         open call of its keys and ``const`` leading arguments: this call's index among the
         joined ones, and (``wait``) a future of its own for their reply. ``defer_s``: the call
         may wait that long for company (a settlement rides along with the next acquire
-        instead of costing a round trip of its own)."""
+        instead of costing a round trip of its own). ``deadline``: the script takes the round
+        trip's deadline (``deadline()``) after ``part``."""
         key = (script.sha, *keys, *const)
         call = self._open.get(key)
         if call is None or len(call.parts) >= MAX_BATCH:
@@ -335,7 +402,7 @@ class _StepPipeline:
                     self._heads.clear()
                 head = self._heads[key] = (b"EVALSHA", script.sha.encode(), b"%d" % len(keys),
                                            *(k.encode() for k in keys), *(str(c).encode() for c in const))
-            call = self._open[key] = _Call(script, head)
+            call = self._open[key] = _Call(script, head, deadline)
             self._queue.append(call)
         call.parts.append(part)
         fut = None
@@ -426,7 +493,9 @@ class _StepPipeline:
         self._sender.cancel()
 
     async def _execute(self, calls: list[_Call]) -> list[Any]:
-        return await self._execute_commands([(*c.head, " ".join(c.parts).encode()) for c in calls])
+        deadline = self.deadline()
+        return await self._execute_commands([(*c.head, " ".join(c.parts).encode(), deadline) if c.deadline
+                                             else (*c.head, " ".join(c.parts).encode()) for c in calls])
 
     async def _execute_commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """One round trip: ``commands`` written at once, their replies read in order (an error
@@ -476,19 +545,40 @@ class RedisLimiter:
     """Limits shared by every gateway replica, kept in Redis (``redis.asyncio`` client)."""
 
     def __init__(self, redis: Any, prefix: str = "loraplex", *, fail_mode: Literal["open", "closed"] = "open",
-                 fallback: LocalLimiter | None = None, retry_s: float = 1.0, timeout_s: float = 1.0) -> None:
+                 fallback: LocalLimiter | None = None, retry_s: float = 1.0, timeout_s: float = 1.0,
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, not {lease_ttl_s}")
         self.redis = redis
         self.prefix = f"{prefix}:rl:"
         self.fail_mode = fail_mode
-        self.fallback = fallback or LocalLimiter()
+        self.lease_ttl_s = lease_ttl_s
+        """A concurrency lease lapses this long after it was taken or last renewed."""
+        self.keepalive_s = lease_ttl_s / 3
+        """How often the keepalive renews the held leases and probes Redis (while it answers)."""
+        self.fallback = fallback or LocalLimiter(lease_ttl_s=lease_ttl_s)
         self.retry_s = retry_s
-        """How long the limiter stays on its fallback after Redis failed before trying it again."""
+        """How long the limiter stays on its fallback after Redis failed before trying it again
+        (and how often the keepalive probes Redis meanwhile)."""
+        self.timeout_s = timeout_s
+        self._ttl_ms = max(1, int(lease_ttl_s * 1000))
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
+        self._keepalive = redis.register_script(KEEPALIVE)
         self._pipe = _StepPipeline(redis, [self._acquire, self._settle], timeout_s=timeout_s,
                                    on_failure=self._failed)
         self._keys: dict[str, list[str]] = {}
         self._lease_ids = LeaseIds()
+        self.gateway_id = os.urandom(8).hex()
+        """This replica's id in the gateways set (``{prefix}:gateways``)."""
+        self._gateways_key = f"{prefix}:gateways"
+        self.gateways = 1
+        """Gateways seen beating within ``lease_ttl_s`` when Redis last answered (at least 1):
+        the fallback admits 1/``gateways`` of each limit."""
+        self._held = HeldLeases()
+        self._keeper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        """Set when a request finds Redis away: the keepalive probes it ``retry_s`` later."""
         self._down_until = 0.0
         self.degraded = False
         self.settle_delay_s = 0.005
@@ -506,38 +596,114 @@ class RedisLimiter:
 
     def _failed(self, exc: BaseException) -> None:
         if not self.degraded:
+            self._wake.set()
             log.warning("redis limiter unreachable (%s: %s); %s", type(exc).__name__, exc,
-                        "using the local limiter" if self.fail_mode == "open" else "refusing requests")
+                        f"using the local limiter (1/{self.gateways} of each limit)" if self.fail_mode == "open"
+                        else "refusing requests")
         self.degraded = True
         self._down_until = time.monotonic() + self.retry_s
 
-    async def _degraded(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
-        if self.fail_mode == "open":
-            return await self.fallback.acquire(tenant, limits, tokens, lease_ttl_s)
-        return Decision(False, None, {"retry-after": str(max(1, math.ceil(self.retry_s)))}, 503, "unavailable",
-                        self.retry_s)
-
-    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
-        if self._down_until and time.monotonic() < self._down_until:
-            return await self._degraded(tenant, limits, tokens, lease_ttl_s)
-        lease_id = self._lease_ids.next()
-        i, fut = self._pipe.join(self._acquire, self._tenant_keys(tenant),
-                                 [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
-                                  int(lease_ttl_s * 1000)], f"{tokens} {lease_id}")
-        try:
-            reason, rq, tk, wait = (await fut)[4 * i: 4 * i + 4]  # type: ignore[misc]
-        except Exception:  # the pipeline reported it (``_failed``)
-            return await self._degraded(tenant, limits, tokens, lease_ttl_s)
+    def _reached(self) -> None:
         if self.degraded:
             log.warning("redis limiter reachable again")
             self.degraded = False
             self._down_until = 0.0
+
+    def _clock(self, redis_ms: Any) -> None:
+        """Redis's time in a reply that just arrived: the clock offset the acquires' deadlines use."""
+        self._pipe.clock_offset_ms = float(redis_ms) - time.time() * 1000
+
+    # -- keepalive --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the keepalive (idempotent; the first acquire starts it too): every
+        ``keepalive_s`` (``retry_s`` while Redis is away) one round trip renews the leases this
+        replica holds, beats its heart in the gateways set and tells whether Redis answers."""
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="ratelimit-keepalive")
+
+    async def _keep(self) -> None:
+        while True:
+            await self.keepalive()
+            self._wake.clear()
+            if not self.degraded:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.keepalive_s):
+                        await self._wake.wait()  # a request found Redis away meanwhile
+            await asyncio.sleep(self.retry_s if self.degraded else 0.0)
+
+    async def keepalive(self) -> bool:
+        """One keepalive round trip (``gateway.leases.KEEPALIVE``): True when Redis answered."""
+        keys = [self._gateways_key]
+        args: list[Any] = [self._ttl_ms, self.gateway_id, self._ttl_ms]
+        for key, lease_ids in self._held.renewable().items():
+            keys.append(key)
+            args.append(" ".join(lease_ids))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                gateways, _renewed, now = await self._keepalive(keys=keys, args=args)
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self._clock(now)
+        self.gateways = max(1, int(gateways))
+        self._reached()
+        return True
+
+    @property
+    def held(self) -> int:
+        """Concurrency leases this replica holds in Redis now."""
+        return len(self._held)
+
+    # -- acquire and settle -----------------------------------------------------------------------
+
+    async def _degraded(self, tenant: str, limits: Limits, tokens: int, max_hold_s: float) -> Decision:
+        if self.fail_mode == "open":
+            return await self.fallback.acquire(tenant, share(limits, self.gateways), tokens, max_hold_s,
+                                               largest=limits.tokens_per_min)
+        return Decision(False, None, {"retry-after": str(max(1, math.ceil(self.retry_s)))}, 503, "unavailable",
+                        self.retry_s)
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, max_hold_s: float) -> Decision:
+        if self._keeper is None:
+            await self.start()
+        if self._down_until and time.monotonic() < self._down_until:
+            return await self._degraded(tenant, limits, tokens, max_hold_s)
+        lease_id = self._lease_ids.next()
+        keys = self._tenant_keys(tenant)
+        i, fut = self._pipe.join(self._acquire, keys,
+                                 [limits.requests_per_min, limits.tokens_per_min, limits.max_concurrent,
+                                  self._ttl_ms], f"{tokens} {lease_id}", deadline=True)
+        try:
+            reply = await fut  # type: ignore[misc]
+        except asyncio.CancelledError:
+            if limits.max_concurrent > 0:  # its lease, if Redis grants it, goes straight away
+                self._pipe.join(self._settle, keys, [limits.tokens_per_min], f"0 {lease_id}",
+                                defer_s=self.settle_delay_s, wait=False)
+            raise
+        except Exception:  # the pipeline reported it (``_failed``)
+            return await self._degraded(tenant, limits, tokens, max_hold_s)
+        if reply[0] in (b"late", "late"):  # Redis ran it after its deadline: nothing was taken
+            self._clock(reply[1])
+            self._failed(TimeoutError(f"Redis answered after {self.timeout_s:g} s"))
+            return await self._degraded(tenant, limits, tokens, max_hold_s)
+        if self._pipe.clock_offset_ms is None:
+            self._clock(reply[-1])
+        if self.degraded:
+            self._reached()
+        reason, rq, tk, wait = reply[4 * i: 4 * i + 4]
         reason = reason.decode() if isinstance(reason, bytes) else reason
-        lease = Lease(tenant, lease_id, tokens, limits.tokens_per_min, self) if not reason else None
-        return _decision(not reason, lease, limits, reason, float(rq), float(tk), float(wait))
+        if reason:
+            return _decision(False, None, limits, reason, float(rq), float(tk), float(wait))
+        if limits.max_concurrent > 0:
+            self._held.hold(keys[1], lease_id, time.monotonic() + max_hold_s)
+        lease = Lease(tenant, lease_id, tokens, limits.tokens_per_min, self)
+        return _decision(True, lease, limits, reason, float(rq), float(tk), float(wait))
 
     def _join_settle(self, lease: Lease, used_tokens: int, wait: bool) -> asyncio.Future[Any] | None:
-        return self._pipe.join(self._settle, self._tenant_keys(lease.tenant), [lease.tokens_per_min],
+        keys = self._tenant_keys(lease.tenant)
+        self._held.release(keys[1], lease.lease_id)
+        return self._pipe.join(self._settle, keys, [lease.tokens_per_min],
                                f"{lease.reserved - used_tokens} {lease.lease_id}", defer_s=self.settle_delay_s,
                                wait=wait)[1]
 
@@ -548,8 +714,8 @@ class RedisLimiter:
         if lease.backend is not self:
             await lease.backend.settle(lease, used_tokens)
             return
-        # A failure is reported by the pipeline: the concurrency slot expires by itself and the
-        # token refund is lost (conservative).
+        # A failure is reported by the pipeline: the concurrency slot lapses by itself (no
+        # longer renewed) and the token refund is lost (conservative).
         with contextlib.suppress(Exception):
             await self._join_settle(lease, used_tokens, True)  # type: ignore[misc]
 
@@ -565,6 +731,15 @@ class RedisLimiter:
         self._join_settle(lease, used_tokens, False)
 
     async def close(self) -> None:
+        """Stop the keepalive, leave the gateways set and send what is still queued."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._keeper
+            self._keeper = None
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await self.redis.zrem(self._gateways_key, self.gateway_id)
         await self._pipe.close()
         await self.fallback.close()
 
@@ -581,7 +756,8 @@ class _Bucket:
         self.rt = 0.0
         self.tk: float | None = None
         self.tt = 0.0
-        self.leases: dict[str, float] = {}
+        self.leases: dict[str, tuple[float, float]] = {}
+        """Lease id -> (when taken, when no longer held: its ``max_hold_s``)."""
 
 
 def _level(value: float | None, ts: float, cap: int, now: float) -> float:
@@ -593,14 +769,34 @@ def _level(value: float | None, ts: float, cap: int, now: float) -> float:
 
 
 class LocalLimiter:
-    """The same limits in this process only (embedded default, and Redis fallback)."""
+    """The same limits in this process only (embedded default, and Redis fallback).
 
-    def __init__(self, max_tenants: int = 100_000) -> None:
+    Its leases cannot outlive their holder (the process), so a held lease stays until settled
+    or ``max_hold_s``; a concurrency refusal's ``retry-after`` is the one a Redis limiter gives,
+    when the earliest held lease would lapse were its holder to stop renewing it now (held
+    leases count as renewed every ``lease_ttl_s / 3`` since taken): between 2/3 of
+    ``lease_ttl_s`` and ``lease_ttl_s``, or the earlier end of its hold."""
+
+    def __init__(self, max_tenants: int = 100_000, *, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         self._buckets: dict[str, _Bucket] = {}
         self.max_tenants = max_tenants
+        self.lease_ttl_s = lease_ttl_s
         self._lease_ids = LeaseIds()
 
-    async def acquire(self, tenant: str, limits: Limits, tokens: int, lease_ttl_s: float) -> Decision:
+    async def start(self) -> None:
+        """Nothing runs in the background: in-process leases need no renewing."""
+
+    def _soonest_lapse(self, b: _Bucket, now: float) -> float:
+        ttl = self.lease_ttl_s
+        period = ttl / 3
+        return min(min(until, taken + ttl + (now - taken) // period * period)
+                   for taken, until in b.leases.values())
+
+    async def acquire(self, tenant: str, limits: Limits, tokens: int, max_hold_s: float, *,
+                      largest: int = 0) -> Decision:
+        """``largest``: the largest reservation admitted (0: ``tokens_per_min``); one over the
+        bucket's capacity goes when the bucket is full and leaves it owing the rest (the Redis
+        limiter's fallback: a replica's share of the tokens may be less than one request)."""
         now = time.monotonic()
         b = self._buckets.get(tenant)
         if b is None:
@@ -611,20 +807,21 @@ class LocalLimiter:
         rq = _level(b.rq, b.rt, rpm, now)
         tk = _level(b.tk, b.tt, tpm, now)
         if maxc > 0 and b.leases:
-            for lid in [k for k, exp in b.leases.items() if exp <= now]:
+            for lid in [k for k, (_, until) in b.leases.items() if until <= now]:
                 del b.leases[lid]
         reason = ""
         wait = 0.0
+        need = min(tokens, tpm)
         if rpm > 0 and rq < 1:
             reason, wait = "requests", (1 - rq) * 60000 / rpm
-        if tpm > 0 and tokens > tpm:
+        if tpm > 0 and tokens > (largest or tpm):
             reason, wait = "too_large", 60000.0
-        elif tpm > 0 and tk < tokens:
-            wait = max(wait, (tokens - tk) * 60000 / tpm)
+        elif tpm > 0 and tk < need:
+            wait = max(wait, (need - tk) * 60000 / tpm)
             reason = reason or "tokens"
         if maxc > 0 and len(b.leases) >= maxc:
             reason = reason or "concurrency"
-            wait = max(wait, 1000.0)
+            wait = max(wait, (self._soonest_lapse(b, now) - now) * 1000)
         lease = None
         if not reason:
             if rpm > 0:
@@ -633,7 +830,7 @@ class LocalLimiter:
                 tk -= tokens
             lease = Lease(tenant, self._lease_ids.next(), tokens, tpm, self)
             if maxc > 0:
-                b.leases[lease.lease_id] = now + lease_ttl_s
+                b.leases[lease.lease_id] = (now, now + max_hold_s)
         b.rq, b.rt, b.tk, b.tt = rq, now, tk, now
         return _decision(not reason, lease, limits, reason, rq, tk, wait)
 

@@ -148,7 +148,12 @@ class Settings:
     gateway_metrics_port: int = 9100
     """Internal port serving ``/metrics`` (never the public port). 0: no metrics port."""
     ratelimit_fail_mode: Literal["open", "closed"] = "open"
-    """While Redis is unreachable: ``open`` (per-replica local limits) or ``closed`` (503)."""
+    """While Redis is unreachable: ``open`` (each replica admits its share, 1/N of each limit, N the gateways it
+    last saw in Redis) or ``closed`` (503)."""
+    ratelimit_lease_ttl_s: float = 10.0
+    """A concurrency slot's lease lapses this long after its gateway last renewed it (every third of it): a
+    killed gateway's slots are free again within this. Also how long a gateway counts as live after its last
+    heartbeat, and the most a concurrency 429's ``retry-after`` says."""
     route_candidates: int = 3
     """Consistent-hash ring candidates per adapter version (2-3)."""
     route_load_factor: float = 1.5

@@ -37,13 +37,19 @@ async def redis_client(redis_url):
     await r.aclose()
 
 
+TTL = 1.0
+"""The limiters' lease TTL here (renewed every third of it)."""
+
+
 @pytest.fixture(params=["redis", "local"])
 async def limiter(request, redis_url, redis_prefix):
     if request.param == "local":
-        yield LocalLimiter()
+        yield LocalLimiter(lease_ttl_s=TTL)
         return
     r = aioredis.from_url(redis_url)
-    yield RedisLimiter(r, redis_prefix)
+    lim = RedisLimiter(r, redis_prefix, lease_ttl_s=TTL)
+    yield lim
+    await lim.close()
     await r.aclose()
 
 
@@ -90,17 +96,22 @@ async def test_requests_per_minute_and_too_large(limiter):
     assert not big.allowed and big.reason == "too_large"
 
 
-async def test_concurrency_slots_and_expiry_of_dead_holders(limiter):
+async def test_concurrency_slots_free_on_settle_and_after_the_longest_hold(limiter):
     limits = Limits(max_concurrent=2)
     a = await limiter.acquire("acme", limits, 1, 30)
-    b = await limiter.acquire("acme", limits, 1, 1.0)  # a holder that will "die"
+    b = await limiter.acquire("acme", limits, 1, 0.5)  # a request that never settles
     c = await limiter.acquire("acme", limits, 1, 30)
     assert a.allowed and b.allowed and not c.allowed and c.reason == "concurrency"
+    assert c.headers["retry-after"] == "1" and int(c.headers["retry-after-ms"]) <= TTL * 1000
     await limiter.settle(a.lease, 1)
     assert (await limiter.acquire("acme", limits, 1, 30)).allowed
     assert not (await limiter.acquire("acme", limits, 1, 30)).allowed
-    await asyncio.sleep(1.1)  # b's lease expired without a settle
-    assert (await limiter.acquire("acme", limits, 1, 30)).allowed
+    # b is renewed no longer than its hold (0.5 s), then lapses within the TTL.
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not (await limiter.acquire("acme", limits, 1, 30)).allowed:
+        assert loop.time() - t0 < 0.5 + TTL + 5.0, "the unsettled lease never lapsed"
+        await asyncio.sleep(0.05)
 
 
 async def test_concurrent_acquires_and_settles_count_like_sequential_ones(limiter):
@@ -196,6 +207,7 @@ async def test_redis_outage_fail_closed_refuses_with_503(redis_prefix):
         d = await lim.acquire("acme", Limits(requests_per_min=10), 1, 30)
         assert not d.allowed and d.status == 503 and "retry-after" in d.headers
     finally:
+        await lim.close()
         await r.aclose()
 
 
@@ -489,6 +501,11 @@ async def test_round_trips_skip_the_socket_timeout_and_keep_the_clients_database
         return wait_for(aw, timeout)
 
     try:
+        await lim.start()  # the keepalive (on the client's pool) probes at once, then every 3.3 s
+        for _ in range(500):  # until its first round trip is back
+            if lim._pipe.clock_offset_ms is not None:
+                break
+            await asyncio.sleep(0.01)
         monkeypatch.setattr(asyncio, "wait_for", counted)
         for _ in range(3):
             d = await lim.acquire("acme", Limits(requests_per_min=100), 1, 30)
