@@ -32,7 +32,9 @@ STATUS_5XX = "5xx"
 FIRST_BYTE = "first_byte_timeout"
 STALL = "stall"
 BROKE = "broke"
-REASONS = (CONNECT, STATUS_5XX, FIRST_BYTE, STALL, BROKE)
+QUIET = "stopped_reporting"
+"""Waiting for its first byte, the worker stopped reporting (hung)."""
+REASONS = (CONNECT, STATUS_5XX, FIRST_BYTE, STALL, BROKE, QUIET)
 """Why an attempt failed (the label of an ejection)."""
 
 
@@ -126,8 +128,10 @@ class Outliers:
         return self.ejections()
 
     def forget(self, keep: set[str]) -> None:
-        """Drop the state of workers no longer known (``keep``: the live ones)."""
-        for w in [w for w in self._state if w not in keep]:
+        """Drop the state of workers no longer known (``keep``: the live ones), but for an ejection
+        still running: a hung worker leaves the live set, and when it comes back it is still out."""
+        now = self._clock()
+        for w in [w for w, st in self._state.items() if w not in keep and st.until <= now]:
             del self._state[w]
 
 

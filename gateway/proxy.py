@@ -53,30 +53,40 @@ class Opened:
     """The rest of the body (None: ``first`` is all of it)."""
     stall_s: float = 0.0
     """A stream whose worker sends nothing for this long is ended (``relay_sse``; 0: never)."""
+    alive: Callable[[], bool] | None = None
+    """Whether the worker still reports (``Upstream.alive``): a stream waiting on one that stopped ends sooner."""
+    check_s: float = 1.0
+    """How often ``alive`` is asked while the stream waits."""
     outcome: str | None = None
     """How the worker did: ``ok``, a failure (``gateway.outliers.REASONS``), or None when the
     request ended before that was known (the client left); ``Upstream.done`` records it."""
 
 
 class Watchdog:
-    """Cancels the task that made it when it has waited ``seconds`` for its worker (``fired``).
+    """Cancels the task that made it (``fired``) when its worker has kept it waiting ``seconds``,
+    or sooner when ``alive`` (asked every ``every`` seconds while it waits) says the worker stopped
+    (it no longer reports: hung). ``patient``: past ``seconds`` it waits on while the worker is
+    alive (a whole answer, sent only when done). ``waiting`` is False while the task does something
+    else (sends to the client): that time does not count. One timer, re-armed when it goes off."""
 
-    ``waiting`` is False while the task does something else (sends to the client): that time
-    does not count. ``extend`` (optional) is asked when the time is up: seconds more to wait,
-    or None to fire. One timer per watchdog, re-armed only when it goes off."""
+    __slots__ = ("_handle", "_loop", "_task", "alive", "due", "every", "fired", "patient", "quiet", "seconds",
+                 "waiting")
 
-    __slots__ = ("_handle", "_loop", "_task", "due", "extend", "fired", "seconds", "waiting")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float,
-                 extend: Callable[[], float | None] | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, alive: Callable[[], bool] | None = None,
+                 every: float = 1.0, patient: bool = False) -> None:
         self._loop = loop
         self._task = asyncio.current_task(loop)
         self.seconds = seconds
-        self.extend = extend
+        self.alive = alive
+        self.every = every if alive is not None else seconds
+        self.patient = patient and alive is not None
         self.fired = False
+        self.quiet = False
+        """It fired because the worker stopped reporting (not on the deadline)."""
         self.waiting = True
-        self.due = loop.time() + seconds
-        self._handle: asyncio.TimerHandle | None = loop.call_at(self.due, self._check)
+        now = loop.time()
+        self.due = now + seconds
+        self._handle: asyncio.TimerHandle | None = loop.call_at(min(self.due, now + self.every), self._check)
 
     def wait(self) -> None:
         """The task waits for its worker again: ``seconds`` from now."""
@@ -85,16 +95,19 @@ class Watchdog:
 
     def _check(self) -> None:
         now = self._loop.time()
-        if not self.waiting or now < self.due:
-            self._handle = self._loop.call_at(max(self.due, now + self.seconds) if not self.waiting else self.due,
-                                              self._check)
-            return
-        more = self.extend() if self.extend is not None else None
-        if more is not None:
-            self.due = now + more
-            self._handle = self._loop.call_at(self.due, self._check)
-            return
         self._handle = None
+        if self.waiting:
+            if self.alive is not None and not self.alive():
+                self.quiet = True
+                self._fire()
+                return
+            if now >= self.due and not self.patient:
+                self._fire()
+                return
+        at = now + self.every if self.patient and now >= self.due else min(max(self.due, now), now + self.every)
+        self._handle = self._loop.call_at(at if at > now else now + self.every, self._check)
+
+    def _fire(self) -> None:
         task = self._task
         if task is not None and not task.done():
             self.fired = True
@@ -133,19 +146,20 @@ class Upstream:
         if self.on_failure is not None:
             self.on_failure(worker.id)
 
-    def _still_working(self, worker: Worker) -> Callable[[], float | None]:
-        """``Watchdog.extend`` for a whole answer, which a worker sends only when it is done: wait
-        on while the worker keeps reporting (it is alive, generating) or has no reports to go by (a
-        static URL); a worker that stopped reporting, or was ejected meanwhile, is given up on."""
+    def alive(self, worker: Worker) -> Callable[[], bool]:
+        """``Watchdog.alive`` for ``worker``: False once it stopped reporting (a refresh after its
+        report TTL found no newer report); always True for a static URL, which has none."""
         router = self.router
 
-        def extend() -> float | None:
+        def alive() -> bool:
             router.refresh_soon()
-            if router.gone_quiet(worker) or router.outliers.ejected(worker.id):
-                return None
-            return max(0.1, min(1.0, router.report_ttl_s / 3))
+            return not router.gone_quiet(worker)
 
-        return extend
+        return alive
+
+    def check_every(self) -> float:
+        """How often a waiting request asks whether its worker still reports."""
+        return max(0.1, min(1.0, self.router.report_ttl_s / 3))
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
                    whole: bool = False, vllm: Callable[[Worker, bool], Awaitable[bytes]] | None = None) -> Opened:
@@ -171,9 +185,11 @@ class Upstream:
             watch: Watchdog | None = None
             try:
                 body = payload if not worker.vllm or vllm is None else await vllm(worker, worker.id in reloaded)
-                if tries:  # the last candidate has no deadline of its own: there is nowhere else to go
-                    watch = Watchdog(loop, self.first_byte_deadline(worker),
-                                     self._still_working(worker) if whole else None)
+                # A whole answer is sent only when done: past its deadline it waits on while the worker
+                # reports. The last candidate has no deadline of its own (nowhere else to go), but
+                # is given up on too once it stops reporting.
+                watch = Watchdog(loop, self.first_byte_deadline(worker), self.alive(worker), self.check_every(),
+                                 patient=whole or not tries)
                 resp = await self.client.post(worker.url + path, body, request_id)
                 status = resp.status
                 if status == 404 and worker.vllm:
@@ -217,7 +233,8 @@ class Upstream:
                         break
                 if watch is not None:
                     watch.stop()
-                return Opened(worker, resp, first, chunks, stall_s=self.stall_s)
+                return Opened(worker, resp, first, chunks, stall_s=self.stall_s, alive=self.alive(worker),
+                              check_s=self.check_every())
             except (WorkerUnreachable, WorkerBroke) as exc:
                 router.release(worker)
                 if resp is not None:
@@ -231,9 +248,10 @@ class Upstream:
                     resp.close()
                 if watch is None or not watch.caught():
                     raise
-                last = f"worker {worker.id} sent nothing within {watch.seconds:g} s"
+                last = (f"worker {worker.id} stopped reporting" if watch.quiet
+                        else f"worker {worker.id} sent nothing within {watch.seconds:g} s")
                 log.warning("request %s: %s; trying the next candidate", request_id, last)
-                self._failed(worker, outliers.FIRST_BYTE)
+                self._failed(worker, outliers.QUIET if watch.quiet else outliers.FIRST_BYTE)
             except BaseException:
                 router.release(worker)
                 if resp is not None:
@@ -379,7 +397,8 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
     the relay is cancelled). ``strip_chunk_usage``: the client did not ask for them, so
     they are taken out (``"usage": null`` when it asked for ``include_usage``)."""
     result = result if result is not None else StreamResult()
-    watch = Watchdog(asyncio.get_running_loop(), opened.stall_s) if opened.stall_s > 0 else None
+    watch = Watchdog(asyncio.get_running_loop(), opened.stall_s, opened.alive, opened.check_s) \
+        if opened.stall_s > 0 else None
     buf = b""
     chunk_usage = b',"usage":null' if keep_usage else b""
 
@@ -454,7 +473,8 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
     except asyncio.CancelledError:
         if watch is None or not watch.caught():
             raise
-        result.error = f"the worker sent nothing for {opened.stall_s:g} s"
+        result.error = ("the worker stopped responding" if watch.quiet
+                        else f"the worker sent nothing for {opened.stall_s:g} s")
         result.stalled = True
         code = "upstream_stalled"
         opened.outcome = outliers.STALL
