@@ -162,13 +162,14 @@ class Settings:
     """A worker that has not reported for this long leaves the ring, and is never chosen (checked per request)."""
     worker_first_byte_timeout_s: float = 10.0
     """A worker must send a streamed answer's first chunk within this, plus ``worker_first_byte_per_queued_s`` per
-    request it has queued; else the request, which has sent the client nothing yet, goes to the next candidate. A
-    whole answer (sent only when done) waits past it while its worker keeps reporting (or has no reports: a static
-    URL)."""
+    request it has queued; else the request, which has sent the client nothing yet, goes to the next candidate (at
+    once when the worker stops reporting). A whole answer (sent only when done) waits past it while its worker keeps
+    reporting (or has no reports: a static URL), and so does the last candidate."""
     worker_first_byte_per_queued_s: float = 0.5
     """Added to ``worker_first_byte_timeout_s`` per request the worker reports queued."""
     worker_stall_timeout_s: float = 20.0
-    """A started stream whose worker sends nothing for this long ends with an ``upstream_stalled`` error event."""
+    """A started stream whose worker sends nothing for this long (or stops reporting) ends with an ``upstream_stalled``
+    error event."""
     worker_eject_failures: int = 3
     """Consecutive failures (connect errors, worker 5xx, first-byte timeouts, stalls) that eject a worker."""
     worker_eject_base_s: float = 5.0
