@@ -11,6 +11,7 @@ from typing import Any
 
 from registry.admin_client import (
     EXIT_REFUSED,
+    GLOBAL_DEFAULTS,
     AdminError,
     _answer,
     _evidence,
@@ -205,7 +206,15 @@ def adapter_show(a: argparse.Namespace) -> int:
     return 0
 
 
+ACTIVATE_TIMEOUT_S = 330.0
+"""How long ``adapter activate`` waits unless ``--timeout`` says: the activation gate's probes may take
+up to 300 s on the worker (``gateway.activation``), far past the 30 s other calls wait (a probe on a
+busy laptop's demo took over a minute)."""
+
+
 def adapter_activate(a: argparse.Namespace) -> int:
+    if a.timeout == GLOBAL_DEFAULTS["timeout"]:
+        a = argparse.Namespace(**{**vars(a), "timeout": ACTIVATE_TIMEOUT_S})
     data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification,
                                                                   "eval": a.eval})
     _show(a, "adapter", data, f"activated {data['label']}")

@@ -109,7 +109,9 @@ def register(subparsers: Any) -> None:
                         help="gateway base URL (default: LORAPLEX_ADMIN_URL or the gateway host/port)")
     common.add_argument("--token", default=argparse.SUPPRESS,
                         help="admin JWT (default: LORAPLEX_ADMIN_TOKEN, else minted from LORAPLEX_JWT_SECRET)")
-    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="HTTP timeout in seconds")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+                        help="HTTP timeout in seconds (default 30; adapter activate: 330, as the gate probes for "
+                        "up to 300)")
 
     admin = subparsers.add_parser(
         "admin", help="operate the registry: tenants, adapters, bindings, canaries, limits, audit",

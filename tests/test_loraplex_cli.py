@@ -119,3 +119,23 @@ def test_token_ttl_must_be_a_positive_number_of_seconds(ttl):
                        timeout=60)
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert "argument --ttl:" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(("argv", "timeout"), [
+    (["adapter", "activate", "bot@2"], 330.0),  # the gate probes on a worker for up to 300 s
+    (["adapter", "activate", "bot@2", "--timeout", "5"], 5.0),
+    (["--timeout", "7", "adapter", "activate", "bot@2"], 7.0),
+    (["adapter", "show", "bot@2"], 30.0),
+])
+def test_adapter_activate_waits_as_long_as_the_gate_may_take(monkeypatch, argv, timeout):
+    import registry.admin_commands as commands
+
+    waited = []
+
+    def request(a, method, path, body=None):
+        waited.append(a.timeout)
+        return {"label": "bot@2"}
+
+    monkeypatch.setattr(commands, "_request", request)
+    assert main(["admin", *argv, "--json"]) == 0
+    assert waited == [timeout]
