@@ -70,7 +70,9 @@ first-byte and stall bounds, and the survivor generating the answer again under 
 load; half of ``REQUEST_TIMEOUT_S``."""
 GAUGE_BOUND_S = 10.0
 """An idle gateway's ``redis_up`` follows Redis within this."""
-STREAM_TOKENS = 48
+STREAM_TOKENS = 96
+"""Streams begun before the fault: still running when it comes."""
+LATE_STREAM_TOKENS = 24
 PLAIN_TOKENS = 16
 MAX_CONCURRENT = 3
 
@@ -284,21 +286,22 @@ def _redis_outage(fleet: Fleet, break_redis: Callable[[], None], mend_redis: Cal
         return {gw.name: None if t is None else round(t, 2) for gw, t in zip((g1, g2, g3), took, strict=True)}
 
     back = asyncio.run(gauges_back())
-    slots = Load()
+    slots, closed_after = Load(), Load()
 
     async def every_slot() -> None:
         async with _client() as client:
             await asyncio.gather(*(request(client, slots, g2.url, token,
                                            chat_body(stream=True, max_tokens=24, model=fleet.base),
                                            hang_s=CLIENT_TIMEOUT_S) for _ in range(MAX_CONCURRENT)))
-            await request(client, slots, g3.url, token, chat_body(stream=False, max_tokens=2, model=fleet.base),
-                          hang_s=CLIENT_TIMEOUT_S)
+            await request(client, closed_after, g3.url, token,
+                          chat_body(stream=False, max_tokens=2, model=fleet.base), hang_s=CLIENT_TIMEOUT_S)
 
     asyncio.run(every_slot())
     print(f"\n  fail-open g1: {_counts(served)} (longest {max(o.end_at - o.sent for o in served.outcomes if o.end_at):.2f} s);"
           f" fail-closed g3: {_counts(refused)} {[(o.status, o.code, o.retry_after) for o in refused.outcomes]};"
           f" idle g2's redis_up 0 after {idle_down} s; redis_up 1 again after {back} s;"
-          f" all {MAX_CONCURRENT} slots then: {_counts(slots)} {[(o.status, o.code) for o in slots.outcomes]}")
+          f" all {MAX_CONCURRENT} slots on g2 then: {[(o.status, o.code) for o in slots.outcomes]},"
+          f" g3 then: {[(o.status, o.code) for o in closed_after.outcomes]}")
     if served.counts()[OK] != len(served.outcomes):
         problems.append(f"fail-open chat not served: {[(o.kind, o.status, o.code) for o in served.outcomes]}")
     for o in refused.outcomes:
@@ -310,9 +313,13 @@ def _redis_outage(fleet: Fleet, break_redis: Callable[[], None], mend_redis: Cal
         if took is None:
             problems.append(f"{name}'s redis_up not back to 1 within {GAUGE_BOUND_S} s of Redis' return")
     if slots.counts()[OK] != len(slots.outcomes):
-        problems.append(f"the tenant could not use all its slots after the outage (an orphan lease?): "
+        problems.append(f"the tenant could not use all its slots on g2 after the outage (an orphan lease, or a "
+                        f"limiter still on its fallback share): "
                         f"{[(o.kind, o.status, o.code, o.retry_after) for o in slots.outcomes]}")
-    wrong = unsettled(c, served.outcomes + refused.outcomes + slots.outcomes)
+    if closed_after.counts()[OK] != len(closed_after.outcomes):
+        problems.append(f"the fail-closed gateway still refuses after Redis returned: "
+                        f"{[(o.kind, o.status, o.code) for o in closed_after.outcomes]}")
+    wrong = unsettled(c, served.outcomes + refused.outcomes + slots.outcomes + closed_after.outcomes)
     if wrong:
         problems.append(f"settled != received: {wrong}")
     return problems
@@ -403,7 +410,8 @@ async def _under_load(fleet: Fleet, fault: Callable[[Proc], None]) -> tuple[Load
     load = Load()
     async with _client() as client:
         def send(i: int, stream: bool, started: asyncio.Event | None = None) -> asyncio.Task[Outcome]:
-            body = chat_body(stream=stream, max_tokens=STREAM_TOKENS if stream else PLAIN_TOKENS, model=fleet.base)
+            tokens = (STREAM_TOKENS if started is not None else LATE_STREAM_TOKENS) if stream else PLAIN_TOKENS
+            body = chat_body(stream=stream, max_tokens=tokens, model=fleet.base)
             return asyncio.create_task(request(client, load, gateways[i % 2].url, token, body,
                                                hang_s=CLIENT_TIMEOUT_S, started=started))
 
@@ -413,6 +421,7 @@ async def _under_load(fleet: Fleet, fault: Callable[[Proc], None]) -> tuple[Load
         await _begun(tasks[:len(started)], started)
         assert all(ev.is_set() for ev in started), [(o.kind, o.status, o.code) for o in load.outcomes]
         on = Counter(o.worker for o in load.outcomes if o.stream and o.end_at is None)
+        assert on, "every stream ended before the fault (make STREAM_TOKENS larger)"
         victim = fleet.worker(on.most_common(1)[0][0])
         fault(victim)
         t_fault = time.monotonic()
