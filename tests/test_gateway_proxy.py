@@ -275,3 +275,18 @@ def test_hung_worker_is_routed_around_before_the_first_byte_and_ejected():
                 assert failures in gateway.metrics.render().decode()
             finally:
                 hung.resume()
+
+
+def test_first_byte_deadline_grows_with_what_the_worker_has_queued():
+    from gateway.proxy import Upstream
+    from gateway.router import Router, Worker
+    from gateway.worker_client import WorkerClient
+
+    up = Upstream(WorkerClient("secret"), Router(None), first_byte_s=10, per_queued_s=0.5)
+    w = Worker(id="w", url="http://w", base_model="smol", device=frozenset(), host=frozenset(), reported_load=0,
+               report_ts=0.0)
+    assert up.first_byte_deadline(w) == 10
+    w.queued = 4  # as its last report said
+    assert up.first_byte_deadline(w) == 12
+    w.max_seqs, w.inflight = 2, 10  # this replica alone sent it 8 more than it runs at once
+    assert up.first_byte_deadline(w) == 14

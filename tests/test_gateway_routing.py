@@ -4,6 +4,7 @@ preference for warm workers, bounded load, failover, dead workers leaving and co
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -297,11 +298,12 @@ async def test_stale_reports_are_routed_on_while_the_store_is_unreachable():
     assert [w.id for w in await router.route("smol", None)] == ["w1"]
 
 
-async def test_hung_worker_whole_answer_moves_on_once_its_report_stops(redis_url, redis_prefix):
+async def test_hung_worker_requests_move_on_once_its_report_stops(redis_url, redis_prefix):
     """A whole (not streamed) answer is sent only when done, so its first-byte deadline waits on
     while the worker keeps reporting; a worker that hangs (SIGSTOP) stops reporting, and its
-    requests, the one in flight and new ones, go to the other worker within about the report TTL."""
-    procs = [StubProcess("w1", redis_url=redis_url, redis_prefix=redis_prefix, device=("sup-v1",)),
+    requests, the one in flight and new ones, go to the other worker within about the report TTL.
+    A stream it had started ends with ``upstream_stalled`` then too, long before the stall bound."""
+    procs = [StubProcess("w1", redis_url=redis_url, redis_prefix=redis_prefix, device=("sup-v1",), extra=("--chunks", "20")),
              StubProcess("w2", redis_url=redis_url, redis_prefix=redis_prefix)]
     for p in procs:
         p.start()
@@ -309,7 +311,7 @@ async def test_hung_worker_whole_answer_moves_on_once_its_report_stops(redis_url
     try:
         await _wait_live(redis_url, redis_prefix, 2)
         s = Settings(redis_url=redis_url, redis_prefix=redis_prefix, worker_report_ttl_s=1.0,
-                     worker_first_byte_timeout_s=0.3, request_timeout_s=10)
+                     worker_first_byte_timeout_s=0.3, worker_stall_timeout_s=60, request_timeout_s=10)
         app = create_app(s, snapshots=MutableSnapshots(make_snapshot(TENANTS)), limiter=LocalLimiter(),
                          mount_admin=False)
         h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
@@ -321,15 +323,22 @@ async def test_hung_worker_whole_answer_moves_on_once_its_report_stops(redis_url
             assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w1"
             t0 = time.monotonic()
             in_flight = asyncio.create_task(c.post("/v1/chat/completions", headers=h,
-                                                   json=body | {"metadata": {"stub_delay": "0.5"}}))
-            for _ in range(250):  # until it reached the worker
-                if hung.stats()["inflight"]:
+                                                   json=body | {"metadata": {"stub_delay": "4"}}))
+            stream = asyncio.create_task(c.post("/v1/chat/completions", headers=h, json=body | {
+                "stream": True, "max_tokens": 20, "metadata": {"stub_chunk_delay": "0.2"}}))
+            for _ in range(250):  # until both reached the worker and the stream has begun
+                if hung.stats()["inflight"] == 2:
                     break
                 await asyncio.sleep(0.02)
+            await asyncio.sleep(1.2)  # the stream is under way (chunks 0.2 s apart)
             hung.pause()
             try:
                 r = await in_flight
                 assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w2", r.text
+                r = await stream
+                assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w1"
+                events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+                assert len(events) >= 2 and json.loads(events[-1])["error"]["code"] == "upstream_stalled", r.text
                 r = await c.post("/v1/chat/completions", json=body, headers=h)
                 assert r.status_code == 200 and r.headers["x-loraplex-worker"] == "w2", r.text
                 assert time.monotonic() - t0 < 8  # both well before the 10 s request deadline
