@@ -437,16 +437,22 @@ def _answered_at(o: Outcome) -> float | None:
 
 
 def _worker_report(load: Load, victim: Proc, t_fault: float) -> tuple[list[Outcome], list[Outcome], str]:
-    """The requests in flight at the fault and those sent after it; a line of what they saw."""
+    """The requests in flight at the fault and those sent after it; a line of what they saw: how
+    long each waited (from the fault, or from being sent after it) until another worker answered,
+    the longest of the streams (their first event) and of the whole answers (the whole answer)."""
     inflight = [o for o in load.outcomes if o.sent < t_fault and (o.end_at is None or o.end_at > t_fault)]
     later = [o for o in load.outcomes if o.sent >= t_fault]
-    waited_in = [a - t_fault for o in inflight if o.kind == OK and o.worker != victim.name
-                 and (a := _answered_at(o)) is not None]
-    waited_after = [a - o.sent for o in later if o.kind == OK and (a := _answered_at(o)) is not None]
+
+    def longest(outcomes: list[Outcome], stream: bool) -> str:
+        waits = [a - max(o.sent, t_fault) for o in outcomes if o.kind == OK and o.stream == stream
+                 and o.worker != victim.name and (a := _answered_at(o)) is not None]
+        return f"{max(waits):.2f} s" if waits else "-"
+
     line = (f"{_counts(load)}; in flight {len(inflight)} "
             f"(on {victim.name}: {sum(o.worker == victim.name for o in inflight)} streams begun), "
-            f"longest wait for another worker {max(waited_in, default=0):.2f} s; sent after {len(later)}, "
-            f"longest wait {max(waited_after, default=0):.2f} s; error codes "
+            f"longest wait for another worker: streams {longest(inflight, True)}, whole answers "
+            f"{longest(inflight, False)}; sent after {len(later)}, longest wait: streams {longest(later, True)}, "
+            f"whole answers {longest(later, False)}; error codes "
             f"{dict(Counter(o.code for o in load.outcomes if o.kind == ERROR))}")
     return inflight, later, line
 
