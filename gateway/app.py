@@ -54,6 +54,16 @@ async def _purge_responses(store: Any, every_s: float = 60.0, batch: int = 500) 
             log.warning("removing expired responses failed (retried): %s", exc)
 
 
+async def _probe_workers(router: Router, every_s: float) -> None:
+    """Reload the live workers on a timer too, not only when requests come: an idle gateway's
+    ``loraplex_gateway_workers`` drops a worker that stopped reporting (``refresh`` keeps the last
+    set while the residency store is unreachable)."""
+    while True:
+        await asyncio.sleep(every_s)
+        if router.due():
+            await router.refresh()
+
+
 
 _HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
 SERVED_PATHS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
@@ -297,12 +307,14 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             if gw.responses_store is not None else None
         judging = asyncio.create_task(judge.run(), name="canary-judge") if judge is not None else None
         live = asyncio.create_task(gw.live.publish_forever(), name="live-numbers")
+        probing = asyncio.create_task(_probe_workers(router, max(1.0, settings.worker_report_ttl_s)),
+                                      name="workers-probe")
         try:
             yield
         finally:
             flusher.cancel()
             lag.cancel()
-            for task in (samples, judging, purging, live):
+            for task in (samples, judging, purging, live, probing):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):

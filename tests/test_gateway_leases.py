@@ -28,6 +28,7 @@ from gateway.app import create_app
 from gateway.ratelimit import Limits, LocalLimiter, RedisLimiter, share
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
+from loraplex.wire import WorkerReport
 from tests.stub_worker import MutableSnapshots, free_port, make_snapshot, mock_worker_transport
 from tests.worker_double import worker_client
 
@@ -256,11 +257,15 @@ async def test_an_acquire_given_up_on_leaves_no_lease_when_a_hung_redis_resumes(
 # -- health ------------------------------------------------------------------------------------
 
 
-def _redis_up(text: str) -> float | None:
+def _gauge(text: str, name: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith("loraplex_gateway_redis_up "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+def _redis_up(text: str) -> float | None:
+    return _gauge(text, "loraplex_gateway_redis_up")
 
 
 @pytest.mark.e2e
@@ -332,3 +337,27 @@ async def test_fail_open_admits_each_gateways_share(private_redis):
             await g.close()
         for c in clients:
             await c.aclose()
+
+
+async def test_workers_gauge_follows_the_reports_on_an_idle_gateway():
+    s = Settings(worker_report_ttl_s=1.0)
+    residency = MemoryResidency()
+    tenants = {"acme": {"bindings": {"support": {"active": ("sup", 1)}}}}
+    app = create_app(s, snapshots=MutableSnapshots(make_snapshot(tenants)), residency=residency,
+                     http_client=worker_client(mock_worker_transport()), mount_admin=False)
+    loop = asyncio.get_running_loop()
+
+    async def until(metrics, want: float, why: str) -> None:
+        t0 = loop.time()
+        while _gauge((await metrics.get("/metrics")).text, "loraplex_gateway_workers") != want:
+            assert loop.time() - t0 < 10.0, why
+            await asyncio.sleep(0.1)
+
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app.metrics_app), base_url="http://m") as m:
+        # No request comes: the gateway finds a worker that starts reporting, and drops it when
+        # it stops (its one report lives 2.5 s).
+        await residency.publish(WorkerReport(worker_id="w1", url="http://w1", base_model="base",
+                                             base_revision="r1"), ttl_s=2.5)
+        await until(m, 1, "an idle gateway never saw a worker that reports")
+        await until(m, 0, "an idle gateway still counts a worker that stopped reporting")
