@@ -7,6 +7,11 @@ from acme and from globex. The judge aborts it within two intervals of the momen
 minimum sample, and no request of globex (nor of acme's active version) fails. A healthy version
 then walks every step and is promoted. Both decisions are in the audit log with their numbers.
 
+Then the judge's evidence rules (``exercise_empties``): a canary with the active version's
+weights, one of whose answers a client's ``stop`` made empty early in its first step, is not
+aborted (it is promoted); a canary whose answers are empty for a quarter of its requests is
+aborted within two intervals of its minimum sample.
+
 The broken version is activated straight through the registry service, as if it had passed the
 activation gate's few probes: the gate would have caught this one, and the canary's job is to
 catch what the gate lets through.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import math
 import os
@@ -31,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.resolve import canary_bucket
 from loraplex.settings import Settings
 from loraplex.tokens import mint, mint_admin
 from loraplex.wire import HDR_ADAPTER
@@ -57,10 +64,13 @@ Admin = Callable[[str, str, Any], Any]
 
 
 class Load:
-    """Closed-loop clients (one per target) until ``stop``: statuses per tenant and adapter label."""
+    """Closed-loop clients (one per target) until ``stop``: statuses per tenant and adapter label.
+    ``shape(tenant, body)`` may change each request's body before it is sent."""
 
-    def __init__(self, targets: list[tuple[str, str, str, str]]) -> None:
+    def __init__(self, targets: list[tuple[str, str, str, str]],
+                 shape: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.targets = targets  # (gateway url, tenant, token, model)
+        self.shape = shape
         self.results: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=t, daemon=True) for t in targets]
@@ -70,6 +80,8 @@ class Load:
             while not self._stop.is_set():
                 body = {"model": model, "max_tokens": 4, "temperature": 0, "user": uuid.uuid4().hex,
                         "messages": [{"role": "user", "content": "Name a colour."}]}
+                if self.shape is not None:
+                    self.shape(tenant, body)
                 try:
                     r = http.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {token}"})
                     self.results[(tenant, r.headers.get(HDR_ADAPTER, "-"), r.status_code)] += 1
@@ -145,6 +157,108 @@ def exercise(admin: Admin, targets: list[tuple[str, str, str, str]], broken: dic
     return {"abort_after_s": abort_after_s, "promote_after_s": promote_after_s}
 
 
+ONE_EMPTY_POLICY = {**POLICY, "steps": [20, 100], "min_requests": 10}
+"""The issue's case: at 20% the canary's first sample is 10 requests against about 40."""
+QUARTER_POLICY = {**POLICY, "steps": [50, 100], "min_requests": 24}
+"""Half the traffic on the canary, so that new samples come fast; 24 a side: a quarter of them empty
+(6 of 24, or 5 when a request is still in flight) against none is significant (Fisher: 0.011, 0.025)."""
+
+
+def _wait_for(admin: Admin, want: str, other: str, timeout_s: float) -> tuple[float | None, float, dict]:
+    """As ``_wait_status``, failing at once if the canary ends ``other`` instead."""
+    judging = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = admin("GET", "/tenants/acme/bindings/assistant/canary/policy", None)
+        if judging is None and (st.get("last") or {}).get("checks") is not None and st["canary"]:
+            judging = time.monotonic()
+        assert st["status"] != other, st
+        if st["status"] == want:
+            return judging, time.monotonic(), st
+        assert time.monotonic() < deadline, f"the canary is {st['status']}, not {want}, after {timeout_s}s: {st}"
+        time.sleep(0.1)
+
+
+def _canary_user(percent: float) -> str:
+    """An end user a canary at ``percent`` serves (the split is a stable hash of tenant and user)."""
+    return next(u for u in (f"user-{i}" for i in itertools.count()) if canary_bucket("acme", u) < percent * 100)
+
+
+def _ask(url: str, token: str, user: str, stop: list[str] | None = None) -> tuple[str, str]:
+    body: dict[str, Any] = {"model": "assistant", "max_tokens": 4, "temperature": 0, "user": user,
+                            "messages": [{"role": "user", "content": "Name a colour."}]}
+    if stop:
+        body["stop"] = stop
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {token}"},
+                   timeout=60, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.headers[HDR_ADAPTER], r.json()["choices"][0]["message"]["content"]
+
+
+def _canary_at_first_step(admin: Admin, targets: list[tuple[str, str, str, str]], canary: dict,
+                          percent: float) -> str:
+    """Start ``canary``; once the judge set its first step (``percent``) and every gateway routes
+    the canary's end users to it: the first character of its answer (a ``stop`` on it empties the
+    answer)."""
+    admin("POST", "/tenants/acme/bindings/assistant/canary", {"adapter": canary["id"], "percent": 1})
+    deadline = time.monotonic() + 30
+    while admin("GET", "/tenants/acme/bindings/assistant", None)["canary_percent"] != percent:
+        assert time.monotonic() < deadline, "the judge did not start the canary"
+        time.sleep(0.1)
+    first = ""
+    for url, _, token, _ in {(u, t, k, m) for u, t, k, m in targets if t == "acme"}:
+        while (got := _ask(url, token, _canary_user(percent)))[0] != canary["label"]:
+            assert time.monotonic() < deadline, f"{url} does not route to the canary"
+            time.sleep(0.1)
+        first = got[1][:1]
+    assert first, "the canary answered nothing"
+    return first
+
+
+def exercise_empties(admin: Admin, targets: list[tuple[str, str, str, str]], one: dict,
+                     two: dict) -> dict[str, Any]:
+    """Two canaries (``one``, then ``two``) of versions with the active one's weights, whose empty
+    answers are the clients' doing (a ``stop`` on the answer's first character). One empty answer
+    early in the first step does not abort the canary: it is promoted. Then a canary whose answers
+    are empty for a quarter of its requests is aborted within two intervals of its minimum sample."""
+    admin("PUT", "/tenants/acme/bindings/assistant/canary/policy", ONE_EMPTY_POLICY)
+    acme = next((url, token) for url, tenant, token, _ in targets if tenant == "acme")
+    first = _canary_at_first_step(admin, targets, one, 20)
+    label, text = _ask(*acme, _canary_user(20), stop=[first])
+    assert (label, text) == (one["label"], "")
+    with Load(targets):
+        _, _, st = _wait_for(admin, "promoted", "aborted", 120)
+    [empty] = [c for c in st["last"]["checks"] if c["check"] == "empty_share"]
+    assert empty["canary_events"] == 1 and empty["verdict"] == "pass" and empty["ratio"] == "inf", empty
+    assert st["last"]["canary_requests"] >= ONE_EMPTY_POLICY["min_requests"]
+
+    # ``one`` is now the active version; ``two`` is the next canary.
+    admin("PUT", "/tenants/acme/bindings/assistant/canary/policy", QUARTER_POLICY)
+    first = _canary_at_first_step(admin, targets, two, 50)
+    canary_requests = itertools.count(1)
+    lock = threading.Lock()
+
+    def quarter_empty(tenant: str, body: dict[str, Any]) -> None:
+        if tenant == "acme" and canary_bucket("acme", body["user"]) < 5000:
+            with lock:
+                n = next(canary_requests)
+            if n % 4 == 0:
+                body["stop"] = [first]
+
+    with Load(targets, quarter_empty):
+        judging, aborted, st = _wait_for(admin, "aborted", "promoted", 120)
+    assert judging is not None
+    abort_after_s = aborted - judging
+    last = st["last"]
+    assert last["decision"] == "abort" and last["failed"] == ["empty_share"], last
+    [empty] = [c for c in last["checks"] if c["check"] == "empty_share"]
+    assert empty["verdict"] == "fail" and empty["canary_events"] >= 3 and empty["active_events"] == 0, empty
+    print(f"empties: one empty answer promoted; a quarter empty aborted {abort_after_s:.1f}s after the first "
+          f"judgement ({empty['reason']})")
+    assert abort_after_s <= 2 * INTERVAL_S, f"aborted {abort_after_s:.1f}s after its minimum sample"
+    return {"abort_after_s": abort_after_s}
+
+
 def _copy(src: Path, dst: Path, alpha: float | None = None) -> Path:
     if dst.exists():
         shutil.rmtree(dst)
@@ -199,6 +313,7 @@ def test_canaries_on_postgres_redis_two_gateways_two_workers(pg_url, redis_url, 
         tokens = {t: c.token(t) for t in ("acme", "globex")}
         targets = [(g.url, t, tokens[t], "assistant") for g in c.gateways for t in ("acme", "acme", "globex")]
         exercise(lambda m, p, b: c.admin(m, p, b, gateway=1), targets, broken, healthy, v1["label"])
+        exercise_empties(lambda m, p, b: c.admin(m, p, b, gateway=1), targets, v1, healthy)
         # Only one gateway judged.
         leaders = [g for g in c.gateways if "loraplex_canary_judge_leader 1.0" in _metrics(g)]
         assert len(leaders) == 1
@@ -243,6 +358,7 @@ def test_canaries_on_the_embedded_default(tmp_path):
         tokens = {t: mint(settings, f"{t}-backend", tenant=t) for t in ("acme", "globex")}
         targets = [(url, t, tokens[t], "assistant") for t in ("acme", "acme", "acme", "globex")]
         exercise(admin, targets, broken, healthy, v1["label"])
+        exercise_empties(admin, targets, v1, healthy)
         assert "loraplex_canary_judge_leader 1.0" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     finally:
         if proc.poll() is None:
