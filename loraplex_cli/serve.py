@@ -243,7 +243,7 @@ r = c.responses.create(model='assistant', input='What is the capital of Italy?',
 print(r.output_text)
 print(c.responses.create(model='assistant', input='And of France?', temperature=0, previous_response_id=r.id).output_text)"
 
-# Operate it (admin token minted from the local secret):
+# Operate it (admin token minted from the local secret; README.md's ops guide, step by step, on this demo):
 .venv/bin/loraplex admin binding list
 .venv/bin/loraplex admin audit --limit 10
 """, flush=True)
