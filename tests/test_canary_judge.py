@@ -4,6 +4,7 @@ policy's API and CLI views; one judge at a time on PostgreSQL."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
@@ -189,10 +190,11 @@ def _answers(samples: MemorySamples, version: str, n: int, at: float, *, empty: 
                                         None))
 
 
-async def test_one_empty_answer_does_not_abort_a_quarter_does(registry):
+async def test_one_empty_answer_does_not_abort_a_quarter_does(registry, caplog):
     """One empty answer of 10 on the canary against 0 of 90, judged every second for a whole step:
     never a failure, the canary steps up. A canary empty for a quarter of its answers: aborted an
     interval after its minimum sample, on new samples."""
+    caplog.set_level(logging.INFO, logger="loraplex.gateway.canary")
     svc, ids = registry
     samples = MemorySamples()
     judge = CanaryJudge(svc, samples)
@@ -226,4 +228,6 @@ async def test_one_empty_answer_does_not_abort_a_quarter_does(registry):
     assert got[2001.0]["decision"] == "failing" and got[2001.0]["counted"]  # at its minimum sample
     assert [got[t]["counted"] for t in got if got[t]["decision"] == "failing"] == [True] + [False] * 9
     assert j["decision"] == "abort" and now == 2011.0 and j["failed"] == ["empty_share"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "loraplex.gateway.canary"]
+    assert any("abort (empty_share fail: canary" in m and "ratio inf" in m for m in logged), logged
     assert (await svc.get_binding("acme", "support"))["canary"] is None
