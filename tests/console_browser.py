@@ -70,11 +70,16 @@ class Console:
         return el.text
 
     def go(self, hash_: str, page: str) -> WebElement:
-        self.d.execute_script("location.hash = arguments[0]", hash_)
+        self.d.execute_script(  # marked loading at once: the page shown now is not the one asked for
+            "if (location.hash === arguments[0]) window.dispatchEvent(new HashChangeEvent('hashchange'));"
+            "else location.hash = arguments[0];"
+            "document.getElementById('view').dataset.loading = '';", hash_)
         return self.page(page)
 
     def page(self, page: str) -> WebElement:
-        return self.wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, f"#view [data-page='{page}']")))
+        """The page once rendered and no other is loading (so it is not replaced under the test)."""
+        return self.wait.until(ec.visibility_of_element_located(
+            (By.CSS_SELECTOR, f"#view:not([data-loading]) [data-page='{page}']")))
 
     def confirm(self) -> dict[str, tuple[str, str]]:
         """The open confirm step's rows (field -> (before, after))."""
@@ -83,9 +88,15 @@ class Console:
                                                 r.find_element(By.CSS_SELECTOR, ".after").text)
                 for r in box.find_elements(By.CSS_SELECTOR, "tr[data-field]")}
 
-    def accept(self) -> None:
+    def accept(self, timeout_s: float = 30) -> None:
+        """Confirm; ``timeout_s`` for the calls (an activation waits for the gate's probe on a worker)."""
         self.d.find_element(By.CSS_SELECTOR, "#dialog [data-call]").click()
-        self.wait.until(lambda d: not d.find_element(By.ID, "dialog").is_displayed())
+        wait = WebDriverWait(self.d, timeout_s)
+        wait.until(lambda d: not d.find_element(By.ID, "dialog").is_displayed()
+                   or d.find_element(By.CSS_SELECTOR, "#dialog .error").text)
+        error = self.d.find_element(By.CSS_SELECTOR, "#dialog .error").text if self.d.find_element(
+            By.ID, "dialog").is_displayed() else ""
+        assert not error, f"the admin API refused: {error}"
         self.wait.until(lambda d: d.find_element(By.ID, "flash").text.startswith("Done"))
 
     def shot(self, name: str) -> None:

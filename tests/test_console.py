@@ -479,3 +479,25 @@ async def test_the_live_page_draws_charts_and_says_why_ttft_is_blank(console, tm
     base = html[html.index('data-version="base"'):]
     assert "no streamed requests" in base[:base.index("</tr>")]
     assert "measured on streamed requests only" in html
+
+
+async def test_the_judges_own_record_is_shown_check_by_check(console, tmp_path):
+    """The judgement as ``gateway.canary_stats.judge`` makes it today, not a copy of its format."""
+    from gateway.canary_stats import Arm, judge
+    from registry.canary import DEFAULTS
+
+    await _seed(console.service, tmp_path)
+    canary, active = Arm(), Arm()
+    for i in range(40):
+        canary.add(True, 0.05, 0.0, 0 if i % 4 == 0 else 20, i % 4 == 0, False)
+    for _ in range(360):
+        active.add(True, 0.05, 0.0, 20, False, False)
+    rows = judge(DEFAULTS, canary, active)
+    assert any(r["failed"] for r in rows)
+    await console.service.canary_abort("acme", "chat", actor="canary-judge",
+                                       judgement={"decision": "abort", "reason": "empty answers", "checks": rows})
+    audit = (await console.get("/console/view/audit?action=binding.canary_abort")).text
+    for r in rows:
+        shown = re.search(rf'data-check="{r["check"]}" class="(\w*)"><td>[^<]+</td><td class="verdict">([^<]+)<', audit)
+        assert shown and shown.group(1) == ("failed" if r["failed"] else "") and shown.group(2) == (
+            r.get("verdict") or ("failed" if r["failed"] else "ok")), r

@@ -1,5 +1,6 @@
 """The console in a real headless Chromium: sign in, change a tenant's limit, move a canary,
-roll back, and see each audit row appear; on the embedded default (``loraplex demo``) and on
+roll back, abort a canary, activate an uploaded version, bind it to a new alias and canary it
+with a policy, and see each audit row appear; on the embedded default (``loraplex demo``) and on
 PostgreSQL + Redis with two gateways (a change made through one is seen through the other).
 Bad, expired and tenant tokens each get a refusal page."""
 
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select
 
 from loraplex.settings import Settings
 from loraplex.tokens import mint, mint_admin
@@ -56,11 +58,11 @@ def _prepare(admin: Admin) -> None:
     admin("POST", "/tenants/acme/bindings/support/canary", {"adapter": versions["acme-french@1"], "percent": 10})
 
 
-def _traffic(url: str, settings: Settings, n: int = 3) -> None:
+def _traffic(url: str, settings: Settings, n: int = 3, model: str = "support", stream: bool = True) -> None:
     token = mint(settings, "acme-backend", tenant="acme")
     for _ in range(n):
         r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"}, timeout=120,
-                       json={"model": "support", "max_tokens": 3, "stream": True,
+                       json={"model": model, "max_tokens": 3, "stream": stream,
                              "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200, r.text
 
@@ -105,6 +107,87 @@ def _operate(c: Console, subject: str) -> None:
     c.shot("audit")
 
 
+def _last_audit(c: Console, subject: str, n: int = 1) -> list[tuple[str, str, dict[str, tuple[str, str]]]]:
+    """The newest ``n`` audit rows of ``subject``: (action, target as shown, change field -> (before, after))."""
+    audit = c.go(f"#audit?actor={subject}", "audit")
+    out = []
+    for row in audit.find_elements(By.CSS_SELECTOR, "tr[data-audit]")[:n]:
+        diff = {d.get_attribute("data-field"): (d.find_element(By.CSS_SELECTOR, ".before").text,
+                                                d.find_element(By.CSS_SELECTOR, ".after").text)
+                for d in row.find_elements(By.CSS_SELECTOR, "table.diff tr[data-field]")}
+        out.append((row.get_attribute("data-action"), row.find_element(By.CSS_SELECTOR, ".target").text, diff))
+    return out
+
+
+def _whole_job(c: Console, subject: str) -> None:
+    """Abort a canary, activate the uploaded version, bind it to a new alias and canary it with a
+    policy, all through the console, each read back from the audit row it wrote."""
+    _abort(c, subject)
+    _activate(c, subject)
+    _bind_new_alias(c, subject)
+    _canary_with_a_policy(c, subject)
+
+
+def _abort(c: Console, subject: str) -> None:
+    page = c.go("#tenant?slug=acme", "tenant")
+    page.find_element(By.CSS_SELECTOR, "tr[data-alias='support'] [data-confirm='abort']").click()
+    assert c.confirm() == {"canary": ("acme-french@1", "—"), "canary_percent": ("25.0", "0.0")}
+    c.accept()
+    assert _last_audit(c, subject) == [("binding.canary_abort", "binding:acme/support",
+                                        {"canary": ("acme-french@1", "—"), "canary_percent": ("25", "0")})]
+
+
+def _activate(c: Console, subject: str) -> None:
+    row = c.go("#adapters?q=acme-up", "adapters").find_element(By.CSS_SELECTOR, "tr[data-adapter='acme-uploaded@1']")
+    row.find_element(By.CSS_SELECTOR, "[data-confirm='activate']").click()
+    assert c.confirm() == {"status": ("pending", "active (if the gate passes)")}
+    c.shot("confirm-activate")
+    c.accept(timeout_s=300)  # the gate probes the version on the demo's worker
+    page = c.page("adapter")  # the version's page: the gate's verdict and evidence
+    assert "passed" in page.find_element(By.CSS_SELECTOR, ".evidence .verdict").text
+    assert page.find_elements(By.CSS_SELECTOR, ".evidence table.probes tbody tr")
+    c.shot("adapter")
+    [(action, target, diff)] = _last_audit(c, subject)
+    assert (action, target, diff["status"]) == ("adapter.activate", "adapter:acme-uploaded@1", ("pending", "active"))
+
+
+def _bind_new_alias(c: Console, subject: str) -> None:
+    form = c.go("#tenant?slug=acme", "tenant").find_element(By.CSS_SELECTOR, "form.bind")
+    form.find_element(By.NAME, "alias").send_keys("uploaded")
+    Select(form.find_element(By.NAME, "adapter")).select_by_visible_text("acme-uploaded@1")
+    form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    assert c.confirm() == {"active": ("—", "acme-uploaded@1")}
+    c.shot("confirm-bind")
+    c.accept()
+    row = c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='uploaded']")
+    assert row.find_element(By.CSS_SELECTOR, ".active").text == "acme-uploaded@1"
+    assert "Nothing to roll back to" in row.find_element(By.CSS_SELECTOR, ".actions").text  # one version only
+    assert _last_audit(c, subject)[0][:2] == ("binding.create", "binding:acme/uploaded")
+
+
+def _canary_with_a_policy(c: Console, subject: str) -> None:
+    form = c.go("#tenant?slug=acme", "tenant").find_element(By.CSS_SELECTOR, "form.canary-start")
+    Select(form.find_element(By.NAME, "alias")).select_by_visible_text("support")
+    Select(form.find_element(By.NAME, "adapter")).select_by_visible_text("acme-uploaded@1")
+    for name, value in (("steps", "10,50"), ("interval_s", "600"), ("min_requests", "20")):
+        box = form.find_element(By.NAME, name)
+        box.clear()
+        box.send_keys(value)
+    form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    rows = c.confirm()
+    assert rows["canary"] == ("—", "acme-uploaded@1") and rows["canary_percent"] == ("0.0", "10.0")
+    assert rows["policy steps"] == ("—", "10, 50") and rows["policy min_requests"] == ("—", "20")
+    c.shot("confirm-canary")
+    c.accept()
+    support = c.page("tenant").find_element(By.CSS_SELECTOR, "tr[data-alias='support']")
+    assert "acme-uploaded@1 at" in support.find_element(By.CSS_SELECTOR, ".canary").text
+    c.shot("tenant")
+    (start, _, start_diff), (policy, target, policy_diff) = _last_audit(c, subject, 2)
+    assert (start, start_diff["canary"]) == ("binding.canary_start", ("—", "acme-uploaded@1"))
+    assert (policy, target, policy_diff["steps"]) == ("canary.policy_set", "binding:acme/support", ("—", "10, 50"))
+    c.shot("audit")
+
+
 def _refusals(c: Console, settings: Settings) -> None:
     for token, words, shot in (
         ("not-a-jwt", "not valid", "refused-bad-token"),
@@ -135,7 +218,7 @@ def embedded(tmp_path_factory) -> Iterator[tuple[str, Settings]]:
         proc = subprocess.Popen([str(BIN), "demo"], env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # the demo gates its three adapters on a CPU worker first
         while "curl" not in log.read_text(errors="replace"):  # printed once seeded
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
@@ -176,6 +259,8 @@ def test_the_console_on_the_embedded_default(embedded, browser):
     uploaded = c.go("#adapters?q=acme-up", "adapters").find_element(By.CSS_SELECTOR, "tr[data-adapter='acme-uploaded@1']")
     assert "pending" in uploaded.text
     assert admin("GET", "/audit?action=adapter.register&limit=1", None)["data"][0]["actor"] == "ops-alice"
+    _whole_job(c, "ops-alice")
+    _traffic(url, settings, n=1, model="uploaded", stream=False)  # no TTFT: the live page says why
     fleet = c.go("#fleet", "fleet")
     assert fleet.find_elements(By.CSS_SELECTOR, "tr[data-worker]"), fleet.text
     assert "acme-" in fleet.find_element(By.CSS_SELECTOR, "tr[data-worker] .device").text
@@ -183,6 +268,9 @@ def test_the_console_on_the_embedded_default(embedded, browser):
     live = c.go("#live", "live")
     versions = {r.get_attribute("data-version") for r in live.find_elements(By.CSS_SELECTOR, "tr[data-version]")}
     assert versions & {"acme-terse@1", "acme-french@1"}, live.text
+    assert "streamed requests only" in live.text
+    assert live.find_elements(By.CSS_SELECTOR, "figure[data-chart='requests'] svg path[data-version]")
+    assert "no streamed requests" in live.find_element(By.CSS_SELECTOR, "tr[data-version='acme-uploaded@1']").text
     c.shot("live")
     _refusals(c, settings)
 

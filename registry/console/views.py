@@ -289,7 +289,8 @@ async def _activate(service: RegistryService, ref: str, root: str) -> dict[str, 
     note = ("The activation gate runs first: a worker of its base model loads the version and answers probe "
             "prompts with and without it. The version becomes active only if its answers differ from the base "
             "model's and are answers (not empty, not one text for every prompt); otherwise it is marked failed "
-            "with the evidence. Either way the evidence is recorded on the version and in the audit log.")
+            "with the evidence. Either way the evidence is recorded on the version and in the audit log. The probe takes "
+            "a few seconds to a minute, depending on the worker's load.")
     return _call(f"Activate {a['label']}", [("status", a["status"], "active (if the gate passes)")], "POST",
                  f"{path}/activate", {}, a["row_version"], back, note=note, evidence=a["verification"])
 

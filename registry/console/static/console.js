@@ -36,16 +36,27 @@
     return html;
   }
 
+  // Render the page the hash names. Routes may overlap (a click while a page loads): only the
+  // newest one renders, and #view carries data-loading while any is in flight.
+  let routes = 0, pending = 0;
   async function route() {
     if (!token()) return signedIn(false);
-    const page = location.hash.replace(/^#/, "") || "tenants";
-    const html = await fragment(page);
-    if (html === null) return;
-    $("view").innerHTML = html;
-    $("view").querySelectorAll("[data-charts]").forEach(charts);
-    document.querySelectorAll("#nav a").forEach((a) => {
-      a.classList.toggle("current", page.split("?")[0].replace(/^tenant$/, "tenants") === a.hash.slice(1));
-    });
+    const mine = ++routes;
+    pending += 1;
+    $("view").dataset.loading = "";
+    try {
+      const page = location.hash.replace(/^#/, "") || "tenants";
+      const html = await fragment(page);
+      if (html === null || mine !== routes) return;
+      $("view").innerHTML = html;
+      $("view").querySelectorAll("[data-charts]").forEach(charts);
+      document.querySelectorAll("#nav a").forEach((a) => {
+        a.classList.toggle("current", page.split("?")[0].replace(/^tenant$/, "tenants") === a.hash.slice(1));
+      });
+    } finally {
+      pending -= 1;
+      if (!pending) delete $("view").dataset.loading;
+    }
   }
 
   async function signIn(value) {
@@ -88,7 +99,9 @@
   async function call(button) {
     const d = button.dataset;
     const calls = JSON.parse(d.calls || "[]");
+    const label = button.textContent;
     button.disabled = true;
+    button.textContent = "Working…";
     try {
       for (const c of calls) {
         const headers = auth();
@@ -103,12 +116,16 @@
           return;
         }
       }
+      // The page as it is now first, then the word that it is done (a test waiting for "Done"
+      // finds the new page, not the one the dialog was opened on).
+      if (location.hash !== d.back) history.pushState(null, "", d.back);
+      await route();
       closeDialog();
-      const done = calls.map((c) => c.method + " " + c.path.replace(BASE, "")).join(", then ");
+      const done = calls.map((c) => c.method + " " + decodeURIComponent(c.path.replace(BASE, ""))).join(", then ");
       flash("Done: " + done + " (in the audit log)");
-      if (location.hash === d.back) await route(); else location.hash = d.back;
     } finally {
       button.disabled = false;
+      button.textContent = label;
     }
   }
 
@@ -132,14 +149,19 @@
     box.querySelectorAll("figure[data-chart]").forEach((fig) => {
       const pick = METRICS[fig.dataset.chart];
       const W = 420, H = 150, L = 44, R = 8, T = 8, B = 22;
-      const lines = versions.map((v) => series[v].map((p) => [p[0], pick(p)]).filter((p) => p[1] !== null));
+      const counts = fig.dataset.chart !== "ttft";  // a bucket without traffic is a 0 of requests and errors
+      const lines = versions.map((v) => {
+        const at = new Map(series[v].map((p) => [p[0], pick(p)]));
+        if (counts) for (let t = end - (end % 10) - Number(box.dataset.windowS) + 10; t <= end; t += 10) if (!at.has(t)) at.set(t, 0);
+        return [...at.entries()].sort((a, b) => a[0] - b[0]).filter((p) => p[1] !== null);
+      });
       const top = Math.max(1, ...lines.flat().map((p) => p[1]));
       const x = (t) => L + (W - L - R) * Math.min(1, Math.max(0, (t - start) / (end - start)));
       const y = (v) => T + (H - T - B) * (1 - v / top);
       const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", class: "chart",
                                  "aria-label": fig.querySelector("figcaption").textContent });
       svg("line", { x1: L, y1: y(0), x2: W - R, y2: y(0), class: "axis" }, chart);
-      for (const [v, label] of [[top, top >= 10 ? top.toFixed(0) : top.toPrecision(2)], [0, "0"]]) {
+      for (const [v, label] of [[top, Number.isInteger(top) || top >= 10 ? top.toFixed(0) : top.toPrecision(2)], [0, "0"]]) {
         svg("text", { x: L - 4, y: y(v) + 4, "text-anchor": "end", class: "tick" }, chart).textContent = label;
       }
       svg("text", { x: L, y: H - 6, class: "tick" }, chart).textContent = "−5 min";
@@ -149,7 +171,8 @@
         const color = COLORS[i % COLORS.length];
         const d = pts.map((p, j) => (j ? "L" : "M") + x(p[0] + 5).toFixed(1) + " " + y(p[1]).toFixed(1)).join(" ");
         svg("path", { d, fill: "none", stroke: color, "stroke-width": 2, "data-version": versions[i] }, chart);
-        pts.forEach((p) => svg("circle", { cx: x(p[0] + 5), cy: y(p[1]), r: 2.5, fill: color }, chart));
+        pts.filter((p) => !counts || p[1] > 0)
+          .forEach((p) => svg("circle", { cx: x(p[0] + 5), cy: y(p[1]), r: 2.5, fill: color }, chart));
       });
       fig.appendChild(chart);
     });
