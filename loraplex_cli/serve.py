@@ -135,7 +135,7 @@ class Seeded:
     """(tenant, alias, active version's label) of each demo tenant's binding, as served now."""
 
 
-async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> Seeded:
+async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR, *, transport: Any = None) -> Seeded:
     """Create what the demo needs and is missing: the base model, tenants, demo adapters and bindings,
     through the admin API. Returns a token per tenant and what each alias serves.
 
@@ -144,6 +144,7 @@ async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> Seeded
     an operator's bind, rollback or canary abort serves what the operator left); a binding the demo
     created once and an operator removed stays removed. Each new adapter version goes through the
     activation gate (a worker probes it against the base model) exactly as an operator's would.
+    ``transport``: an httpx transport to the admin API (default: the gateway's port).
     """
     import httpx
 
@@ -151,7 +152,8 @@ async def seed_demo(settings: Settings, adapters_dir: Path = DEMO_DIR) -> Seeded
 
     url = f"http://{settings.gateway_host}:{settings.gateway_port}/admin"
     headers = {"Authorization": f"Bearer {mint_admin(settings, subject=DEMO_ACTOR)}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600.0, trust_env=False) as api:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600.0, trust_env=False,
+                                 transport=transport) as api:
         async def call(method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
             r = await api.request(method, path, json=body)
             if r.status_code >= 400 and r.status_code not in ok:
