@@ -115,7 +115,7 @@ def _nested(levels: int) -> object:
     return deep
 
 
-@pytest.mark.parametrize("field", ["metadata", "prediction"])
+@pytest.mark.parametrize("field", ["web_search_options", "prediction"])
 async def test_json_nested_deeper_than_the_limit_is_400(field):
     # The depth is checked once, right after parsing (loraplex.json_body), for every field.
     app, h = _app()
