@@ -91,12 +91,11 @@ class Console:
     def accept(self, timeout_s: float = 30) -> None:
         """Confirm; ``timeout_s`` for the calls (an activation waits for the gate's probe on a worker)."""
         self.d.find_element(By.CSS_SELECTOR, "#dialog [data-call]").click()
-        wait = WebDriverWait(self.d, timeout_s)
-        wait.until(lambda d: not d.find_element(By.ID, "dialog").is_displayed()
-                   or d.find_element(By.CSS_SELECTOR, "#dialog .error").text)
-        error = self.d.find_element(By.CSS_SELECTOR, "#dialog .error").text if self.d.find_element(
-            By.ID, "dialog").is_displayed() else ""
-        assert not error, f"the admin API refused: {error}"
+        # One look in the page's own thread: the dialog closed (done) or its refusal (so nothing goes stale).
+        outcome = WebDriverWait(self.d, timeout_s).until(lambda d: d.execute_script(
+            "const box = document.getElementById('dialog'); if (box.hidden) return 'done';"
+            "const e = box.querySelector('.error'); return e && e.textContent ? 'refused: ' + e.textContent : null;"))
+        assert outcome == "done", f"the admin API {outcome}"
         self.wait.until(lambda d: d.find_element(By.ID, "flash").text.startswith("Done"))
 
     def shot(self, name: str) -> None:
