@@ -85,6 +85,9 @@ class Router:
         self.outliers = outliers if outliers is not None else Outliers()
         self._blind = False
         """The last refresh could not read the store: staleness is unknown, the last set is used."""
+        self._grace_until = 0.0
+        """Until then (one report TTL after the store came back), a known worker missing from the
+        store or with an unchanged report is kept: nothing could be seen while the store was away."""
         self.n_candidates = max(1, candidates)
         self.load_factor = load_factor
         self.refresh_s = refresh_s
@@ -118,9 +121,21 @@ class Router:
             self._refreshed = time.monotonic()
             self._blind = True
             return
+        if self._blind:
+            self._store_back()
         self._apply(reports)
         self._refreshed = time.monotonic()
         self._blind = False
+
+    def _store_back(self) -> None:
+        """The store answers again after an outage. Reports written before it are older than
+        the report TTL, and those that lapsed in it are gone, though their workers may be well:
+        they could not report either while it was away. So the last known set gets one report
+        TTL from now to report anew before staleness rules it out again."""
+        now = time.monotonic()
+        self._grace_until = now + self.report_ttl_s
+        for w in self._workers.values():
+            w.seen_at = max(w.seen_at, now)
 
     def _apply(self, reports: list[WorkerReport]) -> None:
         old = self._workers
@@ -153,6 +168,9 @@ class Router:
                 reported_load=r.load, report_ts=r.timestamp, base_revision=r.base_revision,
                 vllm=r.backend == BACKEND_VLLM, control=r.control_url.rstrip("/"), served_model=r.served_model,
                 queued=r.queue_depth, max_seqs=r.max_num_seqs, seen_at=seen)
+        if seen < self._grace_until:
+            for wid, prev in old.items():
+                workers.setdefault(wid, prev)
         if set(workers) != set(old) or any(workers[k].base_model != old[k].base_model for k in workers):
             self._rings = {}
             self._ring_cache = {}

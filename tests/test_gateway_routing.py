@@ -298,6 +298,45 @@ async def test_stale_reports_are_routed_on_while_the_store_is_unreachable():
     assert [w.id for w in await router.route("smol", None)] == ["w1"]
 
 
+async def test_a_store_back_from_an_outage_gives_known_workers_one_report_ttl():
+    """A hung Redis that resumes holds reports from before the hang (older than the TTL), or none
+    when they lapsed in it: the workers could not report either. The known set is routed on for
+    one report TTL, then staleness rules again (a worker that still does not report is out)."""
+    res = MemoryResidency()
+
+    class Flaky:
+        down = False
+        lapsed = False
+
+        async def publish(self, report: WorkerReport, ttl_s: float) -> None:
+            await res.publish(report, ttl_s)
+
+        async def remove(self, worker_id: str) -> None:
+            await res.remove(worker_id)
+
+        async def live(self) -> list[WorkerReport]:
+            if self.down:
+                raise ConnectionError("store down")
+            return [] if self.lapsed else await res.live()
+
+    store = Flaky()
+    await res.publish(_report("w1"), 60)
+    router = Router(store, refresh_s=0.0, report_ttl_s=0.3)
+    assert [w.id for w in await router.route("smol", None)] == ["w1"]
+    store.down = True
+    await asyncio.sleep(0.4)
+    assert [w.id for w in await router.route("smol", None)] == ["w1"]
+    store.down = False  # back, with the report from before the outage
+    await router.refresh()
+    assert [w.id for w in router.choose("smol", None)] == ["w1"]
+    store.lapsed = True  # ... or with none: it lapsed while the store was away
+    await router.refresh()
+    assert [w.id for w in router.choose("smol", None)] == ["w1"]
+    await asyncio.sleep(0.4)  # one report TTL later, still no new report: never chosen
+    await router.refresh()
+    assert router.choose("smol", None) == []
+
+
 async def test_hung_worker_requests_move_on_once_its_report_stops(redis_url, redis_prefix):
     """A whole (not streamed) answer is sent only when done, so its first-byte deadline waits on
     while the worker keeps reporting; a worker that hangs (SIGSTOP) stops reporting, and its
