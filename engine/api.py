@@ -138,6 +138,14 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+ACCEPTED = b": accepted\n\n"
+"""An SSE comment a stream starts with: the engine has taken the request (the gateway's first-byte
+deadline measures that, not the queue before its first token). Clients ignore comments."""
+PROGRESS = b": progress\n\n"
+"""An SSE comment a quiet stream sends while the engine completes steps (``worker_progress_interval_s``):
+the gateway's stall bound counts it as progress and passes no comment on."""
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -227,15 +235,36 @@ class Generation:
             pending[i] = []
             return out
 
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        quiet_s = self.state.settings.worker_progress_interval_s
+        sent_at = loop.time()
+        steps = engine.steps  # the engine's completed steps when this stream last sent something
+
+        def mark(data: bytes) -> bytes:
+            nonlocal sent_at, steps
+            sent_at, steps = loop.time(), engine.steps
+            return data
+
+        def sent(obj: Any) -> bytes:
+            return mark(_sse(obj))
+
         try:
+            yield mark(ACCEPTED)
             if req.kind == "chat":
                 for s in self.seqs:
-                    yield _sse(stream_chunk(req, created, "", None, first=True, index=s.index))
+                    yield sent(stream_chunk(req, created, "", None, first=True, index=s.index))
             while True:
-                ev = await self.events.next()
+                ev = await self.events.next_within(sent_at + quiet_s - loop.time())
+                if ev is None:  # quiet for quiet_s: a comment only if the engine stepped since the last send
+                    if engine.steps != steps:
+                        yield mark(PROGRESS)
+                    else:
+                        sent_at = loop.time()  # a stuck engine: nothing, look again in quiet_s
+                    continue
                 generated += len(ev.new_token_ids)
                 if ev.finish_reason == "error":
-                    yield _sse(error_body(ev.error or "generation failed", type="server_error",
+                    yield sent(error_body(ev.error or "generation failed", type="server_error",
                                           code=ev.error_code or "engine_error"))
                     finished = True
                     self._fail(ev)
@@ -245,7 +274,7 @@ class Generation:
                 if ev.logprobs:
                     pending[i].extend(ev.logprobs)
                 if ev.text_delta and req.tools is None:
-                    yield _sse(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated,
+                    yield sent(stream_chunk(req, created, ev.text_delta, None, completion_tokens=generated,
                                             logprobs=flush(i), index=i))
                 if not ev.finished:
                     continue
@@ -254,19 +283,19 @@ class Generation:
                     content, calls = parse_output(seq.output_text, req.tools)
                     if calls:
                         reason = "tool_calls"
-                        yield _sse(stream_chunk(req, created, None, None, completion_tokens=generated,
+                        yield sent(stream_chunk(req, created, None, None, completion_tokens=generated,
                                                 logprobs=flush(i), index=i,
                                                 tool_calls=[c.openai(k) for k, c in enumerate(calls)]))
                     if content:
-                        yield _sse(stream_chunk(req, created, content, None, completion_tokens=generated,
+                        yield sent(stream_chunk(req, created, content, None, completion_tokens=generated,
                                                 logprobs=flush(i), index=i))
-                yield _sse(stream_chunk(req, created, None if req.kind == "chat" else "", reason,
+                yield sent(stream_chunk(req, created, None if req.kind == "chat" else "", reason,
                                         completion_tokens=generated, logprobs=flush(i), index=i))
                 left -= 1
                 if left == 0:
                     finished = True
                     if req.include_usage:
-                        yield _sse(usage_chunk(req, created, sum(len(s.output_ids) for s in self.seqs)))
+                        yield sent(usage_chunk(req, created, sum(len(s.output_ids) for s in self.seqs)))
                     self.state.request_done("ok")
                     break
             yield b"data: [DONE]\n\n"

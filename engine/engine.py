@@ -254,6 +254,7 @@ class Engine:
         """Sequences of the step whose forward is running (their adapter slots must stay)."""
         self._release_after_forward: list[Sequence] = []
         self.steps = 0
+        """Steps completed, only ever growing: a quiet stream's progress comments follow it (``engine.api``)."""
         self.last_step_s = 0.0
         self.fault: str | None = None
         """Set while base-model rows come out non-finite (the worker itself is unwell)."""

@@ -74,6 +74,19 @@ class RequestEvents:
     async def next(self) -> SeqEvent:
         return await self._queue.get()
 
+    async def next_within(self, seconds: float) -> SeqEvent | None:
+        """The next event, or None when none came within ``seconds`` (one already waiting is taken
+        without a timer)."""
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        if seconds <= 0:
+            return None
+        try:
+            async with asyncio.timeout(seconds):
+                return await self._queue.get()
+        except TimeoutError:
+            return None
+
     async def finished(self) -> SeqEvent:
         """The request's final event."""
         while True:

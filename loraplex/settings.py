@@ -169,7 +169,8 @@ class Settings:
     """Added to ``worker_first_byte_timeout_s`` per request the worker reports queued."""
     worker_stall_timeout_s: float = 20.0
     """A started stream whose worker sends nothing for this long (or stops reporting) ends with an ``upstream_stalled``
-    error event."""
+    error event. SSE comments count (a worker's ``: progress``: ``worker_progress_interval_s``); a vLLM worker's
+    stream, which sends none, ends only when the worker stops reporting."""
     worker_eject_failures: int = 3
     """Consecutive failures (connect errors, worker 5xx, first-byte timeouts, stalls) that eject a worker."""
     worker_eject_base_s: float = 5.0
@@ -207,6 +208,11 @@ class Settings:
     """Shared secret the gateway sends (``x-loraplex-worker-secret``) on every worker request; workers
     refuse every route but ``/health`` and ``/metrics`` without it. Set the same value on gateways and
     workers."""
+    worker_progress_interval_s: float = 5.0
+    """A worker's stream sends an SSE comment (``: accepted``) once the engine has taken the request, and while
+    it has nothing else to send, a ``: progress`` comment after this many quiet seconds if the engine completed
+    a step since it last sent anything (a stuck engine sends none). Keep it well under the gateway's
+    ``worker_stall_timeout_s``, which such a comment resets."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda[:N]``."""
     dtype: str = "auto"
