@@ -18,7 +18,11 @@ the response; it picks the usage chunk out (and drops it when the client did not
 for ``stream_options.include_usage``), keeps count of the tokens relayed from the
 per-chunk usage, and ends a stream that breaks mid-way with an SSE error event, never
 silently: ``stream_interrupted``, or ``upstream_stalled`` when the worker sent nothing for
-``stall_s``.
+``stall_s`` (or stopped reporting). Anything the worker sends counts as progress, its SSE
+comments too: the bundled worker starts a stream with ``: accepted`` once its engine took the
+request (the first byte) and sends ``: progress`` while a stream is quiet and its engine keeps
+stepping (``engine.api``). Comments are never passed to the client. A vLLM worker sends no such
+comments, so its stream is patient: silence alone never ends it, only its stopping reporting.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class Opened:
     """Whether the worker still reports (``Upstream.alive``): a stream waiting on one that stopped ends sooner."""
     check_s: float = 1.0
     """How often ``alive`` is asked while the stream waits."""
+    patient: bool = False
+    """Silence alone does not end the stream, only the worker's stopping reporting (a vLLM worker, which
+    sends nothing while a request waits in its queue or before its first token)."""
     outcome: str | None = None
     """How the worker did: ``ok``, a failure (``gateway.outliers.REASONS``), or None when the
     request ended before that was known (the client left); ``Upstream.done`` records it."""
@@ -233,8 +240,10 @@ class Upstream:
                         break
                 if watch is not None:
                     watch.stop()
+                # ``first`` may be only a comment (the worker took the request): it counts as the first
+                # byte; relay_sse passes no comment on.
                 return Opened(worker, resp, first, chunks, stall_s=self.stall_s, alive=self.alive(worker),
-                              check_s=self.check_every())
+                              check_s=self.check_every(), patient=worker.vllm)
             except (WorkerUnreachable, WorkerBroke) as exc:
                 router.release(worker)
                 if resp is not None:
@@ -387,6 +396,16 @@ def _int_at(buf: bytes, i: int) -> int | None:
     return int(buf[i:j]) if j > i else None
 
 
+def without_comments(events: bytes) -> bytes:
+    """Complete SSE events less their comment lines (``: ...``); an event of comments only goes."""
+    kept = []
+    for event in events.split(b"\n\n"):
+        lines = [line for line in event.split(b"\n") if not line.startswith(b":")]
+        if any(lines):
+            kept.append(b"\n".join(lines) + b"\n\n")
+    return b"".join(kept)
+
+
 async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[None]], *,
                     keep_usage: bool, strip_chunk_usage: bool = False,
                     result: StreamResult | None = None) -> StreamResult:
@@ -397,8 +416,9 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
     the relay is cancelled). ``strip_chunk_usage``: the client did not ask for them, so
     they are taken out (``"usage": null`` when it asked for ``include_usage``)."""
     result = result if result is not None else StreamResult()
-    watch = Watchdog(asyncio.get_running_loop(), opened.stall_s, opened.alive, opened.check_s) \
-        if opened.stall_s > 0 else None
+    # Every chunk, a comment too, re-arms the watchdog (``watch.wait``): comments are the worker's progress.
+    watch = Watchdog(asyncio.get_running_loop(), opened.stall_s, opened.alive, opened.check_s,
+                     patient=opened.patient) if opened.stall_s > 0 else None
     buf = b""
     chunk_usage = b',"usage":null' if keep_usage else b""
 
@@ -409,6 +429,10 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
         if cut < 0:
             return
         complete, buf = buf[: cut + 2], buf[cut + 2:]
+        if complete[:1] == b":" or b"\n:" in complete:  # JSON escapes newlines: a line-leading ':' is a comment
+            complete = without_comments(complete)
+            if not complete:
+                return
         out = complete
         if result.watch:
             if not result.text and _TEXT.search(complete):
