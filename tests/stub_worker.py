@@ -12,7 +12,10 @@ chunks), ``stub_stall_after`` (a stream sends this many chunks, then nothing unt
 leaves), ``stub_mode`` (``ok``, ``503``, ``break`` = drop the connection mid-stream,
 ``500``, ``400`` = a worker 4xx, ``load-fail`` = the adapter could not be loaded, ``non-finite`` = its
 values went NaN/Inf). ``--mode`` sets the
-default for every request.
+default for every request. ``stub_progress`` (seconds) makes a stream behave like a busy engine's: it
+starts with ``: accepted`` before ``stub_delay``, and while it waits out ``stub_delay`` or
+``stub_chunk_delay`` it sends a ``: progress`` comment every that many seconds (a stalled one,
+``stub_stall_after``, sends none, as a stuck engine).
 
 It generates min(``max_tokens``, ``--chunks``) tokens, one per stream chunk, reading
 ``max_tokens`` with the shared rule (``loraplex.openai_request``). With ``--tokenizer``
@@ -166,6 +169,7 @@ class Stub:
         delay = float(meta.get("stub_delay", self.args.delay))
         chunk_delay = float(meta.get("stub_chunk_delay", self.args.chunk_delay))
         stall_after = int(meta["stub_stall_after"]) if "stub_stall_after" in meta else None
+        progress = float(meta.get("stub_progress", 0)) if body.get("stream") else 0.0
         if mode == "503":
             await self._json(send, 503, {"error": {"message": "overloaded", "type": "overloaded", "code": None}})
             return
@@ -194,8 +198,17 @@ class Stub:
                     return
 
         watcher = asyncio.create_task(watch()) if (delay or chunk_delay or stall_after is not None) else None
+
+        async def wait(seconds: float) -> bool:
+            return await (self._progressing(send, disconnected, seconds, progress) if progress
+                          else self._wait(disconnected, seconds))
+
         try:
-            if delay and await self._wait(disconnected, delay):
+            if progress:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})
+                await send({"type": "http.response.body", "body": b": accepted\n\n", "more_body": True})
+            if delay and await wait(delay):
                 self.cancelled += 1
                 return
             chat = path.endswith("chat/completions")
@@ -222,13 +235,14 @@ class Stub:
                     "model": model, "choices": [choice], "usage": usage})
                 self.completed += 1
                 return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
+            if not progress:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})
             obj = "chat.completion.chunk" if chat else "text_completion"
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
             for i in range(n_chunks):
-                if chunk_delay and await self._wait(disconnected, chunk_delay):
+                if chunk_delay and await wait(chunk_delay):
                     self.cancelled += 1
                     return
                 if disconnected.is_set():
@@ -281,6 +295,17 @@ class Stub:
             return True
         except TimeoutError:
             return False
+
+    @classmethod
+    async def _progressing(cls, send: Any, disconnected: asyncio.Event, seconds: float, every: float) -> bool:
+        """Sleep, sending ``: progress`` every ``every`` seconds meanwhile; True if the client went away."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if await cls._wait(disconnected, min(every, left)):
+                return True
+            if left > every:
+                await send({"type": "http.response.body", "body": b": progress\n\n", "more_body": True})
+        return False
 
     async def _json(self, send: Any, status: int, data: Any) -> None:
         raw = orjson.dumps(data)
