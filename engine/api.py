@@ -249,18 +249,23 @@ class Generation:
         def sent(obj: Any) -> bytes:
             return mark(_sse(obj))
 
+        wake: asyncio.TimerHandle | None = None
+
         try:
             yield mark(ACCEPTED)
             if req.kind == "chat":
                 for s in self.seqs:
                     yield sent(stream_chunk(req, created, "", None, first=True, index=s.index))
+            wake = self.events.wake_at(sent_at + quiet_s)
             while True:
-                ev = await self.events.next_within(sent_at + quiet_s - loop.time())
-                if ev is None:  # quiet for quiet_s: a comment only if the engine stepped since the last send
-                    if engine.steps != steps:
-                        yield mark(PROGRESS)
-                    else:
-                        sent_at = loop.time()  # a stuck engine: nothing, look again in quiet_s
+                ev = await self.events.next_or_wake()
+                if ev is None:  # the quiet check: a comment only if the engine stepped since the last send
+                    if loop.time() >= sent_at + quiet_s:
+                        if engine.steps != steps:
+                            yield mark(PROGRESS)
+                        else:
+                            sent_at = loop.time()  # a stuck engine: nothing; look again in quiet_s
+                    wake = self.events.wake_at(sent_at + quiet_s)
                     continue
                 generated += len(ev.new_token_ids)
                 if ev.finish_reason == "error":
@@ -300,6 +305,8 @@ class Generation:
                     break
             yield b"data: [DONE]\n\n"
         finally:
+            if wake is not None:
+                wake.cancel()
             if not finished:  # client went away (generator closed or cancelled)
                 self._abort()
 

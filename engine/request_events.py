@@ -23,10 +23,10 @@ class _Pump:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: deque[tuple[asyncio.Queue[SeqEvent], SeqEvent]] = deque()
+        self._pending: deque[tuple[asyncio.Queue[SeqEvent | None], SeqEvent]] = deque()
         self._scheduled = False
 
-    def push(self, queue: asyncio.Queue[SeqEvent], ev: SeqEvent) -> None:
+    def push(self, queue: asyncio.Queue[SeqEvent | None], ev: SeqEvent) -> None:
         with self._lock:
             self._pending.append((queue, ev))
             if self._scheduled:
@@ -64,7 +64,8 @@ class RequestEvents:
     """Pass :meth:`listener` to ``Engine.add_request``; await :meth:`next` / :meth:`finished`."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[SeqEvent | None] = asyncio.Queue()
+        """Engine events, and None for a wake-up (``wake_at``)."""
         self._pump = _pump_for(asyncio.get_running_loop())
 
     def listener(self, ev: SeqEvent) -> None:
@@ -72,24 +73,24 @@ class RequestEvents:
         self._pump.push(self._queue, ev)
 
     async def next(self) -> SeqEvent:
+        while True:
+            ev = await self._queue.get()
+            if ev is not None:  # not a wake-up
+                return ev
+
+    async def next_or_wake(self) -> SeqEvent | None:
+        """The next event, or None when a wake-up (``wake_at``) came first."""
         return await self._queue.get()
 
-    async def next_within(self, seconds: float) -> SeqEvent | None:
-        """The next event, or None when none came within ``seconds`` (one already waiting is taken
-        without a timer)."""
-        if not self._queue.empty():
-            return self._queue.get_nowait()
-        if seconds <= 0:
-            return None
-        try:
-            async with asyncio.timeout(seconds):
-                return await self._queue.get()
-        except TimeoutError:
-            return None
+    def wake_at(self, when: float) -> asyncio.TimerHandle:
+        """Have ``next_or_wake`` return None at loop time ``when`` (one timer, not one per event: a
+        stream's quiet check costs nothing per token)."""
+        queue = self._queue
+        return asyncio.get_running_loop().call_at(when, queue.put_nowait, None)
 
     async def finished(self) -> SeqEvent:
         """The request's final event."""
         while True:
             ev = await self._queue.get()
-            if ev.finished:
+            if ev is not None and ev.finished:
                 return ev
