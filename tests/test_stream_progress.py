@@ -271,13 +271,13 @@ def test_the_first_byte_is_the_engine_taking_the_request_not_its_first_token(eng
     """A completions stream's first token comes after the first-byte deadline (a slow step): the
     worker's ``: accepted`` met the deadline, so the request stays on the first worker it went to and
     no worker is charged a first-byte failure."""
-    pace.delay = 0.6
+    pace.delay = 1.5
     with worker(engine, tmp_path, "w-a") as a, worker(engine, tmp_path, "w-b") as b:
-        s, app = _gateway((a, b), BASE, worker_first_byte_timeout_s=0.3, worker_first_byte_per_queued_s=0,
+        s, app = _gateway((a, b), BASE, worker_first_byte_timeout_s=1.0, worker_first_byte_per_queued_s=0,
                           worker_stall_timeout_s=10)
         h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
         with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, headers=h, timeout=30) as c:
-            r = c.post("/v1/completions", json={"model": "smol", "prompt": "Hello", "max_tokens": 2,
+            r = c.post("/v1/completions", json={"model": "smol", "prompt": "Hello", "max_tokens": 1,
                                                 "ignore_eos": True, "stream": True})
         assert r.status_code == 200, r.text
         _no_comments(r.text)
@@ -297,10 +297,10 @@ def test_comments_never_reach_the_client_and_a_progressing_worker_is_not_ejected
     """Streams quiet for twice the stall bound before their first token, each kind: chat, completions
     and a Responses stream. Every one is answered whole, no comment reaches a client, and the worker,
     which took more requests than it takes failures to eject it, is charged nothing."""
-    s, app = _gateway((stub.url,), TENANTS, worker_stall_timeout_s=0.4, worker_first_byte_timeout_s=0.3,
+    s, app = _gateway((stub.url,), TENANTS, worker_stall_timeout_s=0.5, worker_first_byte_timeout_s=0.5,
                       worker_eject_failures=3)
     h = {"authorization": f"Bearer {mint(s, 'u', tenant='acme')}"}
-    slow = {"stub_progress": "0.1", "stub_delay": "0.8", "stub_chunk_delay": "0.1"}
+    slow = {"stub_progress": "0.1", "stub_delay": "1.2", "stub_chunk_delay": "0.1"}
     with ThreadServer(app) as gw, httpx.Client(base_url=gw.url, headers=h, timeout=30) as c:
         for path, body in [
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
