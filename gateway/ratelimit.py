@@ -355,6 +355,8 @@ class _StepPipeline:
         self._response_error = ResponseError
         self._conn: Any = None
         """The pipeline's own connection (``_own_connection``), made on first use."""
+        self._closing: set[asyncio.Task[None]] = set()
+        """Disconnects of connections given up on (``reconnect``)."""
         self._queue: list[_Call] = []
         self._open: dict[tuple[Any, ...], _Call] = {}
         """Calls still taking company (until the queue is sent)."""
@@ -515,6 +517,16 @@ class _StepPipeline:
                 replies.append(exc)
         return replies
 
+    def reconnect(self) -> None:
+        """Redis was found away: the next round trip opens a new connection. An idle replica's
+        connection outlives a Redis restart unseen, and its first round trip after the keepalive
+        saw Redis back would fail on it (a second of fail-open shares or fail-closed 503s)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            task = asyncio.get_running_loop().create_task(conn.disconnect())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         """Send what is still queued (settlements waiting for company) and wait for it."""
         if self._queue and self._sender is None:
@@ -595,6 +607,7 @@ class RedisLimiter:
         return keys
 
     def _failed(self, exc: BaseException) -> None:
+        self._pipe.reconnect()
         if not self.degraded:
             self._wake.set()
             log.warning("redis limiter unreachable (%s: %s); %s", type(exc).__name__, exc,

@@ -254,6 +254,38 @@ async def test_an_acquire_given_up_on_leaves_no_lease_when_a_hung_redis_resumes(
         await r.aclose()
 
 
+@pytest.mark.e2e
+async def test_the_first_acquire_after_a_redis_restart_goes_to_redis(private_redis):
+    """An idle replica's own connection outlives a Redis restart unseen: once the keepalive
+    finds Redis back, the next acquire must reach it, not fail on the dead connection and fall
+    back (a second of 503s fail-closed, of shares fail-open)."""
+    r = aioredis.from_url(private_redis.url, socket_timeout=0.3, socket_connect_timeout=0.3)
+    lim = RedisLimiter(r, "restart", timeout_s=0.3, retry_s=0.2, lease_ttl_s=1.5)
+    limits = Limits(max_concurrent=5)
+    loop = asyncio.get_running_loop()
+
+    async def until(degraded: bool) -> None:
+        t0 = loop.time()
+        while lim.degraded != degraded:  # the keepalive alone: no request meanwhile
+            assert loop.time() - t0 < 5.0, f"degraded never became {degraded}"
+            await asyncio.sleep(0.05)
+
+    try:
+        d = await lim.acquire("acme", limits, 1, 300)  # the pipeline's own connection is open
+        assert d.allowed and d.lease.backend is lim
+        await lim.settle(d.lease, 1)
+        private_redis.kill()
+        await until(True)
+        private_redis.start()
+        await until(False)
+        d = await lim.acquire("acme", limits, 1, 300)
+        assert d.allowed and d.lease.backend is lim and not lim.degraded
+        await lim.settle(d.lease, 1)
+    finally:
+        await lim.close()
+        await r.aclose()
+
+
 # -- health ------------------------------------------------------------------------------------
 
 
