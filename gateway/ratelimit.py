@@ -589,6 +589,7 @@ class RedisLimiter:
         the fallback admits 1/``gateways`` of each limit."""
         self._held = HeldLeases()
         self._keeper: asyncio.Task[None] | None = None
+        self._stopping = False
         self._wake = asyncio.Event()
         """Set when a request finds Redis away: the keepalive probes it ``retry_s`` later."""
         self._down_until = 0.0
@@ -636,14 +637,21 @@ class RedisLimiter:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="ratelimit-keepalive")
 
     async def _keep(self) -> None:
-        while True:
+        # A timer sets ``_wake`` rather than a timeout around the wait: a cancellation that met
+        # an expiring ``asyncio.timeout`` was taken for the timeout (Python 3.11), and the loop
+        # then outlived ``close``. ``_stopping`` ends it even so.
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
             await self.keepalive()
             self._wake.clear()
-            if not self.degraded:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.keepalive_s):
-                        await self._wake.wait()  # a request found Redis away meanwhile
-            await asyncio.sleep(self.retry_s if self.degraded else 0.0)
+            if not self.degraded and not self._stopping:
+                timer = loop.call_later(self.keepalive_s, self._wake.set)
+                try:
+                    await self._wake.wait()  # the interval, or a request found Redis away meanwhile
+                finally:
+                    timer.cancel()
+            if self.degraded and not self._stopping:
+                await asyncio.sleep(self.retry_s)
 
     async def keepalive(self) -> bool:
         """One keepalive round trip (``gateway.leases.KEEPALIVE``): True when Redis answered."""
@@ -746,9 +754,10 @@ class RedisLimiter:
     async def close(self) -> None:
         """Stop the keepalive, leave the gateways set and send what is still queued."""
         if self._keeper is not None:
+            self._stopping = True
+            self._wake.set()
             self._keeper.cancel()
-            with contextlib.suppress(BaseException):
-                await self._keeper
+            await asyncio.wait({self._keeper}, timeout=self.timeout_s + 1)
             self._keeper = None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.timeout_s):

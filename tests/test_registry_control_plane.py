@@ -209,7 +209,8 @@ async def test_never_ready_without_a_complete_snapshot(tmp_path):
             with pytest.raises(NotLoaded):
                 _ = cache.current
             r = await c.get("/readyz")
-            assert r.status_code == 503 and "no registry snapshot" in r.json()["problems"][0]
+            assert r.status_code == 503 and "snapshot is not loaded" in r.json()["problems"][0]
+            assert name not in r.text and "5432" not in r.text  # nothing of where the database is
             for r in (await c.get("/v1/models", headers=user),
                       await c.post("/v1/chat/completions", json=body, headers=user)):
                 assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
