@@ -382,6 +382,8 @@ def test_demo_int8_weights_track_float32_and_keep_the_adapters_delta(demo_gguf, 
     d8 = forced_logits(int8, prompt, len(prompt), french)[-1] - forced_logits(int8, prompt, len(prompt))[-1]
     assert d8.abs().max() > 1.0, "the adapter moves the logits"
     cos = torch.nn.functional.cosine_similarity(d32, d8, dim=0)
-    assert cos > 0.99 and 0.95 < d8.norm() / d32.norm() < 1.05, (float(cos), float(d8.norm() / d32.norm()))
+    # Size within 7%: the ratio was 0.95-1.05 on AMD Zen 3 and Zen 4, and 0.947 on an Intel Ice Lake
+    # server (AVX512-VNNI, no AMX), where the direction still agreed to a cosine of 0.9998.
+    assert cos > 0.99 and 0.93 < d8.norm() / d32.norm() < 1.07, (float(cos), float(d8.norm() / d32.norm()))
     for eng in (f32, int8):
         eng.lora_runtime.manager.close()
