@@ -271,25 +271,31 @@ async def test_a_quiet_replica_does_not_route_to_a_worker_whose_report_expired()
     assert [w.id for w in await router.route("smol", "a")] == ["w2"]
 
 
+class FlakyResidency:
+    """A residency store that can be unreachable (``down``) or come back with its reports
+    lapsed (``lapsed``)."""
+
+    def __init__(self, res: MemoryResidency) -> None:
+        self.res = res
+        self.down = False
+        self.lapsed = False
+
+    async def publish(self, report: WorkerReport, ttl_s: float) -> None:
+        await self.res.publish(report, ttl_s)
+
+    async def remove(self, worker_id: str) -> None:
+        await self.res.remove(worker_id)
+
+    async def live(self) -> list[WorkerReport]:
+        if self.down:
+            raise ConnectionError("store down")
+        return [] if self.lapsed else await self.res.live()
+
+
 async def test_stale_reports_are_routed_on_while_the_store_is_unreachable():
     """Staleness says nothing when the store cannot be read: the last known set is used, as before."""
     res = MemoryResidency()
-
-    class Flaky:
-        down = False
-
-        async def publish(self, report: WorkerReport, ttl_s: float) -> None:
-            await res.publish(report, ttl_s)
-
-        async def remove(self, worker_id: str) -> None:
-            await res.remove(worker_id)
-
-        async def live(self) -> list[WorkerReport]:
-            if self.down:
-                raise ConnectionError("store down")
-            return await res.live()
-
-    store = Flaky()
+    store = FlakyResidency(res)
     await res.publish(_report("w1"), 60)
     router = Router(store, refresh_s=0.0, report_ttl_s=0.2)
     assert [w.id for w in await router.route("smol", None)] == ["w1"]
@@ -303,23 +309,7 @@ async def test_a_store_back_from_an_outage_gives_known_workers_one_report_ttl():
     when they lapsed in it: the workers could not report either. The known set is routed on for
     one report TTL, then staleness rules again (a worker that still does not report is out)."""
     res = MemoryResidency()
-
-    class Flaky:
-        down = False
-        lapsed = False
-
-        async def publish(self, report: WorkerReport, ttl_s: float) -> None:
-            await res.publish(report, ttl_s)
-
-        async def remove(self, worker_id: str) -> None:
-            await res.remove(worker_id)
-
-        async def live(self) -> list[WorkerReport]:
-            if self.down:
-                raise ConnectionError("store down")
-            return [] if self.lapsed else await res.live()
-
-    store = Flaky()
+    store = FlakyResidency(res)
     await res.publish(_report("w1"), 60)
     router = Router(store, refresh_s=0.0, report_ttl_s=0.3)
     assert [w.id for w in await router.route("smol", None)] == ["w1"]
