@@ -90,6 +90,9 @@ class WorkerRequestExt(_Codec):
     tenant: str = ""
     priority: int = PRIORITY_CLASSES["normal"]
     request_id: str = ""
+    cache_scope: str = ""
+    """The tenant's prefix-cache scope (``loraplex.prefix``: ``tenant:<slug>`` or ``shared:<name>``),
+    from the registry; empty: the worker scopes by ``tenant``."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerRequestExt:
@@ -102,6 +105,7 @@ class WorkerRequestExt(_Codec):
             tenant=str(data.get("tenant", "")),
             priority=int(data.get("priority", PRIORITY_CLASSES["normal"])),
             request_id=str(data.get("request_id", "")),
+            cache_scope=str(data.get("cache_scope", "")),
         )
 
 
@@ -124,6 +128,10 @@ class WorkerReport(_Codec):
     total_kv_blocks: int = 0
     max_num_seqs: int = 0
     max_loras: int = 0
+    cached_kv_blocks: int = 0
+    """KV blocks that hold a finished or running request's prefix, reusable by a later one."""
+    kv_evictions: int = 0
+    """Cached blocks given to other requests since the worker started (a counter)."""
     timestamp: float = field(default_factory=time.time)
     backend: str = BACKEND_LORAPLEX
     """Which server answers at ``url``; reports without the field are from bundled workers."""

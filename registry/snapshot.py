@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from loraplex.prefix import shared_scope, tenant_scope
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterVersionView:
@@ -52,10 +54,17 @@ class TenantView:
     max_concurrent: int
     priority: str
     bindings: dict[str, BindingView] = field(default_factory=dict)
+    cache_scope: str = ""
+    """The shared prefix-cache scope an operator put this tenant in; empty: its own."""
 
     @property
     def active(self) -> bool:
         return self.status == "active"
+
+    @property
+    def prefix_scope(self) -> str:
+        """The scope its requests' KV blocks are cached under (``loraplex.prefix``)."""
+        return shared_scope(self.cache_scope) if self.cache_scope else tenant_scope(self.slug)
 
 
 @dataclass(frozen=True, slots=True)
