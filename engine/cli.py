@@ -49,12 +49,13 @@ def _worker(args: argparse.Namespace) -> int:
         return 1
     m = engine.model
     resident = settle_after_load()
-    log.info("base model %s loaded in %.1f s (%s on %s, %s weights [%s], %.0f MB; %s KV cache, %d tokens; %s; "
-             "%.0f MB resident)",
+    log.info("base model %s loaded in %.1f s (%s on %s, %s weights [%s], %.0f MB; %s KV cache, %.0f MiB [%s], "
+             "%d tokens, prefix cache %s; %s; %.0f MB resident)",
              engine.info.name if engine.info else settings.model, time.monotonic() - t0,
              dtype_name(m.dtype), m.device, dtype_name(m.matmul_dtype), engine.weights_reason,
-             m.weight_bytes / 1e6, dtype_name(engine.cache.dtype),
-             engine.cache.num_blocks * engine.cache.block_size, m.kernels, resident / 1e6)
+             m.weight_bytes / 1e6, dtype_name(engine.cache.dtype), engine.kv_cache_bytes / 2**20, engine.kv_reason,
+             engine.cache.num_blocks * engine.cache.block_size, "on" if engine.config.prefix_cache else "off",
+             m.kernels, resident / 1e6)
     try:
         app = create_worker_app(settings, engine)
         uvicorn.run(app, host=settings.worker_host, port=settings.worker_port, log_level=settings.log_level.lower())

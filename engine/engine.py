@@ -39,6 +39,7 @@ import torch
 from engine.cpu import BURST_TOKENS_AMX, default_burst_tokens, default_weights
 from engine.detokenizer import IncrementalDecoder
 from engine.grammar import Grammars
+from engine.kv_budget import resolve_kv_cache_bytes
 from engine.kv_cache import KVCache
 from engine.loader import gguf_reader, load_weights
 from engine.model import DecoderModel
@@ -49,6 +50,7 @@ from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
 from engine.threads import release_team
+from loraplex.prefix import namespace, tenant_scope
 from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
@@ -70,7 +72,10 @@ class EngineConfig:
     ``int4``: ``resolve_weights``."""
     kv_cache_dtype: str = "auto"
     kv_cache_bytes: int = 256 * 1024 * 1024
+    """The KV pool's bytes; 0: sized from the machine (``engine.kv_budget.auto_kv_cache_bytes``)."""
     kv_block_size: int = 16
+    prefix_cache: bool = True
+    """Keep computed prompt blocks for later requests of the same namespace (``engine.scheduler``)."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     burst_batched_tokens: int = 0
@@ -224,12 +229,13 @@ class Engine:
         limit = cfg.context_length
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len > 0 else limit
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, model.matmul_dtype, model.device)
-        self.cache = KVCache.from_bytes(cfg, config.kv_cache_bytes, config.kv_block_size, model.device,
+        self.kv_cache_bytes, self.kv_reason = resolve_kv_cache_bytes(config.kv_cache_bytes, model.device)
+        self.cache = KVCache.from_bytes(cfg, self.kv_cache_bytes, config.kv_block_size, model.device,
                                         kv_dtype, model.dtype)
         self.scheduler = Scheduler(self.cache.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    burst_batched_tokens=burst_tokens(config.burst_batched_tokens, model.device),
-                                   max_waiting=config.max_waiting)
+                                   max_waiting=config.max_waiting, prefix_cache=config.prefix_cache)
         eos = set(cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -297,7 +303,8 @@ class Engine:
         config = EngineConfig(
             device=settings.device, dtype=settings.dtype, weights=settings.weights,
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_bytes=settings.kv_cache_bytes,
-            kv_block_size=settings.kv_block_size, max_num_seqs=settings.max_num_seqs,
+            kv_block_size=settings.kv_block_size, prefix_cache=settings.prefix_cache,
+            max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             burst_batched_tokens=settings.burst_batched_tokens, idle_gather_ms=settings.idle_gather_ms,
             max_waiting=settings.max_waiting,
@@ -341,7 +348,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, adapter: AdapterRef | None = None,
                     tenant: str = "", priority: int = PRIORITY_CLASSES["normal"], request_id: str = "",
-                    listener: Callable[[SeqEvent], None] | None = None, grammar: Any = None) -> Sequence:
+                    listener: Callable[[SeqEvent], None] | None = None, grammar: Any = None,
+                    cache_scope: str = "") -> Sequence:
         """Queue a request. Raises ``PromptTooLongError`` or ``scheduler.QueueFullError``.
 
         With ``params.n`` > 1 the request is ``n`` sequences (the samples, ``index`` 0..n-1, sample
@@ -349,17 +357,21 @@ class Engine:
         start from its prompt KV blocks (``engine.scheduler``). Abort each of them to stop it.
 
         ``grammar``: ``params.grammar`` compiled (``Grammars.prepare``); without it the grammar
-        is compiled here, on the calling thread."""
+        is compiled here, on the calling thread.
+
+        ``cache_scope``: whose cached prompt blocks the request may reuse and add to
+        (``loraplex.prefix``; the gateway's, from the registry); empty: the tenant's own."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens")
+        root = self._cache_root(adapter, cache_scope or tenant_scope(tenant)) if self.config.prefix_cache else None
         seqs = []
         for i in range(max(1, params.n)):  # sample i draws with seed + i
             p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
             s = Sequence(list(prompt_ids), p, adapter=adapter, tenant=tenant, priority=priority,
-                         request_id=request_id, listener=listener, index=i)
+                         request_id=request_id, listener=listener, index=i, cache_root=root)
             s.max_total_len = self.max_model_len
             if params.grammar is not None:
                 s.matcher = self.grammars.matcher(params.grammar, grammar)  # GrammarError (a ValueError)
@@ -391,6 +403,12 @@ class Engine:
             self._arrivals += 1
             self._wake.notify()
         return seq
+
+    def _cache_root(self, adapter: AdapterRef | None, scope: str) -> bytes:
+        """The request's prefix namespace: this base model, the adapter's content digest (its
+        registry id only where a caller sent no digest) and the scope."""
+        identity = None if adapter is None else adapter.sha256 or f"id:{adapter.id}"
+        return namespace(self.info.revision if self.info is not None else "", identity, scope)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence (client went away); frees its KV blocks. No further events."""
@@ -491,6 +509,7 @@ class Engine:
             for seq, n in out.chunks:
                 if not seq.is_finished:
                     seq.num_computed += n
+                    self.scheduler.cache_computed(seq)
             for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
                 if not seq.is_finished:
                     self._append_token(seq, tok, now, lp)
@@ -523,6 +542,8 @@ class Engine:
         idx = torch.tensor(sorted(bad), dtype=torch.long, device=ctx.token_seq.device)
         slots = ctx.slot_mapping[torch.isin(ctx.token_seq, idx)]
         alloc = self.cache.allocator  # blocks shared with other samples hold their good prompt KV
+        for i in bad:  # nothing a failed row touched is found again, even blocks it only read
+            alloc.uncache(ctx.seqs[i].block_table)
         blocks = [b for i in bad for b in ctx.seqs[i].block_table if alloc.holders(b) == 1]
         self.cache.scrub(slots, blocks)
         for i in sorted(bad):
@@ -747,4 +768,5 @@ class Engine:
         with self._lock:
             alloc = self.cache.allocator
             return {"queue_depth": self.scheduler.num_waiting, "running": self.scheduler.num_running,
-                    "kv_blocks_used": alloc.num_used, "kv_blocks_total": alloc.num_blocks}
+                    "kv_blocks_used": alloc.num_used, "kv_blocks_total": alloc.num_blocks,
+                    "kv_blocks_cached": alloc.num_cached, "kv_evictions": alloc.evictions}

@@ -31,6 +31,10 @@ clears it as it would a NaN.
 
 from __future__ import annotations
 
+import math
+import mmap
+from collections import OrderedDict
+
 import torch
 
 from engine.config import ModelConfig
@@ -41,7 +45,7 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Block ids for sequences, kept in runs where the pool allows.
+    """Block ids for sequences, kept in runs where the pool allows, and the prefix cache's index.
 
     Decode attention streams each sequence's K and V block by block; blocks that follow each other
     in the pool are read as one stream, scattered ones each pay a memory round trip (2 cores of a
@@ -51,7 +55,15 @@ class BlockAllocator:
     come from a cursor that then moves past the room its request may grow into (``reserve``):
     the next sequence starts beyond it. The room is not held: when the cursor comes round to it
     (the pool is busy), any free block is taken, and a sequence whose next block is gone grows
-    into whatever block is free."""
+    into whatever block is free.
+
+    Prefix cache: a full block whose K/V are computed may be given a key (``cache``: the chained
+    hash of ``loraplex.prefix.block_hashes``). A later sequence finds its prompt's longest chain
+    of cached keys (``lookup``) and holds those blocks (``hold``) instead of computing them. A
+    cached block no one holds stays in the pool, evictable, least recently freed first: it counts
+    as free, and ``allocate`` takes truly free blocks first, then evicts. Every block is in exactly
+    one state: truly free, evictable (cached, no holder) or held (one holder, plus ``_shared``
+    beyond the first)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -59,61 +71,99 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._is_free = bytearray(b"\x01") * num_blocks
+        """Truly free: no holder and no cached content."""
         self._num_free = num_blocks
         self._cursor = 0
         """Where the next block without a predecessor is looked for (then onward, wrapping)."""
         self._shared: dict[int, int] = {}
         """Holders beyond the first, of blocks more than one sequence holds."""
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        """The prefix cache: block <-> key, for held and evictable cached blocks alike."""
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        """Cached blocks no sequence holds, the next to evict first."""
+        self.evictions = 0
+        """Cached blocks given to another use since start (a counter)."""
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        """Blocks an allocation may take: truly free and evictable."""
+        return self._num_free + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self._num_free
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks with a prefix-cache key, held or evictable."""
+        return len(self._key_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= self._num_free
+        return n <= self.num_free
+
+    def _take_any(self) -> int:
+        """A truly free block from the cursor on, else the least recently freed evictable one."""
+        free = self._is_free
+        b = free.find(1, self._cursor)
+        if b < 0:
+            b = free.find(1)
+        if b >= 0:
+            self._cursor = b + 1
+            return b
+        b, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._key_of.pop(b)]
+        self.evictions += 1
+        self._num_free += 1  # counted back out by the caller, as for a truly free block
+        free[b] = 1
+        return b
 
     def allocate(self, n: int, after: int | None = None, reserve: int = 0) -> list[int]:
         """``n`` blocks, each the one after the previous where it is free; the first after block
         ``after`` (a sequence's last), else at the cursor, which then skips ``reserve`` blocks in
-        all from the first (the room the sequence may grow into)."""
-        if n > self._num_free:
-            raise OutOfBlocksError(f"need {n} KV blocks, {self._num_free} free")
+        all from the first (the room the sequence may grow into). Evicts cached blocks only when
+        no truly free one is left."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free} free")
         free = self._is_free
         out: list[int] = []
         prev = after
         for _ in range(n):
             nxt = prev + 1 if prev is not None else -1
-            if 0 <= nxt < self.num_blocks and free[nxt]:
-                b = nxt
-            else:
-                b = free.find(1, self._cursor)
-                if b < 0:
-                    b = free.find(1)
-                self._cursor = b + 1
+            b = nxt if 0 <= nxt < self.num_blocks and free[nxt] else self._take_any()
             free[b] = 0
+            self._num_free -= 1
             out.append(b)
             prev = b
-        self._num_free -= n
         if after is None and n and reserve > n:
             self._cursor = (out[0] + reserve) % self.num_blocks
         return out
 
-    def share(self, blocks: list[int]) -> None:
-        """One more holder for each of ``blocks`` (already allocated)."""
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder for each of ``blocks``: held ones (a parent sample's) or cached ones
+        (``lookup``'s; an evictable one leaves the eviction queue)."""
         for b in blocks:
-            self._shared[b] = self._shared.get(b, 0) + 1
+            if b in self._evictable:
+                del self._evictable[b]
+            else:
+                self._shared[b] = self._shared.get(b, 0) + 1
 
     def holders(self, block: int) -> int:
+        if self._is_free[block] or block in self._evictable:
+            return 0
         return 1 + self._shared.get(block, 0)
 
+    def evictable_among(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are evictable (holding them takes that many free blocks)."""
+        return sum(1 for b in blocks if b in self._evictable)
+
     def free(self, blocks: list[int]) -> None:
+        """Drop one holder of each block; a block's last holder frees it, to the eviction queue if it
+        is cached. A sequence's blocks are queued last first, so a chain is evicted from its tail
+        (its head, which more prompts share, stays findable longest)."""
         if self._shared:
             last = []
             for b in blocks:
@@ -126,17 +176,73 @@ class BlockAllocator:
                     self._shared[b] = k - 1
             blocks = last
         free = self._is_free
-        for b in blocks:
-            if free[b]:
+        for b in reversed(blocks):
+            if free[b] or b in self._evictable:
                 raise RuntimeError("KV block freed twice")
-            free[b] = 1
-        self._num_free += len(blocks)
+            if b in self._key_of:
+                self._evictable[b] = None
+            else:
+                free[b] = 1
+                self._num_free += 1
+
+    def cache(self, block: int, key: bytes) -> bool:
+        """Give a held, fully computed block its prefix key. False when the key already names
+        another block (computed twice at once) or the block has a key: the first one stays."""
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys``."""
+        out = []
+        for k in keys:
+            b = self._block_of.get(k)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def uncache(self, blocks: list[int]) -> None:
+        """Forget the keys of ``blocks`` (their content must not be reused); an evictable one
+        becomes truly free."""
+        for b in blocks:
+            key = self._key_of.pop(b, None)
+            if key is None:
+                continue
+            del self._block_of[key]
+            if b in self._evictable:
+                del self._evictable[b]
+                self._is_free[b] = 1
+                self._num_free += 1
+
+    def check(self) -> None:
+        """Raise if the bookkeeping disagrees with itself (tests)."""
+        free = self._is_free
+        assert self._num_free == sum(free), "truly free count"
+        assert all(b in self._key_of and not free[b] for b in self._evictable), "evictable not cached"
+        assert all(not free[b] for b in self._key_of), "a free block is cached"
+        assert all(self._block_of[k] == b for b, k in self._key_of.items()), "cache maps disagree"
+        assert len(self._block_of) == len(self._key_of), "cache maps disagree"
+        assert all(not free[b] and b not in self._evictable for b in self._shared), "shared block not held"
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elem
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed pool. On CPU, anonymous mapped memory, zero until written: a pool sized for the
+    machine takes resident memory only as its blocks are first used, not all at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVCache:
@@ -150,8 +256,8 @@ class KVCache:
         self.compute_dtype = compute_dtype or dtype
         slots = num_blocks * block_size
         shape = (cfg.num_kv_heads, slots, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, device, dtype) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, device, dtype) for _ in range(cfg.num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._gather_k = torch.empty(0, device=device, dtype=dtype)
         self._gather_v = torch.empty(0, device=device, dtype=dtype)

@@ -37,6 +37,12 @@ then starts from the parent's KV: the full blocks are shared, the partial one is
 (``SchedulerOutput.copies``, done by the engine before the forward), and it computes only
 the last prompt token itself (its own first-token logits). If the parent is gone by then,
 the sample prefills like any request.
+
+Prefix cache (``prefix_cache``): a sequence with a ``cache_root`` is admitted from the longest
+chain of its tokens' full blocks the allocator holds under that root (``BlockAllocator.lookup``),
+block-aligned and short of its last token (whose logits it must compute), and computes only the
+rest. After each step ``cache_computed`` keys the blocks a sequence has newly filled. A
+preempted sequence finds its own freed blocks there when it comes back, unless evicted.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from typing import Protocol
 
 from engine.kv_cache import BlockAllocator
 from engine.sequence import SeqStatus, Sequence
+from loraplex.prefix import block_hashes
 
 log = logging.getLogger("loraplex.engine.scheduler")
 
@@ -84,8 +91,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int, policy: AdmissionPolicy | None = None, burst_batched_tokens: int = 0) -> None:
+                 max_waiting: int, policy: AdmissionPolicy | None = None, burst_batched_tokens: int = 0,
+                 prefix_cache: bool = False) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.burst_batched_tokens = burst_batched_tokens
@@ -127,6 +136,7 @@ class Scheduler:
             self.allocator.free(seq.block_table)
             seq.block_table = []
         seq.num_computed = 0
+        seq.num_keyed = 0
 
     def finish(self, seq: Sequence, *, free_blocks: bool = True) -> None:
         """Remove a sequence wherever it is and free its blocks (finish, abort).
@@ -163,6 +173,33 @@ class Scheduler:
         full = covered // bs
         partial = parent.block_table[full] if covered % bs else None
         return parent.block_table[:full], partial, covered
+
+    def _keys(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The prefix keys of the sequence's first ``blocks`` full blocks (computed once each)."""
+        if len(seq.block_keys) < blocks:
+            bs = self.allocator.block_size
+            seq.block_keys = block_hashes(seq.cache_root or b"", seq.all_token_ids[:blocks * bs], bs, seq.block_keys)
+        return seq.block_keys[:blocks]
+
+    def _cached(self, seq: Sequence) -> tuple[list[int], None, int]:
+        """``(cached blocks to hold, None, tokens they cover)``: the longest cached chain of the
+        sequence's full blocks, short of its last token."""
+        if not self.prefix_cache or seq.cache_root is None:
+            return [], None, 0
+        blocks = self.allocator.lookup(self._keys(seq, (seq.num_tokens - 1) // self.allocator.block_size))
+        return blocks, None, len(blocks) * self.allocator.block_size
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Key the blocks the sequence filled since the last call (after a step computed them)."""
+        if not self.prefix_cache or seq.cache_root is None:
+            return
+        full = min(seq.num_computed // self.allocator.block_size, len(seq.block_table))
+        if full <= seq.num_keyed:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_keyed, full):
+            self.allocator.cache(seq.block_table[i], keys[i])
+        seq.num_keyed = full
 
     # ------------------------------------------------------------------ step
     def waiting_tokens(self) -> int:
@@ -252,15 +289,18 @@ class Scheduler:
                 seq.status = SeqStatus.FINISHED
                 out.failed.append(seq)
                 continue
-            shared, partial, start = prefix if prefix is not None else ([], None, 0)
+            shared, partial, start = prefix if prefix is not None else self._cached(seq)
             n = min(seq.num_tokens - start, budget)
             need = alloc.blocks_for(start + n) - len(shared)
-            if not alloc.can_allocate(need):
+            if not alloc.can_allocate(need + alloc.evictable_among(shared)):
                 break  # head of line waits for blocks; nothing jumps ahead of it
             admitted.add(id(seq))
-            alloc.share(shared)
+            alloc.hold(shared)
             seq.block_table = shared + alloc.allocate(need, reserve=self._room(seq) - len(shared))
             seq.num_computed = start
+            seq.num_keyed = len(shared) if prefix is None else 0
+            if prefix is None and seq.num_preemptions == 0:
+                seq.cached_tokens = start
             if partial is not None:
                 out.copies.append((partial, seq.block_table[len(shared)]))
             seq.status = SeqStatus.RUNNING

@@ -122,6 +122,16 @@ class Sequence:
     """With ``params.grammar``: this row's xgrammar ``GrammarMatcher`` (the tokens accepted so far)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With ``params.logprobs``: one entry per output token whose text is in the output."""
+    cache_root: bytes | None = None
+    """The prefix cache's namespace for this request (``loraplex.prefix.namespace``); ``None``: its
+    blocks are neither looked up nor cached."""
+    block_keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the full blocks of ``all_token_ids`` computed so far (grows)."""
+    num_keyed: int = 0
+    """Blocks of ``block_table`` given their key in the cache (or found there)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache when the request was first admitted
+    (``usage.prompt_tokens_details.cached_tokens``)."""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

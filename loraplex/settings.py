@@ -239,10 +239,15 @@ class Settings:
     attention streams)."""
     threads: int = 0
     """torch intra-op threads (0: torch default)."""
-    kv_cache_bytes: int = 256 * 1024 * 1024
-    """Memory budget of the paged KV cache (sets the number of blocks)."""
+    kv_cache_bytes: int = 0
+    """Memory budget of the paged KV cache (sets the number of blocks); 0: sized from the machine, 40% of the
+    memory available after the weights up to 4 GiB on CPU, 80% of the device's free memory on CUDA (the start-up
+    line says which)."""
     kv_block_size: int = 16
     """Tokens per KV cache block."""
+    prefix_cache: bool = True
+    """Reuse the KV blocks of earlier prompts with the same prefix, the same adapter version and the same tenant
+    cache scope (docs/DESIGN.md, "Prefix cache")."""
     max_num_seqs: int = 32
     """Most sequences running in one batch."""
     max_num_batched_tokens: int = 512
