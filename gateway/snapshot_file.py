@@ -8,11 +8,12 @@ mirrors ``registry.snapshot``::
      "adapters": {"v1": {"name": "support", "version": 1, "base_model": "smol", "uri": "file:///a",
                          "sha256": "", "rank": 8, "alpha": 16, "status": "ready"}},
      "tenants": {"acme": {"status": "active", "requests_per_min": 0, "tokens_per_min": 0,
-                          "max_concurrent": 0, "priority": "normal",
+                          "max_concurrent": 0, "priority": "normal", "cache_scope": "",
                           "bindings": {"support": {"active": "v1", "canary": null,
                                                    "canary_percent": 0, "enabled": true,
                                                    "on_disabled": "refuse"}}}}}
 
+``cache_scope`` is the tenant's shared prefix-cache scope (empty or absent: its own).
 The file is re-read when its modification time changes (checked at most once a second).
 """
 
@@ -49,7 +50,7 @@ def snapshot_from_dict(data: dict[str, Any]) -> RegistrySnapshot:
         tenants[slug] = TenantView(
             slug=slug, status=t.get("status", "active"), requests_per_min=int(t.get("requests_per_min", 0)),
             tokens_per_min=int(t.get("tokens_per_min", 0)), max_concurrent=int(t.get("max_concurrent", 0)),
-            priority=t.get("priority", "normal"), bindings=bindings)
+            priority=t.get("priority", "normal"), bindings=bindings, cache_scope=str(t.get("cache_scope") or ""))
     return RegistrySnapshot(version=int(data.get("version", 1)), tenants=tenants, base_models=bases)
 
 

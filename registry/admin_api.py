@@ -27,7 +27,7 @@ from loraplex.wire import PRIORITY_CLASSES, error_body
 from registry.canary import CanaryPolicies
 from registry.console import ConsoleSources, console_routes
 from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
-from registry.records import DIMENSIONS
+from registry.records import CACHE_SCOPE_NAME, DIMENSIONS
 from registry.service import RegistryService
 from registry.service_core import COMMITTED
 
@@ -95,7 +95,11 @@ ROW_VERSION = {"type": "integer", "minimum": 0,
                "description": "change only if the row is still at this row_version (else 412); same as If-Match"}
 
 LIMITS = {"requests_per_min": INT, "tokens_per_min": INT, "max_concurrent": INT, "priority": PRIORITY}
-TENANT_CREATE = _obj({"slug": STR, **LIMITS}, ("slug",))
+CACHE_SCOPE = {"type": "string", "pattern": f"^(|{CACHE_SCOPE_NAME})$",
+               "description": "the shared prefix-cache scope this tenant's requests reuse KV blocks in; empty: "
+                              "its own (the default: a shared cache is a timing side channel between tenants)"}
+TENANT_CREATE = _obj({"slug": STR, **LIMITS, "cache_scope": CACHE_SCOPE}, ("slug",))
+TENANT_CACHE_SCOPE = _obj({"cache_scope": CACHE_SCOPE, "row_version": ROW_VERSION}, ("cache_scope",))
 RETENTION = {"type": "integer", "minimum": 0,
              "description": "seconds this tenant's stored Responses are kept (capped by response_max_retention_s)"}
 TENANT_LIMITS = _obj({**LIMITS, "response_retention_s": RETENTION, "row_version": ROW_VERSION})
@@ -151,8 +155,7 @@ BINDING_TOGGLE = _obj({"on_disabled": {**ON_DISABLED, "description": "while disa
 
 RESPONSES: dict[str, dict[str, Any]] = {
     "Tenant": _obj({"slug": STR, "status": STR, **LIMITS, "response_retention_s": {"type": ["integer", "null"]},
-                    "row_version": INT, "created_at": STR,
-                    "updated_at": STR}),
+                    "cache_scope": CACHE_SCOPE, "row_version": INT, "created_at": STR, "updated_at": STR}),
     "BaseModel": _obj({"name": STR, "revision": STR, "architecture": STR, **{d: POS for d in DIMENSIONS},
                        "created_at": STR}),
     "Adapter": _obj({"id": STR, "name": STR, "version": POS, "label": STR, "base_model": STR, "uri": STR,
@@ -218,6 +221,11 @@ async def _tenant_enable(c: Call) -> Any:
 
 async def _tenant_limits(c: Call) -> Any:
     return await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body, if_match=c.if_match)
+
+
+async def _tenant_cache_scope(c: Call) -> Any:
+    return await c.service.set_tenant_cache_scope(c.path["slug"], c.body["cache_scope"], actor=c.actor,
+                                                  if_match=c.if_match)
 
 
 async def _base_models(c: Call) -> Any:
@@ -386,6 +394,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("PATCH", "/tenants/{slug}/limits", "setTenantLimits",
               "Set a tenant's limits and priority class (only the given fields change)", _tenant_limits,
               TENANT_LIMITS, response="Tenant", tag="tenants"),
+    Operation("PUT", "/tenants/{slug}/cache-scope", "setTenantCacheScope",
+              "Put a tenant in a shared prefix-cache scope (its requests reuse the KV blocks of the scope's "
+              "tenants), or back in its own with an empty cache_scope", _tenant_cache_scope, TENANT_CACHE_SCOPE,
+              response="Tenant", tag="tenants"),
     Operation("GET", "/base-models", "listBaseModels", "List base models", _base_models, response="[BaseModel]",
               tag="base-models"),
     Operation("POST", "/base-models", "registerBaseModel",

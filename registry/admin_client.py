@@ -62,7 +62,8 @@ def _answer(r: Any) -> Any:
 COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], Any]]]] = {
     "tenant": [("SLUG", lambda t: t["slug"]), ("STATUS", lambda t: t["status"]),
                ("REQ/MIN", lambda t: t["requests_per_min"]), ("TOK/MIN", lambda t: t["tokens_per_min"]),
-               ("CONCURRENT", lambda t: t["max_concurrent"]), ("PRIORITY", lambda t: t["priority"])],
+               ("CONCURRENT", lambda t: t["max_concurrent"]), ("PRIORITY", lambda t: t["priority"]),
+               ("CACHE SCOPE", lambda t: t.get("cache_scope") or "(own)")],
     "base_model": [("NAME", lambda m: m["name"]), ("REVISION", lambda m: m["revision"]),
                    ("ARCH", lambda m: m["architecture"]), ("HIDDEN", lambda m: m["hidden_size"]),
                    ("LAYERS", lambda m: m["num_layers"]), ("HEADS", lambda m: f"{m['num_heads']}/{m['num_kv_heads']}"),

@@ -35,7 +35,7 @@ def _b(args: argparse.Namespace, suffix: str = "") -> str:
 
 
 def tenant_create(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a)})
+    data = _request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a), "cache_scope": a.cache_scope})
     _show(a, "tenant", data, f"created tenant {a.slug}")
     return 0
 
@@ -63,6 +63,17 @@ def tenant_enable(a: argparse.Namespace) -> int:
 def tenant_limits(a: argparse.Namespace) -> int:
     data = _request(a, "PATCH", f"/tenants/{a.slug}/limits", _limits_body(a))
     _show(a, "tenant", data, f"updated limits of {a.slug}")
+    return 0
+
+
+def tenant_cache_scope(a: argparse.Namespace) -> int:
+    if (a.name is None) == (not a.own):
+        print("error: give either a scope NAME or --own", file=sys.stderr)
+        return 2
+    data = _request(a, "PUT", f"/tenants/{a.slug}/cache-scope", {"cache_scope": "" if a.own else a.name})
+    scope = data["cache_scope"]
+    _show(a, "tenant", data, f"{a.slug} now caches prompt prefixes in the shared scope {scope!r}" if scope
+          else f"{a.slug} now caches prompt prefixes in its own scope")
     return 0
 
 

@@ -49,6 +49,7 @@ from registry.admin_commands import (
     canary_status,
     gc,
     rollback,
+    tenant_cache_scope,
     tenant_create,
     tenant_disable,
     tenant_enable,
@@ -156,10 +157,12 @@ def register(subparsers: Any) -> None:
         p.add_argument("--priority", choices=["high", "normal", "low"], default="normal" if defaults else None,
                        help="scheduling class on the workers" + (" (default normal)" if defaults else ""))
 
-    t = group("tenant", "create, list, disable, enable tenants and set their limits")
+    t = group("tenant", "create, list, disable, enable tenants and set their limits and cache scope")
     p = leaf(t, "create", tenant_create, "create a tenant")
     p.add_argument("slug", help="tenant id (a-z, 0-9, '-', '_'); the JWT tenant claim")
     limit_args(p, True)
+    p.add_argument("--cache-scope", metavar="NAME", help="a shared prefix-cache scope (see tenant cache-scope; "
+                   "default: the tenant's own)")
     p = leaf(t, "list", tenant_list, "list tenants")
     p.add_argument("--status", choices=["active", "disabled"], help="only tenants in this status")
     p = leaf(t, "show", tenant_show, "show one tenant")
@@ -173,6 +176,17 @@ def register(subparsers: Any) -> None:
     limit_args(p, False)
     p.add_argument("--response-retention-s", type=int, help="seconds the tenant's stored Responses are kept "
                    "(default: LORAPLEX_RESPONSE_RETENTION_S; at most LORAPLEX_RESPONSE_MAX_RETENTION_S)")
+
+    p = leaf(t, "cache-scope", tenant_cache_scope, "put a tenant in a shared prefix-cache scope, or its own",
+             "Put a tenant in a shared prefix-cache scope NAME: its requests then reuse the cached prompt "
+             "prefixes (KV blocks) of every tenant in that scope, for the same base model and adapter version. "
+             "By default a tenant shares with no one: a shared cache answers faster for prompts another tenant "
+             "sent, so one tenant could tell what another asked. Share only among tenants that trust each other "
+             "(one company's several tenants). --own puts it back in its own scope.\n\nexamples:\n"
+             "  loraplex admin tenant cache-scope acme-eu acme\n  loraplex admin tenant cache-scope acme-eu --own")
+    p.add_argument("slug")
+    p.add_argument("name", nargs="?", help="the shared scope (1-63 of a-z, 0-9, '_', '.', '-')")
+    p.add_argument("--own", action="store_true", help="back to the tenant's own scope (the default)")
 
     bm = group("base-model", "register and list base models")
     p = leaf(bm, "add", base_model_add, "register a base model",

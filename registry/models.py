@@ -102,6 +102,10 @@ class Tenant(Base):
     response_retention_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """How long stored Responses are kept (None: ``Settings.response_retention_s``; capped by
     ``Settings.response_max_retention_s``)."""
+    cache_scope: Mapped[str] = mapped_column(String(64), nullable=False, default="", server_default=text("''"))
+    """The shared prefix-cache scope an operator put this tenant in; empty: its own. A shared KV
+    cache answers faster for prompts another member sent (a timing side channel), so tenants share
+    only when an operator says so (``registry.records.CACHE_SCOPE``; ``loraplex.prefix``)."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)
     row_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default=text("1"))

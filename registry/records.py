@@ -19,6 +19,9 @@ from registry.models import (
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,199}$")
+CACHE_SCOPE_NAME = r"[a-z0-9][a-z0-9_.-]{0,62}"
+CACHE_SCOPE = re.compile(f"^{CACHE_SCOPE_NAME}$")
+"""A shared prefix-cache scope's name (``loraplex.prefix.shared_scope``); empty is the tenant's own."""
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 MAX_LIMIT = 2**31 - 1
 DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -38,7 +41,8 @@ def _iso(value: datetime | None) -> str | None:
 def tenant_dict(t: Tenant) -> dict[str, Any]:
     return {"slug": t.slug, "status": t.status, "requests_per_min": t.requests_per_min,
             "tokens_per_min": t.tokens_per_min, "max_concurrent": t.max_concurrent, "priority": t.priority,
-            "response_retention_s": t.response_retention_s, "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
+            "response_retention_s": t.response_retention_s, "cache_scope": t.cache_scope or "",
+            "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
 
 
 def base_model_dict(b: BaseModelRow) -> dict[str, Any]:
@@ -98,6 +102,17 @@ def _slug(value: Any, param: str = "tenant") -> str:
     if not isinstance(value, str) or not SLUG.match(value):
         raise Invalid(f"{param} must be 1-64 characters of a-z, 0-9, '_' or '-', starting with a letter "
                       f"or digit; got {value!r}", param=param)
+    return value
+
+
+def _cache_scope(value: Any) -> str:
+    """A shared scope's name, or empty for the tenant's own scope."""
+    if value == "":
+        return ""
+    if not isinstance(value, str) or not CACHE_SCOPE.fullmatch(value):  # no trailing newline
+        raise Invalid("cache_scope must be empty (the tenant's own scope) or 1-63 characters of a-z, 0-9, "
+                      f"'_', '.' or '-', starting with a letter or digit; got {value!r}",
+                      code="invalid_cache_scope", param="cache_scope")
     return value
 
 

@@ -34,6 +34,7 @@ from registry.records import (
     DIMENSIONS,
     MAX_LIMIT,
     _audit_view,
+    _cache_scope,
     _limit,
     _match,
     _name,
@@ -54,11 +55,13 @@ class RegistryService(BindingOps):
     # --- tenants -----------------------------------------------------------------------------------
 
     async def create_tenant(self, slug: str, *, requests_per_min: int = 600, tokens_per_min: int = 100_000,
-                            max_concurrent: int = 16, priority: str = "normal", actor: str = "admin") -> dict:
+                            max_concurrent: int = 16, priority: str = "normal", cache_scope: str = "",
+                            actor: str = "admin") -> dict:
         slug = _slug(slug, "slug")
         values = {"requests_per_min": _limit(requests_per_min, "requests_per_min"),
                   "tokens_per_min": _limit(tokens_per_min, "tokens_per_min"),
-                  "max_concurrent": _limit(max_concurrent, "max_concurrent"), "priority": _priority(priority)}
+                  "max_concurrent": _limit(max_concurrent, "max_concurrent"), "priority": _priority(priority),
+                  "cache_scope": _cache_scope(cache_scope)}
 
         async def op(tx: _Tx) -> dict:
             if await tx.session.get(Tenant, slug) is not None:
@@ -126,6 +129,28 @@ class RegistryService(BindingOps):
             await tx.session.flush()
             out = tenant_dict(row)
             tx.audit("tenant.limits", f"tenant:{slug}", _audit_view(before), _audit_view(out))
+            return out
+
+        return await self._write(actor, op)
+
+    async def set_tenant_cache_scope(self, slug: str, cache_scope: str, *, actor: str = "admin",
+                                     if_match: int | None = None) -> dict:
+        """Put a tenant in a shared prefix-cache scope (a name), or back in its own (``""``).
+
+        Tenants in one scope reuse each other's cached KV blocks, and so can time whether another
+        of them sent a prompt: share only among tenants that trust each other (one company's)."""
+        scope = _cache_scope(cache_scope)
+
+        async def op(tx: _Tx) -> dict:
+            row = await self._tenant(tx.session, slug, lock=True)
+            _match(row.row_version, if_match, f"tenant {slug!r}")
+            before = tenant_dict(row)
+            if (row.cache_scope or "") == scope:
+                return before
+            row.cache_scope, row.updated_at = scope, utcnow()
+            await tx.session.flush()
+            out = tenant_dict(row)
+            tx.audit("tenant.cache_scope", f"tenant:{slug}", _audit_view(before), _audit_view(out))
             return out
 
         return await self._write(actor, op)

@@ -45,7 +45,7 @@ IN_CHUNK = 1000
 """Keys per ``IN (...)`` list (SQLite allows 32766 bound parameters, asyncpg 32767)."""
 
 _TENANT_COLS = (Tenant.slug, Tenant.status, Tenant.requests_per_min, Tenant.tokens_per_min,
-                Tenant.max_concurrent, Tenant.priority)
+                Tenant.max_concurrent, Tenant.priority, Tenant.cache_scope)
 _BINDING_COLS = (Binding.tenant, Binding.alias, Binding.active_id, Binding.canary_id, Binding.canary_percent,
                  Binding.enabled, Binding.on_disabled, Binding.base_model)
 _VERSION_COLS = (AdapterVersion.id, AdapterVersion.name, AdapterVersion.version, AdapterVersion.base_model,
@@ -109,7 +109,8 @@ def _binding_view(r: Any, versions: dict[str, AdapterVersionView]) -> BindingVie
 
 def _tenant_view(r: Any, bindings: dict[str, BindingView] | None) -> TenantView:
     return TenantView(slug=r[0], status=_intern(r[1]), requests_per_min=r[2], tokens_per_min=r[3],
-                      max_concurrent=r[4], priority=_intern(r[5]), bindings=bindings or _EMPTY)
+                      max_concurrent=r[4], priority=_intern(r[5]), bindings=bindings or _EMPTY,
+                      cache_scope=_intern(r[6]) if r[6] else "")
 
 
 async def _version(conn: AsyncConnection, stall_s: float) -> int:

@@ -385,3 +385,25 @@ def test_admin_cli_canary_set_by_is_a_conditional_write(server, capsys, tmp_path
     capsys.readouterr()
     assert codes == [0] * 8
     assert run_json(capsys, "binding", "show", "acme", "support")["canary_percent"] == 20
+
+
+def test_admin_cli_tenant_cache_scope(server, capsys):
+    assert run_json(capsys, "tenant", "create", "acme-eu")["cache_scope"] == ""
+    assert run_json(capsys, "tenant", "create", "acme-us", "--cache-scope", "acme")["cache_scope"] == "acme"
+    code, out, _ = run(capsys, "tenant", "cache-scope", "acme-eu", "acme")
+    assert code == 0 and "shared scope 'acme'" in out
+    code, out, _ = run(capsys, "tenant", "list")
+    header, *rows = out.splitlines()
+    assert header.split()[-2:] == ["CACHE", "SCOPE"]
+    assert [r.split()[-1] for r in rows] == ["acme", "acme"]
+    code, _, err = run(capsys, "tenant", "cache-scope", "acme-eu", "Acme Co")
+    assert code == 1 and "422" in err and "invalid_cache_scope" in err and "cache_scope" in err
+    code, _, err = run(capsys, "tenant", "cache-scope", "acme-eu")
+    assert code == 2 and "--own" in err
+    code, _, err = run(capsys, "tenant", "cache-scope", "acme-eu", "acme", "--own")
+    assert code == 2
+    assert run_json(capsys, "tenant", "cache-scope", "acme-eu", "--own")["cache_scope"] == ""
+    code, out, _ = run(capsys, "tenant", "show", "acme-eu")
+    assert code == 0 and out.splitlines()[-1].split()[-1] == "(own)"
+    audit = run_json(capsys, "audit", "--target", "tenant:acme-eu", "--action", "tenant.cache_scope")["data"]
+    assert [(e["before"]["cache_scope"], e["after"]["cache_scope"]) for e in audit] == [("acme", ""), ("", "acme")]

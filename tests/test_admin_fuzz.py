@@ -31,7 +31,7 @@ def _props(schema: dict) -> list[str]:
 FIELD_NAMES = [*sorted({name for op in OPERATIONS if op.body for name in _props(op.body)}), "extra"]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=30) | st.sampled_from(["acme", "bot@1", "base", "refuse", "high", "v0", "../x", "tiny"]),
+    | st.text(max_size=30) | st.sampled_from(["acme", "bot@1", "base", "refuse", "high", "v0", "../x", "tiny", "acme.co", ""]),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=6)
 bodies = st.one_of(

@@ -501,3 +501,41 @@ async def test_the_judges_own_record_is_shown_check_by_check(console, tmp_path):
         shown = re.search(rf'data-check="{r["check"]}" class="(\w*)"><td>[^<]+</td><td class="verdict">([^<]+)<', audit)
         assert shown and shown.group(1) == ("failed" if r["failed"] else "") and shown.group(2) == (
             r.get("verdict") or ("failed" if r["failed"] else "ok")), r
+
+
+def _words(html: str) -> str:
+    """What a person reads, one space between words."""
+    return " ".join(_text(html).split())
+
+
+async def test_the_prefix_cache_scope_is_shown_and_set_through_the_confirm_step(console, tmp_path):
+    await _seed(console.service, tmp_path)
+    await console.service.create_tenant("acme-us", cache_scope="acme")
+    listing = (await console.get("/console/view/tenants")).text
+    scopes = dict(re.findall(r'data-tenant="([^"]+)">.*?<td class="scope">([^<]*)</td>', listing, re.S))
+    assert scopes == {"acme": "own", "acme-us": "acme"}
+    page = (await console.get("/console/view/tenant?slug=acme")).text
+    assert 'data-confirm="cache_scope"' in page and "Its own:" in _words(page)
+    assert "Shared scope acme " in _words((await console.get("/console/view/tenant?slug=acme-us")).text)
+
+    r = (await console.get("/console/view/confirm?action=cache_scope&slug=acme&cache_scope=acme")).text
+    assert re.findall(r'data-field="(\w+)"><th>\w+</th><td class="before">([^<]+)</td><td class="after">([^<]+)<',
+                      r) == [("cache_scope", "its own", "shared: acme")]
+    assert "tell from response times" in _words(r)
+    [call] = _calls(r)
+    assert (call["method"], call["path"], call["body"]) == ("PUT", "/admin/tenants/acme/cache-scope",
+                                                             {"cache_scope": "acme"})
+    assert (await _call(console, call)).status_code == 200
+    assert "Shared scope acme " in _words((await console.get("/console/view/tenant?slug=acme")).text)
+    r = (await console.get("/console/view/confirm?action=cache_scope&slug=acme&cache_scope=acme")).text
+    assert "Nothing would change" in r
+    r = await console.get("/console/view/confirm?action=cache_scope&slug=acme&cache_scope=Not%20A%20Scope")
+    assert r.status_code == 422 and "cache_scope must be" in _words(r.text)
+    r = (await console.get("/console/view/confirm?action=cache_scope&slug=acme")).text  # an emptied field
+    [call] = _calls(r)
+    assert call["body"] == {"cache_scope": ""} and ("cache_scope", "shared: acme", "its own") in re.findall(
+        r'data-field="(\w+)"><th>\w+</th><td class="before">([^<]+)</td><td class="after">([^<]+)<', r)
+    assert (await _call(console, call)).status_code == 200
+    audit = (await console.get("/console/view/audit?actor=ops-alice")).text
+    assert _rows(audit, "data-action") == ["tenant.cache_scope", "tenant.cache_scope"]
+    assert ("cache_scope", "acme", "") in _diff(audit)

@@ -21,6 +21,7 @@ from loraplex.wire import WorkerReport
 from registry.canary import DEFAULTS, validate_policy
 from registry.console import present, queries
 from registry.errors import Conflict, Invalid, RegistryError
+from registry.records import _cache_scope
 from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.registry.console")
@@ -232,6 +233,12 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
             body[k] = v if k == "priority" else _int(v, k)
         rows = [(k, t[k], body[k]) for k in body]
         return _call(f"Change the limits of {slug}", rows, "PATCH", f"{t_path}/limits", body, t["row_version"], back)
+    if action == "cache_scope":
+        t = (await queries.tenant(service, slug))["tenant"]
+        scope = _cache_scope(q.get("cache_scope", "").strip())  # the refusal here, before anything is called
+        rows = [("cache_scope", _scope_text(t["cache_scope"]), _scope_text(scope))] if scope != t["cache_scope"] else []
+        return _call(f"Change the prefix cache scope of {slug}", rows, "PUT", f"{t_path}/cache-scope",
+                     {"cache_scope": scope}, t["row_version"], back, note=_SCOPE_NOTE if scope else None)
     if action in ("enable", "disable"):
         t = (await queries.tenant(service, slug))["tenant"]
         after = "active" if action == "enable" else "disabled"
@@ -266,6 +273,14 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
                      [("canary", label["canary"], None), ("canary_percent", b["canary_percent"], 0.0)],
                      "DELETE", f"{b_path}/canary", None, b["row_version"], back)
     raise Invalid(f"unknown action {action!r}", "unknown_action")
+
+
+_SCOPE_NOTE = ("Its requests will reuse the cached prompt prefixes of every tenant in this scope, and theirs its "
+               "own: each of them can tell from response times whether another sent a prompt.")
+
+
+def _scope_text(scope: str) -> str:
+    return f"shared: {scope}" if scope else "its own"
 
 
 def _call(title: str, rows: list[tuple[str, Any, Any]], method: str, path: str, body: dict[str, Any] | None,
