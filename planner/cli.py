@@ -4,6 +4,7 @@ from its own traffic.
     loraplex plan gateway-*.log                       # the whole logs, sizes around today's
     loraplex plan g.log --last 1h --workers 2,4,8 --max-cpu-loras 64,256,1024 --target-cold 0.005
     loraplex plan g.log --json > plan.json --plot plan.svg
+    loraplex plan g.log --kv-tokens 5824,65536     # prefix reuse, for logs whose records name prefixes
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from loraplex.settings import Settings
+from planner.prefixes import default_sizes, prefix_keys
 from planner.replay import replay
 from planner.report import plan
 from planner.trace import Trace, TraceError, read_trace
@@ -83,6 +85,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--worker-tokens-per-s", type=float, metavar="N",
                    help="tokens/s one worker sustains (from a load test such as bench/serve_vs_vllm.py): "
                    "advise only fleets whose busiest worker stays within it at the busiest minute")
+    p.add_argument("--kv-tokens", type=_sizes, help="tokens one worker's KV pool holds, for the prefix cache's "
+                   "replay (the worker's start-up line says it; default: 4096 and x4 steps until one pool holds "
+                   "every prefix); used only when records name prefixes (prefix_id, prefix_tokens)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.svg", help="write hit ratio against size as an SVG chart")
     p.add_argument("--jobs", type=int, default=None, help="processes to read and replay with (default: CPUs)")
@@ -105,6 +110,8 @@ def _defaults(args: argparse.Namespace, trace: Trace, settings: Settings) -> Non
                 break
             c *= 4
         args.max_cpu_loras = sorted(sizes)
+    if args.kv_tokens is None and trace.names_prefixes:
+        args.kv_tokens = default_sizes(trace, prefix_keys(trace), settings.kv_block_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"  replayed {done}/{total} tier runs ({now - t1:.1f} s)")
 
     replayed = replay(trace, args.workers, {"device": args.max_loras, "host": args.max_cpu_loras},
-                      jobs=args.jobs, progress=progress)
+                      jobs=args.jobs, progress=progress, kv_tokens=args.kv_tokens, block=settings.kv_block_size)
     result = plan(trace, replayed, target_cold=args.target_cold, target_slot_miss=args.target_slot_miss,
                   current={"workers": len(trace.workers), "max_loras": settings.max_loras,
                            "max_cpu_loras": settings.max_cpu_loras}, worker_tokens_per_s=args.worker_tokens_per_s)

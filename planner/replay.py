@@ -12,6 +12,10 @@ driven through the same ``touch``/``victim``/``remove`` calls the engine's
 host miss is a cold start (a load from disk or the store). The two tiers see the same
 arrivals, so each is replayed on its own.
 
+Prefix cache: with ``kv_tokens`` sizes given and a trace whose records name prefixes, each
+worker's arrivals also replay through a prefix cache of each size (``planner.prefixes``), and
+the peak load counts only the tokens computed, at the smallest size tried.
+
 A long worker stream replays ``WINDOWS`` stretches of it, spread over its whole span, each
 after a warm-up of the requests just before it that used at least as many distinct adapters
 as the tier holds: an LRU tier holds the last ``capacity`` distinct adapters used, so it then
@@ -27,12 +31,13 @@ import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.lora.eviction import EvictionPolicy, LRUPolicy
 from gateway.router import Router
+from planner.prefixes import PrefixResult, prefix_keys, replay_worker
 from planner.trace import Trace
 
 SAMPLE_BUDGET = 400_000
@@ -65,6 +70,14 @@ class Load:
     peak_tokens_per_s: float
     """The busiest worker's tokens/s (prompt + completion) in the trace's busiest ``PEAK_WINDOW_S``."""
     peak_requests_per_s: float
+    peak_computed_tokens_per_s: float | None = None
+    """``peak_tokens_per_s`` less the prompt tokens the prefix cache serves (its smallest size
+    tried); None when no prefix reuse was replayed."""
+
+    @property
+    def computed(self) -> float:
+        """Tokens/s the busiest worker computes at the busiest minute."""
+        return self.peak_tokens_per_s if self.peak_computed_tokens_per_s is None else self.peak_computed_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -72,18 +85,25 @@ class Replayed:
     device: list[TierResult]
     host: list[TierResult]
     load: list[Load]
+    prefix: list[PrefixResult] = field(default_factory=list)
+    """Per worker count and pool size, the prompt the prefix caches serve (empty when not replayed)."""
 
 
 PEAK_WINDOW_S = 60.0
 
 
-def peak_load(trace: Trace, where: np.ndarray, workers: int) -> Load:
-    """How busy the busiest worker gets, per ``PEAK_WINDOW_S``, when requests go to ``where``."""
+def peak_load(trace: Trace, where: np.ndarray, workers: int, cached: np.ndarray | None = None) -> Load:
+    """How busy the busiest worker gets, per ``PEAK_WINDOW_S``, when requests go to ``where``;
+    ``cached``: each request's prompt tokens a prefix cache serves (not computed)."""
     window = min(PEAK_WINDOW_S, trace.span_s)
     slot = ((trace.start - trace.start[0]) // window).astype(np.int64)
     cell = where.astype(np.int64) * (int(slot[-1]) + 1) + slot
     tokens = np.bincount(cell, weights=trace.tokens.astype(np.float64))
-    return Load(workers, round(float(tokens.max()) / window, 2), round(float(np.bincount(cell).max()) / window, 3))
+    computed = None
+    if cached is not None:
+        computed = round(float(np.bincount(cell, weights=(trace.tokens - cached).astype(np.float64)).max()) / window, 2)
+    return Load(workers, round(float(tokens.max()) / window, 2), round(float(np.bincount(cell).max()) / window, 3),
+                computed)
 
 
 def assign(trace: Trace, workers: int) -> np.ndarray:
@@ -97,6 +117,8 @@ def assign(trace: Trace, workers: int) -> np.ndarray:
     of_adapter = np.fromiter((index[router.candidates("", name)[0]] for name in trace.adapters), np.int32,
                              len(trace.adapters))
     base = index[router.candidates("", "base:")[0]]
+    if not trace.adapters:  # base-model traffic only
+        return np.full(len(trace), base, np.int32)
     return np.where(trace.adapter >= 0, of_adapter[np.maximum(trace.adapter, 0)], base).astype(np.int32)
 
 
@@ -175,6 +197,7 @@ def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPoli
 # shared copy-on-write, never pickled.
 _STREAMS: dict[int, list[np.ndarray]] = {}
 _DISTINCT: dict[int, list[int]] = {}
+_PREFIX_STREAMS: dict[int, list[tuple[list[int], list[int], list[int], list[int]]]] = {}
 
 
 def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]:
@@ -184,16 +207,32 @@ def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]
     return workers, j, capacity, ratio * keys.size, keys.size * (1.0 - ratio), sampled
 
 
+def _prefix_job(args: tuple[int, int, int, int]) -> tuple[int, int, int, list[int]]:
+    workers, j, kv_tokens, block = args
+    return workers, j, kv_tokens, replay_worker(*_PREFIX_STREAMS[workers][j], kv_tokens, block)
+
+
 def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *, jobs: int | None = None,
-           progress: Callable[[int, int], None] | None = None) -> Replayed:
+           progress: Callable[[int, int], None] | None = None, kv_tokens: list[int] | None = None,
+           block: int = 16) -> Replayed:
     """Each tier (``{"device": [max_loras...], "host": [max_cpu_loras...]}``) replayed for each
-    worker count, and each count's peak load."""
+    worker count, each count's peak load, and where the trace names prefixes and ``kv_tokens``
+    sizes are given, each count's prefix caches of each size (``block`` tokens a KV block)."""
     _STREAMS.clear()
     _DISTINCT.clear()
-    load = []
+    _PREFIX_STREAMS.clear()
+    sizes = sorted(kv_tokens or []) if trace.names_prefixes else []
+    pkeys = prefix_keys(trace) if sizes else None
+    wheres: dict[int, np.ndarray] = {}
+    owned: dict[int, list[np.ndarray]] = {}  # each worker's requests (indices, in arrival order)
     for w in workers:
-        where = assign(trace, w)
-        load.append(peak_load(trace, where, w))
+        where = wheres[w] = assign(trace, w)
+        if pkeys is not None:
+            order = np.argsort(where, kind="stable")
+            bounds = np.searchsorted(where[order], np.arange(w + 1))
+            mine = owned[w] = [order[bounds[j]:bounds[j + 1]] for j in range(w)]
+            _PREFIX_STREAMS[w] = [(pkeys[m].tolist(), trace.prefix_tokens[m].tolist(), trace.prompt[m].tolist(),
+                                   trace.tokens[m].tolist()) for m in mine]
         mask = trace.adapter >= 0
         keys, owner = trace.adapter[mask], where[mask]
         order = np.argsort(owner, kind="stable")  # stays in arrival order within each worker
@@ -206,23 +245,46 @@ def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *
     # A size both tiers try is one replay: the tiers see the same arrivals under the same policy.
     tasks = sorted({(w, j, c) for caps in capacities.values() for w in workers for c in caps
                     for j in range(w)}, key=lambda t: (-_STREAMS[t[0]][t[1]].size, -t[2]))  # longest first
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    prefix_tasks = [(w, j, s, block) for w in workers for j in range(w) for s in sizes]
+    total = len(tasks) + len(prefix_tasks)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, total))
     done: dict[tuple[int, int, int], tuple[float, float, bool]] = {}
+    cached: dict[tuple[int, int, int], list[int]] = {}
     try:
         with contextlib.ExitStack() as stack:
             if jobs == 1:
                 results: Iterator[tuple[int, int, int, float, float, bool]] = map(_job, tasks)
+                prefix_results: Iterator[tuple[int, int, int, list[int]]] = map(_prefix_job, prefix_tasks)
             else:
                 pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
                 results = pool.imap_unordered(_job, tasks)
+                prefix_results = pool.imap_unordered(_prefix_job, prefix_tasks)
             for i, (w, j, c, hits, misses, sampled) in enumerate(results):
                 done[(w, j, c)] = (hits, misses, sampled)
                 if progress:
-                    progress(i + 1, len(tasks))
+                    progress(i + 1, total)
+            for i, (w, j, s, got) in enumerate(prefix_results):
+                cached[(w, j, s)] = got
+                if progress:
+                    progress(len(tasks) + i + 1, total)
     finally:
         streams = dict(_STREAMS)
         _STREAMS.clear()
         _DISTINCT.clear()
+        _PREFIX_STREAMS.clear()
+    load, prefix = [], []
+    for w in workers:
+        if not sizes:
+            load.append(peak_load(trace, wheres[w], w))
+            continue
+        per_size = {}
+        for s in sizes:
+            per = np.zeros(len(trace), np.int64)
+            for j, mine in enumerate(owned[w]):
+                per[mine] = cached[(w, j, s)]
+            per_size[s] = per
+            prefix.append(PrefixResult(w, s, int(trace.prompt.sum()), int(per.sum())))
+        load.append(peak_load(trace, wheres[w], w, per_size[sizes[0]]))  # the smallest pool: the least reuse
     out: dict[str, list[TierResult]] = {}
     for tier, caps in capacities.items():
         out[tier] = []
@@ -231,4 +293,4 @@ def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *
                 mine = [done[(w, j, c)] for j in range(w)]
                 out[tier].append(TierResult(w, c, sum(streams[w][j].size for j in range(w)), sum(m[0] for m in mine),
                                             max(m[1] for m in mine), any(m[2] for m in mine)))
-    return Replayed(out["device"], out["host"], load)
+    return Replayed(out["device"], out["host"], load, prefix)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from planner.prefixes import PrefixResult
 from planner.replay import Load, Replayed, TierResult
 from planner.trace import Trace
 from planner.zipf import fit_zipf
@@ -27,11 +28,13 @@ class Plan:
     load: list[Load]
     worker_tokens_per_s: float | None = None
     """What one worker sustains (tokens/s); fleets whose busiest worker needs more are not advised."""
+    prefix: list[PrefixResult] = field(default_factory=list)
+    """The prefix caches' replay (empty when the trace names no prefix)."""
 
     def _carries(self, workers: int) -> bool:
         if self.worker_tokens_per_s is None:
             return True
-        return all(x.peak_tokens_per_s <= self.worker_tokens_per_s for x in self.load if x.workers == workers)
+        return all(x.computed <= self.worker_tokens_per_s for x in self.load if x.workers == workers)
 
     def recommendation(self) -> dict[str, Any]:
         """The smallest fleet (fewest workers, then the smallest host cache) whose cold-start
@@ -45,7 +48,7 @@ class Plan:
             most = max(self.load, key=lambda x: x.workers)
             return {"met": False, "workers": most.workers,
                     "why": f"no worker count tried carries the load: with {_n(most.workers, 'worker')} the busiest "
-                           f"worker needs {most.peak_tokens_per_s:,.0f} tokens/s at the busiest minute, over the "
+                           f"worker needs {most.computed:,.0f} tokens/s at the busiest minute, over the "
                            f"{self.worker_tokens_per_s:,.0f} given; try more --workers"}
         floor = float(self.trace.get("first_use_share", 0.0))
         if self.target_cold < floor:
@@ -99,7 +102,11 @@ class Plan:
                 "targets": {"cold_share": self.target_cold, "slot_miss_share": self.target_slot_miss},
                 "worker_tokens_per_s": self.worker_tokens_per_s,
                 "load": [{"workers": x.workers, "peak_tokens_per_s": x.peak_tokens_per_s,
+                          "peak_computed_tokens_per_s": x.computed,
                           "peak_requests_per_s": x.peak_requests_per_s} for x in self.load],
+                "prefix_cache": [{"workers": r.workers, "kv_tokens": r.kv_tokens, "hit_ratio": round(r.hit_ratio, 4),
+                                  "cached_tokens": r.cached_tokens, "prompt_tokens": r.prompt_tokens}
+                                 for r in self.prefix],
                 "device_slots": self.rows("device"), "host_cache": self.rows("host"),
                 "recommendation": self.recommendation()}
 
@@ -113,9 +120,11 @@ class Plan:
                  "trace, a cold start no size avoids (a longer window makes it smaller)",
                  "busiest worker at the busiest minute: " + ", ".join(
                      f"{x.peak_tokens_per_s:,.0f} tokens/s ({x.peak_requests_per_s:,.1f} req/s) with {_n(x.workers, 'worker')}"
+                     + ("" if x.peak_computed_tokens_per_s is None else f" ({x.computed:,.0f} computed)")
                      for x in self.load)
                  + (f"; one worker sustains {self.worker_tokens_per_s:,.0f}" if self.worker_tokens_per_s else ""),
                  ""]
+        lines += self._prefix_text()
         lines.append("host cache (max_cpu_loras): hit ratio | cold starts | loads/s per worker (busiest)")
         lines += _table(self.host, self._per_worker_s, self.span_s)
         lines.append("")
@@ -134,6 +143,22 @@ class Plan:
             lines.append(f"recommendation: none met: {rec['why']}")
         return "\n".join(lines)
 
+    def _prefix_text(self) -> list[str]:
+        """The prefix reuse the plan assumes: the replay's table, or why it assumes none."""
+        if not self.prefix:
+            return ["prefix cache: no record names a prefix (prefix_id, prefix_tokens), so no reuse is assumed "
+                    "(0.0% of prompt tokens cached)", ""]
+        sizes = sorted({r.kv_tokens for r in self.prefix})
+        fleets = sorted({r.workers for r in self.prefix})
+        by = {(r.workers, r.kv_tokens): r for r in self.prefix}
+        named = self.trace.get("prefix_requests", 0)
+        out = [f"prefix cache (KV tokens per worker): prompt tokens served from cache, assumed from the "
+               f"{named:,} records that name a prefix; computed load at {sizes[0]:,} KV tokens",
+               f"  {'tokens':>9} " + "".join(f"| {_n(w, 'worker'):^11} " for w in fleets)]
+        for s in sizes:
+            out.append(f"  {s:>9,} " + "".join(f"| {by[(w, s)].hit_ratio:11.1%} " for w in fleets))
+        return [*out, ""]
+
     def svg(self) -> str:
         return _svg([("host cache: hit ratio by max_cpu_loras", self.host),
                      ("device slots: hit ratio by max_loras", self.device)], self.zipf_s)
@@ -148,9 +173,10 @@ def plan(trace: Trace, replayed: Replayed, *, target_cold: float, target_slot_mi
              "tokens_per_s": round(float(trace.tokens.sum()) / trace.span_s, 1), "workers": len(trace.workers),
              "skipped_lines": trace.skipped,
              "first_use_share": round(int((counts > 0).sum()) / max(1, int(mask.sum())), 4),
+             "prompt_tokens": int(trace.prompt.sum()), "prefix_requests": int((trace.prefix >= 0).sum()),
              "from": float(trace.start[0]), "to": float(trace.start[-1])}
     return Plan(facts, fit_zipf(counts), replayed.device, replayed.host, trace.span_s, target_cold,
-                target_slot_miss, current, replayed.load, worker_tokens_per_s)
+                target_slot_miss, current, replayed.load, worker_tokens_per_s, replayed.prefix)
 
 
 def _table(rows: list[TierResult], per_worker: Any, span_s: float) -> list[str]:
