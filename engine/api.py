@@ -5,6 +5,9 @@ load starts when the request arrives. If the adapter cannot be loaded, only the 
 for it fail: 503 ``adapter_load_failed`` with the reason (a stream that already started
 ends with an error event carrying that code). Internal control routes: ``engine.internal_api``.
 Every route but ``/health`` and ``/metrics`` needs the gateway's worker secret (``engine.worker_auth``).
+A request's final usage (the whole answer's, a stream's usage chunk) says in
+``prompt_tokens_details.cached_tokens`` how many prompt tokens the prefix cache supplied, within
+the cache scope the gateway named (``WorkerRequestExt.cache_scope``; empty: the tenant's own).
 
 The asyncio side parses and validates requests and streams results; the engine runs
 in its own thread (``Engine.start``). Each request registers a listener that hands
@@ -163,14 +166,24 @@ class Generation:
         self.seqs = seq.samples or [seq]
         """The request's samples (``n``), choice ``index`` order."""
         self.created = now()
-        self.headers = {HDR_ADAPTER: req.ext.adapter.name if req.ext.adapter else "base",
-                        HDR_CACHE: seq.extra.get("cache", "base")}
+        self.adapter_label = req.ext.adapter.name if req.ext.adapter else "base"
+        self.headers = {HDR_ADAPTER: self.adapter_label, HDR_CACHE: seq.extra.get("cache", "base")}
+        self.prompt_counted = False
         if req.ext.request_id:
             self.headers[HDR_REQUEST_ID] = req.ext.request_id
 
     def streaming_response(self) -> StreamingResponse:
         return StreamingResponse(self.stream(), media_type="text/event-stream",
                                  headers={**self.headers, "Cache-Control": "no-cache"})
+
+    def _note(self, ev: SeqEvent) -> None:
+        """Count the prompt once, at the first sample's first token: by then the sample was
+        admitted and ``cached_tokens`` (what the prefix cache supplied) is known."""
+        if self.prompt_counted or ev.seq_id != self.seq.seq_id or ev.finish_reason == "error":
+            return
+        self.prompt_counted = True
+        if self.state.metrics is not None:
+            self.state.metrics.observe_prompt(self.adapter_label, len(self.req.prompt_ids), self.seq.cached_tokens)
 
     def _abort(self) -> None:
         for seq in self.seqs:
@@ -182,6 +195,7 @@ class Generation:
         left = len(self.seqs)
         while True:
             ev = await self.events.next()
+            self._note(ev)
             if ev.finished:
                 left -= 1
                 if ev.finish_reason == "error" or left == 0:
@@ -213,7 +227,8 @@ class Generation:
         tok = self.engine.tokenizer
         choices = [choice(self.req, s.index, s.output_text, s.finish_reason, logprobs_json(self.req, s.logprobs, tok))
                    for s in self.seqs]
-        body = full_response(self.req, choices, sum(len(s.output_ids) for s in self.seqs), self.created)
+        body = full_response(self.req, choices, sum(len(s.output_ids) for s in self.seqs), self.created,
+                             self.seq.cached_tokens)
         return JSONResponse(body, headers=self.headers)
 
     async def stream(self) -> AsyncIterator[bytes]:
@@ -268,6 +283,7 @@ class Generation:
                     wake = self.events.wake_at(sent_at + quiet_s)
                     continue
                 generated += len(ev.new_token_ids)
+                self._note(ev)
                 if ev.finish_reason == "error":
                     yield sent(error_body(ev.error or "generation failed", type="server_error",
                                           code=ev.error_code or "engine_error"))
@@ -300,7 +316,8 @@ class Generation:
                 if left == 0:
                     finished = True
                     if req.include_usage:
-                        yield sent(usage_chunk(req, created, sum(len(s.output_ids) for s in self.seqs)))
+                        yield sent(usage_chunk(req, created, sum(len(s.output_ids) for s in self.seqs),
+                                               self.seq.cached_tokens))
                     self.state.request_done("ok")
                     break
             yield b"data: [DONE]\n\n"
@@ -370,7 +387,7 @@ class WorkerRoutes:
         try:
             seq = eng.add_request(req.prompt_ids, req.params, adapter=req.ext.adapter, tenant=req.ext.tenant,
                                   priority=req.ext.priority, request_id=req.ext.request_id,
-                                  listener=events.listener, grammar=req.grammar)
+                                  listener=events.listener, grammar=req.grammar, cache_scope=req.ext.cache_scope)
         except QueueFullError as exc:
             self.state.request_done("queue_full")
             return _error(503, str(exc), code="queue_full", type="server_error", headers={"Retry-After": "1"})

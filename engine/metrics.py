@@ -20,6 +20,12 @@ Adapter tiers (with LoRA on; every series carries ``worker``):
 * ``loraplex_worker_time_to_first_token_seconds{cache}``: ``warm`` (adapter on device or in
   host memory at arrival), ``cold`` (had to be loaded), ``base`` (no adapter).
 
+Prefix cache, per adapter (``adapter``: the version's ``name@version`` as the gateway labels it,
+or ``base``; at most ``MAX_ADAPTER_LABELS`` values, later ones ``other``, as the gateway caps its
+labels): ``loraplex_worker_adapter_prompt_tokens_total`` (prompt tokens of requests that produced
+a first token) and ``loraplex_worker_adapter_cached_prompt_tokens_total`` (those whose KV came from
+the prefix cache): the hit ratio is cached / prompt.
+
 Structured outputs: ``loraplex_worker_grammar_compiles_total`` (schemas compiled) and
 ``loraplex_worker_grammar_refused_total`` (compiles past the CPU budget: a tenant sending
 schemas too complex to serve).
@@ -32,6 +38,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraplex.label_cap import LabelCap
+
+MAX_ADAPTER_LABELS = 500
+"""Distinct ``adapter`` label values one worker exports (the gateway's default cap too)."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -62,6 +72,13 @@ class WorkerMetrics:
                                          list(labels), registry=r).labels(**labels)
         self.batched_tokens = Counter("loraplex_worker_step_tokens", "Tokens run through the model "
                                       "(prefill, recompute and decode)", list(labels), registry=r).labels(**labels)
+        self._adapter_cap = LabelCap(MAX_ADAPTER_LABELS)
+        self._adapter_prompt = Counter("loraplex_worker_adapter_prompt_tokens", "Prompt tokens of requests that "
+                                       "produced a first token, by adapter (base: none)", [*labels, "adapter"],
+                                       registry=r)
+        self._adapter_cached = Counter("loraplex_worker_adapter_cached_prompt_tokens", "Prompt tokens whose KV "
+                                       "came from the prefix cache, by adapter (hit ratio: these / prompt tokens)",
+                                       [*labels, "adapter"], registry=r)
         self._requests = Counter("loraplex_worker_requests", "Finished requests by outcome",
                                  [*labels, "outcome"], registry=r)
         self._labels = labels
@@ -99,6 +116,13 @@ class WorkerMetrics:
     def observe_first_token(self, seconds: float, prompt_tokens: int, cache: str = "base") -> None:
         self._ttft.labels(cache=cache, **self._labels).observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_prompt(self, adapter: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's prompt was run: ``cached_tokens`` of its ``prompt_tokens`` came from the prefix
+        cache. ``adapter``: the version's name, or ``base``."""
+        label = self._adapter_cap(adapter)
+        self._adapter_prompt.labels(adapter=label, **self._labels).inc(prompt_tokens)
+        self._adapter_cached.labels(adapter=label, **self._labels).inc(cached_tokens)
 
     def add_generated(self, n: int) -> None:
         self.generation_tokens.inc(n)

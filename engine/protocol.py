@@ -151,9 +151,16 @@ def parse_request(body: dict[str, Any], kind: str, tok: TextTokenizer, max_model
 
 
 # ------------------------------------------------------------------------------ responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; with ``cached_tokens`` (a request's final usage) also
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens whose KV came from the prefix
+    cache. They still count in ``prompt_tokens`` (what token limits charge). A stream's per-chunk
+    usage has no details, as vLLM's: the gateway strips that flat object (``gateway.proxy``)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _chat_entry(tok: TextTokenizer, token: int, logprob: float) -> dict[str, Any]:
@@ -195,11 +202,12 @@ def choice(req: GenerationRequest, index: int, text: str, finish_reason: str | N
 
 
 def full_response(req: GenerationRequest, choices: list[dict[str, Any]], completion_tokens: int,
-                  created: int) -> dict[str, Any]:
-    """``completion_tokens``: over all choices (the prompt counts once, as OpenAI counts ``n``)."""
+                  created: int, cached_tokens: int) -> dict[str, Any]:
+    """``completion_tokens``: over all choices (the prompt counts once, as OpenAI counts ``n``);
+    ``cached_tokens``: prompt tokens the prefix cache supplied."""
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": choices,
-            "usage": usage(len(req.prompt_ids), completion_tokens)}
+            "usage": usage(len(req.prompt_ids), completion_tokens, cached_tokens)}
 
 
 def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_reason: str | None,
@@ -230,10 +238,11 @@ def stream_chunk(req: GenerationRequest, created: int, text: str | None, finish_
     return chunk
 
 
-def usage_chunk(req: GenerationRequest, created: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(req: GenerationRequest, created: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The stream's last chunk (``include_usage``): the whole request's usage, details included."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.id, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": usage(len(req.prompt_ids), completion_tokens)}
+            "usage": usage(len(req.prompt_ids), completion_tokens, cached_tokens)}
 
 
 def now() -> int:

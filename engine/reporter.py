@@ -5,7 +5,8 @@ The store is the process-wide in-memory table on the embedded default
 (``loraplex.residency.RedisResidency``: one key per worker with TTL ``worker_report_ttl_s``).
 Adapter residency comes from the LoRA runtime when one is plugged in
 (``LoRARuntime.report_fields()``: ``device_adapters`` / ``host_adapters`` / ``disk_adapters``
-version ids). A worker that stops removes its report.
+version ids). The prefix cache's blocks and evictions come from ``Engine.load()``
+(``kv_blocks_cached``, ``kv_evictions``). A worker that stops removes its report.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def build_report(engine: Any, worker_id: str, url: str, settings: Settings) -> W
         queue_depth=load["queue_depth"], running=load["running"],
         free_kv_blocks=load["kv_blocks_total"] - load["kv_blocks_used"],
         total_kv_blocks=load["kv_blocks_total"], max_num_seqs=engine.config.max_num_seqs,
-        max_loras=settings.max_loras,
+        max_loras=settings.max_loras, cached_kv_blocks=load["kv_blocks_cached"], kv_evictions=load["kv_evictions"],
     )
     rt = engine.lora_runtime
     if rt is not None and hasattr(rt, "report_fields"):
