@@ -168,3 +168,29 @@ def test_the_snapshot_file_carries_the_scope():
                                            "d": {"cache_scope": None}}})
     assert snap.tenants["a"].prefix_scope == snap.tenants["b"].prefix_scope == shared_scope("co")
     assert snap.tenants["c"].prefix_scope == tenant_scope("c") and snap.tenants["d"].cache_scope == ""
+
+
+async def test_tenants_from_before_the_column_keep_their_own_scope(db_url):
+    """0006 on a registry with tenants: every existing one is in its own scope; down and up again."""
+    from sqlalchemy import text
+
+    from registry.db import make_engine
+    from registry.migrate import downgrade_async, upgrade_async
+
+    await fresh_registry(db_url)
+    engine = make_engine(db_url, statement_timeout_s=None)
+    try:
+        await downgrade_async(engine, "0005_responses")
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO tenants (slug, status, requests_per_min, tokens_per_min, "
+                                    "max_concurrent, priority, created_at, updated_at) VALUES ('old', 'active', "
+                                    "1, 1, 1, 'normal', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        await upgrade_async(engine)
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT cache_scope FROM tenants"))).scalar_one() == ""
+        await downgrade_async(engine, "0005_responses")
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM tenants"))).scalar_one() == 1
+        await upgrade_async(engine)
+    finally:
+        await engine.dispose()
