@@ -39,6 +39,7 @@ from engine.sequence import SamplingParams, SeqEvent, Sequence
 from engine.warmstart import warm
 from loraplex.digest import digest_directory
 from loraplex.peft_config import ConfigLimits
+from loraplex.prefix import block_hashes, tenant_scope
 from loraplex.settings import Settings
 from loraplex.wire import AdapterRef
 from tests.lora_fixtures import ALL, model_info, peft_adapters, run_to_completion, save_tiny_llama
@@ -235,6 +236,31 @@ def test_poisoned_row_fails_alone_in_a_mixed_batch(world, native, expected, kind
         assert eng.fault is None  # an adapter's fault, not the worker's
         # The engine keeps serving: the same rows again give the same tokens.
         assert _tokens(_run(eng, _good_rows(world))) == expected
+    finally:
+        eng.close()
+
+
+def test_blocks_a_non_finite_row_held_are_never_found_again(world):
+    """A row that goes non-finite after starting from cached blocks: those blocks (and its own)
+    leave the prefix cache, so no later request of that namespace starts from them."""
+    eng = _engine(world, True)
+    try:
+        ref = _ref("slot_cached", world.good["r8"])
+        prompt = [9] * 17 + [3]
+        [(clean, _)] = _run(eng, [(ref, prompt, GREEDY)])
+        assert clean.finish_reason == "length"
+        keys = block_hashes(eng._cache_root(ref, tenant_scope("")), prompt, 16)
+        assert eng.cache.allocator.lookup(keys) != [], "the clean run left nothing cached"
+        manager = eng.lora_runtime.manager
+        [slot] = manager.acquire_slots([ref])
+        manager.release([ref])
+        c, i = manager.bank.split(slot)
+        manager.bank.stacks(c, 0, "q_proj")[0][i, 0, :] = math.nan
+        [(seq, events)] = _run(eng, [(ref, prompt, GREEDY)])
+        assert seq.cached_tokens == 16 and events[-1].error_code == "non_finite_output"
+        assert eng.cache.allocator.lookup(keys) == []
+        eng.cache.allocator.check()
+        assert _cache_finite(eng)
     finally:
         eng.close()
 
