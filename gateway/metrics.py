@@ -1,7 +1,9 @@
 """Prometheus metrics per tenant and per adapter version, with bounded label cardinality.
 
 Each label dimension admits at most ``max_values`` distinct values and folds later ones into
-``"other"``; per-request series are plain counters rendered by a collector when scraped.
+``"other"`` (``loraplex.label_cap``); per-request series are plain counters rendered by a
+collector when scraped. ``loraplex_gateway_tokens{kind}`` counts ``prompt``, ``completion`` and
+``cached_prompt`` tokens: a tenant's prefix-cache hit ratio is cached_prompt / prompt.
 """
 
 from __future__ import annotations
@@ -15,21 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-OTHER = "other"
+from loraplex.label_cap import OTHER, LabelCap
 
-
-class LabelCap:
-    def __init__(self, max_values: int) -> None:
-        self.max_values = max_values
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str) -> str:
-        if value in self._seen:
-            return value
-        if len(self._seen) < self.max_values:
-            self._seen.add(value)
-            return value
-        return OTHER
+__all__ = ["OTHER", "GatewayMetrics", "LabelCap", "metrics_app", "status_class"]
 
 
 def status_class(status: int) -> str:
@@ -44,7 +34,7 @@ LOOP_LAG_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .25, .5, 1, 2.5, 5)
 class _Series:
     """One (tenant, adapter) pair's request counters."""
 
-    __slots__ = ("by_status", "completion", "errors", "latency", "latency_sum", "prompt")
+    __slots__ = ("by_status", "cached", "completion", "errors", "latency", "latency_sum", "prompt")
 
     def __init__(self) -> None:
         self.by_status: dict[str, int] = {}
@@ -52,6 +42,8 @@ class _Series:
         """Observations per bucket (not cumulative); the last one is +Inf."""
         self.latency_sum = 0.0
         self.prompt = 0
+        self.cached = 0
+        """Prompt tokens the worker's prefix cache supplied (counted in ``prompt`` too)."""
         self.completion = 0
         self.errors = 0
 
@@ -63,7 +55,9 @@ class _RequestCollector:
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("loraplex_gateway_requests", "Requests by tenant, adapter version and status",
                                        labels=["tenant", "adapter", "status"])
-        tokens = CounterMetricFamily("loraplex_gateway_tokens", "Tokens by tenant, adapter version and kind",
+        tokens = CounterMetricFamily("loraplex_gateway_tokens", "Tokens by tenant, adapter version and kind: "
+                                     "prompt, completion, cached_prompt (prompt tokens a worker's prefix cache "
+                                     "supplied; hit ratio: cached_prompt / prompt)",
                                      labels=["tenant", "adapter", "kind"])
         errors = CounterMetricFamily("loraplex_gateway_errors", "Failed requests (4xx/5xx) by tenant and adapter",
                                      labels=["tenant", "adapter"])
@@ -75,6 +69,7 @@ class _RequestCollector:
                 requests.add_metric([t, a, status], n)
             tokens.add_metric([t, a, "prompt"], s.prompt)
             tokens.add_metric([t, a, "completion"], s.completion)
+            tokens.add_metric([t, a, "cached_prompt"], s.cached)
             errors.add_metric([t, a], s.errors)
             cumulative, total = [], 0
             for le, n in zip(bounds, s.latency, strict=True):
@@ -186,13 +181,16 @@ class GatewayMetrics:
         return hit
 
     def observe(self, tenant: str, adapter: str, status: int, seconds: float, prompt_tokens: int,
-                completion_tokens: int) -> None:
+                completion_tokens: int, cached_tokens: int = 0) -> None:
+        """One finished request; ``cached_tokens``: of its ``prompt_tokens``, those the worker's
+        prefix cache supplied (``usage.prompt_tokens_details.cached_tokens``)."""
         s, klass = self._labels(tenant or "-", adapter or "-", status)
         s.by_status[klass] = s.by_status.get(klass, 0) + 1
         s.latency[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         s.latency_sum += seconds
         s.prompt += prompt_tokens
         s.completion += completion_tokens
+        s.cached += cached_tokens
         if status >= 400:
             s.errors += 1
 

@@ -15,8 +15,9 @@ fail the same way. Every attempt's outcome feeds the router's outlier detection
 
 ``relay_sse`` passes a worker's SSE stream through event by event without buffering
 the response; it picks the usage chunk out (and drops it when the client did not ask
-for ``stream_options.include_usage``), keeps count of the tokens relayed from the
-per-chunk usage, and ends a stream that breaks mid-way with an SSE error event, never
+for ``stream_options.include_usage``; one without ``prompt_tokens_details.cached_tokens``,
+a vLLM's, gets it as 0, as a whole answer does in ``whole_usage``), keeps count of the
+tokens relayed from the per-chunk usage, and ends a stream that breaks mid-way with an SSE error event, never
 silently: ``stream_interrupted``, or ``upstream_stalled`` when the worker sent nothing for
 ``stall_s`` (or stopped reporting). Anything the worker sends counts as progress, its SSE
 comments too: the bundled worker starts a stream with ``: accepted`` once its engine took the
@@ -321,13 +322,39 @@ async def read_rest(opened: Opened) -> bytes:
     return b"".join(parts)
 
 
-def usage_of(body: bytes) -> dict[str, Any] | None:
+def cached_tokens(usage: dict[str, Any] | None) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``: the prompt tokens a worker's prefix cache
+    supplied; 0 where it said nothing (vLLM reports them only when started with
+    ``--enable-prompt-tokens-details``, and only when there was a hit)."""
+    details = usage.get("prompt_tokens_details") if usage else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if type(n) is int and n >= 0 else 0
+
+
+def fill_cached(usage: dict[str, Any]) -> bool:
+    """Give ``usage`` its ``prompt_tokens_details.cached_tokens`` (0) where the worker sent none,
+    so every client reads the field the same way whichever worker answered; True if it changed."""
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and type(details.get("cached_tokens")) is int:
+        return False
+    usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}),
+                                      "cached_tokens": cached_tokens(usage)}
+    return True
+
+
+def whole_usage(body: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    """A whole answer's usage, and the body to relay: the worker's own bytes, or re-encoded with
+    ``prompt_tokens_details.cached_tokens`` filled in where the worker sent none (``fill_cached``)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
+        return body, None
     usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return body, None
+    if fill_cached(usage):
+        body = orjson.dumps(data)
+    return body, usage
 
 
 _TEXT = re.compile(rb'"(?:content|text|arguments)":"[^"]')
@@ -466,6 +493,8 @@ async def relay_sse(opened: Opened, send: Callable[[dict[str, Any]], Awaitable[N
                         result.usage = obj["usage"]
                         if not keep_usage:
                             continue
+                        if fill_cached(result.usage):
+                            event = b"data: " + orjson.dumps(obj)
                 kept.append(event)
             out = b"".join(e + b"\n\n" for e in kept)
         if strip_chunk_usage and i >= 0:

@@ -27,7 +27,17 @@ from gateway.errors import GatewayError, from_registry, public_body, public_mess
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokens import PromptCounter, PromptError
-from gateway.proxy import Opened, StreamResult, Upstream, finish_of, read_rest, relay_sse, sse_error, usage_of
+from gateway.proxy import (
+    Opened,
+    StreamResult,
+    Upstream,
+    cached_tokens,
+    finish_of,
+    read_rest,
+    relay_sse,
+    sse_error,
+    whole_usage,
+)
 from gateway.ratelimit import Limiter, Limits, limit_message
 from gateway.resolve import Resolution, Resolver
 from gateway.router import Router, Worker
@@ -340,7 +350,7 @@ class Gateway:
         content = opened.first if opened.chunks is None else await read_rest(opened)
         status = call.status = opened.response.status
         if status == 200:
-            call.usage = usage_of(content)
+            content, call.usage = whole_usage(content)
             if call.judged:
                 call.finish = finish_of(content)
             if call.turn is not None:
@@ -415,8 +425,9 @@ class Gateway:
                 self.limiter.settle_nowait(call.lease, pt + ct)
             except Exception:
                 log.exception("settling the reservation of %s failed", call.request_id)
+        cached = min(cached_tokens(call.usage), pt)  # reported, never charged less: pt holds them
         elapsed = time.perf_counter() - call.t0
-        self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct)
+        self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct, cached)
         self.metrics.route(call.route, call.status)
         if call.judged and self.canary is not None and call.status != 499 and (
                 call.upstream != _NOT_SENT or call.status >= 500):  # a client's 4xx is not the version's doing
@@ -429,9 +440,9 @@ class Gateway:
             now = time.time()
             _access_records.emit(orjson.dumps({
                 "ts": round(now, 3), "request_id": call.request_id, "tenant": call.tenant, "alias": call.alias,
-                "adapter": call.label, "worker": call.worker, "prompt_tokens": pt, "completion_tokens": ct,
-                "status": call.status, "latency_ms": round(elapsed * 1000, 3), "stream": call.streaming,
-                "route": call.route,
+                "adapter": call.label, "worker": call.worker, "prompt_tokens": pt, "cached_tokens": cached,
+                "completion_tokens": ct, "status": call.status, "latency_ms": round(elapsed * 1000, 3),
+                "stream": call.streaming, "route": call.route,
             }).decode(), now)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
+from gateway.proxy import cached_tokens
 
 ROLES = frozenset({"user", "system", "developer", "assistant"})
 ECHOED = ("instructions", "metadata", "temperature", "top_p", "max_output_tokens", "user",
@@ -247,11 +248,14 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- answers ---------------------------------------------------------------------------------
 
 def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A Responses ``usage`` from the worker's chat usage: ``input_tokens_details.cached_tokens``
+    is its ``prompt_tokens_details.cached_tokens`` (a continued conversation's earlier turns are
+    the prompt's prefix, so the worker that served them has their KV cached)."""
     if not chat_usage:
         return None
     pt, ct = int(chat_usage.get("prompt_tokens") or 0), int(chat_usage.get("completion_tokens") or 0)
-    return {"input_tokens": pt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": ct,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": pt + ct}
+    return {"input_tokens": pt, "input_tokens_details": {"cached_tokens": min(cached_tokens(chat_usage), pt)},
+            "output_tokens": ct, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": pt + ct}
 
 
 def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
