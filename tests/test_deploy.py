@@ -212,7 +212,7 @@ def test_compose_vllm_profile_runs_vllm_beside_its_agent(compose):
     assert agent["image"].split(":")[0] == CONTROL_IMAGE[0], "the agent runs from the image without torch"
     args = _agent_args({"args": agent["command"]})
     flags = vllm["command"]
-    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--enable-prompt-tokens-details"):
         assert flag in flags, flag
     assert args.vllm_url == f"http://vllm:{flags[flags.index('--port') + 1]}"
     assert args.url == f"http://vllm-agent:{args.port}" and args.host == "0.0.0.0"
@@ -526,7 +526,7 @@ def test_k8s_vllm_pods_run_vllm_beside_its_agent(k8s):
     assert args.port == ports["agent"] and args.host == "$(POD_IP)"
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
     flags = vllm["args"]
-    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+    for flag in ("--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--enable-prompt-tokens-details"):
         assert flag in flags, flag
     assert flags[flags.index("--port") + 1] == str(ports["vllm"]) and flags[flags.index("--host") + 1] == "$(POD_IP)"
     assert flags[flags.index("--model") + 1] == args.model, "the agent reads the model vLLM serves"
