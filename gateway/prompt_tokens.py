@@ -118,6 +118,12 @@ class PromptCounter:
 
     async def count(self, base_model: str, req: OpenAIRequest) -> tuple[int, int] | None:
         """``(prompt tokens, the model's context length)``, or None while no tokenizer is known."""
+        got = await self.tokens(base_model, req)
+        return None if got is None else (len(got[0]), got[1])
+
+    async def tokens(self, base_model: str, req: OpenAIRequest) -> tuple[list[int], int] | None:
+        """``(the prompt's token ids, the model's context length)``, or None while no tokenizer is
+        known: the ids the worker will compute (routing hashes their prefix), at a count's cost."""
         e = self.entry(base_model)
         if e is None:
             task = self._fetching.get(base_model)
@@ -135,12 +141,12 @@ class PromptCounter:
                 text = render_prompt(tok, req.messages, req.tools)
             except ChatTemplateError as exc:
                 raise PromptError(str(exc), "messages") from None
-            n = await _encode_len(tok, text, special=False)
+            ids = await _encode(tok, text, special=False)
         elif isinstance(req.prompt, str):
-            n = await _encode_len(tok, req.prompt, special=True)
+            ids = await _encode(tok, req.prompt, special=True)
         else:
-            n = len(req.prompt or ())
-        return n, e.max_model_len
+            ids = req.prompt or []
+        return ids, e.max_model_len
 
     async def close(self) -> None:
         tasks = list(self._fetching.values())
@@ -150,8 +156,8 @@ class PromptCounter:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _encode_len(tok: TextTokenizer, text: str, *, special: bool) -> int:
+async def _encode(tok: TextTokenizer, text: str, *, special: bool) -> list[int]:
     if len(text) > OFFLOAD_CHARS:
-        return await asyncio.to_thread(tok.count, text, special)
-    return tok.count(text, special)
+        return await asyncio.to_thread(tok.ids, text, special)
+    return tok.ids(text, special)
 

@@ -212,10 +212,15 @@ class TextTokenizer:
 
     def count(self, text: str, add_special_tokens: bool = True) -> int:
         """``len(encode(...))`` without building offsets (the gateway's per-request count)."""
+        return len(self.ids(text, add_special_tokens))
+
+    def ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode(...)`` without building offsets: the gateway counts prompts and hashes their
+        prefixes for routing with it, at the cost of a count."""
         fast = getattr(self.tk, "encode_batch_fast", None)
-        n = len((fast([text], add_special_tokens=add_special_tokens)[0] if fast is not None
-                 else self.tk.encode(text, add_special_tokens=add_special_tokens)).ids)
-        return n + 1 if add_special_tokens and self.add_bos and self.bos_token_id is not None else n
+        ids = (fast([text], add_special_tokens=add_special_tokens)[0] if fast is not None
+               else self.tk.encode(text, add_special_tokens=add_special_tokens)).ids
+        return [self.bos_token_id, *ids] if add_special_tokens and self.add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
