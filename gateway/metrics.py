@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from gateway.prefix_routes import REASONS
 from loraplex.label_cap import OTHER, LabelCap
 
 __all__ = ["OTHER", "GatewayMetrics", "LabelCap", "metrics_app", "status_class"]
@@ -148,6 +149,10 @@ class GatewayMetrics:
                                  "by the failure that did it", ["worker", "reason"], registry=r)
         self.routes = Counter("loraplex_gateway_route_requests", "Requests by the API route the client called "
                               "(chat, completions, responses) and status class", ["route", "code"], registry=r)
+        self.route_decisions = Counter("loraplex_gateway_route_decisions", "Routing decisions by why the first "
+                                       "worker was first: prefix, continuation, affinity, load "
+                                       "(gateway.prefix_routes)", ["reason"], registry=r)
+        self._routed = {reason: self.route_decisions.labels(reason) for reason in REASONS}
         self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight in this replica", registry=r)
         self.workers = Gauge("loraplex_gateway_workers", "Workers this replica routes to (fresh residency reports, "
                              "or static URLs)", registry=r)
@@ -196,6 +201,9 @@ class GatewayMetrics:
 
     def route(self, route: str, status: int) -> None:
         self.routes.labels(route, status_class(status)).inc()
+
+    def routed(self, reason: str) -> None:
+        self._routed[reason].inc()
 
     def first_token(self, tenant: str, adapter: str, seconds: float) -> None:
         self.ttft.labels(self.tenant_cap(tenant or "-"), self.adapter_cap(adapter or "-")).observe(seconds)

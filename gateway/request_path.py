@@ -2,7 +2,8 @@
 
 ``Gateway.completions`` (and ``Gateway.responses``, the Responses API over the same stages) runs
 one request as named stages over a ``_Call``: auth -> ``_parse`` (size-capped body, validation) ->
-``_resolve`` -> ``_plan`` -> ``_payload`` -> ``_limit`` (reserve before admission) -> route ->
+``_resolve`` -> ``_plan`` -> ``_payload`` -> ``_limit`` (reserve before admission) -> route (the
+prompt's prefix steering it: ``gateway.prefix_routes``) ->
 ``_forward`` (``_relay`` or ``_answer``) -> ``_finish`` (settle, one access-log line, metrics). A
 ``_Guard`` per request watches for the client leaving and for the deadline; the access log is
 written in batches (``_AccessRecords``). ``gateway.app`` builds the app around it.
@@ -26,6 +27,8 @@ from gateway.canary_samples import sample as canary_sample
 from gateway.errors import GatewayError, from_registry, public_body, public_message, retry_later, send_error
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_routes import PrefixQuery
+from gateway.prefix_routes import chain as prefix_chain
 from gateway.prompt_tokens import PromptCounter, PromptError
 from gateway.proxy import (
     Opened,
@@ -46,6 +49,7 @@ from gateway.validate import Reservation, ValidRequest, estimate, reserve, valid
 from gateway.vllm_backend import vllm_body
 from gateway.worker_client import WorkerClient
 from loraplex import json_body
+from loraplex.prefix import cache_salt, namespace
 from loraplex.settings import Settings
 from loraplex.wire import (
     EXT_KEY,
@@ -92,6 +96,7 @@ class Gateway:
                                  per_queued_s=settings.worker_first_byte_per_queued_s,
                                  stall_s=settings.worker_stall_timeout_s)
         router.outliers.on_eject = self.metrics.ejected
+        router.on_route = self.metrics.routed
         self.metrics.track_ejections(router)
         self.lease_ttl_s = settings.request_timeout_s + 30.0
         self.prompts = PromptCounter(router, client)
@@ -127,20 +132,23 @@ class Gateway:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _plan(self, req: ValidRequest, base_model: str, tokens_per_min: int) -> Reservation:
+    async def _plan(self, req: ValidRequest, base_model: str,
+                    tokens_per_min: int) -> tuple[Reservation, list[int] | None]:
         """What to reserve (``gateway.validate.reserve``) with the exact prompt count when the
-        base model's tokenizer is known, else the byte-based bound."""
+        base model's tokenizer is known, else the byte-based bound; and the prompt's token ids
+        (None: no tokenizer yet), whose prefix routing hashes."""
         fields = req.fields
         try:
-            counted = await self.prompts.count(base_model, fields)
+            counted = await self.prompts.tokens(base_model, fields)
         except PromptError as exc:
             raise GatewayError(400, exc.message, code="invalid_value", param=exc.param) from None
         s = self.settings
         if counted is None:
             return reserve(fields, estimate(fields), exact=isinstance(fields.prompt, list), max_model_len=None,
-                           tokens_per_min=tokens_per_min, default_max_tokens=s.default_max_tokens)
-        return reserve(fields, counted[0], exact=True, max_model_len=counted[1], tokens_per_min=tokens_per_min,
-                       default_max_tokens=s.default_max_tokens)
+                           tokens_per_min=tokens_per_min, default_max_tokens=s.default_max_tokens), None
+        ids, max_model_len = counted
+        return reserve(fields, len(ids), exact=True, max_model_len=max_model_len, tokens_per_min=tokens_per_min,
+                       default_max_tokens=s.default_max_tokens), ids
 
     async def completions(self, scope: Any, receive: Any, send: Any, *, chat: bool) -> None:
         """One completion request: ``_serve`` runs the stages; every way it can end is answered
@@ -196,14 +204,18 @@ class Gateway:
         call.alias = req.model
         call.streaming = req.stream
         res = self._resolve(call, snapshot, tenant, req)
-        plan = call.plan = await self._plan(req, res.base_model, tenant.tokens_per_min)
+        plan, ids = await self._plan(req, res.base_model, tenant.tokens_per_min)
+        call.plan = plan
         payload = self._payload(req, res, tenant, plan, call.request_id)
         await self._limit(call, tenant, plan.tokens)
         if self.traffic is not None and res.wire is not None:
             self.traffic.record(res.wire)
+        ns = _namespace(snapshot, res, tenant)
+        query = call.prefix = self._prefix_query(call, ns, ids, res.base_model)
         adapter_id = res.adapter.id if res.adapter else None
-        workers = self._route_now(res.base_model, adapter_id) or await self.router.route(res.base_model, adapter_id)
-        await self._forward(call, receive, send, req, workers, payload, res.adapter)
+        workers = (self._route_now(res.base_model, adapter_id, query)
+                   or await self.router.route(res.base_model, adapter_id, query))
+        await self._forward(call, receive, send, req, workers, payload, res.adapter, cache_salt(ns))
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         """The loop serving requests (asking asyncio for it costs a getpid system call on 3.11)."""
@@ -237,17 +249,34 @@ class Gateway:
             call.headers[HDR_FALLBACK] = "binding-disabled"
         return res
 
+    def _prefix_query(self, call: _Call, ns: bytes, ids: list[int] | None, base_model: str) -> PrefixQuery | None:
+        """What routing knows of the request's prefix: its prompt's chunk keys under ``ns`` (when the
+        prompt was encoded) and, for a Responses continuation, the worker of the previous turn.
+        None while one worker serves the base model: there is nothing to choose, nothing is hashed."""
+        if not self.router.several(base_model):
+            return None
+        turn = call.turn
+        after = None
+        if turn is not None and turn.previous is not None:
+            after = self.router.prefixes.turn_worker(turn.previous.id)
+        if not ids and after is None:
+            return None
+        return PrefixQuery(prefix_chain(ns, ids) if ids else [], after)
+
     def _payload(self, req: ValidRequest, res: Resolution, tenant: TenantView, plan: Reservation,
                  request_id: str) -> bytes:
         """The body the worker gets: the client's, with the planned ``max_tokens``, usage asked for
-        when streamed, and the gateway's ``WorkerRequestExt``."""
+        when streamed, and the gateway's ``WorkerRequestExt`` (its ``cache_scope`` the registry's
+        ``TenantView.prefix_scope``: the client's own ``loraplex`` object is replaced whole, and
+        nothing else it sends names a scope)."""
         body = req.body
         body["max_tokens"] = plan.max_tokens  # the one field every worker reads the same way
         body.pop("max_completion_tokens", None)
         if req.stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body[EXT_KEY] = WorkerRequestExt(adapter=res.adapter, tenant=tenant.slug, request_id=request_id,
-                                         priority=PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]))
+                                         priority=PRIORITY_CLASSES.get(tenant.priority, PRIORITY_CLASSES["normal"]),
+                                         cache_scope=tenant.prefix_scope)
         return orjson.dumps(body)  # dataclasses encode natively, as ``to_dict`` has them
 
     async def _limit(self, call: _Call, tenant: TenantView, tokens: int) -> None:
@@ -269,20 +298,21 @@ class Gateway:
                                code="request_too_large" if decision.reason == "too_large" else "rate_limit_exceeded")
         call.lease = decision.lease
 
-    def _route_now(self, base_model: str, adapter_id: str | None) -> list[Worker] | None:
+    def _route_now(self, base_model: str, adapter_id: str | None, prefix: PrefixQuery | None) -> list[Worker] | None:
         """Workers to try, best first, from the live set as it is; None when a refresh is due
         or none is known (then ``router.route`` refreshes first)."""
         router = self.router
-        return None if router.due() else router.choose(base_model, adapter_id)
+        return None if router.due() else router.choose(base_model, adapter_id, prefix)
 
     async def _forward(self, call: _Call, receive: Any, send: Any, req: ValidRequest, workers: list[Worker],
-                       payload: bytes, adapter: AdapterRef | None) -> None:
-        """Send to the first worker that answers and pass its answer on, under the request's guard."""
+                       payload: bytes, adapter: AdapterRef | None, salt: str) -> None:
+        """Send to the first worker that answers and pass its answer on, under the request's guard;
+        the worker that took it is remembered as holding the prompt's prefix."""
         guard = call.guard = _Guard(receive, call, self.settings.request_timeout_s, self.sweeper, self._running_loop())
         client = self.client
 
         def vllm(worker: Worker, reload: bool) -> Any:  # a vLLM worker's body (gateway.vllm_backend)
-            return vllm_body(client, req.body, adapter, worker, force=reload)
+            return vllm_body(client, req.body, adapter, worker, cache_salt=salt, force=reload)
 
         try:
             call.upstream = _SENT
@@ -294,6 +324,8 @@ class Gateway:
                 raise
             call.upstream = opened.response.status
             call.worker = opened.worker.id
+            if call.prefix is not None and call.upstream == 200:
+                self.router.prefixes.record(call.prefix.chain, call.worker)
             call.cold = opened.response.cache == "cold"
             call.headers[HDR_WORKER] = call.worker
             try:
@@ -341,6 +373,8 @@ class Gateway:
         except Exception:
             log.exception("request %s: storing response %s failed", call.request_id, call.turn.id)
         else:
+            if call.turn.req.store and call.worker:  # its continuation goes back there (gateway.prefix_routes)
+                self.router.prefixes.served_turn(call.turn.id, call.worker)
             return None
         call.status = 503
         return responses_api.NOT_STORED
@@ -450,8 +484,8 @@ class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
     __slots__ = ("alias", "authorization", "chat", "cold", "declared", "finish", "finished", "guard", "headers", "judged",
-                 "label", "labels", "lease", "path", "plan", "request_id", "route", "started", "status", "streamed",
-                 "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
+                 "label", "labels", "lease", "path", "plan", "prefix", "request_id", "route", "started", "status",
+                 "streamed", "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
 
     def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
         self.t0 = time.perf_counter()
@@ -483,6 +517,8 @@ class _Call:
         self.cold = False
         self.lease: Any = None
         self.plan: Reservation | None = None
+        self.prefix: PrefixQuery | None = None
+        """What routing knew of its prompt's prefix (recorded against the worker that took it)."""
         self.upstream = _NOT_SENT
         self.streamed: StreamResult | None = None
         self.usage: dict[str, Any] | None = None
@@ -534,6 +570,16 @@ def processed(plan: Reservation | None, upstream: int, usage: dict[str, Any] | N
 
 
 _SSE = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _namespace(snapshot: RegistrySnapshot, res: Resolution, tenant: TenantView) -> bytes:
+    """The request's prefix-cache namespace (``loraplex.prefix.namespace``): the base model's
+    revision, the adapter version's digest (its id should a ref lack one: never ``base``), and
+    the tenant's scope from the registry."""
+    base = snapshot.base_models.get(res.base_model)
+    adapter = res.adapter
+    digest = (adapter.sha256 or adapter.id) if adapter is not None else None
+    return namespace(base.revision if base is not None else "", digest, tenant.prefix_scope)
 
 
 def _request_id() -> str:

@@ -9,6 +9,12 @@ load is above the bound (``route_load_factor`` x mean load + 1) is skipped; if e
 candidate is skipped or gone, the least-loaded live worker serves. The ring order is
 stable, so an adapter keeps landing on the same few workers and stays warm there.
 
+Within that, a request's prompt prefix moves the worker most likely to hold it in its KV cache
+to the front (``gateway.prefix_routes``: the rule weighing prefix against load is there): only
+candidates under the bound and of the best residency tier among them qualify, so a prefix never
+costs an adapter load or an overloaded worker. ``on_route`` hears why the first worker was put
+first (``gateway.prefix_routes.REASONS``).
+
 A worker that fails (connection error, broken response) is marked failed for
 ``cooldown_s`` and leaves the candidate lists; it comes back earlier when it publishes
 a fresh report. A worker whose last report this replica saw is older than ``report_ttl_s``
@@ -25,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from uhashring import HashRing
 
 from gateway.outliers import Outliers
+from gateway.prefix_routes import AFFINITY, LOAD, PrefixQuery, PrefixRoutes
 from loraplex.residency import ResidencyStore
 from loraplex.wire import BACKEND_VLLM, WorkerReport
 
@@ -105,6 +113,10 @@ class Router:
         self._refreshed = 0.0
         self._refreshing: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self.prefixes = PrefixRoutes()
+        """Where recent prompt prefixes were sent (``record`` them once a worker took the request)."""
+        self.on_route: Callable[[str], None] | None = None
+        """Called with why each choice's first worker is first (the gateway counts them)."""
 
     # -- live set -------------------------------------------------------------------------------
 
@@ -263,7 +275,11 @@ class Router:
             pool = self._pools[base_model] = [w for w in self._workers.values() if w.base_model in (base_model, "")]
         return pool
 
-    async def route(self, base_model: str, adapter_id: str | None) -> list[Worker]:
+    def several(self, base_model: str) -> bool:
+        """Whether more than one known worker serves ``base_model`` (else a prefix cannot steer)."""
+        return len(self._pool(base_model)) > 1
+
+    async def route(self, base_model: str, adapter_id: str | None, prefix: PrefixQuery | None = None) -> list[Worker]:
         """Workers to try, best first: preferred candidates, then the least-loaded others.
 
         When the live set has no usable worker for ``base_model``, it is reloaded once right
@@ -271,10 +287,10 @@ class Router:
         """
         if self.due():
             await self._maybe_refresh()
-        workers = self.choose(base_model, adapter_id)
+        workers = self.choose(base_model, adapter_id, prefix)
         if not workers and self.residency is not None:
             await self._refresh_now()
-            workers = self.choose(base_model, adapter_id)
+            workers = self.choose(base_model, adapter_id, prefix)
         return workers
 
     def refresh_soon(self) -> None:
@@ -294,9 +310,10 @@ class Router:
         """Whether the live set is due for a refresh (``route`` starts one)."""
         return time.monotonic() - self._refreshed >= self.refresh_s
 
-    def choose(self, base_model: str, adapter_id: str | None) -> list[Worker]:
+    def choose(self, base_model: str, adapter_id: str | None, prefix: PrefixQuery | None = None) -> list[Worker]:
         """``route`` from the live set as it is (the request path calls it directly, without a
-        coroutine, while no refresh is due)."""
+        coroutine, while no refresh is due). ``prefix``: the request's prompt prefix and
+        conversation, to put the worker most likely to hold it first."""
         now = time.time() if self._failed else 0.0
         pool = self._pool(base_model)
         if self._failed:
@@ -321,14 +338,38 @@ class Router:
             w = workers.get(i)
             if w is not None and w.load <= bound and (usable is None or w.id in usable):
                 ok.append(w)
+        reason = AFFINITY if ok else LOAD
         if adapter_id is not None and len(ok) > 1:
-            ok.sort(key=lambda w: 0 if adapter_id in w.device else 1 if adapter_id in w.host else 2)
+            ok.sort(key=lambda w: _tier(w, adapter_id))
+        if prefix is not None and ok:
+            reason = self._prefer(ok, adapter_id, prefix) or reason
+        if self.on_route is not None:
+            self.on_route(reason)
         if len(ok) == len(pool):
             return ok
         chosen = {w.id for w in ok}
         rest = [w for w in pool if w.id not in chosen]
         rest.sort(key=_load)
         return ok + rest
+
+    def _prefer(self, ok: list[Worker], adapter_id: str | None, prefix: PrefixQuery) -> str | None:
+        """Move the worker ``prefix`` points to (``PrefixRoutes.prefer``) to the front of ``ok``,
+        among those of ``ok[0]``'s residency tier; why, or None when it points nowhere."""
+        eligible = ok
+        if adapter_id is not None and len(ok) > 1:
+            tier = _tier(ok[0], adapter_id)
+            eligible = [w for w in ok if _tier(w, adapter_id) == tier]
+        first, reason = self.prefixes.prefer(prefix, eligible)
+        if first is None:
+            return None
+        if first is not ok[0]:
+            ok.remove(first)
+            ok.insert(0, first)
+        return reason
+
+
+def _tier(w: Worker, adapter_id: str) -> int:
+    return 0 if adapter_id in w.device else 1 if adapter_id in w.host else 2
 
 
 def _load(w: Worker) -> int:

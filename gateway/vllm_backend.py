@@ -6,6 +6,13 @@ with ``model`` = the adapter version id (the name ``loraplex vllm-agent`` regist
 or vLLM's name of the base model. When the worker's last report does not list the version,
 the agent loads it first (``POST {control}/internal/adapters/load``, the bundled worker's
 control call). Called only for workers whose report says ``backend: vllm``.
+
+``cache_salt`` is always the gateway's: ``loraplex.prefix.cache_salt`` of the request's namespace
+(base revision, adapter version digest or base, the tenant's cache scope). vLLM shares its prefix
+cache between every request of one LoRA name unless they carry different salts, so without it
+one tenant's prompts would answer faster for another's; with it a vLLM fleet isolates tenants
+(and adapter versions, by digest) as the bundled worker's cache does. A client's own
+``cache_salt`` is never forwarded: it could only join or probe another scope.
 """
 
 from __future__ import annotations
@@ -54,10 +61,12 @@ async def ensure_loaded(client: WorkerClient, worker: Worker, ref: AdapterRef, *
 
 
 async def vllm_body(client: WorkerClient, body: dict[str, Any], adapter: AdapterRef | None, worker: Worker,
-                    *, force: bool = False) -> bytes:
-    """The worker body for a vLLM ``worker`` (the adapter loaded there first)."""
+                    *, cache_salt: str, force: bool = False) -> bytes:
+    """The worker body for a vLLM ``worker`` (the adapter loaded there first), its prefix cache
+    salted with ``cache_salt`` (``loraplex.prefix.cache_salt`` of the request's namespace)."""
     if adapter is not None:
         await ensure_loaded(client, worker, adapter, force=force)
     out = {k: v for k, v in body.items() if k in FORWARDED}
     out["model"] = adapter.id if adapter is not None else (worker.served_model or out.get("model"))
+    out["cache_salt"] = cache_salt
     return orjson.dumps(out)

@@ -96,10 +96,11 @@ def test_a_vllm_body_names_the_version_and_carries_only_checked_fields():
     body = {"model": "support", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             EXT_KEY: {"tenant": "acme"}, "priority": -100, "cache_salt": "x", "kv_transfer_params": {"a": 1}}
-    out = orjson.loads(asyncio.run(vllm_body(None, body, ref, worker)))  # held: no agent call
+    out = orjson.loads(asyncio.run(vllm_body(None, body, ref, worker, cache_salt="s1")))  # held: no agent call
+    # The client's cache_salt is replaced by the gateway's (loraplex.prefix.cache_salt of the namespace).
     assert out == {"model": "ver-123", "messages": body["messages"], "max_tokens": 8, "stream": True,
-                   "stream_options": body["stream_options"]}
-    assert orjson.loads(asyncio.run(vllm_body(None, body, None, worker)))["model"] == "base"
+                   "stream_options": body["stream_options"], "cache_salt": "s1"}
+    assert orjson.loads(asyncio.run(vllm_body(None, body, None, worker, cache_salt="s2")))["model"] == "base"
 
 
 def test_the_agent_imports_no_torch():
