@@ -410,8 +410,9 @@ class StreamResult:
     """A choice finished on ``length``."""
 
 
-_CHUNK_USAGE = re.compile(rb'(?<!"choices":\[\]),"usage":\{[^{}]*\}')
-"""The per-chunk usage (``continuous_usage_stats``: the last key of a content chunk)."""
+_CHUNK_USAGE = re.compile(rb'(?<!"choices":\[\]),"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
+"""The per-chunk usage (``continuous_usage_stats``: the last key of a content chunk), flat or
+with its ``prompt_tokens_details`` object (some vLLM builds send it in every chunk)."""
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _PROMPT_TOKENS = b'"prompt_tokens":'
 
