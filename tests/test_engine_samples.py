@@ -43,7 +43,8 @@ def _run(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> tup
     return [s.output_ids for s in seqs], tokens, peak
 
 
-def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(engine):
+def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler, "prefix_cache", False)  # else separate requests share through it
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     p = SamplingParams(max_tokens=12, temperature=1.0, seed=40, ignore_eos=True)
     together, tokens_n, peak_n = _run(engine, prompt, [replace(p, n=4)])
