@@ -248,3 +248,56 @@ class StoredResponse(Base):
     input_items: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
     context: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
     """The items before this turn's input, oldest first (a continuation replays them)."""
+
+
+USAGE_WIDTHS = ("m", "h", "d")
+"""A usage bucket's width: a minute, an hour, a day (UTC, aligned to the epoch)."""
+
+
+class UsageBucket(Base):
+    """Usage of one (tenant, alias, adapter version, outcome) over one bucket (``registry.usage``).
+
+    ``alias`` is the model name the client called (a tenant alias or a base model's name);
+    ``version`` the adapter version id that answered, ``""`` for the base model; ``outcome``
+    ``ok``, ``cancelled``, ``4xx:<code>``, ``429:<reason>`` or ``5xx:<code>``. Token counts are
+    what the limiter settled; ``peak_concurrent`` the most requests the tenant had in flight
+    when one of these was admitted (a maximum: rollups take the max, not the sum)."""
+
+    __tablename__ = "usage_buckets"
+    __table_args__ = (CheckConstraint("width IN ('m', 'h', 'd')", name="width"),
+                      Index("ix_usage_buckets_tenant", "width", "tenant", "start"))
+
+    width: Mapped[str] = mapped_column(String(1), primary_key=True)
+    start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    """The bucket's first second (unix time)."""
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    alias: Mapped[str] = mapped_column(String(200), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(64), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    peak_concurrent: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class UsageFlush(Base):
+    """A gateway's flush already applied: its buckets were added in the same transaction that
+    inserted this row, so a retried flush (commit outcome unknown) finds it and adds nothing."""
+
+    __tablename__ = "usage_flushes"
+    __table_args__ = (Index("ix_usage_flushes_applied_at", "applied_at"),)
+
+    gateway: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    applied_at: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class UsageRollup(Base):
+    """How far minute buckets have been rolled up into hours (``h``) and hours into days (``d``):
+    every bucket before ``done_until`` (unix seconds) of that width is complete."""
+
+    __tablename__ = "usage_rollups"
+
+    width: Mapped[str] = mapped_column(String(1), primary_key=True)
+    done_until: Mapped[int] = mapped_column(BigInteger, nullable=False)

@@ -17,7 +17,8 @@ from registry.migrate import downgrade_async, upgrade_async
 from registry.models import Base
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLES = {"registry_state", "base_models", "tenants", "adapter_versions", "bindings", "audit_log", "canary_policies", "responses"}
+TABLES = {"registry_state", "base_models", "tenants", "adapter_versions", "bindings", "audit_log", "canary_policies", "responses",
+          "usage_buckets", "usage_flushes", "usage_rollups"}
 
 
 async def _tables(engine) -> set[str]:
