@@ -144,10 +144,14 @@ class Plan:
         return "\n".join(lines)
 
     def _prefix_text(self) -> list[str]:
-        """The prefix reuse the plan assumes: the replay's table, or why it assumes none."""
+        """The prefix reuse the plan assumes: the replay's table, or why it assumes none; and what
+        the logs say the serving fleet's caches supplied, where they say it."""
+        said = self.trace.get("logged_cached_requests", 0)
+        logged = ([f"  (as logged, the fleet's own caches supplied {self.trace['logged_cached_share']:.1%} of the "
+                   f"prompt tokens of the {said:,} records that say cached_tokens)"] if said else [])
         if not self.prefix:
             return ["prefix cache: no record names a prefix (prefix_id, prefix_tokens), so no reuse is assumed "
-                    "(0.0% of prompt tokens cached)", ""]
+                    "(0.0% of prompt tokens cached)", *logged, ""]
         sizes = sorted({r.kv_tokens for r in self.prefix})
         fleets = sorted({r.workers for r in self.prefix})
         by = {(r.workers, r.kv_tokens): r for r in self.prefix}
@@ -157,7 +161,7 @@ class Plan:
                f"  {'tokens':>9} " + "".join(f"| {_n(w, 'worker'):^11} " for w in fleets)]
         for s in sizes:
             out.append(f"  {s:>9,} " + "".join(f"| {by[(w, s)].hit_ratio:11.1%} " for w in fleets))
-        return [*out, ""]
+        return [*out, *logged, ""]
 
     def svg(self) -> str:
         return _svg([("host cache: hit ratio by max_cpu_loras", self.host),
@@ -174,9 +178,18 @@ def plan(trace: Trace, replayed: Replayed, *, target_cold: float, target_slot_mi
              "skipped_lines": trace.skipped,
              "first_use_share": round(int((counts > 0).sum()) / max(1, int(mask.sum())), 4),
              "prompt_tokens": int(trace.prompt.sum()), "prefix_requests": int((trace.prefix >= 0).sum()),
+             **_logged_cache(trace),
              "from": float(trace.start[0]), "to": float(trace.start[-1])}
     return Plan(facts, fit_zipf(counts), replayed.device, replayed.host, trace.span_s, target_cold,
                 target_slot_miss, current, replayed.load, worker_tokens_per_s, replayed.prefix)
+
+
+def _logged_cache(trace: Trace) -> dict[str, Any]:
+    """The share of prompt tokens the serving fleet's caches supplied, over the records that log it."""
+    said = trace.cached >= 0
+    prompt = int(trace.prompt[said].sum())
+    return {"logged_cached_requests": int(said.sum()),
+            "logged_cached_share": round(int(trace.cached[said].sum()) / prompt, 4) if prompt else None}
 
 
 def _table(rows: list[TierResult], per_worker: Any, span_s: float) -> list[str]:

@@ -16,7 +16,8 @@ tokens) and ``prefix_tokens`` (how many of the prompt's first tokens are that pr
 tokens; at most ``prompt_tokens``). The gateway's log holds no prompt content, so whatever
 writes or enriches the logs adds these (a system prompt's name, a conversation's id with the
 prompt's length); a record without them shares nothing. A record with a malformed pair is
-skipped like any other malformed line.
+skipped like any other malformed line. ``cached_tokens`` (what the serving fleet's prefix caches
+supplied, as the gateway logs it) is kept as measured, to set beside the replay's assumption.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Trace:
     """Index into ``prefixes`` (int32); -1 for a request that names no prefix."""
     prefix_tokens: np.ndarray
     """How many of the prompt's first tokens are its prefix's (int64; 0 without one)."""
+    cached: np.ndarray
+    """Prompt tokens the serving fleet's prefix cache supplied, as logged (int64; -1: not logged)."""
     adapters: list[str]
     workers: list[str]
     tenants: list[str]
@@ -80,7 +83,7 @@ class Trace:
         hi = len(self) if until is None else int(np.searchsorted(self.start, until, "left"))
         return Trace(self.start[lo:hi], self.adapter[lo:hi], self.worker[lo:hi], self.tokens[lo:hi],
                      self.prompt[lo:hi], self.tenant[lo:hi], self.prefix[lo:hi], self.prefix_tokens[lo:hi],
-                     self.adapters, self.workers, self.tenants, self.prefixes, self.skipped)
+                     self.cached[lo:hi], self.adapters, self.workers, self.tenants, self.prefixes, self.skipped)
 
     @property
     def names_prefixes(self) -> bool:
@@ -102,6 +105,7 @@ def _parse(path: str, lo: int, hi: int) -> Trace:
     tenant: list[int] = []
     prefix: list[int] = []
     prefix_tokens: list[int] = []
+    cached: list[int] = []
     skipped = 0
     with open(path, "rb") as fh:
         if lo:
@@ -128,6 +132,9 @@ def _parse(path: str, lo: int, hi: int) -> Trace:
             p = rec["prompt_tokens"]
             n = p + rec["completion_tokens"]
             pid, shared = _prefix(rec, p)
+            c = rec.get("cached_tokens", -1)
+            if not isinstance(c, int) or isinstance(c, bool) or c < -1:
+                raise ValueError("cached_tokens must be a whole number >= 0")
             a_code = adapters.get(a)
             if a_code is None:
                 a_code = adapters[a] = len(adapters) - 1
@@ -142,9 +149,11 @@ def _parse(path: str, lo: int, hi: int) -> Trace:
         tenant.append(tenants.setdefault(str(rec.get("tenant") or ""), len(tenants)))
         prefix.append(-1 if pid is None else prefixes.setdefault(pid, len(prefixes)))
         prefix_tokens.append(shared)
+        cached.append(c)
     return Trace(np.asarray(start, np.float64), np.asarray(adapter, np.int32), np.asarray(worker, np.int32),
                  np.asarray(tokens, np.int64), np.asarray(prompt, np.int64), np.asarray(tenant, np.int32),
-                 np.asarray(prefix, np.int32), np.asarray(prefix_tokens, np.int64), list(adapters)[1:],
+                 np.asarray(prefix, np.int32), np.asarray(prefix_tokens, np.int64), np.asarray(cached, np.int64),
+                 list(adapters)[1:],
                  list(workers), list(tenants), list(prefixes), skipped)
 
 
@@ -216,5 +225,6 @@ def read_trace(paths: Sequence[str | Path], *, jobs: int | None = None) -> Trace
     return Trace(start[order], np.concatenate(a_cols)[order], np.concatenate(w_cols)[order],
                  np.concatenate([p.tokens for p in parts])[order], np.concatenate([p.prompt for p in parts])[order],
                  np.concatenate(t_cols)[order], np.concatenate(p_cols)[order],
-                 np.concatenate([p.prefix_tokens for p in parts])[order], adapters, workers, tenants, prefixes,
+                 np.concatenate([p.prefix_tokens for p in parts])[order], np.concatenate([p.cached for p in parts])[order],
+                 adapters, workers, tenants, prefixes,
                  sum(p.skipped for p in parts))

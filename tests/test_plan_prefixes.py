@@ -119,6 +119,22 @@ def test_prefix_fields_are_read_clamped_to_the_prompt_and_a_malformed_pair_is_sk
     assert t.window(1000.0, None).prefix.tolist() == [0, -1]
 
 
+def test_the_cached_tokens_the_fleet_logged_are_said_beside_the_assumption(tmp_path):
+    log = tmp_path / "g.log"
+    log.write_bytes(b"\n".join([
+        record(0, cached_tokens=0),
+        record(1, cached_tokens=272),  # half of 544
+        record(2),  # an older gateway's line: not counted either way
+        record(3, cached_tokens="many"),
+    ]) + b"\n")
+    t = read_trace([log], jobs=1)
+    assert t.cached.tolist() == [0, 272, -1] and t.skipped == 1
+    run = subprocess.run([str(BIN), "plan", str(log), "--workers", "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "no reuse is assumed" in run.stdout
+    assert "the fleet's own caches supplied 25.0% of the prompt tokens of the 2 records" in run.stdout, run.stdout
+
+
 def test_default_pool_sizes_grow_until_one_holds_every_prefix(tmp_path):
     t = read_trace([repeating_log(tmp_path / "g.log", 40)], jobs=1)
     assert default_sizes(t, prefix_keys(t), B) == [4096]  # 4 x 512 tokens
