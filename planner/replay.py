@@ -197,7 +197,7 @@ def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPoli
 # shared copy-on-write, never pickled.
 _STREAMS: dict[int, list[np.ndarray]] = {}
 _DISTINCT: dict[int, list[int]] = {}
-_PREFIX_STREAMS: dict[int, list[tuple[list[int], list[int], list[int], list[int]]]] = {}
+_PREFIX_STREAMS: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
 
 
 def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]:
@@ -209,7 +209,8 @@ def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]
 
 def _prefix_job(args: tuple[int, int, int, int]) -> tuple[int, int, int, list[int]]:
     workers, j, kv_tokens, block = args
-    return workers, j, kv_tokens, replay_worker(*_PREFIX_STREAMS[workers][j], kv_tokens, block)
+    columns = [c.tolist() for c in _PREFIX_STREAMS[workers][j]]  # lists only here: several times the arrays' memory
+    return workers, j, kv_tokens, replay_worker(*columns, kv_tokens, block)
 
 
 def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *, jobs: int | None = None,
@@ -231,8 +232,7 @@ def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *
             order = np.argsort(where, kind="stable")
             bounds = np.searchsorted(where[order], np.arange(w + 1))
             mine = owned[w] = [order[bounds[j]:bounds[j + 1]] for j in range(w)]
-            _PREFIX_STREAMS[w] = [(pkeys[m].tolist(), trace.prefix_tokens[m].tolist(), trace.prompt[m].tolist(),
-                                   trace.tokens[m].tolist()) for m in mine]
+            _PREFIX_STREAMS[w] = [(pkeys[m], trace.prefix_tokens[m], trace.prompt[m], trace.tokens[m]) for m in mine]
         mask = trace.adapter >= 0
         keys, owner = trace.adapter[mask], where[mask]
         order = np.argsort(owner, kind="stable")  # stays in arrival order within each worker
