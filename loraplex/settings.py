@@ -190,6 +190,9 @@ class Settings:
     """Where ``loraplex admin`` sends requests. Empty: ``http://{gateway_host}:{gateway_port}``."""
     admin_token: str = ""
     """JWT the CLI sends. Empty: the CLI mints an admin token from ``jwt_secret``."""
+    usage_query_max_rows: int = 200_000
+    """Most results one page of ``GET /admin/usage`` or ``/v1/usage`` may hold (buckets times groups); a
+    page that would hold more is refused (400) with what to narrow."""
 
     # --- engine worker -------------------------------------------------------------------
     model: str = ""

@@ -1,0 +1,346 @@
+"""Reading the usage ledger (``usage_buckets``) in the shape of OpenAI's usage API.
+
+    q = parse_usage_query(params, max_rows=settings.usage_query_max_rows)   # 400s naming the field
+    page = await read_usage(session, q)                                     # {"object": "page", ...}
+
+A page holds up to ``limit`` buckets of ``bucket_width`` (every bucket of the window, empty ones
+too, as OpenAI's API does), each with its results: the sums of one group (tenant, alias, adapter
+version, outcome: those named in ``group_by``) with the outcomes' request counts beside the token
+sums. The window is widened to whole buckets (UTC), since the ledger's finest bucket is a minute
+and a day is only kept whole.
+
+A query is complete whatever the rollup has reached: the ledger keeps minutes, hours and days,
+and ``usage_rollups`` says up to where each coarser width is complete. Before that watermark a
+bucket is read from the coarse rows, after it from the finer ones summed in the database; the
+watermarks are read first, in the same session, and only grow (the finer rows they cover stay
+until pruned, long after), so no bucket is read twice or missed. Everything is summed by one
+``GROUP BY`` in the database (the page's rows by ``(width, start)``, or a tenant's by
+``(width, tenant, start)``), and at most ``max_rows`` results come back: a page that would hold more
+is refused with a 400 that says how to narrow it.
+
+``UsageReader`` is the gateway's way in (``GET /v1/usage``): its own small pool on the registry
+database, every failure a ``registry.errors.Unavailable`` (503 with ``retry-after``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from sqlalchemy import String, cast, func, literal, select, union_all
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from loraplex.settings import Settings
+from registry.db import make_engine, resolve_url, session_factory
+from registry.errors import Invalid, RegistryError, database_unavailable
+from registry.models import UsageBucket, UsageRollup
+
+WIDTHS: dict[str, tuple[str, int]] = {"1m": ("m", 60), "1h": ("h", 3600), "1d": ("d", 86400)}
+"""``bucket_width`` -> the ledger's width code and the bucket's seconds."""
+LIMITS: dict[str, tuple[int, int]] = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
+"""``bucket_width`` -> (default, most) buckets a page holds, as in OpenAI's usage API."""
+GROUP_KEYS = ("tenant", "alias", "version", "outcome")
+FILTERS = {"tenants": "tenant", "aliases": "alias", "versions": "version"}
+"""Filter parameter -> the column it restricts."""
+PARAMETERS = ("start_time", "end_time", "bucket_width", "group_by", "limit", "page", *FILTERS)
+MAX_FILTER_VALUES = 1000
+"""Values one filter may list (a longer list is a 400: the IN list would be the cost)."""
+MAX_VALUE_CHARS = 200
+MAX_TIME = 2**40
+"""Latest second a window may name (year 36812): keeps the arithmetic in the database's integers."""
+_OUTCOME_SEP, _ITEM_SEP = "\x1f", "\x1e"
+"""How the database joins a result's outcomes into one text (control characters no outcome holds)."""
+
+
+class BadUsageQuery(Invalid):
+    """A usage query the ledger cannot answer as asked: a 400 naming the parameter (``param``)."""
+
+    status = 400
+
+
+def _bad(param: str | None, message: str, code: str = "invalid_value") -> BadUsageQuery:
+    return BadUsageQuery(message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    start_time: int
+    """The window's first second, aligned down to the bucket width."""
+    end_time: int
+    """The window's end (exclusive), aligned up to the bucket width."""
+    bucket_width: str
+    group_by: tuple[str, ...]
+    tenants: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    versions: tuple[str, ...] = ()
+    limit: int = 7
+    page_start: int | None = None
+    """The first bucket of this page (from ``page``); None: the window's first."""
+    max_rows: int = 100_000
+
+    @property
+    def seconds(self) -> int:
+        return WIDTHS[self.bucket_width][1]
+
+    def fingerprint(self) -> str:
+        """What a page token is bound to: the query but its page and end (a token of another query is refused)."""
+        key = [self.start_time, self.bucket_width, sorted(self.group_by), sorted(self.tenants), sorted(self.aliases),
+               sorted(self.versions), self.limit]
+        return hashlib.sha256(orjson.dumps(key)).hexdigest()[:16]
+
+    def only_tenant(self, slug: str) -> UsageQuery:
+        """This query restricted to one tenant's rows (``GET /v1/usage``)."""
+        return replace(self, tenants=(slug,))
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+def _values(params: Mapping[str, Iterable[str]], name: str) -> list[str]:
+    """A list parameter: repeated (``group_by=a&group_by=b``), ``name[]``, or comma-separated."""
+    out: list[str] = []
+    for key in (name, name + "[]"):
+        for raw in params.get(key, ()):
+            out += [v.strip() for v in str(raw).split(",") if v.strip()]
+    return out
+
+
+def _one(params: Mapping[str, Iterable[str]], name: str) -> str | None:
+    got = list(params.get(name, ()))
+    if len(got) > 1:
+        raise _bad(name, f"{name} is given {len(got)} times; give it once")
+    return str(got[0]).strip() if got else None
+
+
+def _int(params: Mapping[str, Iterable[str]], name: str, low: int, high: int) -> int | None:
+    raw = _one(params, name)
+    if raw is None:
+        return None
+    if not raw.lstrip("-").isdigit() or len(raw) > 20:
+        raise _bad(name, f"{name} must be a whole number (unix seconds for times), got {raw[:40]!r}")
+    value = int(raw)
+    if not low <= value <= high:
+        raise _bad(name, f"{name} must be from {low} to {high}, got {value}")
+    return value
+
+
+def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now: float | None = None) -> UsageQuery:
+    """A usage query from its parameters (name -> the values given, as strings), or a
+    ``BadUsageQuery`` (400) naming the first parameter that is wrong."""
+    unknown = sorted({k.removesuffix("[]") for k in params} - set(PARAMETERS))
+    if unknown:
+        raise _bad(unknown[0], f"unknown parameter {unknown[0]!r}; this query takes {', '.join(PARAMETERS)}",
+                   code="unknown_parameter")
+    width = _one(params, "bucket_width") or "1d"
+    if width not in WIDTHS:
+        raise _bad("bucket_width", f"bucket_width must be one of {', '.join(WIDTHS)}, got {width[:20]!r}")
+    seconds = WIDTHS[width][1]
+    start = _int(params, "start_time", 0, MAX_TIME)
+    if start is None:
+        raise _bad("start_time", "start_time is required (unix seconds, the window's first second)",
+                   code="missing_parameter")
+    end = _int(params, "end_time", 0, MAX_TIME)
+    if end is None:
+        end = int(now if now is not None else time.time()) + 1
+    if end <= start:
+        raise _bad("end_time", f"end_time ({end}) must be after start_time ({start})")
+    groups = _values(params, "group_by")
+    for g in groups:
+        if g not in GROUP_KEYS:
+            raise _bad("group_by", f"group_by takes {', '.join(GROUP_KEYS)}, got {g[:40]!r}")
+    filters: dict[str, tuple[str, ...]] = {}
+    for name in FILTERS:
+        values = _values(params, name)
+        if len(values) > MAX_FILTER_VALUES:
+            raise _bad(name, f"{name} lists {len(values)} values; at most {MAX_FILTER_VALUES}")
+        for v in values:
+            if len(v) > MAX_VALUE_CHARS:
+                raise _bad(name, f"{name} has a value over {MAX_VALUE_CHARS} characters")
+        filters[name] = tuple(dict.fromkeys(values))
+    default, most = LIMITS[width]
+    limit = _int(params, "limit", 1, most)
+    q = UsageQuery(start - start % seconds, -(-end // seconds) * seconds, width,
+                   tuple(dict.fromkeys(groups)), limit=limit or default, max_rows=max_rows, **filters)
+    token = _one(params, "page")
+    if token:
+        at, token_end = _read_token(token, q)
+        if _one(params, "end_time") is None:
+            q = replace(q, end_time=token_end)  # "now" moved on since the first page: keep its window
+        elif token_end != q.end_time:
+            raise _bad("page", "page belongs to a query with another end_time")
+        if not q.start_time <= at < q.end_time or at % seconds:
+            raise _bad("page", "page is not a bucket of this window")
+        q = replace(q, page_start=at)
+    return q
+
+
+def _make_token(q: UsageQuery, at: int) -> str:
+    raw = orjson.dumps({"at": at, "end": q.end_time, "q": q.fingerprint()})
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _read_token(token: str, q: UsageQuery) -> tuple[int, int]:
+    """The next page's first bucket and the window's end from a page token (``next_page``)."""
+    try:
+        if len(token) > 200:
+            raise ValueError
+        data = orjson.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        at, end, fp = data["at"], data["end"], data["q"]
+        if not (isinstance(at, int) and isinstance(end, int) and isinstance(fp, str)):
+            raise ValueError
+    except (ValueError, TypeError, KeyError, binascii.Error, orjson.JSONDecodeError):
+        raise _bad("page", "page is not a page token of this API (give next_page as it came)") from None
+    if fp != q.fingerprint():
+        raise _bad("page", "page belongs to another query (its parameters but page and end_time must stay the same)")
+    return at, end
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+_UB = UsageBucket.__table__
+_COARSER = {"h": "m", "d": "h"}
+
+
+async def _watermarks(s: AsyncSession) -> dict[str, int]:
+    """How far hours (``h``) and days (``d``) are complete, each aligned down to its own width."""
+    rows = (await s.execute(select(UsageRollup.width, UsageRollup.done_until))).all()
+    got = {w: int(u) for w, u in rows}
+    return {w: got.get(w, 0) - got.get(w, 0) % sec for w, sec in (("h", 3600), ("d", 86400))}
+
+
+def _sources(width: str, lo: int, hi: int, marks: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The ledger rows a page ``[lo, hi)`` of buckets of ``width`` is summed from: ``(width code,
+    from, until)`` per stored width, coarse rows before their watermark and finer ones after."""
+    if width == "m":
+        spans = [("m", lo, hi)]
+    elif width == "h":
+        spans = [("h", lo, min(hi, marks["h"])), ("m", max(lo, marks["h"]), hi)]
+    else:
+        d, h = marks["d"], max(marks["d"], marks["h"])
+        spans = [("d", lo, min(hi, d)), ("h", max(lo, d), min(hi, h)), ("m", max(lo, h), hi)]
+    return [(code, a, b) for code, a, b in spans if a < b]
+
+
+def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: str) -> Any:
+    code, seconds = WIDTHS[q.bucket_width]
+    keys = [k for k in GROUP_KEYS if k in q.group_by]
+    parts = []
+    for source, a, b in _sources(code, lo, hi, marks):
+        bucket = _UB.c.start if source == code else _UB.c.start - _UB.c.start % seconds
+        where = [_UB.c.width == source, _UB.c.start >= a, _UB.c.start < b]
+        for name, column in FILTERS.items():
+            values = getattr(q, name)
+            if values:
+                where.append(_UB.c[column].in_(values) if len(values) > 1 else _UB.c[column] == values[0])
+        parts.append(select(bucket.label("b"), *[_UB.c[k] for k in keys if k != "outcome"], _UB.c.outcome,
+                            _UB.c.requests, _UB.c.prompt_tokens, _UB.c.cached_tokens, _UB.c.completion_tokens)
+                     .where(*where))
+    if not parts:
+        return None
+    rows = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("rows")
+    inner_keys = [rows.c.b, *[rows.c[k] for k in keys if k != "outcome"], rows.c.outcome]
+    inner = (select(*inner_keys, func.sum(rows.c.requests).label("requests"),
+                    func.sum(rows.c.prompt_tokens).label("prompt"), func.sum(rows.c.cached_tokens).label("cached"),
+                    func.sum(rows.c.completion_tokens).label("completion"))
+             .group_by(*inner_keys).subquery("by_outcome"))
+    outer_keys = [inner.c.b, *[inner.c[k] for k in keys]]
+    item = inner.c.outcome + literal(_OUTCOME_SEP) + cast(inner.c.requests, String)
+    joined = func.string_agg(item, literal(_ITEM_SEP)) if dialect == "postgresql" \
+        else func.group_concat(item, literal(_ITEM_SEP))
+    return (select(*outer_keys, func.sum(inner.c.requests), func.sum(inner.c.prompt), func.sum(inner.c.cached),
+                   func.sum(inner.c.completion), joined)
+            .group_by(*outer_keys).order_by(*outer_keys).limit(q.max_rows + 1))
+
+
+def _outcomes(joined: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in (joined or "").split(_ITEM_SEP):
+        outcome, _, n = item.rpartition(_OUTCOME_SEP)
+        if outcome:
+            out[outcome] = out.get(outcome, 0) + int(n)
+    return out
+
+
+async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
+    """One page of the query's buckets (``{"object": "page", "data", "has_more", "next_page"}``)."""
+    seconds = q.seconds
+    lo = q.page_start if q.page_start is not None else q.start_time
+    hi = min(q.end_time, lo + q.limit * seconds)
+    marks = await _watermarks(session)
+    stmt = _statement(q, lo, hi, marks, session.bind.dialect.name)
+    rows = (await session.execute(stmt)).all() if stmt is not None else []
+    if len(rows) > q.max_rows:
+        raise _bad(None, f"this page would hold more than {q.max_rows:,} results (usage_query_max_rows): narrow it "
+                         f"with a shorter window, a smaller limit, fewer group_by keys or a tenants/aliases/versions "
+                         f"filter", code="too_many_rows")
+    keys = [k for k in GROUP_KEYS if k in q.group_by]
+    by_bucket: dict[int, list[dict[str, Any]]] = {}
+    n = len(keys)
+    for row in rows:
+        result = {"object": "organization.usage.completions.result", "input_tokens": int(row[n + 2]),
+                  "input_cached_tokens": int(row[n + 3]), "output_tokens": int(row[n + 4]),
+                  "num_model_requests": int(row[n + 1]), "outcomes": _outcomes(row[n + 5])}
+        for i, k in enumerate(keys):
+            result[k] = row[i + 1]
+        by_bucket.setdefault(int(row[0]), []).append(result)
+    data = [{"object": "bucket", "start_time": b, "end_time": b + seconds, "results": by_bucket.get(b, [])}
+            for b in range(lo, hi, seconds)]
+    more = hi < q.end_time
+    return {"object": "page", "data": data, "has_more": more, "next_page": _make_token(q, hi) if more else None}
+
+
+# --- the gateway's reader ------------------------------------------------------------------------
+
+class UsageReader:
+    """Usage pages from the registry database for the gateway (``GET /v1/usage``): a pool of its
+    own, opened on first use (a gateway nobody asks never connects), and every database failure a
+    ``registry.errors.Unavailable`` (503, ``retry-after``), never the driver's exception."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self._own = engine is None
+        self._sessions: async_sessionmaker[AsyncSession] | None = None
+
+    @property
+    def _session(self) -> async_sessionmaker[AsyncSession]:
+        if self._sessions is None:
+            if self._engine is None:
+                self._engine = make_engine(resolve_url(self.settings), pool_size=2, max_overflow=4)
+            self._sessions = session_factory(self._engine)
+        return self._sessions
+
+    def parse(self, params: Mapping[str, Iterable[str]]) -> UsageQuery:
+        return parse_usage_query(params, max_rows=self.settings.usage_query_max_rows)
+
+    async def page(self, q: UsageQuery) -> dict[str, Any]:
+        async with self._database(), self._session() as s:
+            return await read_usage(s, q)
+
+    @contextlib.asynccontextmanager
+    async def _database(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except RegistryError:
+            raise
+        except Exception as exc:
+            err = database_unavailable(exc, "nothing was read")
+            if err is None:
+                raise
+            raise err from None
+
+    async def close(self) -> None:
+        if self._own and self._engine is not None:
+            await self._engine.dispose()
+
+
+def utc(ts: int) -> str:
+    """A bucket's start as people read it (``2026-12-07 08:00``, UTC)."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M")
