@@ -12,7 +12,7 @@ the window, the first burst included).
   fleet, ``tests/vllm_fleet.py``'s registration);
 * ``loraplex-nocache``: the same build and settings with ``LORAPLEX_PREFIX_CACHE=false``;
 * ``vllm``: vLLM's CPU build (``scripts/vllm_venv.sh``) at its defaults (automatic prefix caching
-  on, its own KV space), ``--vllm-dtype`` (float32), direct; ``--enable-lora`` only for the
+  on) but for a 4 GiB KV space (``VLLM_KV_GIB``), ``--vllm-dtype`` (its best on this CPU), direct; ``--enable-lora`` only for the
   adapter cases, as ``serve_vs_vllm.py`` runs it.
 
 Cases:
@@ -241,6 +241,13 @@ def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab
     return out
 
 
+VLLM_KV_GIB = "4"
+"""vLLM-CPU's KV space (``VLLM_CPU_KVCACHE_SPACE``). 0.32's own default reserves 92% of the host's
+memory (``--gpu-memory-utilization``) and refuses to start when other processes hold more than 8%
+of it (any machine running the gateway, Redis and PostgreSQL beside it); 4 GiB was its fixed
+default before, and what the loraplex worker's pool is capped at."""
+
+
 def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path, rnd: int, gguf: Path, hf: Path,
                vocab: int, adapters: dict[str, Path]) -> dict[str, dict[str, Any]]:
     if name in ("loraplex", "loraplex-nocache"):
@@ -254,7 +261,7 @@ def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path
     cpus = f"0-{args.threads - 1}" if args.threads > 1 else "0"
     dirs = [adapters[n] for n in sorted(adapters)]
     return http_phase(lambda lora: VLLMServer(tmp / "vllm.log", python, hf, dirs if lora else None, args.vllm_dtype,
-                                              max(c.clients for c in cases), cpus, kv_space_gib=None,
+                                              max(c.clients for c in cases), cpus, kv_space_gib=VLLM_KV_GIB,
                                               max_loras=ADAPTERS, prompt_details=True),
                       cases, vocab, args, start_timeout=900)
 
@@ -306,13 +313,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every server")
     ap.add_argument("--worker-kv-bytes", type=int, default=0,
                     help="LORAPLEX_KV_CACHE_BYTES of the worker (default 0: the worker's default, sized from the machine)")
-    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--vllm-dtype", default=None,
+                    help="vLLM's --dtype (default: its best here: bfloat16 where this CPU multiplies bfloat16 natively, "
+                         "else float32)")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (default: scripts/vllm_venv.sh)")
     ap.add_argument("--conversations", type=int, default=3, help="Responses conversations per loraplex server (0: none)")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--turn-words", type=int, default=120, help="words of each turn's user message")
     ap.add_argument("--turn-tokens", type=int, default=32, help="max_output_tokens of each turn")
     args = ap.parse_args()
+    if args.vllm_dtype is None:
+        from engine.cpu import cpu_has_bf16_matmul
+
+        args.vllm_dtype = "bfloat16" if cpu_has_bf16_matmul() else "float32"
     cases = all_cases()
     names = args.cases.split(",") if args.cases else [c.name for c in cases]
     unknown = set(names) - {c.name for c in cases}
