@@ -205,8 +205,29 @@ def conversations(server: GatewayServer, args: argparse.Namespace) -> dict[str, 
 
 # --- the run -------------------------------------------------------------------------------------
 
+def vllm_client_runs(label: str, args: argparse.Namespace, url: str, token: str, base_model: str,
+                     loras: list[str] | None, hf: Path, tmp: Path) -> dict[str, dict[str, Any]]:
+    """vLLM's own client (``bench/vllm_client.py``) over the prefix cases this server serves now:
+    ``prefix/base`` always, ``prefix/4`` when ``loras`` names its adapters (``None``: a server
+    started without LoRA; ``[]``: skip the base case, the server serves adapters only)."""
+    from vllm_client import prefix_repetition
+    from vllm_greedy import vllm_python
+
+    python = vllm_python(args.vllm_python)
+    out = {}
+    plan = ([] if loras == [] else [("prefix/base", None)]) + ([("prefix/4", loras)] if loras else [])
+    for case, names in plan:
+        r = prefix_repetition(python, base_url=url, model=base_model, tokenizer=hf, token=token, loras=names,
+                              out=tmp / f"vllm-client-{label}-{case.replace('/', '-')}.json",
+                              num_prompts=args.vllm_client_prompts, concurrency=16)
+        print(f"  {label:9} vllm bench serve {case}: {r['output_throughput']:.1f} out tok/s, TTFT p50/p99 "
+              f"{r['median_ttft_ms'] / 1e3:.2f}/{r['p99_ttft_ms'] / 1e3:.2f} s", flush=True)
+        out[case] = r
+    return out
+
+
 def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab: int, home: Path, model: Path,
-                  adapters: dict[str, Path], worker_env: dict[str, str]) -> dict[str, dict[str, Any]]:
+                  adapters: dict[str, Path], worker_env: dict[str, str], hf: Path) -> dict[str, dict[str, Any]]:
     """One gateway + worker process pair over every case and the conversation."""
     from tests.conftest import REDIS_URL
 
@@ -221,6 +242,9 @@ def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab
             return asyncio.run(drive_http(server, case, vocab, args.warmup, args.seconds))
 
         res = run_cases(label, cases, run)
+        if args.vllm_client:
+            res["vllm_client"] = vllm_client_runs(label, args, server.url, server.token, server.cluster.base_name,
+                                                  server.names, hf, home)
         if args.conversations:
             conv = conversations(server, args)
             res["conversation"] = conv
@@ -234,11 +258,8 @@ def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab
     finally:
         server.stop()
     after = speed_probe(args.threads)
-    conv = res.pop("conversation", None)
-    out = with_probes(label, res, before, after)
-    if conv is not None:
-        out["conversation"] = conv
-    return out
+    extra = {k: res.pop(k) for k in ("conversation", "vllm_client") if k in res}
+    return {**with_probes(label, res, before, after), **extra}
 
 
 VLLM_KV_GIB = "4"
@@ -254,16 +275,31 @@ def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path
         env = {"LORAPLEX_THREADS": str(args.threads), "LORAPLEX_KV_CACHE_BYTES": str(args.worker_kv_bytes),
                "LORAPLEX_PREFIX_CACHE": "false" if name.endswith("nocache") else "true",
                "LORAPLEX_LOG_LEVEL": "WARNING"}
-        return gateway_phase(name, args, cases, vocab, tmp / f"{name}-{rnd}", gguf, adapters, env)
+        return gateway_phase(name, args, cases, vocab, tmp / f"{name}-{rnd}", gguf, adapters, env, hf)
     from vllm_greedy import vllm_python
 
     python = vllm_python(args.vllm_python)
     cpus = f"0-{args.threads - 1}" if args.threads > 1 else "0"
     dirs = [adapters[n] for n in sorted(adapters)]
-    return http_phase(lambda lora: VLLMServer(tmp / "vllm.log", python, hf, dirs if lora else None, args.vllm_dtype,
-                                              max(c.clients for c in cases), cpus, kv_space_gib=VLLM_KV_GIB,
-                                              max_loras=ADAPTERS, prompt_details=True),
-                      cases, vocab, args, start_timeout=900)
+
+    def make(lora: bool) -> VLLMServer:
+        return VLLMServer(tmp / "vllm.log", python, hf, dirs if lora else None, args.vllm_dtype,
+                          max(c.clients for c in cases), cpus, kv_space_gib=VLLM_KV_GIB, max_loras=ADAPTERS,
+                          prompt_details=True)
+
+    out = http_phase(make, cases, vocab, args, start_timeout=900)
+    if args.vllm_client:
+        runs: dict[str, dict[str, Any]] = {}
+        for lora in (False, True):
+            server = make(lora)
+            try:
+                server.wait_ready(900)
+                runs.update(vllm_client_runs("vllm", args, server.url, "", "base",
+                                             [f"a{i:03d}" for i in range(len(dirs))] if lora else None, hf, tmp))
+            finally:
+                server.stop()
+        out["vllm_client"] = runs
+    return out
 
 
 def print_tables(cases: list[Case], res: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -302,6 +338,22 @@ def print_tables(cases: list[Case], res: dict[str, dict[str, Any]]) -> dict[str,
     return {"rows": rows, "conversation": {s: {k: v for k, v in x.items() if k != "runs"} for s, x in conv.items()}}
 
 
+def print_vllm_client(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The table of vLLM's own client's runs, by case and server."""
+    got = {s: r["vllm_client"] for s, r in res.items() if "vllm_client" in r}
+    if not got:
+        return {}
+    print("\nvLLM's client (vllm bench serve, prefix_repetition: 4 x 512-token prefixes + 32, 32 out, 16 clients)")
+    print(f"{'case':12} {'server':18} {'out tok/s':>10} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'TPOT p50 ms':>12}")
+    for case in ("prefix/base", "prefix/4"):
+        for server, runs in got.items():
+            r = runs.get(case)
+            if r:
+                print(f"{case:12} {server:18} {r['output_throughput']:>10.1f} {r['median_ttft_ms'] / 1e3:>11.2f} "
+                      f"{r['p99_ttft_ms'] / 1e3:>11.2f} {r['median_tpot_ms']:>12.1f}")
+    return got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", default=",".join(SERVERS))
@@ -321,6 +373,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--turn-words", type=int, default=120, help="words of each turn's user message")
     ap.add_argument("--turn-tokens", type=int, default=32, help="max_output_tokens of each turn")
+    ap.add_argument("--vllm-client", action="store_true",
+                    help="also run vLLM's own client (vllm bench serve, prefix_repetition) against every server")
+    ap.add_argument("--vllm-client-prompts", type=int, default=256, help="prompts of each vllm bench serve run")
     args = ap.parse_args()
     if args.vllm_dtype is None:
         from engine.cpu import cpu_has_bf16_matmul
@@ -365,11 +420,15 @@ def run(args: argparse.Namespace, cases: list[Case], servers: list[str], tmp: Pa
     res: dict[str, dict[str, Any]] = {}
     for name, rs in runs.items():
         convs = [r.pop("conversation") for r in rs if "conversation" in r]
+        clients = [r.pop("vllm_client") for r in rs if "vllm_client" in r]
         res[name] = median_of_rounds(rs)
         if convs:  # the round whose last/first is the median
             convs.sort(key=lambda x: x["last_over_first"] or 0.0)
             res[name]["conversation"] = convs[(len(convs) - 1) // 2]
+        if clients:
+            res[name]["vllm_client"] = clients[-1]
     tables = print_tables(cases, res)
+    tables["vllm_client"] = print_vllm_client(res)
     print(f"load average: {started} at start, {loadavg()} at end ({os.cpu_count()} CPUs)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "prefix_cache.json"
