@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from gateway import responses_api
+from gateway import responses_api, usage_api
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.console_sources import GatewayConsoleSources
 from gateway.errors import GatewayError, from_registry, public_message
@@ -33,6 +33,7 @@ from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
 from gateway.request_path import Gateway, access_log, flush_access_log
 from gateway.router import Router
 from gateway.traffic import AdapterTraffic
+from gateway.usage_ledger import LedgerFlusher, UsageLedger
 from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
@@ -54,6 +55,17 @@ async def _purge_responses(store: Any, every_s: float = 60.0, batch: int = 500) 
             log.warning("removing expired responses failed (retried): %s", exc)
 
 
+async def _maintain_usage(store: Any, every_s: float = 60.0) -> None:
+    """Roll the usage ledger up and prune it (``registry.usage``), every replica in turn: the
+    database lets one work at a time (idempotent and safe concurrently besides)."""
+    while True:
+        await asyncio.sleep(every_s * random.uniform(0.5, 1.0))
+        try:
+            await store.maintain()
+        except Exception as exc:
+            log.warning("usage ledger rollup or pruning failed (retried): %s", exc)
+
+
 async def _probe_workers(router: Router, every_s: float) -> None:
     """Reload the live workers on a timer too, not only when requests come: an idle gateway's
     ``loraplex_gateway_workers`` drops a worker that stopped reporting (``refresh`` keeps the last
@@ -68,7 +80,7 @@ async def _probe_workers(router: Router, every_s: float) -> None:
 _HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
 SERVED_PATHS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
                 "GET|DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "GET /v1/models",
-                "GET /v1/models/{model}")
+                "GET /v1/models/{model}", "GET /v1/usage")
 """What a client may call (an unknown path's 404 lists them)."""
 """The two hot routes (path -> chat?)."""
 
@@ -166,7 +178,7 @@ def _admin_app(settings: Settings, router: Router, client: WorkerClient,
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
                residency: ResidencyStore | None = None, http_client: WorkerClient | None = None,
-               mount_admin: bool = True) -> GatewayApp:
+               mount_admin: bool = True, usage_store: Any = None) -> GatewayApp:
     """The gateway app. Anything not passed is built from ``settings``:
 
     * ``snapshots``: ``registry.cache.SnapshotCache`` over the registry database (or a
@@ -174,7 +186,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     * ``limiter``: ``RedisLimiter`` (with a local fallback) when ``redis_url`` is set,
       else the in-process ``LocalLimiter``;
     * ``residency``: ``RedisResidency`` when ``redis_url`` is set, else the process table;
-    * ``http_client``: the ``WorkerClient`` (pooled aiohttp) for every call to a worker.
+    * ``http_client``: the ``WorkerClient`` (pooled aiohttp) for every call to a worker;
+    * ``usage_store``: where the usage ledger goes (``registry.usage.UsageStore``): built over the
+      registry database when the live registry is (``snapshots`` not passed); None otherwise, or
+      with ``usage_flush_interval_s`` 0: no ledger.
 
     Components passed in are started/stopped by their owner, except the snapshot source,
     whose optional ``start()``/``stop()`` the app calls in its lifespan.
@@ -182,6 +197,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     redis = _redis_client(settings) if settings.redis_url else None
     if snapshots is None:
         snapshots = _default_snapshots(settings)
+        if usage_store is None and not settings.registry_snapshot_file:
+            from registry.usage import UsageStore
+
+            usage_store = UsageStore(settings)
     own_limiter = limiter is None
     if limiter is None:
         limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode,
@@ -207,6 +226,16 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         from registry.responses import ResponseStore
 
         gw.responses_store = ResponseStore(settings)
+    usage_reader = None
+    if not settings.registry_snapshot_file:  # and the usage ledger, each tenant's own at /v1/usage
+        from registry.usage_query import UsageReader
+
+        usage_reader = UsageReader(settings)
+    usage_flusher = None
+    if usage_store is not None and settings.usage_flush_interval_s > 0:
+        gw.ledger = UsageLedger()
+        usage_flusher = LedgerFlusher(gw.ledger, usage_store.write, interval_s=settings.usage_flush_interval_s,
+                                      max_pending=settings.usage_max_pending_buckets, metrics=gw.metrics)
 
     def model_entries(request: Request) -> list[dict[str, Any]]:
         """The models the caller's tenant may name, in ``/v1/models``' shape (GatewayError: refused)."""
@@ -309,16 +338,21 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         live = asyncio.create_task(gw.live.publish_forever(), name="live-numbers")
         probing = asyncio.create_task(_probe_workers(router, max(1.0, settings.worker_report_ttl_s)),
                                       name="workers-probe")
+        usage = asyncio.create_task(usage_flusher.run(), name="usage-flush") if usage_flusher is not None else None
+        rollup = asyncio.create_task(_maintain_usage(usage_store), name="usage-rollup") \
+            if usage_flusher is not None else None
         try:
             yield
         finally:
             flusher.cancel()
             lag.cancel()
-            for task in (samples, judging, purging, live, probing):
+            for task in (samples, judging, purging, live, probing, usage, rollup):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
+            if usage_flusher is not None:  # the requests are over: their usage is written before the end
+                await usage_flusher.drain(timeout_s=max(2.0, min(10.0, settings.usage_flush_interval_s)))
             if traffic is not None and gw.traffic is not None:
                 traffic.cancel()
                 with contextlib.suppress(Exception):
@@ -339,6 +373,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 await admin_service.close()
             if gw.responses_store is not None:
                 await gw.responses_store.close()
+            if usage_reader is not None:
+                await usage_reader.close()
+            if usage_store is not None:
+                await usage_store.close()
 
     from starlette.exceptions import HTTPException
 
@@ -346,6 +384,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         *responses_api.routes(gw, gw.responses_store),
+        *(usage_api.routes(gw, usage_reader) if usage_reader is not None else ()),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]
@@ -357,6 +396,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     app.gateway = gw
     app.state.gateway = gw
     app.state.canary_judge = judge
+    app.state.usage_flusher = usage_flusher
 
     def refresh_gauges() -> None:
         gw.metrics.inflight.set(router.inflight())

@@ -9,6 +9,7 @@ collector when scraped. ``loraplex_gateway_tokens{kind}`` counts ``prompt``, ``c
 from __future__ import annotations
 
 import asyncio
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -168,6 +169,16 @@ class GatewayMetrics:
                                         "step, promote, abort", ["tenant", "alias", "decision"], registry=r)
         self.canary_judge = Gauge("loraplex_canary_judge_leader", "1 while this replica is the acting canary judge",
                                   registry=r)
+        self.usage_pending = Gauge("loraplex_gateway_usage_pending_buckets", "Usage ledger buckets waiting for the "
+                                   "registry database (written at the next flush)", registry=r)
+        self.usage_flush_failures = Counter("loraplex_gateway_usage_flush_failures", "Usage ledger flushes that "
+                                            "failed (retried at the next interval)", registry=r)
+        self.usage_dropped = Counter("loraplex_gateway_usage_dropped_buckets", "Usage ledger buckets dropped: "
+                                     "more waited for the database than usage_max_pending_buckets", registry=r)
+        self._usage_written_at = time.time()
+        self.usage_flush_age = Gauge("loraplex_gateway_usage_last_flush_age_seconds", "Seconds since the usage "
+                                     "ledger last flushed successfully (since start before the first)", registry=r)
+        self.usage_flush_age.set_function(lambda: time.time() - self._usage_written_at)
         self._snapshots = _SnapshotCollector()
         r.register(self._snapshots)  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
@@ -233,6 +244,16 @@ class GatewayMetrics:
 
     def canary_decision(self, tenant: str, alias: str, decision: str) -> None:
         self.canary_decisions.labels(self.tenant_cap(tenant), self.adapter_cap(alias), decision).inc()
+
+    def usage_flushed(self, pending: int, failed: bool, dropped: int, at: float | None) -> None:
+        """After a usage ledger flush (``gateway.usage_ledger.LedgerMetrics``)."""
+        self.usage_pending.set(pending)
+        if failed:
+            self.usage_flush_failures.inc()
+        if dropped:
+            self.usage_dropped.inc(dropped)
+        if at is not None:
+            self._usage_written_at = at
 
     def limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.tenant_cap(tenant), reason).inc()

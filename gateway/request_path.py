@@ -24,7 +24,15 @@ from gateway import responses_api
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
-from gateway.errors import GatewayError, from_registry, public_body, public_message, retry_later, send_error
+from gateway.errors import (
+    ERROR_CODES,
+    GatewayError,
+    from_registry,
+    public_body,
+    public_message,
+    retry_later,
+    send_error,
+)
 from gateway.live_stats import LiveStats
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_routes import PrefixQuery
@@ -45,6 +53,7 @@ from gateway.ratelimit import Limiter, Limits, limit_message
 from gateway.resolve import Resolution, Resolver
 from gateway.router import Router, Worker
 from gateway.traffic import AdapterTraffic
+from gateway.usage_ledger import UsageLedger, outcome
 from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
 from gateway.vllm_backend import vllm_body
 from gateway.worker_client import WorkerClient
@@ -111,6 +120,8 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.responses_store: Any = None
         """``registry.responses.ResponseStore`` (None: no registry database, nothing is stored)."""
+        self.ledger: UsageLedger | None = None
+        """Where settled requests add their usage (``gateway.usage_ledger``; None: no ledger)."""
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes
@@ -173,7 +184,7 @@ class Gateway:
                 log.warning("request %s: %s (%s)", call.request_id, exc.message, exc.code)
             elif err.detail != err.message:  # the client got the code's fixed sentence
                 log.warning("request %s: %s: %s", call.request_id, err.code, err.detail)
-            call.status = err.status
+            call.status, call.code = err.status, err.code
             if not call.started:
                 await send_error(send, err, call.headers)
         except _ClientGone:
@@ -182,7 +193,7 @@ class Gateway:
             await self._cancelled(call, send)
         except Exception:
             log.exception("request %s failed", call.request_id)
-            call.status = 500
+            call.status, call.code = 500, "internal_error"
             if not call.started:
                 await send_error(send, GatewayError(500, "internal error", code="internal_error"), call.headers)
         finally:
@@ -241,6 +252,7 @@ class Gateway:
     def _resolve(self, call: _Call, snapshot: RegistrySnapshot, tenant: TenantView, req: ValidRequest) -> Resolution:
         res = self.resolver.resolve(snapshot, tenant, req.model, req.user or call.request_id)
         call.label = res.label
+        call.version = res.adapter.id if res.adapter is not None else ""
         call.headers[HDR_ADAPTER] = res.label
         if res.judged and res.adapter is not None:
             call.judged, call.version = f"{tenant.slug}/{res.alias}", res.adapter.id
@@ -289,14 +301,20 @@ class Gateway:
             limits = self._limits[key] = Limits(*key)
         decision = await self.limiter.acquire(tenant.slug, limits, tokens, self.lease_ttl_s)
         call.headers.update(decision.headers)
+        ledger = self.ledger
         if not decision.allowed:
             self.metrics.limited(tenant.slug, decision.reason)
+            call.reason = decision.reason
+            if ledger is not None:
+                call.peak = ledger.in_flight(tenant.slug)
             if decision.status == 503:
                 raise GatewayError(503, "The rate limiter is unavailable; try again shortly.",
                                    code="ratelimiter_unavailable")
             raise GatewayError(429, limit_message(decision.reason),
                                code="request_too_large" if decision.reason == "too_large" else "rate_limit_exceeded")
         call.lease = decision.lease
+        if ledger is not None:
+            call.peak = ledger.admit(tenant.slug)
 
     def _route_now(self, base_model: str, adapter_id: str | None, prefix: PrefixQuery | None) -> list[Worker] | None:
         """Workers to try, best first, from the live set as it is; None when a refresh is due
@@ -356,6 +374,8 @@ class Gateway:
             self.metrics.first_token(call.tenant, call.label, result.first_token_at - call.t0)
         if result.error or result.worker_error:
             call.status = 502
+            call.code = "upstream_stalled" if result.stalled else "stream_interrupted" if result.error \
+                else "upstream_error"
             self.metrics.upstream_failure(call.worker)
             log.warning("request %s: the stream from worker %s failed: %s", call.request_id, call.worker,
                         result.worker_detail or result.error or "an error event")
@@ -376,7 +396,7 @@ class Gateway:
             if call.turn.req.store and call.worker:  # its continuation goes back there (gateway.prefix_routes)
                 self.router.prefixes.served_turn(call.turn.id, call.worker)
             return None
-        call.status = 503
+        call.status, call.code = 503, "store_unavailable"
         return responses_api.NOT_STORED
 
     async def _answer(self, call: _Call, send: Any, opened: Opened) -> None:
@@ -396,9 +416,11 @@ class Gateway:
             log.warning("request %s: worker %s answered %d: %s", call.request_id, call.worker, status,
                         content[:300].decode("utf-8", "replace"))
             status = call.status = 502
+            call.code = "upstream_error"
             content = orjson.dumps(error_body(public_message("upstream_error", "the worker failed"),
                                               "upstream_error", "upstream_error"))
         else:  # the worker's 4xx, without the servers' insides
+            call.code = _worker_code(content)
             content, detail = public_body(content)
             if detail is not None:
                 log.warning("request %s: worker %s answered %d: %s", call.request_id, call.worker, status, detail)
@@ -415,7 +437,7 @@ class Gateway:
         task = asyncio.current_task()
         guard = call.guard
         if guard is None or not guard.cancelled or task is None or task.cancelling() == 0:
-            call.status = 503
+            call.status, call.code = 503, "shutting_down"
             log.warning("request %s cut short by the server's shutdown", call.request_id)
             if call.started and not call.finished:
                 await send({"type": "http.response.body", "body": sse_error(
@@ -430,7 +452,7 @@ class Gateway:
         if not guard.expired:
             call.status = 499
             return
-        call.status = 504
+        call.status, call.code = 504, "timeout"
         if call.started and not call.finished:
             await send({"type": "http.response.body", "body": sse_error("the request deadline passed", "timeout"),
                         "more_body": False})
@@ -460,6 +482,16 @@ class Gateway:
             except Exception:
                 log.exception("settling the reservation of %s failed", call.request_id)
         cached = min(cached_tokens(call.usage), pt)  # reported, never charged less: pt holds them
+        ledger = self.ledger
+        if ledger is not None and call.tenant:
+            # The numbers just settled; nothing was charged without a lease (refused before admission).
+            if call.lease is not None:
+                ledger.release(call.tenant)
+                ledger.record(call.tenant, call.alias, call.version, outcome(call.status, call.code, call.reason),
+                              pt, cached, ct, call.peak)
+            else:
+                ledger.record(call.tenant, call.alias, call.version, outcome(call.status, call.code, call.reason),
+                              0, 0, 0, call.peak)
         elapsed = time.perf_counter() - call.t0
         self.metrics.observe(call.tenant, call.label, call.status, elapsed, pt, ct, cached)
         self.metrics.route(call.route, call.status)
@@ -483,9 +515,10 @@ class Gateway:
 class _Call:
     """One request's state as the stages fill it in (what ``_finish`` settles and logs)."""
 
-    __slots__ = ("alias", "authorization", "chat", "cold", "declared", "finish", "finished", "guard", "headers", "judged",
-                 "label", "labels", "lease", "path", "plan", "prefix", "request_id", "route", "started", "status",
-                 "streamed", "streaming", "t0", "tenant", "turn", "upstream", "usage", "version", "worker")
+    __slots__ = ("alias", "authorization", "chat", "code", "cold", "declared", "finish", "finished", "guard", "headers",
+                 "judged", "label", "labels", "lease", "path", "peak", "plan", "prefix", "reason", "request_id", "route",
+                 "started", "status", "streamed", "streaming", "t0", "tenant", "turn", "upstream", "usage", "version",
+                 "worker")
 
     def __init__(self, raw_headers: list[tuple[bytes, bytes]], chat: bool) -> None:
         self.t0 = time.perf_counter()
@@ -526,7 +559,14 @@ class _Call:
         self.streaming = False
         self.guard: _Guard | None = None
         self.judged = self.version = ""
-        """Under a canary: the binding (``tenant/alias``) and the version id this request went to."""
+        """Under a canary: the binding (``tenant/alias``); the adapter version id the request went to
+        (``""``: the base model), canary or not."""
+        self.code: str | None = None
+        """The error code it ended with (``gateway.errors``; a worker's 4xx: the worker's code)."""
+        self.reason = ""
+        """A 429's limiter reason (requests, tokens, concurrency, too_large)."""
+        self.peak = 0
+        """The tenant's requests in flight in this gateway at admission (the usage ledger's peak)."""
         self.labels: dict[str, str] | None = None
         """Under a canary: the request's ``metadata`` (what a check segmented by a label splits on)."""
         self.finish: tuple[bool, bool] | None = None
@@ -580,6 +620,16 @@ def _namespace(snapshot: RegistrySnapshot, res: Resolution, tenant: TenantView) 
     adapter = res.adapter
     digest = (adapter.sha256 or adapter.id) if adapter is not None else None
     return namespace(base.revision if base is not None else "", digest, tenant.prefix_scope)
+
+
+def _worker_code(content: bytes) -> str:
+    """A worker's 4xx as a gateway error code: its own when it is one (``gateway.errors``), else
+    ``upstream_error``."""
+    try:
+        code = orjson.loads(content)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "upstream_error"
+    return code if isinstance(code, str) and code in ERROR_CODES else "upstream_error"
 
 
 def _request_id() -> str:

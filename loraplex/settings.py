@@ -130,6 +130,16 @@ class Settings:
     """The longest any tenant's stored Responses are kept."""
     response_max_chain: int = 100
     """Responses one ``previous_response_id`` chain may hold; a longer one is refused (400)."""
+    usage_flush_interval_s: float = 10.0
+    """How often the gateway writes its usage ledger buckets (per minute, tenant, alias, version, outcome) to the
+    registry database. A killed gateway loses at most this much usage; SIGTERM writes it first. 0: no ledger."""
+    usage_max_pending_buckets: int = 100_000
+    """Ledger buckets a gateway keeps while the database is unreachable; beyond it the oldest are dropped and counted
+    (``loraplex_gateway_usage_dropped_buckets``)."""
+    usage_minute_retention_days: int = 7
+    """Per-minute usage rows are kept this long (once rolled up into hours)."""
+    usage_hour_retention_days: int = 90
+    """Per-hour usage rows are kept this long (once rolled up into days; days are kept)."""
     default_max_tokens: int = 1024
     """``max_tokens`` filled in (and reserved against the tokens/min limit) when a request omits it,
     capped by the context room and what the tenant's tokens/min allows."""

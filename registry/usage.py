@@ -1,0 +1,389 @@
+"""The usage ledger's storage: gateways' flushes applied exactly once, rollups, pruning, totals.
+
+A gateway hands its minute buckets over in flushes (``gateway.usage_ledger``). ``apply_flush``
+adds one flush in one transaction: it inserts the flush's ``UsageFlush`` row (gateway, seq)
+first and, when that row was already there (a retry after a commit whose outcome the gateway
+never learned), changes nothing; else it adds every bucket to its row (``ON CONFLICT DO UPDATE``:
+counts summed, ``peak_concurrent`` the maximum), rows in primary-key order so gateways flushing at
+once lock rows in the same order and never deadlock. Its failures say whether the transaction
+surely did not commit (``FlushNotApplied``: the gateway may merge the buckets into its next
+flush) or might have (``FlushInDoubt``: the gateway retries the same seq with the same rows).
+
+``roll_up`` turns the minutes of every complete hour into hour rows and the hours of every
+complete day into day rows, an hour or a day per transaction, and moves the watermark
+(``UsageRollup.done_until``) in the same transaction. A minute that arrives late, into an hour
+already rolled up, is added by its flush to the hour row as well (and to the day row when that day
+is rolled up too): a flush reads the watermarks under a share lock, which the rollup's update of
+them waits for, so every minute lands in every width exactly once, however late it comes.
+``prune`` removes minutes and hours past their retention (only those already rolled up) and the
+flush rows past ``FLUSH_KEEP_S``. Both are safe to run from several gateways at once (the
+watermark rows serialize them); on PostgreSQL an advisory lock also lets only one gateway work
+at a time, the others skipping the round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from sqlalchemy import delete, func, literal, select, text, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from registry.models import UsageBucket, UsageFlush, UsageRollup
+
+MINUTE, HOUR, DAY = 60, 3600, 86400
+FLUSH_KEEP_S = 86400
+"""Flush rows are kept this long: a gateway retrying a flush within it can never add it twice
+(``gateway.usage_ledger`` gives up on a flush in doubt well before)."""
+ROLLUP_GRACE_S = 120
+"""An hour is rolled up this long after it ends (a day: once its last hour is): most minutes of a
+flush interval plus a retry have arrived by then. Later minutes are still exact (the late path)."""
+ADVISORY_KEY = 0x4C50_5553
+"""The PostgreSQL advisory lock the rollup and pruning take (``pg_try_advisory_xact_lock``)."""
+_KEY = ("width", "start", "tenant", "alias", "version", "outcome")
+_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+
+class Bucket(NamedTuple):
+    """One minute's usage of one (tenant, alias, version, outcome), as a gateway flushes it."""
+
+    start: int
+    tenant: str
+    alias: str
+    version: str
+    outcome: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    peak_concurrent: int
+
+
+class FlushNotApplied(Exception):
+    """The flush surely did not commit (it failed before its commit was sent): nothing was added."""
+
+
+class FlushInDoubt(Exception):
+    """The flush's commit failed or was cut short: it may or may not have been applied."""
+
+
+def _dialect(conn: AsyncConnection) -> str:
+    return conn.dialect.name
+
+
+def _insert(conn: AsyncConnection) -> Any:
+    return (postgresql.insert if _dialect(conn) == "postgresql" else sqlite.insert)(UsageBucket)
+
+
+def _greatest(conn: AsyncConnection, a: Any, b: Any) -> Any:
+    return func.greatest(a, b) if _dialect(conn) == "postgresql" else func.max(a, b)
+
+
+def _chunk(conn: AsyncConnection) -> int:
+    """Rows per multi-row insert: 11 parameters a row, under SQLite's 999 and PostgreSQL's 32767."""
+    return 1000 if _dialect(conn) == "postgresql" else 90
+
+
+async def _add_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    """Add ``rows`` (already in primary-key order) to their buckets: counts summed, peak the max."""
+    step = _chunk(conn)
+    for i in range(0, len(rows), step):
+        stmt = _insert(conn).values(rows[i:i + step])
+        ex = stmt.excluded
+        t = UsageBucket.__table__.c
+        sets: dict[str, Any] = {c: t[c] + ex[c] for c in _COUNTS}
+        sets["peak_concurrent"] = _greatest(conn, t.peak_concurrent, ex.peak_concurrent)
+        await conn.execute(stmt.on_conflict_do_update(index_elements=list(_KEY), set_=sets))
+
+
+async def _watermarks(conn: AsyncConnection, *, share: bool) -> dict[str, int] | None:
+    """``{'h': done_until, 'd': done_until}`` (None: the rows are not there yet); ``share``: under a
+    share lock (PostgreSQL), so a rollup moving them waits for this transaction, then sees its rows."""
+    q = select(UsageRollup.width, UsageRollup.done_until).order_by(UsageRollup.width)
+    if share and _dialect(conn) == "postgresql":
+        q = q.with_for_update(read=True)
+    found = {w: d for w, d in (await conn.execute(q)).all()}
+    if "h" not in found or "d" not in found:
+        return None
+    return {"h": found["h"], "d": found["d"]}
+
+
+def _late(buckets: Iterable[Sequence[Any]], marks: dict[str, int]) -> dict[tuple[str, int, str, str, str, str], list[int]]:
+    """Every bucket's row in each width it belongs to now: its minute, and its hour and day when
+    those were rolled up already (a late minute)."""
+    out: dict[tuple[str, int, str, str, str, str], list[int]] = {}
+    done_h, done_d = marks["h"], marks["d"]
+    for b in buckets:
+        start, tenant, alias, version, result = b[:5]
+        counts = b[5:]
+        keys = [("m", start)]
+        if start < done_h:
+            hour = start - start % HOUR
+            keys.append(("h", hour))
+            if hour < done_d:
+                keys.append(("d", hour - hour % DAY))
+        for width, at in keys:
+            k = (width, at, tenant, alias, version, result)
+            row = out.get(k)
+            if row is None:
+                out[k] = list(counts)
+            else:
+                for i in range(4):
+                    row[i] += counts[i]
+                row[4] = max(row[4], counts[4])
+    return out
+
+
+def _as_rows(merged: dict[tuple[str, int, str, str, str, str], list[int]]) -> list[dict[str, Any]]:
+    rows = []
+    for k in sorted(merged):
+        c = merged[k]
+        rows.append(dict(zip(_KEY, k, strict=True)) | dict(zip((*_COUNTS, "peak_concurrent"), c, strict=True)))
+    return rows
+
+
+async def apply_flush(engine: AsyncEngine, gateway: str, seq: int, buckets: Sequence[Sequence[Any]],
+                      now: float | None = None) -> bool:
+    """Add one flush of ``gateway`` in one transaction: True when applied now, False when
+    (gateway, seq) was applied before (nothing changes). Raises ``FlushNotApplied`` or
+    ``FlushInDoubt`` when the database failed."""
+    applied_at = int(time.time() if now is None else now)
+    committing = False
+    try:
+        async with engine.connect() as conn:
+            trans = await conn.begin()
+            try:
+                # First a write: on SQLite it takes the write lock before anything is read.
+                flush = (postgresql.insert if _dialect(conn) == "postgresql" else sqlite.insert)(UsageFlush)
+                inserted = await conn.execute(flush.values(gateway=gateway, seq=seq, applied_at=applied_at)
+                                              .on_conflict_do_nothing().returning(UsageFlush.seq))
+                if inserted.first() is None:
+                    await trans.rollback()
+                    return False
+                marks = await _watermarks(conn, share=True)
+                if marks is None:  # before the first rollup: create them, then lock them
+                    await _ensure_marks(conn)
+                    marks = await _watermarks(conn, share=True)
+                    assert marks is not None
+                await _add_rows(conn, _as_rows(_late(buckets, marks)))
+            except BaseException:
+                if trans.is_active:
+                    await trans.rollback()
+                raise
+            committing = True
+            await trans.commit()
+            return True
+    except (FlushNotApplied, FlushInDoubt):
+        raise
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        if committing:
+            raise FlushInDoubt(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, Exception):
+            raise FlushNotApplied(f"{type(exc).__name__}: {exc}") from exc
+        raise  # cancelled before its commit: nothing was applied, and the caller is told so
+
+
+# -- rollups and pruning ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Maintenance:
+    """What one ``roll_up``/``prune`` round did (for the log and the tests)."""
+
+    hours: int = 0
+    days: int = 0
+    pruned: int = 0
+    skipped: bool = False
+    """Another process held the advisory lock: this round did nothing."""
+
+
+async def _lock(conn: AsyncConnection) -> bool:
+    """This transaction may roll up and prune (PostgreSQL: the advisory lock; SQLite: always,
+    its write lock already serializes writers)."""
+    if _dialect(conn) != "postgresql":
+        return True
+    return bool((await conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_KEY})).scalar())
+
+
+async def _ensure_marks(conn: AsyncConnection) -> None:
+    """The watermark rows (at 0: nothing rolled up yet), so that a flush always finds rows to
+    lock and a rollup always finds rows to update."""
+    ins = (postgresql.insert if _dialect(conn) == "postgresql" else sqlite.insert)(UsageRollup)
+    await conn.execute(ins.values([{"width": "d", "done_until": 0}, {"width": "h", "done_until": 0}])
+                       .on_conflict_do_nothing())
+
+
+async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool:
+    """Roll one hour (``width`` 'h', from minutes) or one day ('d', from hours) whose end is at
+    most ``limit``, and move its watermark in the same transaction. False: nothing to do (or
+    another process holds the advisory lock)."""
+    size, source = (HOUR, "m") if width == "h" else (DAY, "h")
+    async with engine.begin() as conn:
+        if not await _lock(conn):
+            return False
+        # A write before any read: SQLite's write lock; PostgreSQL's row lock on the watermark,
+        # which waits for the flushes holding it shared (their rows are then visible below).
+        await conn.execute(update(UsageRollup).where(UsageRollup.width == width)
+                           .values(done_until=UsageRollup.done_until))
+        done = (await conn.execute(select(UsageRollup.done_until).where(UsageRollup.width == width))).scalar()
+        if done is None or done + size > limit:
+            return False
+        nxt = (await conn.execute(select(func.min(UsageBucket.start)).where(
+            UsageBucket.width == source, UsageBucket.start >= done))).scalar()
+        if nxt is None or nxt - nxt % size + size > limit:  # nothing complete to roll: skip to the limit
+            until = limit - limit % size
+            if until > done:
+                await conn.execute(update(UsageRollup).where(UsageRollup.width == width).values(done_until=until))
+            return False
+        start = nxt - nxt % size
+        b = UsageBucket.__table__.c
+        group = [b.tenant, b.alias, b.version, b.outcome]
+        picked = select(literal(width), literal(start), *group, func.sum(b.requests), func.sum(b.prompt_tokens),
+                        func.sum(b.cached_tokens), func.sum(b.completion_tokens), func.max(b.peak_concurrent)
+                        ).where(b.width == source, b.start >= start, b.start < start + size
+                                ).group_by(*group).order_by(*group)
+        stmt = _insert(conn).from_select([*_KEY, *_COUNTS, "peak_concurrent"], picked)
+        ex = stmt.excluded
+        sets: dict[str, Any] = {c: b[c] + ex[c] for c in _COUNTS}
+        sets["peak_concurrent"] = _greatest(conn, b.peak_concurrent, ex.peak_concurrent)
+        await conn.execute(stmt.on_conflict_do_update(index_elements=list(_KEY), set_=sets))
+        await conn.execute(update(UsageRollup).where(UsageRollup.width == width).values(done_until=start + size))
+        return True
+
+
+async def roll_up(engine: AsyncEngine, now: float | None = None, *, grace_s: int = ROLLUP_GRACE_S,
+                  max_steps: int = 48) -> Maintenance:
+    """Roll complete hours into hour rows and complete days into day rows, one per transaction,
+    at most ``max_steps`` of each this round (a backlog is worked off over later rounds)."""
+    now = int(time.time() if now is None else now)
+    done = Maintenance()
+    async with engine.begin() as conn:
+        await _ensure_marks(conn)
+    for _ in range(max_steps):
+        if not await _roll(engine, "h", now - grace_s):
+            break
+        done.hours += 1
+    async with engine.connect() as conn:
+        marks = await _watermarks(conn, share=False)
+    for _ in range(max_steps):
+        if marks is None or not await _roll(engine, "d", marks["h"]):
+            break
+        done.days += 1
+    return done
+
+
+async def _prune_slice(engine: AsyncEngine, width: str, cutoff: int, size: int) -> int | None:
+    """Delete the oldest ``size`` seconds of ``width`` rows before ``cutoff`` (and before what is
+    rolled up): the rows deleted, None when nothing is left to delete."""
+    async with engine.begin() as conn:
+        if not await _lock(conn):
+            return None
+        if width == "f":
+            keys = select(UsageFlush.gateway, UsageFlush.seq).where(UsageFlush.applied_at < cutoff).limit(5000)
+            res = await conn.execute(delete(UsageFlush).where(
+                tuple_(UsageFlush.gateway, UsageFlush.seq).in_(keys)))
+            return res.rowcount or None
+        marks = await _watermarks(conn, share=False)
+        if marks is None:
+            return None
+        end = min(cutoff, marks["h" if width == "m" else "d"])
+        first = (await conn.execute(select(func.min(UsageBucket.start)).where(
+            UsageBucket.width == width, UsageBucket.start < end))).scalar()
+        if first is None:
+            return None
+        res = await conn.execute(delete(UsageBucket).where(
+            UsageBucket.width == width, UsageBucket.start < min(end, first - first % size + size)))
+        return res.rowcount or 0
+
+
+async def prune(engine: AsyncEngine, now: float | None = None, *, minute_days: int = 7, hour_days: int = 90,
+                max_steps: int = 24) -> Maintenance:
+    """Remove minutes older than ``minute_days`` and hours older than ``hour_days`` (only what is
+    rolled up; days are kept), an hour's minutes or a day's hours per transaction, and flush rows
+    older than ``FLUSH_KEEP_S``, 5000 per transaction; at most ``max_steps`` transactions of each."""
+    now = int(time.time() if now is None else now)
+    done = Maintenance()
+    for width, cutoff, size in (("m", now - minute_days * DAY, HOUR), ("h", now - hour_days * DAY, DAY),
+                                ("f", now - FLUSH_KEEP_S, 0)):
+        for _ in range(max_steps):
+            n = await _prune_slice(engine, width, cutoff, size)
+            if n is None:
+                break
+            done.pruned += n
+    return done
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Totals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    peak_concurrent: int = 0
+
+
+async def totals(engine: AsyncEngine, *, width: str = "m", by: Sequence[str] = ("tenant", "version"),
+                 start: int | None = None, end: int | None = None,
+                 tenant: str | None = None) -> dict[tuple[str, ...], Totals]:
+    """The ledger summed over ``width`` buckets in [start, end), grouped by the ``by`` columns
+    (any of tenant, alias, version, outcome): what a test compares with what clients received."""
+    b = UsageBucket.__table__.c
+    cols = [b[c] for c in by]
+    q = select(*cols, func.sum(b.requests), func.sum(b.prompt_tokens), func.sum(b.cached_tokens),
+               func.sum(b.completion_tokens), func.max(b.peak_concurrent)).where(b.width == width)
+    if start is not None:
+        q = q.where(b.start >= start)
+    if end is not None:
+        q = q.where(b.start < end)
+    if tenant is not None:
+        q = q.where(b.tenant == tenant)
+    q = q.group_by(*cols)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(q)).all()
+    n = len(cols)
+    return {tuple(r[:n]): Totals(*(int(v or 0) for v in r[n:])) for r in rows}
+
+
+class UsageStore:
+    """The ledger's database for a gateway: ``write`` (``LedgerFlusher``'s writer) and
+    ``maintain`` (rollups and pruning), on an engine of its own connected on first use."""
+
+    def __init__(self, settings: Any, engine: AsyncEngine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self._own = engine is None
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            from registry.db import is_postgres, make_engine, resolve_url
+
+            url = resolve_url(self.settings)
+            # One flush and one maintenance round at a time: two connections are plenty.
+            self._engine = make_engine(url, pool_size=2, max_overflow=2) if is_postgres(url) else make_engine(url)
+        return self._engine
+
+    async def write(self, gateway: str, seq: int, rows: Sequence[Sequence[Any]]) -> bool:
+        return await apply_flush(self.engine, gateway, seq, rows)
+
+    async def maintain(self, now: float | None = None) -> Maintenance:
+        """One round of rollups, then pruning (``usage_minute_retention_days``,
+        ``usage_hour_retention_days``)."""
+        done = await roll_up(self.engine, now)
+        pruned = await prune(self.engine, now, minute_days=self.settings.usage_minute_retention_days,
+                             hour_days=self.settings.usage_hour_retention_days)
+        done.pruned = pruned.pruned
+        return done
+
+    async def close(self) -> None:
+        if self._own and self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
