@@ -234,6 +234,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     usage_flusher = None
     if usage_store is not None and settings.usage_flush_interval_s > 0:
         gw.ledger = UsageLedger()
+        gw.metrics.track_usage()
         usage_flusher = LedgerFlusher(gw.ledger, usage_store.write, interval_s=settings.usage_flush_interval_s,
                                       max_pending=settings.usage_max_pending_buckets, metrics=gw.metrics)
 

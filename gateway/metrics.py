@@ -169,16 +169,11 @@ class GatewayMetrics:
                                         "step, promote, abort", ["tenant", "alias", "decision"], registry=r)
         self.canary_judge = Gauge("loraplex_canary_judge_leader", "1 while this replica is the acting canary judge",
                                   registry=r)
-        self.usage_pending = Gauge("loraplex_gateway_usage_pending_buckets", "Usage ledger buckets waiting for the "
-                                   "registry database (written at the next flush)", registry=r)
-        self.usage_flush_failures = Counter("loraplex_gateway_usage_flush_failures", "Usage ledger flushes that "
-                                            "failed (retried at the next interval)", registry=r)
-        self.usage_dropped = Counter("loraplex_gateway_usage_dropped_buckets", "Usage ledger buckets dropped: "
-                                     "more waited for the database than usage_max_pending_buckets", registry=r)
+        self.usage_pending: Gauge | None = None
+        """The usage ledger's metrics, registered by ``track_usage`` when this replica keeps one."""
+        self.usage_flush_failures: Counter | None = None
+        self.usage_dropped: Counter | None = None
         self._usage_written_at = time.time()
-        self.usage_flush_age = Gauge("loraplex_gateway_usage_last_flush_age_seconds", "Seconds since the usage "
-                                     "ledger last flushed successfully (since start before the first)", registry=r)
-        self.usage_flush_age.set_function(lambda: time.time() - self._usage_written_at)
         self._snapshots = _SnapshotCollector()
         r.register(self._snapshots)  # type: ignore[arg-type]
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
@@ -245,8 +240,27 @@ class GatewayMetrics:
     def canary_decision(self, tenant: str, alias: str, decision: str) -> None:
         self.canary_decisions.labels(self.tenant_cap(tenant), self.adapter_cap(alias), decision).inc()
 
+    def track_usage(self) -> None:
+        """Register the usage ledger's metrics (``gateway.usage_ledger``; idempotent)."""
+        if self.usage_pending is not None:
+            return
+        r = self.registry
+        self.usage_pending = Gauge("loraplex_gateway_usage_pending_buckets", "Usage ledger buckets waiting for the "
+                                   "registry database (written at the next flush)", registry=r)
+        self.usage_flush_failures = Counter("loraplex_gateway_usage_flush_failures", "Usage ledger flushes that "
+                                            "failed (retried at the next interval)", registry=r)
+        self.usage_dropped = Counter("loraplex_gateway_usage_dropped_buckets", "Usage ledger buckets dropped: "
+                                     "more waited for the database than usage_max_pending_buckets", registry=r)
+        age = Gauge("loraplex_gateway_usage_last_flush_age_seconds", "Seconds since the usage ledger last flushed "
+                    "successfully (since the replica started before the first)", registry=r)
+        self._usage_written_at = time.time()
+        age.set_function(lambda: time.time() - self._usage_written_at)
+
     def usage_flushed(self, pending: int, failed: bool, dropped: int, at: float | None) -> None:
         """After a usage ledger flush (``gateway.usage_ledger.LedgerMetrics``)."""
+        self.track_usage()
+        assert self.usage_pending is not None and self.usage_flush_failures is not None
+        assert self.usage_dropped is not None
         self.usage_pending.set(pending)
         if failed:
             self.usage_flush_failures.inc()

@@ -195,6 +195,8 @@ async def test_drain_gives_up_after_its_time():
 async def test_last_flush_age_is_reported():
     led, db = UsageLedger(Clock(1_700_000_000)), FakeDB()
     metrics = GatewayMetrics()
+    assert b"loraplex_gateway_usage" not in metrics.render()  # a replica without a ledger exports none
+    metrics.track_usage()
     metrics._usage_written_at -= 100
     text = metrics.render().decode()
     age = float(next(line for line in text.splitlines()
