@@ -180,6 +180,24 @@ RESPONSES: dict[str, dict[str, Any]] = {
                                    "reason in words, window, sample sizes, failures counted, and checks (one per "
                                    "check and segment: verdict pass/fail/inconclusive/no data, canary and active "
                                    "values and counts, ratio or 'inf', test, p, reason); gateway.canary_decide"}}),
+    "LimitsReport": _obj({
+        "object": {"const": "limits_report"}, "window": STR, "start": INT, "end": INT,
+        "covered_from": {**INT, "description": "the oldest minute read (later than start where minutes were "
+                                               "pruned: then limited is true and note says so)"},
+        "limited": BOOL, "note": {"type": ["string", "null"]}, "sort": STR, "headroom_percent": INT,
+        "keep_band": {"type": "array", "items": NUM}, "min_minutes": INT, "percentile": STR,
+        "tenants_with_traffic": INT, "tenants_total": INT, "truncated": BOOL,
+        "data": {"type": "array", "items": _obj({
+            "tenant": STR, "status": {"type": ["string", "null"]}, "minutes": INT, "throttled_minutes": INT,
+            "refused": {**OBJ, "description": "429s by the limiter's reason"},
+            "used": {"type": ["number", "null"], "description": "the highest p99/limit of its dimensions"},
+            "enough_data": BOOL,
+            "apply": {"type": ["object", "null"], "description": "the suggested limits, as the body of "
+                                                                 "PATCH /tenants/{slug}/limits"},
+            "limits": {**OBJ, "description": "per dimension (requests_per_min, tokens_per_min, max_concurrent): "
+                                             "limit, peak, p99, used, throttled_minutes, suggested (null: keep), "
+                                             "reason"}})},
+    }),
     "AuditEntry": _obj({"id": INT, "registry_version": INT, "at": STR, "actor": STR, "action": STR,
                         "target": STR, "before": {"type": ["object", "null"]}, "after": {"type": ["object", "null"]}}),
     "Version": _obj({"version": INT}),
@@ -378,6 +396,15 @@ async def _audit(c: Call) -> Any:
     return _list(await c.service.audit(**{k: v for k, v in c.query.items() if v is not None}))
 
 
+async def _limits_report(c: Call) -> Any:
+    from registry.limits_report import DEFAULT_LIMIT, DEFAULT_WINDOW, HEADROOM_PERCENT, limits_report
+
+    q = c.query
+    return await limits_report(c.service, window=q.get("window", DEFAULT_WINDOW), sort=q.get("sort", "throttled"),
+                               tenant=q.get("tenant"), limit=q.get("limit", DEFAULT_LIMIT),
+                               headroom_percent=q.get("headroom", HEADROOM_PERCENT))
+
+
 B = "/tenants/{slug}/bindings/{alias}"
 OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/version", "getVersion", "Current registry version", _version, response="Version",
@@ -470,6 +497,21 @@ OPERATIONS: tuple[Operation, ...] = (
               query={"actor": STR, "action": STR, "target": {**STR, "description": "exact, or a prefix ending in *"},
                      "since_version": INT, "limit": {"type": "integer", "minimum": 1, "maximum": 1000}},
               response="[AuditEntry]", tag="audit"),
+    Operation("GET", "/limits/report", "getLimitsReport",
+              "Limit tuning: per tenant its limits, peak and p99 per-minute requests, tokens and concurrency "
+              "over a window of minute buckets, minutes throttled and 429s by reason, and a suggested limit "
+              "per dimension with the reason (registry.limits_report)", _limits_report,
+              query={"window": {**STR, "pattern": "^[1-9][0-9]{0,4}[mhd]$",
+                                "description": "e.g. 7d (default), 24h, 90m; 1h to 90d"},
+                     "sort": {"type": "string", "enum": ["throttled", "headroom"],
+                              "description": "throttled: most throttled minutes first (default); headroom: "
+                                             "least headroom (highest p99/limit) first"},
+                     "tenant": {**STR, "description": "this tenant only"},
+                     "limit": {"type": "integer", "minimum": 1, "maximum": 1000,
+                               "description": "at most this many tenants (default 100)"},
+                     "headroom": {"type": "integer", "minimum": 10, "maximum": 100,
+                                  "description": "percent a suggestion adds over the p99 (default 25)"}},
+              response="LimitsReport", tag="limits"),
 )
 
 

@@ -452,6 +452,69 @@ def audit(a: argparse.Namespace) -> int:
     return 0
 
 
+LIMIT_FLAGS = {"requests_per_min": "--requests-per-min", "tokens_per_min": "--tokens-per-min",
+               "max_concurrent": "--max-concurrent"}
+"""The ``tenant limits`` options that apply a report's suggestion, per dimension."""
+
+
+def _dim_cell(d: dict[str, Any]) -> str:
+    limit = "-" if d["limit"] is None else "unlimited" if d["limit"] == 0 else f"{d['limit']:,}"
+    return f"{limit} ({d['p99']:,}/{d['peak']:,})"
+
+
+def limits_report_text(data: dict[str, Any]) -> str:
+    """The limits report for people: a table, then each suggestion with its reason, its before and
+    after, and the ``tenant limits`` command that applies it (audited like any limits change)."""
+    order = "most throttled first" if data["sort"] == "throttled" else "least headroom first"
+    when = "%Y-%m-%d %H:%M UTC"
+    low, high = data["keep_band"]
+    lines = [f"limits over {data['window']} ({time.strftime(when, time.gmtime(data['start']))} .. "
+             f"{time.strftime(when, time.gmtime(data['end']))}), {order}",
+             f"per minute: {data['percentile']}; a limit outside {low:g}-{high:g}x its p99 gets the p99 + "
+             f"{data['headroom_percent']}% headroom, rounded up to 2 significant figures"]
+    if data["note"]:
+        lines.append(f"note: {data['note']}")
+    rows = [("TENANT", "MINUTES", "THROTTLED", "429s", "REQ/MIN (P99/PEAK)", "TOK/MIN (P99/PEAK)",
+             "CONCURRENT (P99/PEAK)", "USED")]
+    for r in data["data"]:
+        lim = r["limits"]
+        rows.append((r["tenant"], f"{r['minutes']:,}", f"{r['throttled_minutes']:,}",
+                     ", ".join(f"{k} {n:,}" for k, n in r["refused"].items()) or "-",
+                     _dim_cell(lim["requests_per_min"]), _dim_cell(lim["tokens_per_min"]),
+                     _dim_cell(lim["max_concurrent"]), "-" if r["used"] is None else f"{r['used']:.0%}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if not data["data"]:
+        lines.append("(no tenant had traffic in this window)")
+    shown = len(data["data"])
+    lines.append(f"{shown} shown of {data['tenants_with_traffic']} tenant(s) with traffic "
+                 f"({data['tenants_total']} in the registry)" + ("; --limit shows more" if data["truncated"] else ""))
+    for r in data["data"]:
+        notes = [(k, d) for k, d in r["limits"].items() if d["suggested"] is not None or d["throttled_minutes"]
+                 or not r["enough_data"]]
+        if not notes:
+            continue
+        lines.append(f"\n{r['tenant']}:")
+        if not r["enough_data"]:
+            lines.append(f"  no suggestion: too little data: {r['minutes']:,} minute(s) with traffic over "
+                         f"{data['window']}, {data['min_minutes']} needed for a p99")
+            continue
+        for k, d in notes:
+            change = f"{k} {d['limit']:,} -> {d['suggested']:,}" if d["suggested"] is not None else f"{k} keep"
+            lines.append(f"  {change}: {d['reason']}")
+        if r["apply"]:
+            flags = " ".join(f"{LIMIT_FLAGS[k]} {v}" for k, v in r["apply"].items())
+            lines.append(f"  apply: loraplex admin tenant limits {r['tenant']} {flags}")
+    return "\n".join(lines)
+
+
+def limits_report(a: argparse.Namespace) -> int:
+    data = _request(a, "GET", "/limits/report", params={"window": a.window, "sort": a.sort, "tenant": a.tenant,
+                                                        "limit": a.limit, "headroom": a.headroom})
+    print(json.dumps(data, indent=2, sort_keys=True) if a.json else limits_report_text(data))
+    return 0
+
+
 def version(a: argparse.Namespace) -> int:
     data = _request(a, "GET", "/version")
     print(json.dumps(data) if a.json else f"registry version {data['version']}")

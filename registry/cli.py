@@ -48,6 +48,7 @@ from registry.admin_commands import (
     canary_start,
     canary_status,
     gc,
+    limits_report,
     rollback,
     tenant_cache_scope,
     tenant_create,
@@ -355,3 +356,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--since-version", type=int, help="only changes after this registry version")
     p.add_argument("--limit", type=int, default=50, help="at most this many entries (1-1000, default 50)")
     leaf(groups, "version", version, "print the registry version")
+
+    lim = group("limits", "tune tenants' limits from the usage ledger")
+    p = leaf(lim, "report", limits_report, "per tenant: limits, p99 and peak per minute, throttling, suggestions",
+             "Per tenant, over the window's minute buckets of the usage ledger: its limits, the p99 and peak per "
+             "minute of requests (admitted and refused: the demand), tokens (prompt + completion admitted) and "
+             "concurrency, the minutes in which it was throttled and its 429s by reason, and a suggested limit "
+             "per dimension with the reason: the p99 (over the minutes with traffic) plus the headroom, rounded "
+             "up to two significant figures, where the limit is below 1.1x or above 3x the p99. Each suggestion "
+             "is printed with the `tenant limits` command that applies it (audited as any limits change).\n\n"
+             "examples:\n  loraplex admin limits report\n  loraplex admin limits report --window 24h --sort "
+             "headroom\n  loraplex admin limits report --tenant acme --json")
+    p.add_argument("--window", default="7d", help="how far back: e.g. 7d (default), 24h, 90m (1h to 90d; minute "
+                   "buckets older than their retention are gone, and the report says so)")
+    p.add_argument("--sort", choices=["throttled", "headroom"], default="throttled",
+                   help="throttled: most throttled minutes first (default); headroom: least headroom first")
+    p.add_argument("--tenant", help="this tenant only")
+    p.add_argument("--limit", type=int, help="at most this many tenants (default 100, at most 1000)")
+    p.add_argument("--headroom", type=int, metavar="PERCENT",
+                   help="percent a suggestion adds over the p99 (10-100, default 25)")

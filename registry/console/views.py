@@ -204,10 +204,18 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
     async def confirm(request: Request, who: Principal) -> Response:
         return render("confirm.html", **await _confirm(service, request))
 
+    async def limits(request: Request, who: Principal) -> Response:
+        """The limits report (``registry.limits_report``); each suggestion's Apply is the limits confirm step."""
+        from registry.limits_report import DEFAULT_WINDOW, UNITS, limits_report
+
+        window, sort = arg(request, "window", 8) or DEFAULT_WINDOW, arg(request, "sort", 16) or "throttled"
+        report = await limits_report(service, window=window, sort=sort)
+        return render("limits.html", r=report, window=window, sort=sort, dims=list(UNITS.items()))
+
     VIEWS: dict[str, Callable[[Request, Principal], Awaitable[Response]]] = {
         "whoami": whoami, "tenants": tenants, "tenant": tenant, "adapters": adapters, "adapter": adapter,
         "fleet": fleet,
-        "live": live, "audit": audit, "confirm": confirm,
+        "live": live, "audit": audit, "confirm": confirm, "limits": limits,
     }
     return [Route("/console", shell, methods=["GET"]), Route("/console/static/{name}", static, methods=["GET"]),
             Route("/console/view/{page}", view, methods=["GET"])]
