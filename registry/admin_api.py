@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -72,6 +73,9 @@ class Operation:
     status: int = 200
     response: str = "object"
     tag: str = "registry"
+    raw_query: bool = False
+    """The handler reads the query itself (``Call.query``: each name -> every value given, as strings):
+    list parameters and its own 400s; ``query`` then only documents it."""
 
 
 # --- JSON schemas (used for validation and the OpenAPI document) ----------------------------------
@@ -166,6 +170,16 @@ RESPONSES: dict[str, dict[str, Any]] = {
                      "row_version": INT, "created_at": STR,
                      "detached": {"type": "array", "description": "bindings a forced disable changed",
                                   "items": _obj({"tenant": STR, "alias": STR, "role": STR})}}),
+    "UsagePage": _obj({
+        "object": {"const": "page"}, "has_more": BOOL, "next_page": {"type": ["string", "null"]},
+        "data": {"type": "array", "items": _obj({
+            "object": {"const": "bucket"}, "start_time": INT, "end_time": INT,
+            "results": {"type": "array", "items": _obj({
+                "object": {"const": "organization.usage.completions.result"}, "input_tokens": INT,
+                "input_cached_tokens": INT, "output_tokens": INT, "num_model_requests": INT,
+                "outcomes": {**OBJ, "description": "requests by outcome: ok, cancelled, 4xx:<code>, "
+                                                   "429:<reason>, 5xx:<code>"},
+                "tenant": STR, "alias": STR, "version": STR, "outcome": STR})}})}}),
     "Binding": _obj({"tenant": STR, "alias": STR, "base_model": STR, "active": {"$ref": "#/components/schemas/AdapterRef"},
                      "previous": {"$ref": "#/components/schemas/AdapterRef"},
                      "canary": {"$ref": "#/components/schemas/AdapterRef"}, "canary_percent": NUM, "enabled": BOOL,
@@ -215,6 +229,30 @@ def _list(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def _version(c: Call) -> Any:
     return {"version": await c.service.version()}
+
+
+async def _usage(c: Call) -> Any:
+    from registry.usage_query import parse_usage_query, read_usage
+
+    q = parse_usage_query(c.query, max_rows=c.service.settings.usage_query_max_rows)
+    page = await c.service._read(lambda s: read_usage(s, q))
+    return Response(orjson.dumps(page), media_type="application/json")  # a page may hold 100k results
+
+
+USAGE_LIST = {"type": "array", "items": STR, "description": "repeat the parameter, or separate values by commas"}
+USAGE_QUERY: dict[str, dict[str, Any]] = {
+    "start_time": {**INT, "description": "required: the window's first second (unix), aligned down to the width"},
+    "end_time": {**INT, "description": "the window's end (unix, exclusive; default now), aligned up to the width"},
+    "bucket_width": {"type": "string", "enum": ["1m", "1h", "1d"], "description": "default 1d"},
+    "group_by": {"type": "array", "items": {"type": "string", "enum": ["tenant", "alias", "version", "outcome"]},
+                 "description": "group the results by these keys (repeat, or separate by commas)"},
+    "tenants": {**USAGE_LIST, "description": "only these tenants"},
+    "aliases": {**USAGE_LIST, "description": "only these model names (as the clients called them)"},
+    "versions": {**USAGE_LIST, "description": "only these adapter version ids"},
+    "limit": {"type": "integer", "minimum": 1, "maximum": 1440,
+              "description": "buckets per page: 1d default 7, at most 31; 1h 24, 168; 1m 60, 1440"},
+    "page": {**STR, "description": "next_page of the page before"},
+}
 
 
 async def _tenants(c: Call) -> Any:
@@ -411,6 +449,11 @@ OPERATIONS: tuple[Operation, ...] = (
               tag="registry"),
     Operation("GET", "/tenants", "listTenants", "List tenants", _tenants, query={"status": STR},
               response="[Tenant]", tag="tenants"),
+    Operation("GET", "/usage", "getUsage",
+              "The usage ledger in the shape of OpenAI's usage API: buckets of 1m/1h/1d with the tokens (input, "
+              "cached input, output), requests and outcomes, grouped by tenant/alias/version/outcome; a page of "
+              "buckets at a time (registry.usage_query)", _usage, query=USAGE_QUERY, response="UsagePage",
+              tag="usage", raw_query=True),
     Operation("POST", "/tenants", "createTenant", "Create a tenant", _tenant_create, TENANT_CREATE, status=201,
               response="Tenant", tag="tenants"),
     Operation("GET", "/tenants/{slug}", "getTenant", "Get a tenant", _tenant_get, response="Tenant", tag="tenants"),
@@ -590,6 +633,14 @@ def _parse_query(request: Request, spec: dict[str, dict[str, Any]]) -> dict[str,
     return out
 
 
+def _query_lists(request: Request) -> dict[str, list[str]]:
+    """Each query parameter -> every value given (for an operation that reads its own query)."""
+    out: dict[str, list[str]] = {}
+    for name, value in request.query_params.multi_items():
+        out.setdefault(name, []).append(value)
+    return out
+
+
 # --- OpenAPI -------------------------------------------------------------------------------------
 
 def openapi_document() -> dict[str, Any]:
@@ -669,13 +720,13 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
                     body = validate(parsed, op.body)
                 elif raw.strip() and raw.strip() not in (b"{}", b"null"):
                     raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
-                query = _parse_query(request, op.query)
+                query = _query_lists(request) if op.raw_query else _parse_query(request, op.query)
                 if_match = _if_match(request, body, op)
                 call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate,
                             if_match)
                 COMMITTED.set(None)
                 result = await op.handler(call)
-                resp = JSONResponse(result, status_code=op.status)
+                resp = result if isinstance(result, Response) else JSONResponse(result, status_code=op.status)
                 if isinstance(result, dict) and isinstance(result.get("row_version"), int):
                     resp.headers["etag"] = etag(result["row_version"])
                 committed = COMMITTED.get()

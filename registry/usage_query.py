@@ -35,12 +35,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import String, cast, func, literal, select, union_all
+from sqlalchemy import BigInteger, String, cast, func, literal, select, union_all
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.settings import Settings
 from registry.db import make_engine, resolve_url, session_factory
-from registry.errors import Invalid, RegistryError, database_unavailable
+from registry.errors import Invalid, NotFound, RegistryError, database_unavailable
 from registry.models import UsageBucket, UsageRollup
 
 WIDTHS: dict[str, tuple[str, int]] = {"1m": ("m", 60), "1h": ("h", 3600), "1d": ("d", 86400)}
@@ -96,10 +96,6 @@ class UsageQuery:
                sorted(self.versions), self.limit]
         return hashlib.sha256(orjson.dumps(key)).hexdigest()[:16]
 
-    def only_tenant(self, slug: str) -> UsageQuery:
-        """This query restricted to one tenant's rows (``GET /v1/usage``)."""
-        return replace(self, tenants=(slug,))
-
 
 # --- parsing -------------------------------------------------------------------------------------
 
@@ -131,9 +127,14 @@ def _int(params: Mapping[str, Iterable[str]], name: str, low: int, high: int) ->
     return value
 
 
-def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now: float | None = None) -> UsageQuery:
+def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now: float | None = None,
+                      tenant: str | None = None) -> UsageQuery:
     """A usage query from its parameters (name -> the values given, as strings), or a
-    ``BadUsageQuery`` (400) naming the first parameter that is wrong."""
+    ``BadUsageQuery`` (400) naming the first parameter that is wrong.
+
+    With ``tenant`` the query reads that tenant's rows only, whatever it asks: a ``tenants`` filter
+    naming any other tenant is the 404 of a tenant that does not exist (existing or not), and its
+    page tokens are bound to the restricted query."""
     unknown = sorted({k.removesuffix("[]") for k in params} - set(PARAMETERS))
     if unknown:
         raise _bad(unknown[0], f"unknown parameter {unknown[0]!r}; this query takes {', '.join(PARAMETERS)}",
@@ -164,6 +165,11 @@ def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now
             if len(v) > MAX_VALUE_CHARS:
                 raise _bad(name, f"{name} has a value over {MAX_VALUE_CHARS} characters")
         filters[name] = tuple(dict.fromkeys(values))
+    if tenant is not None:
+        other = next((t for t in filters["tenants"] if t != tenant), None)
+        if other is not None:
+            raise NotFound(f"Tenant '{other[:64]}' not found.", code="tenant_not_found", param="tenants")
+        filters["tenants"] = (tenant,)
     default, most = LIMITS[width]
     limit = _int(params, "limit", 1, most)
     q = UsageQuery(start - start % seconds, -(-end // seconds) * seconds, width,
@@ -229,6 +235,9 @@ def _sources(width: str, lo: int, hi: int, marks: dict[str, int]) -> list[tuple[
 
 
 def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: str) -> Any:
+    """One ``GROUP BY`` over the page's rows: per bucket and group, the sums, the ``ok`` requests and
+    the other outcomes' requests joined into one text (``_outcomes`` adds them up). Grouping by the
+    outcome too would sort every row again; this way a day of 100k tenants is one pass in key order."""
     code, seconds = WIDTHS[q.bucket_width]
     keys = [k for k in GROUP_KEYS if k in q.group_by]
     parts = []
@@ -245,25 +254,22 @@ def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: 
     if not parts:
         return None
     rows = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("rows")
-    inner_keys = [rows.c.b, *[rows.c[k] for k in keys if k != "outcome"], rows.c.outcome]
-    inner = (select(*inner_keys, func.sum(rows.c.requests).label("requests"),
-                    func.sum(rows.c.prompt_tokens).label("prompt"), func.sum(rows.c.cached_tokens).label("cached"),
-                    func.sum(rows.c.completion_tokens).label("completion"))
-             .group_by(*inner_keys).subquery("by_outcome"))
-    outer_keys = [inner.c.b, *[inner.c[k] for k in keys]]
-    item = inner.c.outcome + literal(_OUTCOME_SEP) + cast(inner.c.requests, String)
+    group = [rows.c.b, *[rows.c[k] for k in keys]]
+    item = rows.c.outcome + literal(_OUTCOME_SEP) + cast(rows.c.requests, String)
     joined = func.string_agg(item, literal(_ITEM_SEP)) if dialect == "postgresql" \
         else func.group_concat(item, literal(_ITEM_SEP))
-    return (select(*outer_keys, func.sum(inner.c.requests), func.sum(inner.c.prompt), func.sum(inner.c.cached),
-                   func.sum(inner.c.completion), joined)
-            .group_by(*outer_keys).order_by(*outer_keys).limit(q.max_rows + 1))
+    total = [cast(func.sum(c), BigInteger) for c in (rows.c.requests, rows.c.prompt_tokens, rows.c.cached_tokens,
+                                                      rows.c.completion_tokens)]
+    ok = cast(func.sum(rows.c.requests).filter(rows.c.outcome == "ok"), BigInteger)
+    return (select(*group, *total, ok, joined.filter(rows.c.outcome != "ok"))
+            .group_by(*group).order_by(*group).limit(q.max_rows + 1))
 
 
-def _outcomes(joined: str | None) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in (joined or "").split(_ITEM_SEP):
-        outcome, _, n = item.rpartition(_OUTCOME_SEP)
-        if outcome:
+def _outcomes(ok: int | None, joined: str | None) -> dict[str, int]:
+    out: dict[str, int] = {"ok": ok} if ok else {}
+    if joined:
+        for item in joined.split(_ITEM_SEP):
+            outcome, _, n = item.rpartition(_OUTCOME_SEP)
             out[outcome] = out.get(outcome, 0) + int(n)
     return out
 
@@ -283,13 +289,17 @@ async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
     keys = [k for k in GROUP_KEYS if k in q.group_by]
     by_bucket: dict[int, list[dict[str, Any]]] = {}
     n = len(keys)
-    for row in rows:
-        result = {"object": "organization.usage.completions.result", "input_tokens": int(row[n + 2]),
-                  "input_cached_tokens": int(row[n + 3]), "output_tokens": int(row[n + 4]),
-                  "num_model_requests": int(row[n + 1]), "outcomes": _outcomes(row[n + 5])}
-        for i, k in enumerate(keys):
-            result[k] = row[i + 1]
-        by_bucket.setdefault(int(row[0]), []).append(result)
+    kind = "organization.usage.completions.result"
+    for row in rows:  # a page may hold 100k results: plain indexing, no per-row helpers but the outcomes
+        result = {"object": kind, "input_tokens": row[n + 2], "input_cached_tokens": row[n + 3],
+                  "output_tokens": row[n + 4], "num_model_requests": row[n + 1],
+                  "outcomes": {"ok": row[n + 5]} if row[n + 6] is None else _outcomes(row[n + 5], row[n + 6])}
+        if n:
+            result.update(zip(keys, row[1:n + 1], strict=True))
+        bucket = by_bucket.get(row[0])
+        if bucket is None:
+            bucket = by_bucket[row[0]] = []
+        bucket.append(result)
     data = [{"object": "bucket", "start_time": b, "end_time": b + seconds, "results": by_bucket.get(b, [])}
             for b in range(lo, hi, seconds)]
     more = hi < q.end_time
@@ -317,8 +327,9 @@ class UsageReader:
             self._sessions = session_factory(self._engine)
         return self._sessions
 
-    def parse(self, params: Mapping[str, Iterable[str]]) -> UsageQuery:
-        return parse_usage_query(params, max_rows=self.settings.usage_query_max_rows)
+    def parse(self, params: Mapping[str, Iterable[str]], tenant: str) -> UsageQuery:
+        """The query of ``tenant``'s own rows (``parse_usage_query``)."""
+        return parse_usage_query(params, max_rows=self.settings.usage_query_max_rows, tenant=tenant)
 
     async def page(self, q: UsageQuery) -> dict[str, Any]:
         async with self._database(), self._session() as s:
