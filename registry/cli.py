@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from registry import usage_commands
 from registry.admin_client import (
     _json_arg,
     _percent_arg,
@@ -356,6 +357,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--since-version", type=int, help="only changes after this registry version")
     p.add_argument("--limit", type=int, default=50, help="at most this many entries (1-1000, default 50)")
     leaf(groups, "version", version, "print the registry version")
+    usage_commands.register(groups, leaf)
 
     lim = group("limits", "tune tenants' limits from the usage ledger")
     p = leaf(lim, "report", limits_report, "per tenant: limits, p99 and peak per minute, throttling, suggestions",
