@@ -3,8 +3,8 @@ was throttled and why, and a suggested limit per dimension with the reason in wo
 
     report = await limits_report(service, window="7d", sort="throttled")
 
-It reads the minute buckets (``usage_buckets`` width ``m``): one SQL pass sums them per
-(tenant, minute), streamed in tenant order, so only one tenant's minutes are in memory at a time;
+It reads the minute buckets (``usage_buckets`` width ``m``): one SQL statement sums them per
+(tenant, minute) and hands each tenant's minutes over as one row (the per-minute values as lists);
 the percentiles are computed here, in Python, over each tenant's series. That is one code path
 for PostgreSQL and SQLite (SQLite has no ``percentile_cont``), and the series of one tenant over a
 week is at most 10,080 numbers.
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import String, case, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from registry.errors import NotFound, RegistryError
@@ -183,39 +183,46 @@ def _is_429() -> Any:
 
 
 def _minutes_stmt(start: int, end: int, tenant: str | None) -> Any:
+    """Per tenant: its minutes with traffic, each one's tokens, requests and concurrency as a
+    comma-separated list (one row per tenant, not per minute: a week of 100k tenants' minutes
+    would be a billion rows to hand over one by one), and the minutes throttled, in all and per
+    limit. The per-minute sums happen in the inner query; the outer one only gathers them."""
     refused = _is_429()
     by_dim = {d: UsageBucket.outcome.in_([f"429:{r}" for r, dd in REASON_DIMENSION.items() if dd == d])
               for d in DIMENSIONS}
-    cols = [
-        UsageBucket.tenant, UsageBucket.start,
-        func.sum(case((refused, 0), else_=UsageBucket.prompt_tokens + UsageBucket.completion_tokens)),
-        func.sum(UsageBucket.requests), func.max(UsageBucket.peak_concurrent),
-        func.sum(case((refused, UsageBucket.requests), else_=0)),
-        *[func.sum(case((by_dim[d], UsageBucket.requests), else_=0)) for d in DIMENSIONS],
-    ]
-    stmt = select(*cols).where(UsageBucket.width == "m", UsageBucket.start >= start, UsageBucket.start < end)
+    per_minute = select(
+        UsageBucket.tenant.label("tenant"),
+        func.sum(case((refused, 0), else_=UsageBucket.prompt_tokens + UsageBucket.completion_tokens)).label("tokens"),
+        func.sum(UsageBucket.requests).label("requests"), func.max(UsageBucket.peak_concurrent).label("conc"),
+        func.sum(case((refused, UsageBucket.requests), else_=0)).label("refused"),
+        *[func.sum(case((by_dim[d], UsageBucket.requests), else_=0)).label(d) for d in DIMENSIONS],
+    ).where(UsageBucket.width == "m", UsageBucket.start >= start, UsageBucket.start < end)
     if tenant is not None:
-        stmt = stmt.where(UsageBucket.tenant == tenant)
-    return stmt.group_by(UsageBucket.tenant, UsageBucket.start).order_by(UsageBucket.tenant, UsageBucket.start)
+        per_minute = per_minute.where(UsageBucket.tenant == tenant)
+    m = (per_minute.group_by(UsageBucket.tenant, UsageBucket.start)
+         .having(func.sum(UsageBucket.requests) > 0).subquery())  # no request: no traffic
+
+    def listed(col: Any) -> Any:
+        return func.aggregate_strings(cast(col, String), ",")
+
+    def minutes_with(col: Any) -> Any:
+        return func.sum(case((col > 0, 1), else_=0))
+
+    return select(m.c.tenant, listed(m.c.tokens), listed(m.c.requests), listed(m.c.conc),
+                  minutes_with(m.c.refused), *[minutes_with(m.c[d]) for d in DIMENSIONS]).group_by(m.c.tenant)
+
+
+def _ints(listed: str | None) -> list[int]:
+    return [int(x) for x in listed.split(",")] if listed else []
 
 
 async def _tallies(s: AsyncSession, start: int, end: int, tenant: str | None) -> dict[str, _Tally]:
     out: dict[str, _Tally] = {}
-    result = await s.stream(_minutes_stmt(start, end, tenant).execution_options(yield_per=5000))
-    async for slug, _minute, tokens, requests, conc, refused, *by_dim in result:
-        if not requests:
-            continue  # a minute with no request is no traffic (the ledger writes none such)
-        t = out.get(slug)
-        if t is None:
-            t = out[slug] = _Tally()
-        t.tokens.append(int(tokens or 0))
-        t.requests.append(int(requests))
-        t.concurrency.append(int(conc or 0))
-        if refused:
-            t.throttled += 1
-        for d, n in zip(DIMENSIONS, by_dim, strict=True):
-            if n:
-                t.throttled_by[d] += 1
+    result = await s.stream(_minutes_stmt(start, end, tenant).execution_options(yield_per=1000))
+    async for part in result.partitions():
+        for slug, tokens, requests, conc, throttled, *by_dim in part:
+            out[slug] = _Tally(_ints(tokens), _ints(requests), _ints(conc), int(throttled),
+                               {d: int(n) for d, n in zip(DIMENSIONS, by_dim, strict=True)})
     return out
 
 
