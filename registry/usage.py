@@ -82,21 +82,35 @@ def _greatest(conn: AsyncConnection, a: Any, b: Any) -> Any:
     return func.greatest(a, b) if _dialect(conn) == "postgresql" else func.max(a, b)
 
 
-def _chunk(conn: AsyncConnection) -> int:
-    """Rows per multi-row insert: 11 parameters a row, under SQLite's 999 and PostgreSQL's 32767."""
-    return 1000 if _dialect(conn) == "postgresql" else 90
+_COLUMNS = (*_KEY, *_COUNTS, "peak_concurrent")
+_UPSERT = ("ON CONFLICT (width, start, tenant, alias, version, outcome) DO UPDATE SET "
+           + ", ".join(f"{c} = usage_buckets.{c} + excluded.{c}" for c in _COUNTS)
+           + ", peak_concurrent = {greatest}(usage_buckets.peak_concurrent, excluded.peak_concurrent)")
+_PG_ADD = text(
+    f"INSERT INTO usage_buckets ({', '.join(_COLUMNS)}) "
+    "SELECT * FROM unnest(CAST(:width AS varchar[]), CAST(:start AS bigint[]), CAST(:tenant AS varchar[]), "
+    "CAST(:alias AS varchar[]), CAST(:version AS varchar[]), CAST(:outcome AS varchar[]), "
+    "CAST(:requests AS bigint[]), CAST(:prompt_tokens AS bigint[]), CAST(:cached_tokens AS bigint[]), "
+    "CAST(:completion_tokens AS bigint[]), CAST(:peak_concurrent AS integer[])) "
+    + _UPSERT.format(greatest="GREATEST"))
+"""One statement for any number of rows, in the arrays' order (the rows' key order: the row locks
+are taken in it). A multi-row VALUES statement costs the gateway's loop about 0.25 ms a row to build."""
+_SQLITE_ADD = text(f"INSERT INTO usage_buckets ({', '.join(_COLUMNS)}) "
+                   f"VALUES ({', '.join(':' + c for c in _COLUMNS)}) " + _UPSERT.format(greatest="max"))
+"""One row, executed for every row (SQLite's own loop)."""
+_PG_BATCH = 50_000
 
 
-async def _add_rows(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+async def _add_rows(conn: AsyncConnection, rows: list[tuple[Any, ...]]) -> None:
     """Add ``rows`` (already in primary-key order) to their buckets: counts summed, peak the max."""
-    step = _chunk(conn)
-    for i in range(0, len(rows), step):
-        stmt = _insert(conn).values(rows[i:i + step])
-        ex = stmt.excluded
-        t = UsageBucket.__table__.c
-        sets: dict[str, Any] = {c: t[c] + ex[c] for c in _COUNTS}
-        sets["peak_concurrent"] = _greatest(conn, t.peak_concurrent, ex.peak_concurrent)
-        await conn.execute(stmt.on_conflict_do_update(index_elements=list(_KEY), set_=sets))
+    if not rows:
+        return
+    if _dialect(conn) != "postgresql":
+        await conn.execute(_SQLITE_ADD, [dict(zip(_COLUMNS, r, strict=True)) for r in rows])
+        return
+    for i in range(0, len(rows), _PG_BATCH):
+        part = rows[i:i + _PG_BATCH]
+        await conn.execute(_PG_ADD, {c: [r[j] for r in part] for j, c in enumerate(_COLUMNS)})
 
 
 async def _watermarks(conn: AsyncConnection, *, share: bool) -> dict[str, int] | None:
@@ -137,12 +151,8 @@ def _late(buckets: Iterable[Sequence[Any]], marks: dict[str, int]) -> dict[tuple
     return out
 
 
-def _as_rows(merged: dict[tuple[str, int, str, str, str, str], list[int]]) -> list[dict[str, Any]]:
-    rows = []
-    for k in sorted(merged):
-        c = merged[k]
-        rows.append(dict(zip(_KEY, k, strict=True)) | dict(zip((*_COUNTS, "peak_concurrent"), c, strict=True)))
-    return rows
+def _as_rows(merged: dict[tuple[str, int, str, str, str, str], list[int]]) -> list[tuple[Any, ...]]:
+    return [(*k, *merged[k]) for k in sorted(merged)]
 
 
 async def apply_flush(engine: AsyncEngine, gateway: str, seq: int, buckets: Sequence[Sequence[Any]],
