@@ -345,8 +345,9 @@ async def test_console_limits_view_and_apply(api):
     assert "tokens_per_min 10,000 → <strong>13,000</strong>" in html and "throttled in 42 minutes at 10,000" in html
     assert "No suggestion: too little data" in html and "<meter" in html
     form = re.search(r'<form class="inline apply" data-confirm="limits" data-slug="hot">(.*?)</form>', html, re.S)
-    fields = dict(re.findall(r'name="([^"]+)" value="([^"]+)"', form.group(1)))
-    assert fields == {"requests_per_min": "18", "tokens_per_min": "13000", "max_concurrent": "7"}
+    fields = {k: unescape(v) for k, v in re.findall(r'name="([^"]+)" value="([^"]+)"', form.group(1))}
+    assert fields == {"requests_per_min": "18", "tokens_per_min": "13000", "max_concurrent": "7",
+                      "back": "#limits?window=7d&sort=throttled"}
 
     r = await api.get("/console/view/limits", params={"sort": "headroom", "window": "24h"})
     assert re.findall(r'<tr data-tenant="([^"]+)"', r.text) == ["hot", "calm", "sparse", "free"]
@@ -359,6 +360,10 @@ async def test_console_limits_view_and_apply(api):
                       r'<td class="after">([^<]*)</td>', confirm.text)
     assert rows == [("requests_per_min", "600", "18"), ("tokens_per_min", "10000", "13000"),
                     ("max_concurrent", "16", "7")]
+    assert unescape(re.search(r'data-back="([^"]*)"', confirm.text).group(1)) == "#limits?window=7d&sort=throttled"
+    elsewhere = await api.get("/console/view/confirm", params={"action": "limits", "slug": "hot", **fields,
+                                                                "back": "https://evil.example/"})
+    assert unescape(re.search(r'data-back="([^"]*)"', elsewhere.text).group(1)) == "#tenant?slug=hot"
     call = json.loads(unescape(re.search(r'data-calls="([^"]*)"', confirm.text).group(1)))[0]
     assert call["method"] == "PATCH" and call["path"] == "/admin/tenants/hot/limits"
     r = await api.request(call["method"], call["path"].removeprefix("/admin"), json=call["body"],

@@ -232,6 +232,8 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
     b_path = f"{t_path}/bindings/{quote(alias, safe='')}"
     back = f"#tenant?slug={quote(slug, safe='')}"
     if action == "limits":
+        if q.get("back", "").startswith("#limits?"):  # applied from the limits report: back to it
+            back = q["back"]
         t = (await queries.tenant(service, slug))["tenant"]
         body: dict[str, Any] = {}
         for k in _LIMITS:
