@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from fractions import Fraction
 from html import unescape
 
 import httpx
@@ -227,8 +226,14 @@ async def test_bad_parameters_name_the_field(service):
         assert e.value.status == 400 and e.value.param == param, kwargs
 
 
-def test_keep_band_is_the_documented_one():
-    assert KEEP_BAND == (Fraction(11, 10), 3)
+async def test_a_reason_the_report_does_not_know_still_counts_as_throttled(service):
+    await service.create_tenant("odd")
+    await _insert(service, [_row("odd", END - 60, requests=4, prompt=10, peak=1),
+                            _row("odd", END - 60, "429:surge", requests=2), _row("odd", END - 120, "cancelled")])
+    odd = (await limits_report(service, now=NOW))["data"][0]
+    assert (odd["minutes"], odd["throttled_minutes"], odd["refused"]) == (2, 1, {"surge": 2})
+    assert all(x["throttled_minutes"] == 0 for x in odd["limits"].values())
+    assert odd["limits"]["requests_per_min"]["peak"] == 6 and odd["limits"]["tokens_per_min"]["peak"] == 10
 
 
 # --- admin API ---------------------------------------------------------------------------------
