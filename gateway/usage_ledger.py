@@ -198,6 +198,9 @@ class LedgerFlusher:
         except (FlushInDoubt, TimeoutError) as exc:
             log.warning("usage flush %d: commit outcome unknown (retried as it is): %s", seq, exc)
             return None
+        except Exception:  # not the database's answer: retried as it is, which can never add it twice
+            log.exception("usage flush %d failed (retried as it is)", seq)
+            return None
 
     async def flush(self) -> bool:
         """One flush round: True when nothing is left waiting."""
@@ -224,7 +227,11 @@ class LedgerFlusher:
             self.seq += 1
             seq, rows = self.seq, buckets(self.unsent)
             sent, self.unsent = self.unsent, {}
-            done = await self._try(seq, rows)
+            try:
+                done = await self._try(seq, rows)
+            except BaseException:  # cancelled (shutdown, drain's deadline): maybe mid-commit
+                self.in_doubt.append(_Flush(seq, rows, now))
+                raise
             if done is False:
                 merge(self.unsent, sent)  # buckets that arrived meanwhile are in the ledger, not here
                 failed = True

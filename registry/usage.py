@@ -228,14 +228,14 @@ async def _ensure_marks(conn: AsyncConnection) -> None:
                        .on_conflict_do_nothing())
 
 
-async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool:
+async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool | None:
     """Roll one hour (``width`` 'h', from minutes) or one day ('d', from hours) whose end is at
-    most ``limit``, and move its watermark in the same transaction. False: nothing to do (or
-    another process holds the advisory lock)."""
+    most ``limit``, and move its watermark in the same transaction. False: nothing to do; None:
+    another process holds the advisory lock."""
     size, source = (HOUR, "m") if width == "h" else (DAY, "h")
     async with engine.begin() as conn:
         if not await _lock(conn):
-            return False
+            return None
         # A write before any read: SQLite's write lock; PostgreSQL's row lock on the watermark,
         # which waits for the flushes holding it shared (their rows are then visible below).
         await conn.execute(update(UsageRollup).where(UsageRollup.width == width)
@@ -275,13 +275,19 @@ async def roll_up(engine: AsyncEngine, now: float | None = None, *, grace_s: int
     async with engine.begin() as conn:
         await _ensure_marks(conn)
     for _ in range(max_steps):
-        if not await _roll(engine, "h", now - grace_s):
+        rolled = await _roll(engine, "h", now - grace_s)
+        if not rolled:
+            done.skipped = rolled is None
+            if done.skipped:
+                return done
             break
         done.hours += 1
     async with engine.connect() as conn:
         marks = await _watermarks(conn, share=False)
     for _ in range(max_steps):
-        if marks is None or not await _roll(engine, "d", marks["h"]):
+        rolled = None if marks is None else await _roll(engine, "d", marks["h"])
+        if not rolled:
+            done.skipped = rolled is None and marks is not None
             break
         done.days += 1
     return done

@@ -209,3 +209,45 @@ async def test_last_flush_age_is_reported():
     age = float(next(line for line in text.splitlines()
                      if line.startswith("loraplex_gateway_usage_last_flush_age_seconds ")).split()[1])
     assert age < 5
+
+
+async def test_a_flush_cancelled_mid_write_is_kept_in_doubt_and_retried_once():
+    """Cancelled while writing (the shutdown's deadline): its commit may have happened, so its
+    rows are retried with the same seq, never re-sent under a new one."""
+    led, db = UsageLedger(Clock(1_700_000_000)), FakeDB()
+    started = asyncio.Event()
+
+    async def slow(gateway, seq, rows):
+        await db(gateway, seq, rows)  # applied, then the reply never comes
+        started.set()
+        await asyncio.sleep(60)
+
+    f = LedgerFlusher(led, slow, gateway="g")
+    led.record("a", "x", "", "ok", 5, 0, 5, 1)
+    task = asyncio.create_task(f.flush())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [x.seq for x in f.in_doubt] == [1] and f.pending == 1
+    f.write = db
+    assert await f.flush()
+    assert db.calls == [1, 1]
+    assert db.totals() == {(1_699_999_980, "a", "x", "", "ok"): [1, 5, 0, 5, 1]}
+
+
+async def test_a_writer_failing_unexpectedly_loses_nothing():
+    led, db = UsageLedger(Clock(1_700_000_000)), FakeDB()
+    calls = []
+
+    async def broken(gateway, seq, rows):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return await db(gateway, seq, rows)
+
+    f = LedgerFlusher(led, broken, gateway="g")
+    led.record("a", "x", "", "ok", 5, 0, 5, 1)
+    assert not await f.flush()
+    assert await f.flush()
+    assert calls == [1, 1] and len(db.totals()) == 1

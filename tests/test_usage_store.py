@@ -14,7 +14,7 @@ from gateway.usage_ledger import LedgerFlusher, UsageLedger
 from registry.db import make_engine
 from registry.migrate import upgrade_async
 from registry.models import UsageBucket, UsageFlush, UsageRollup
-from registry.usage import DAY, HOUR, FlushInDoubt, apply_flush, prune, roll_up, totals
+from registry.usage import ADVISORY_KEY, DAY, HOUR, FlushInDoubt, apply_flush, prune, roll_up, totals
 
 T0 = 1_700_000_000 - 1_700_000_000 % DAY  # a day's start (UTC)
 
@@ -200,3 +200,28 @@ async def test_pruning_keeps_what_is_not_rolled_up_and_the_days(engine):
     assert await _count(engine, UsageBucket, width="d") == 1  # days are kept
     total = _flat(await totals(engine, width="d", by=("tenant",)))
     assert total[("acme",)][0] == 6
+
+
+async def test_one_gateway_rolls_up_at_a_time_on_postgresql(pg_url):
+    """While another process holds the advisory lock a round does nothing; then it catches up."""
+    import asyncpg
+
+    await upgrade_async(pg_url)
+    eng = make_engine(pg_url)
+    try:
+        async with eng.begin() as conn:
+            for model in (UsageBucket, UsageFlush, UsageRollup):
+                await conn.execute(delete(model))
+        assert await apply_flush(eng, "g", 1, [row(T0 + 60)])
+        holder = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            await holder.execute("SELECT pg_advisory_lock($1)", ADVISORY_KEY)
+            busy = await roll_up(eng, T0 + DAY + HOUR)
+            assert busy.skipped and busy.hours == 0
+            await holder.execute("SELECT pg_advisory_unlock($1)", ADVISORY_KEY)
+        finally:
+            await holder.close()
+        done = await roll_up(eng, T0 + DAY + HOUR)
+        assert not done.skipped and done.hours == 1 and done.days == 1
+    finally:
+        await eng.dispose()
