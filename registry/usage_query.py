@@ -234,10 +234,11 @@ def _sources(width: str, lo: int, hi: int, marks: dict[str, int]) -> list[tuple[
     return [(code, a, b) for code, a, b in spans if a < b]
 
 
-def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: str) -> Any:
+def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: str, top: int | None = None) -> Any:
     """One ``GROUP BY`` over the page's rows: per bucket and group, the sums, the ``ok`` requests and
     the other outcomes' requests joined into one text (``_outcomes`` adds them up). Grouping by the
-    outcome too would sort every row again; this way a day of 100k tenants is one pass in key order."""
+    outcome too would sort every row again; this way a day of 100k tenants is one pass in key order.
+    With ``top``: per group over the whole of ``[lo, hi)``, the ``top`` with the most tokens."""
     code, seconds = WIDTHS[q.bucket_width]
     keys = [k for k in GROUP_KEYS if k in q.group_by]
     parts = []
@@ -254,15 +255,18 @@ def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: 
     if not parts:
         return None
     rows = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("rows")
-    group = [rows.c.b, *[rows.c[k] for k in keys]]
+    group = [*([] if top else [rows.c.b]), *[rows.c[k] for k in keys]]
     item = rows.c.outcome + literal(_OUTCOME_SEP) + cast(rows.c.requests, String)
     joined = func.string_agg(item, literal(_ITEM_SEP)) if dialect == "postgresql" \
         else func.group_concat(item, literal(_ITEM_SEP))
     total = [cast(func.sum(c), BigInteger) for c in (rows.c.requests, rows.c.prompt_tokens, rows.c.cached_tokens,
                                                       rows.c.completion_tokens)]
     ok = cast(func.sum(rows.c.requests).filter(rows.c.outcome == "ok"), BigInteger)
-    return (select(*group, *total, ok, joined.filter(rows.c.outcome != "ok"))
-            .group_by(*group).order_by(*group).limit(q.max_rows + 1))
+    stmt = select(*group, *total, ok, joined.filter(rows.c.outcome != "ok")).group_by(*group)
+    if top:
+        tokens = func.sum(rows.c.prompt_tokens) + func.sum(rows.c.completion_tokens)
+        return stmt.order_by(tokens.desc(), *group).limit(top)
+    return stmt.order_by(*group).limit(q.max_rows + 1)
 
 
 def _outcomes(ok: int | None, joined: str | None) -> dict[str, int]:
@@ -304,6 +308,24 @@ async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
             for b in range(lo, hi, seconds)]
     more = hi < q.end_time
     return {"object": "page", "data": data, "has_more": more, "next_page": _make_token(q, hi) if more else None}
+
+
+async def usage_totals(session: AsyncSession, q: UsageQuery, top: int) -> list[dict[str, Any]]:
+    """The window's sums per group of ``q.group_by`` (the whole window: one group without it), the
+    ``top`` groups with the most tokens (prompt + completion) first: the console's tables."""
+    stmt = _statement(q, q.start_time, q.end_time, await _watermarks(session), session.bind.dialect.name, top=top)
+    if stmt is None:
+        return []
+    keys = [k for k in GROUP_KEYS if k in q.group_by]
+    n = len(keys)
+    out = []
+    for row in (await session.execute(stmt)).all():
+        if row[n] is None:  # no group: the sums of no rows
+            continue
+        out.append({**dict(zip(keys, row[:n], strict=True)), "num_model_requests": row[n], "input_tokens": row[n + 1],
+                    "input_cached_tokens": row[n + 2], "output_tokens": row[n + 3],
+                    "outcomes": _outcomes(row[n + 4], row[n + 5])})
+    return out
 
 
 # --- the gateway's reader ------------------------------------------------------------------------

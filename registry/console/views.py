@@ -19,7 +19,7 @@ from loraplex.settings import Settings
 from loraplex.tokens import Principal, TokenError, Verifier, bearer
 from loraplex.wire import WorkerReport
 from registry.canary import DEFAULTS, validate_policy
-from registry.console import present, queries
+from registry.console import present, queries, usage_view
 from registry.errors import Conflict, Invalid, RegistryError
 from registry.records import _cache_scope
 from registry.service import RegistryService
@@ -212,10 +212,23 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         report = await limits_report(service, window=window, sort=sort)
         return render("limits.html", r=report, window=window, sort=sort, dims=list(UNITS.items()))
 
+    async def usage(request: Request, who: Principal) -> Response:
+        """The fleet's usage (``usage_view``): charts per bucket and the top tenants."""
+        window = arg(request, "window", 8)
+        return render("usage.html", **await usage_view.fleet_usage(
+            service, window if window in usage_view.WINDOWS else usage_view.DEFAULT_WINDOW))
+
+    async def tenant_usage(request: Request, who: Principal) -> Response:
+        """A tenant's usage: charts, by alias and version, outcomes."""
+        window = arg(request, "window", 8)
+        return render("tenant_usage.html", **await usage_view.tenant_usage(
+            service, arg(request, "slug"), window if window in usage_view.WINDOWS else usage_view.DEFAULT_WINDOW))
+
     VIEWS: dict[str, Callable[[Request, Principal], Awaitable[Response]]] = {
         "whoami": whoami, "tenants": tenants, "tenant": tenant, "adapters": adapters, "adapter": adapter,
         "fleet": fleet,
         "live": live, "audit": audit, "confirm": confirm, "limits": limits,
+        "usage": usage, "tenant_usage": tenant_usage,
     }
     return [Route("/console", shell, methods=["GET"]), Route("/console/static/{name}", static, methods=["GET"]),
             Route("/console/view/{page}", view, methods=["GET"])]
