@@ -67,6 +67,25 @@ def _traffic(url: str, settings: Settings, n: int = 3, model: str = "support", s
         assert r.status_code == 200, r.text
 
 
+def _usage(c: Console, admin: Admin) -> None:
+    """The usage pages once the gateway's ledger has flushed acme's traffic: the fleet's charts and
+    top tenants, then acme's own page from its row."""
+    deadline = time.monotonic() + 60  # the ledger is written every usage_flush_interval_s (10 s)
+    while not any(b["results"] for b in admin("GET", f"/usage?start_time={int(time.time()) - 86400}", None)["data"]):
+        assert time.monotonic() < deadline, "the usage ledger has no rows a minute after the traffic"
+        time.sleep(1)
+    fleet = c.go("#usage?window=24h", "usage")
+    assert fleet.find_elements(By.CSS_SELECTOR, "figure[data-usage-chart] svg rect title"), fleet.text
+    row = fleet.find_element(By.CSS_SELECTOR, "tr[data-tenant='acme']")
+    assert "ok" in row.find_element(By.CSS_SELECTOR, ".outcomes").text
+    c.shot("usage")
+    row.find_element(By.CSS_SELECTOR, "a").click()
+    page = c.page("tenant_usage")
+    assert page.find_elements(By.CSS_SELECTOR, "tr[data-alias='support']"), page.text
+    assert page.find_elements(By.CSS_SELECTOR, "tr[data-outcome='ok']"), page.text
+    c.shot("tenant-usage")
+
+
 def _operate(c: Console, subject: str) -> None:
     """The operator's round: limit, canary percent, rollback, each seen in the audit log."""
     c.go("#tenants", "tenants")
@@ -272,6 +291,7 @@ def test_the_console_on_the_embedded_default(embedded, browser):
     assert live.find_elements(By.CSS_SELECTOR, "figure[data-chart='requests'] svg path[data-version]")
     assert "no streamed requests" in live.find_element(By.CSS_SELECTOR, "tr[data-version='acme-uploaded@1']").text
     c.shot("live")
+    _usage(c, admin)
     _refusals(c, settings)
 
 
