@@ -346,11 +346,20 @@ class Totals:
     peak_concurrent: int = 0
 
 
-async def totals(engine: AsyncEngine, *, width: str = "m", by: Sequence[str] = ("tenant", "version"),
+async def totals(engine: AsyncEngine | str, *, width: str = "m", by: Sequence[str] = ("tenant", "version"),
                  start: int | None = None, end: int | None = None,
                  tenant: str | None = None) -> dict[tuple[str, ...], Totals]:
     """The ledger summed over ``width`` buckets in [start, end), grouped by the ``by`` columns
-    (any of tenant, alias, version, outcome): what a test compares with what clients received."""
+    (any of tenant, alias, version, outcome): what a test compares with what clients received.
+    ``engine`` may be a database URL (an engine is made for the call)."""
+    if isinstance(engine, str):
+        from registry.db import make_engine
+
+        own = make_engine(engine)
+        try:
+            return await totals(own, width=width, by=by, start=start, end=end, tenant=tenant)
+        finally:
+            await own.dispose()
     b = UsageBucket.__table__.c
     cols = [b[c] for c in by]
     q = select(*cols, func.sum(b.requests), func.sum(b.prompt_tokens), func.sum(b.cached_tokens),

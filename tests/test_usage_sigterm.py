@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from loraplex.tokens import mint
-from registry.db import make_engine
 from registry.service import RegistryService
 from registry.usage import totals
 from tests.e2e_cluster import Proc, free_port
@@ -97,13 +96,6 @@ def test_sigterm_writes_every_request_of_the_ledger(pg_url, tmp_path):
         finally:
             gw.kill()
 
-    async def read():
-        engine = make_engine(pg_url)
-        try:
-            return await totals(engine, by=("tenant", "version"))
-        finally:
-            await engine.dispose()
-
-    got = asyncio.run(read())
+    got = asyncio.run(totals(pg_url, by=("tenant", "version")))
     assert {k: [v.requests, v.prompt_tokens + v.completion_tokens] for k, v in got.items()} == {
         ("acme", version): received["acme"], ("globex", ""): received["globex"]}
