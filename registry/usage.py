@@ -48,7 +48,8 @@ _COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 class Bucket(NamedTuple):
-    """One minute's usage of one (tenant, alias, version, outcome), as a gateway flushes it."""
+    """One minute's usage of one (tenant, alias, version, outcome), as a gateway flushes it: the
+    field order of the plain tuples ``apply_flush`` takes (``gateway.usage_ledger.Row``)."""
 
     start: int
     tenant: str
