@@ -164,6 +164,8 @@ def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now
         for v in values:
             if len(v) > MAX_VALUE_CHARS:
                 raise _bad(name, f"{name} has a value over {MAX_VALUE_CHARS} characters")
+            if not v.isprintable():  # no name holds one, and PostgreSQL refuses a NUL outright
+                raise _bad(name, f"{name} has a value with a control character")
         filters[name] = tuple(dict.fromkeys(values))
     if tenant is not None:
         other = next((t for t in filters["tenants"] if t != tenant), None)

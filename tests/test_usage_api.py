@@ -153,6 +153,7 @@ async def test_admin_usage_pages(admin):
     ({"start_time": HOUR, "limit": 32}, "limit"),
     ({"start_time": HOUR, "page": "not-a-token"}, "page"),
     ({"start_time": HOUR, "models": "x"}, "models"),
+    ({"start_time": HOUR, "tenants": "ac\x00me"}, "tenants"),
 ])
 async def test_admin_usage_refuses_a_bad_parameter_with_a_400_naming_it(admin, params, param):
     _err(await admin.get("/usage", params=params), 400, param=param)

@@ -233,7 +233,7 @@ GOOD = {"start_time": [str(DAY0)], "end_time": [str(DAY0 + 86400)]}
     ("start_time", str(2**41)), ("end_time", str(DAY0 - 1)), ("end_time", "soon"),
     ("bucket_width", "1w"), ("bucket_width", "60"), ("group_by", "model"), ("group_by", "tenant,project_id"),
     ("limit", "0"), ("limit", "32"), ("limit", "x"), ("page", "garbage"), ("page", "e30"),
-    ("tenants", "x" * 201), ("project_ids", "p1"),
+    ("tenants", "x" * 201), ("aliases", "a\x00b"), ("versions", "v\n1"), ("project_ids", "p1"),
 ])
 def test_each_bad_parameter_is_a_400_naming_it(param, value):
     params = dict(GOOD)
