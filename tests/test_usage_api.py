@@ -268,14 +268,14 @@ async def test_v1_usage_answers_503_when_the_registry_database_is_down(tmp_path)
 
 # --- fuzz: any query string -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory):
+@pytest.fixture(scope="module", params=["postgresql", "sqlite"])
+def fuzzed(request, tmp_path_factory):
     import asyncio
 
     from starlette.testclient import TestClient
 
     tmp = tmp_path_factory.mktemp("usage-fuzz")
-    url = f"sqlite+aiosqlite:///{tmp}/registry.db"
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else f"sqlite+aiosqlite:///{tmp}/registry.db"
     asyncio.run(fresh_registry(url))
     asyncio.run(_ledger(url))
     settings = make_settings(tmp, url, usage_query_max_rows=50)
