@@ -174,7 +174,7 @@ class Call:
 
 B = "/admin/tenants/acme/bindings/support"
 CONSOLE_PAGES = {"tenants": "", "tenant": "?slug=acme", "adapters": "", "adapter": "?ref={adapter}", "audit": "",
-                 "confirm": "?action=disable&slug=acme"}
+                 "confirm": "?action=disable&slug=acme", "usage": "", "tenant_usage": "?slug=acme"}
 """The console's pages that read the registry, with their query."""
 CALLS: dict[str, list[Call]] = {
     # Public: the completions serve from the last snapshot; what reads the database answers 503.
@@ -198,6 +198,7 @@ CALLS: dict[str, list[Call]] = {
                                                          auth="user")],
     "GET /v1/models": [Call("GET", "/v1/models", expect=200, auth="user")],
     "GET /v1/models/{model:path}": [Call("GET", "/v1/models/support", expect=200, auth="user")],
+    "GET /v1/usage": [Call("GET", "/v1/usage", auth="user", query="?start_time=0&bucket_width=1d")],
     "GET /healthz": [Call("GET", "/healthz", expect=200, auth="")],
     "GET /readyz": [Call("GET", "/readyz", expect=200, auth="")],
     # Admin API: every operation reads or writes the database.
@@ -245,6 +246,7 @@ CALLS: dict[str, list[Call]] = {
     "POST /admin/tenants/{slug}/bindings/{alias}/disable": [Call("POST", B + "/disable", {"on_disabled": "base"})],
     "POST /admin/gc": [Call("POST", "/admin/gc", {})],
     "GET /admin/audit": [Call("GET", "/admin/audit")],
+    "GET /admin/usage": [Call("GET", "/admin/usage", query="?start_time=0&group_by=tenant")],
     # The console: its shell and assets are files; its pages read the registry.
     "GET /admin/console": [Call("GET", "/admin/console", expect=200)],
     "GET /admin/console/static/{name}": [Call("GET", "/admin/console/static/console.js", expect=200)],
