@@ -179,6 +179,8 @@ def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now
     token = _one(params, "page")
     if token:
         at, token_end = _read_token(token, q)
+        if token_end % seconds or not q.start_time < token_end <= MAX_TIME + seconds:
+            raise _bad("page", "page is not a page token of this API (give next_page as it came)")
         if _one(params, "end_time") is None:
             q = replace(q, end_time=token_end)  # "now" moved on since the first page: keep its window
         elif token_end != q.end_time:

@@ -5,10 +5,12 @@ buckets, each bad parameter a 400 naming it, and the row cap."""
 
 from __future__ import annotations
 
+import base64
 import random
 from collections import defaultdict
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import delete, insert
 
@@ -228,6 +230,12 @@ async def test_the_row_cap_refuses_a_page_too_large(sessions):
 GOOD = {"start_time": [str(DAY0)], "end_time": [str(DAY0 + 86400)]}
 
 
+def _forged(at: int, end: int) -> str:
+    """A page token of GOOD's query (no end_time given) with another bucket and end."""
+    q = parse_usage_query({"start_time": GOOD["start_time"]}, max_rows=10)
+    return base64.urlsafe_b64encode(orjson.dumps({"at": at, "end": end, "q": q.fingerprint()})).decode()
+
+
 @pytest.mark.parametrize("param,value", [
     ("start_time", None), ("start_time", "yesterday"), ("start_time", "-5"), ("start_time", "1.5"),
     ("start_time", str(2**41)), ("end_time", str(DAY0 - 1)), ("end_time", "soon"),
@@ -244,6 +252,17 @@ def test_each_bad_parameter_is_a_400_naming_it(param, value):
     with pytest.raises(BadUsageQuery) as err:
         parse_usage_query(params, max_rows=10)
     assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+@pytest.mark.parametrize("at,end", [(DAY0 + 86400, DAY0 + 86400 + 7), (DAY0 + 86400, DAY0 - 86400),
+                                    (DAY0 + 5, DAY0 + 2 * 86400), (DAY0 + 86400, 2**50)])
+def test_a_forged_page_token_is_a_400(at, end):
+    with pytest.raises(BadUsageQuery) as err:
+        parse_usage_query({"start_time": GOOD["start_time"], "page": [_forged(at, end)]}, max_rows=10)
+    assert err.value.param == "page"
+    ok = parse_usage_query({"start_time": GOOD["start_time"], "page": [_forged(DAY0 + 86400, DAY0 + 3 * 86400)]},
+                           max_rows=10)
+    assert (ok.page_start, ok.end_time) == (DAY0 + 86400, DAY0 + 3 * 86400)
 
 
 def test_limits_follow_the_width():
