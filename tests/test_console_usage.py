@@ -111,3 +111,15 @@ async def test_the_usage_pages_need_an_admin_token(console):
 
 def test_axis_labels_are_compact():
     assert [compact(n) for n in (0, 999, 1000, 1234567, 3.2e9)] == ["0", "999", "1k", "1.23M", "3.2G"]
+
+
+def test_a_weeks_tables_read_days_over_the_charts_window():
+    from registry.console.usage_view import _query
+
+    now = 1_796_640_000 + 34  # 2026-12-07 10:40:34 UTC
+    chart, table = _query("7d", now), _query("7d", now, table=True)
+    assert (chart.bucket_width, table.bucket_width) == ("1h", "1d")
+    assert (chart.start_time, chart.end_time) == (table.start_time, table.end_time) == (1_796_083_200, 1_796_688_000)
+    assert chart.limit == 168 and table.limit == 7
+    day = _query("24h", now, table=True)
+    assert (day.bucket_width, day.end_time - day.start_time, day.end_time) == ("1h", 86400, 1_796_641_200)

@@ -17,8 +17,11 @@ from typing import Any
 from registry.service import RegistryService
 from registry.usage_query import UsageQuery, parse_usage_query, read_usage, usage_totals
 
-WINDOWS: dict[str, tuple[int, str]] = {"24h": (86400, "1h"), "7d": (7 * 86400, "1h"), "30d": (30 * 86400, "1d")}
-"""The windows the pages offer -> (seconds, bucket width)."""
+WINDOWS: dict[str, tuple[int, str, str]] = {"24h": (86400, "1h", "1h"), "7d": (7 * 86400, "1h", "1d"),
+                                            "30d": (30 * 86400, "1d", "1d")}
+"""The windows the pages offer -> (seconds, the charts' bucket width, the tables' width). A window
+ends with the current bucket of the tables' width: 7 days are the last 7 UTC days, today's
+included, so its tables sum day rows where the rollup has made them, not every hour of a week."""
 DEFAULT_WINDOW = "7d"
 TOP = 20
 """Tenants on the fleet page, and aliases/versions on a tenant's, with the most tokens."""
@@ -104,13 +107,16 @@ def charts(buckets: list[dict[str, Any]], width: str) -> list[Chart]:
             _stack(buckets, OUTCOMES, lambda b: _bucket_sums(b)[1], f"requests per {per}, by outcome", width)]
 
 
-def _query(window: str, now: float, **params: list[str]) -> UsageQuery:
-    """The window's buckets up to the current one (one page: 24, 168 or 30 buckets)."""
-    seconds, width = WINDOWS[window]
-    step = {"1h": 3600, "1d": 86400}[width]
-    end = (int(now) // step + 1) * step
+STEP = {"1h": 3600, "1d": 86400}
+
+
+def _query(window: str, now: float, *, table: bool = False, **params: list[str]) -> UsageQuery:
+    """The window in buckets of the charts' width (one page: 24, 168 or 30), or of the tables' (``table``)."""
+    seconds, chart, coarse = WINDOWS[window]
+    width = coarse if table else chart
+    end = (int(now) // STEP[coarse] + 1) * STEP[coarse]
     return parse_usage_query({"start_time": [str(end - seconds)], "end_time": [str(end)], "bucket_width": [width],
-                              "limit": [str(seconds // step)], **params}, max_rows=10_000)
+                              "limit": [str(seconds // STEP[width])], **params}, max_rows=10_000)
 
 
 def _ok_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,8 +142,8 @@ async def fleet_usage(service: RegistryService, window: str, now: float | None =
     now = time.time() if now is None else now
     q = _query(window, now)
     buckets = await _buckets(service, q)
-    tenants = await service._read(lambda s: usage_totals(s, _query(window, now, group_by=["tenant"]), TOP))
-    total = await service._read(lambda s: usage_totals(s, q, 1))
+    tenants = await service._read(lambda s: usage_totals(s, _query(window, now, table=True, group_by=["tenant"]), TOP))
+    total = await service._read(lambda s: usage_totals(s, _query(window, now, table=True), 1))
     return {"window": window, "windows": list(WINDOWS), "charts": charts(buckets, q.bucket_width),
             "tenants": _ok_first(tenants), "total": total[0] if total else None, "top": TOP, **_span(q)}
 
@@ -149,10 +155,11 @@ async def tenant_usage(service: RegistryService, slug: str, window: str, now: fl
     only = {"tenants": [slug]}
     q = _query(window, now, **only)
     buckets = await _buckets(service, q)
-    versions = await service._read(lambda s: usage_totals(s, _query(window, now, group_by=["alias,version"], **only),
-                                                          TOP))
-    outcomes = await service._read(lambda s: usage_totals(s, _query(window, now, group_by=["outcome"], **only), 100))
-    total = await service._read(lambda s: usage_totals(s, q, 1))
+    versions = await service._read(lambda s: usage_totals(
+        s, _query(window, now, table=True, group_by=["alias,version"], **only), TOP))
+    outcomes = await service._read(lambda s: usage_totals(
+        s, _query(window, now, table=True, group_by=["outcome"], **only), 100))
+    total = await service._read(lambda s: usage_totals(s, _query(window, now, table=True, **only), 1))
     return {"slug": slug, "window": window, "windows": list(WINDOWS), "charts": charts(buckets, q.bucket_width),
             "versions": _ok_first(versions), "outcomes": sorted(outcomes, key=lambda r: (r["outcome"] != "ok", r["outcome"])),
             "total": total[0] if total else None, "top": TOP, **_span(q)}
