@@ -105,35 +105,44 @@ class BlockAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
-    def _take_any(self) -> int:
-        """A truly free block from the cursor on, else the least recently freed evictable one."""
+    def _evict(self, b: int) -> int:
+        """Drop an evictable block's key and hand it out as truly free (the caller takes it)."""
+        del self._evictable[b]
+        del self._block_of[self._key_of.pop(b)]
+        self.evictions += 1
+        self._num_free += 1  # counted back out by the caller, as for a truly free block
+        self._is_free[b] = 1
+        return b
+
+    def _take(self, nxt: int) -> int:
+        """The block a sequence grows into: ``nxt`` (the one after its last, ``-1``: none) when it
+        is truly free; else a truly free one from the cursor on; else, with none left, ``nxt`` if
+        it is evictable (the sequence stays one run), else the least recently freed evictable."""
         free = self._is_free
+        if 0 <= nxt < self.num_blocks and free[nxt]:
+            return nxt
         b = free.find(1, self._cursor)
         if b < 0:
             b = free.find(1)
         if b >= 0:
             self._cursor = b + 1
             return b
-        b, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._key_of.pop(b)]
-        self.evictions += 1
-        self._num_free += 1  # counted back out by the caller, as for a truly free block
-        free[b] = 1
-        return b
+        if nxt in self._evictable:
+            return self._evict(nxt)
+        return self._evict(next(iter(self._evictable)))
 
     def allocate(self, n: int, after: int | None = None, reserve: int = 0) -> list[int]:
         """``n`` blocks, each the one after the previous where it is free; the first after block
         ``after`` (a sequence's last), else at the cursor, which then skips ``reserve`` blocks in
         all from the first (the room the sequence may grow into). Evicts cached blocks only when
-        no truly free one is left."""
+        no truly free one is left (``_take``)."""
         if n > self.num_free:
             raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free} free")
         free = self._is_free
         out: list[int] = []
         prev = after
         for _ in range(n):
-            nxt = prev + 1 if prev is not None else -1
-            b = nxt if 0 <= nxt < self.num_blocks and free[nxt] else self._take_any()
+            b = self._take(prev + 1 if prev is not None else -1)
             free[b] = 0
             self._num_free -= 1
             out.append(b)

@@ -181,13 +181,23 @@ class Scheduler:
             seq.block_keys = block_hashes(seq.cache_root or b"", seq.all_token_ids[:blocks * bs], bs, seq.block_keys)
         return seq.block_keys[:blocks]
 
-    def _cached(self, seq: Sequence) -> tuple[list[int], None, int]:
+    def _cached(self, seq: Sequence) -> tuple[list[int], int | None, int]:
         """``(cached blocks to hold, None, tokens they cover)``: the longest cached chain of the
         sequence's full blocks, short of its last token."""
         if not self.prefix_cache or seq.cache_root is None:
             return [], None, 0
         blocks = self.allocator.lookup(self._keys(seq, (seq.num_tokens - 1) // self.allocator.block_size))
         return blocks, None, len(blocks) * self.allocator.block_size
+
+    def _uncached_prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of the full prompt blocks a running sequence has still to compute: a waiting
+        sequence whose next block is among them waits a step or more and then finds it cached,
+        instead of computing the same block beside it (a burst of one system prompt computes it
+        once, not once per request)."""
+        if not self.prefix_cache or seq.cache_root is None:
+            return []
+        full = len(seq.prompt_ids) // self.allocator.block_size
+        return self._keys(seq, full)[seq.num_keyed:] if seq.num_keyed < full else []
 
     def cache_computed(self, seq: Sequence) -> None:
         """Key the blocks the sequence filled since the last call (after a step computed them)."""
@@ -264,6 +274,7 @@ class Scheduler:
         waiting = [e[2] for e in self.waiting]
         candidates = order(waiting, list(self.running)) if order is not None and waiting else waiting
         admitted: set[int] = set()
+        computing: set[bytes] | None = None
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -272,6 +283,13 @@ class Scheduler:
                 prefix = self._prefix(seq)
                 if prefix is None and not seq.share_from.is_finished:
                     continue  # its parent's prompt is not computed yet
+            cached = self._cached(seq) if prefix is None else None
+            if cached is not None and seq.cache_root is not None and self.prefix_cache:
+                if computing is None:
+                    computing = {k for r in self.running for k in self._uncached_prompt_keys(r)}
+                nxt = len(cached[0])
+                if nxt < (seq.num_tokens - 1) // alloc.block_size and seq.block_keys[nxt] in computing:
+                    continue  # a running sequence is computing its next block: it waits to reuse it
             try:
                 admit = self.policy.admit(seq, chosen)
             except Exception as exc:  # fails this request, not the step
@@ -289,7 +307,7 @@ class Scheduler:
                 seq.status = SeqStatus.FINISHED
                 out.failed.append(seq)
                 continue
-            shared, partial, start = prefix if prefix is not None else self._cached(seq)
+            shared, partial, start = prefix or cached or ([], None, 0)
             n = min(seq.num_tokens - start, budget)
             need = alloc.blocks_for(start + n) - len(shared)
             if not alloc.can_allocate(need + alloc.evictable_among(shared)):
@@ -305,6 +323,8 @@ class Scheduler:
                 out.copies.append((partial, seq.block_table[len(shared)]))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if computing is not None:
+                computing.update(self._uncached_prompt_keys(seq))
             out.chunks.append((seq, n))
             chosen.append(seq)
             budget -= n

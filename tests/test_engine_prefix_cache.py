@@ -314,3 +314,28 @@ def test_pool_is_sized_from_the_machine_unless_set(tmp_path: Path):
     assert resolve_kv_cache_bytes(123 << 20, torch.device("cpu")) == (123 << 20, "kv_cache_bytes set")
     n, why = resolve_kv_cache_bytes(0, torch.device("cpu"))
     assert CPU_FLOOR <= n <= CPU_CAP and why.startswith("auto:")
+
+
+def test_a_burst_of_one_prompt_computes_it_once(world):
+    """Requests that arrive together with one system prompt: the first computes its blocks, the
+    others wait for them instead of computing them beside it, and every answer stays exact."""
+    engine = _engine(world, max_num_batched_tokens=4096)
+    tokens = 0
+    forward = engine.model.forward
+
+    def counting(ctx: Any, cache: Any) -> torch.Tensor:
+        nonlocal tokens
+        tokens += int(ctx.input_ids.numel())
+        return forward(ctx, cache)
+
+    engine.model.forward = counting
+    rec = Recorder()
+    rec.install(engine)
+    rows = [("r8_all", [*SYSTEM, *_tokens(4, 400 + i)]) for i in range(4)]
+    seqs = _submit(engine, world, rows)
+    run_to_completion(engine, [s for _, _, s in seqs])
+    assert [s.cached_tokens for _, _, s in seqs] == [0, 32, 32, 32]
+    prompt_tokens = sum(len(p) for _, p in rows)
+    assert tokens == prompt_tokens - 3 * 32 + 4 * (NEW - 1)
+    assert _mismatches(world, seqs, rec) == []
+    engine.lora_runtime.manager.close()
