@@ -206,16 +206,15 @@ def conversations(server: GatewayServer, args: argparse.Namespace) -> dict[str, 
 # --- the run -------------------------------------------------------------------------------------
 
 def vllm_client_runs(label: str, args: argparse.Namespace, url: str, token: str, base_model: str,
-                     loras: list[str] | None, hf: Path, tmp: Path) -> dict[str, dict[str, Any]]:
+                     loras: list[str] | None, hf: Path, tmp: Path, base: bool = True) -> dict[str, dict[str, Any]]:
     """vLLM's own client (``bench/vllm_client.py``) over the prefix cases this server serves now:
-    ``prefix/base`` always, ``prefix/4`` when ``loras`` names its adapters (``None``: a server
-    started without LoRA; ``[]``: skip the base case, the server serves adapters only)."""
+    ``prefix/base`` unless ``base`` is False, ``prefix/4`` when ``loras`` names its adapters."""
     from vllm_client import prefix_repetition
     from vllm_greedy import vllm_python
 
     python = vllm_python(args.vllm_python)
     out = {}
-    plan = ([] if loras == [] else [("prefix/base", None)]) + ([("prefix/4", loras)] if loras else [])
+    plan = ([("prefix/base", None)] if base else []) + ([("prefix/4", loras)] if loras else [])
     for case, names in plan:
         r = prefix_repetition(python, base_url=url, model=base_model, tokenizer=hf, token=token, loras=names,
                               out=tmp / f"vllm-client-{label}-{case.replace('/', '-')}.json",
@@ -295,7 +294,8 @@ def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path
             try:
                 server.wait_ready(900)
                 runs.update(vllm_client_runs("vllm", args, server.url, "", "base",
-                                             [f"a{i:03d}" for i in range(len(dirs))] if lora else None, hf, tmp))
+                                             [f"a{i:03d}" for i in range(len(dirs))] if lora else None, hf, tmp,
+                                             base=not lora))
             finally:
                 server.stop()
         out["vllm_client"] = runs
