@@ -174,7 +174,7 @@ class Call:
 
 B = "/admin/tenants/acme/bindings/support"
 CONSOLE_PAGES = {"tenants": "", "tenant": "?slug=acme", "adapters": "", "adapter": "?ref={adapter}", "audit": "",
-                 "confirm": "?action=disable&slug=acme", "usage": "", "tenant_usage": "?slug=acme"}
+                 "confirm": "?action=disable&slug=acme", "usage": "", "tenant_usage": "?slug=acme", "limits": ""}
 """The console's pages that read the registry, with their query."""
 CALLS: dict[str, list[Call]] = {
     # Public: the completions serve from the last snapshot; what reads the database answers 503.
@@ -212,6 +212,7 @@ CALLS: dict[str, list[Call]] = {
     "POST /admin/tenants/{slug}/disable": [Call("POST", "/admin/tenants/acme/disable")],
     "POST /admin/tenants/{slug}/enable": [Call("POST", "/admin/tenants/acme/enable")],
     "PATCH /admin/tenants/{slug}/limits": [Call("PATCH", "/admin/tenants/acme/limits", {"max_concurrent": 5})],
+    "PUT /admin/tenants/{slug}/cache-scope": [Call("PUT", "/admin/tenants/acme/cache-scope", {"cache_scope": "group"})],
     "GET /admin/base-models": [Call("GET", "/admin/base-models")],
     "POST /admin/base-models": [Call("POST", "/admin/base-models", {
         "name": "other", "revision": "r", "architecture": TINY.architecture, "hidden_size": TINY.hidden_size,
@@ -247,6 +248,7 @@ CALLS: dict[str, list[Call]] = {
     "POST /admin/gc": [Call("POST", "/admin/gc", {})],
     "GET /admin/audit": [Call("GET", "/admin/audit")],
     "GET /admin/usage": [Call("GET", "/admin/usage", query="?start_time=0&group_by=tenant")],
+    "GET /admin/limits/report": [Call("GET", "/admin/limits/report", query="?window=7d")],
     # The console: its shell and assets are files; its pages read the registry.
     "GET /admin/console": [Call("GET", "/admin/console", expect=200)],
     "GET /admin/console/static/{name}": [Call("GET", "/admin/console/static/console.js", expect=200)],
