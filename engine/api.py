@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.engine import Engine, PromptTooLongError
 from engine.grammar import GrammarError
 from engine.internal_api import internal_routes
-from engine.metrics import WorkerMetrics
+from engine.metrics import WorkerMetrics, adapter_metric_label
 from engine.protocol import (
     GenerationRequest,
     RequestError,
@@ -183,7 +183,8 @@ class Generation:
             return
         self.prompt_counted = True
         if self.state.metrics is not None:
-            self.state.metrics.observe_prompt(self.adapter_label, len(self.req.prompt_ids), self.seq.cached_tokens)
+            self.state.metrics.observe_prompt(adapter_metric_label(self.req.ext.adapter), len(self.req.prompt_ids),
+                                              self.seq.cached_tokens)
 
     def _abort(self) -> None:
         for seq in self.seqs:

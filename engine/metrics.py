@@ -20,9 +20,10 @@ Adapter tiers (with LoRA on; every series carries ``worker``):
 * ``loraplex_worker_time_to_first_token_seconds{cache}``: ``warm`` (adapter on device or in
   host memory at arrival), ``cold`` (had to be loaded), ``base`` (no adapter).
 
-Prefix cache, per adapter (``adapter``: the version's ``name@version`` as the gateway labels it,
-or ``base``; at most ``MAX_ADAPTER_LABELS`` values, later ones ``other``, as the gateway caps its
-labels): ``loraplex_worker_adapter_prompt_tokens_total`` (prompt tokens of requests that produced
+Prefix cache, per adapter (``adapter``: ``adapter_metric_label``, the first 12 hex digits of the
+version's digest, or ``base``: the worker's ``/metrics`` is open and names no tenant or adapter, and
+the registry maps a digest back to its version; at most ``MAX_ADAPTER_LABELS`` values, later ones
+``other``, as the gateway caps its labels): ``loraplex_worker_adapter_prompt_tokens_total`` (prompt tokens of requests that produced
 a first token) and ``loraplex_worker_adapter_cached_prompt_tokens_total`` (those whose KV came from
 the prefix cache): the hit ratio is cached / prompt.
 
@@ -39,10 +40,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplex.label_cap import LabelCap
+from loraplex.wire import AdapterRef
 
 MAX_ADAPTER_LABELS = 500
 """Distinct ``adapter`` label values one worker exports (the gateway's default cap too)."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def adapter_metric_label(adapter: AdapterRef | None) -> str:
+    """The worker's label of an adapter version: its digest's first 12 hex digits (its registry id where
+    a caller sent no digest), ``base`` for none. Never the name, which carries the tenant's words."""
+    if adapter is None:
+        return "base"
+    return f"sha256:{adapter.sha256[:12]}" if adapter.sha256 else f"id:{adapter.id[:36]}"
 
 
 class WorkerMetrics:
