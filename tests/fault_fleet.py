@@ -122,6 +122,8 @@ class Outcome:
     code: str = ""
     """The error code (an error body's, or a stream's error event's)."""
     worker: str = ""
+    adapter: str = ""
+    """The adapter version that answered (``x-loraplex-adapter``: its label; the base model's name)."""
     retry_after: str | None = None
     head_at: float | None = None
     first_at: float | None = None
@@ -174,6 +176,7 @@ async def request(client: httpx.AsyncClient, load: Load, url: str, token: str, b
                 o.head_at = time.monotonic()
                 o.status = r.status_code
                 o.worker = r.headers.get("x-loraplex-worker", "")
+                o.adapter = r.headers.get("x-loraplex-adapter", "")
                 o.retry_after = r.headers.get("retry-after")
                 if r.status_code != 200 or not stream:
                     raw = await r.aread()
