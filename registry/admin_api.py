@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -232,11 +231,11 @@ async def _version(c: Call) -> Any:
 
 
 async def _usage(c: Call) -> Any:
-    from registry.usage_query import parse_usage_query, read_usage
+    from registry.usage_query import parse_usage_query, read_usage_json
 
     q = parse_usage_query(c.query, max_rows=c.service.settings.usage_query_max_rows)
-    page = await c.service._read(lambda s: read_usage(s, q))
-    return Response(orjson.dumps(page), media_type="application/json")  # a page may hold 100k results
+    page = await c.service._read(lambda s: read_usage_json(s, q))  # a page may hold 100k results: as JSON
+    return Response(page, media_type="application/json")
 
 
 USAGE_LIST = {"type": "array", "items": STR, "description": "repeat the parameter, or separate values by commas"}

@@ -13,10 +13,11 @@ A query is complete whatever the rollup has reached: the ledger keeps minutes, h
 and ``usage_rollups`` says up to where each coarser width is complete. Before that watermark a
 bucket is read from the coarse rows, after it from the finer ones summed in the database; the
 watermarks are read first, in the same session, and only grow (the finer rows they cover stay
-until pruned, long after), so no bucket is read twice or missed. Everything is summed by one
-``GROUP BY`` in the database (the page's rows by ``(width, start)``, or a tenant's by
-``(width, tenant, start)``), and at most ``max_rows`` results come back: a page that would hold more
-is refused with a 400 that says how to narrow it.
+until pruned, long after), so no bucket is read twice or missed. Everything is summed in the
+database (the page's rows by ``(width, start)``, or a tenant's by ``(width, tenant, start)``), and
+at most ``max_rows`` results come back: a page that would hold more is refused with a 400 that says
+how to narrow it. On PostgreSQL the database also writes the page's results as JSON
+(``read_usage_json``, what ``GET /admin/usage`` answers with); on SQLite they are built here.
 
 ``UsageReader`` is the gateway's way in (``GET /v1/usage``): its own small pool on the registry
 database, every failure a ``registry.errors.Unavailable`` (503 with ``retry-after``).
@@ -35,7 +36,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import BigInteger, String, cast, func, literal, select, union_all
+from sqlalchemy import BigInteger, String, Text, cast, func, literal, literal_column, select, union_all
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.settings import Settings
@@ -215,6 +217,7 @@ def _read_token(token: str, q: UsageQuery) -> tuple[int, int]:
 # --- reading -------------------------------------------------------------------------------------
 
 _UB = UsageBucket.__table__
+_KIND = "organization.usage.completions.result"
 _COARSER = {"h": "m", "d": "h"}
 
 
@@ -238,6 +241,16 @@ def _sources(width: str, lo: int, hi: int, marks: dict[str, int]) -> list[tuple[
     return [(code, a, b) for code, a, b in spans if a < b]
 
 
+def _where(q: UsageQuery, source: str, a: int, b: int) -> list[Any]:
+    """The rows of width ``source`` from ``a`` until ``b`` that the query's filters let through."""
+    where = [_UB.c.width == source, _UB.c.start >= a, _UB.c.start < b]
+    for name, column in FILTERS.items():
+        values = getattr(q, name)
+        if values:
+            where.append(_UB.c[column].in_(values) if len(values) > 1 else _UB.c[column] == values[0])
+    return where
+
+
 def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: str, top: int | None = None) -> Any:
     """One ``GROUP BY`` over the page's rows: per bucket and group, the sums, the ``ok`` requests and
     the other outcomes' requests joined into one text (``_outcomes`` adds them up). Grouping by the
@@ -248,14 +261,9 @@ def _statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int], dialect: 
     parts = []
     for source, a, b in _sources(code, lo, hi, marks):
         bucket = _UB.c.start if source == code else _UB.c.start - _UB.c.start % seconds
-        where = [_UB.c.width == source, _UB.c.start >= a, _UB.c.start < b]
-        for name, column in FILTERS.items():
-            values = getattr(q, name)
-            if values:
-                where.append(_UB.c[column].in_(values) if len(values) > 1 else _UB.c[column] == values[0])
         parts.append(select(bucket.label("b"), *[_UB.c[k] for k in keys if k != "outcome"], _UB.c.outcome,
                             _UB.c.requests, _UB.c.prompt_tokens, _UB.c.cached_tokens, _UB.c.completion_tokens)
-                     .where(*where))
+                     .where(*_where(q, source, a, b)))
     if not parts:
         return None
     rows = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("rows")
@@ -282,22 +290,106 @@ def _outcomes(ok: int | None, joined: str | None) -> dict[str, int]:
     return out
 
 
+def _too_many(q: UsageQuery) -> BadUsageQuery:
+    return _bad(None, f"this page would hold more than {q.max_rows:,} results (usage_query_max_rows): narrow it "
+                      f"with a shorter window, a smaller limit, fewer group_by keys or a tenants/aliases/versions "
+                      f"filter", code="too_many_rows")
+
+
+def _page_span(q: UsageQuery) -> tuple[int, int]:
+    """The page's buckets: ``[lo, hi)``."""
+    lo = q.page_start if q.page_start is not None else q.start_time
+    return lo, min(q.end_time, lo + q.limit * q.seconds)
+
+
+def _page(q: UsageQuery, lo: int, hi: int, by_bucket: Mapping[int, Any], empty: Any) -> dict[str, Any]:
+    seconds = q.seconds
+    data = [{"object": "bucket", "start_time": b, "end_time": b + seconds, "results": by_bucket.get(b, empty)}
+            for b in range(lo, hi, seconds)]
+    more = hi < q.end_time
+    return {"object": "page", "data": data, "has_more": more, "next_page": _make_token(q, hi) if more else None}
+
+
+def _json_statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> Any:
+    """PostgreSQL builds the page's results as JSON text, one row per bucket: ``(start, results,
+    the results' JSON array items joined by commas)``. A page of 100k results (a day by tenant) is
+    then one string to the gateway, whose event loop spends some 25 ms on it instead of the 0.3-0.4 s
+    that decoding 100k rows and building and encoding their dicts took; the database's own work
+    (about 0.4 s for 100k tenants on two cores) is the wall time either way. The sums of each group
+    and outcome first, then each group's object with its outcomes, then each bucket's array of them
+    in group order; at most ``max_rows + 1`` groups are built."""
+    code, seconds = WIDTHS[q.bucket_width]
+    keys = [k for k in GROUP_KEYS if k in q.group_by]
+    plain = [k for k in keys if k != "outcome"]
+    counts = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+    parts = []
+    for source, a, b in _sources(code, lo, hi, marks):
+        bucket = _UB.c.start if source == code else _UB.c.start - _UB.c.start % seconds
+        parts.append(select(bucket.label("b"), *[_UB.c[k] for k in plain], _UB.c.outcome,
+                            *[_UB.c[c] for c in counts]).where(*_where(q, source, a, b)))
+    if not parts:
+        return None
+    rows = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("rows")
+    by_outcome = [rows.c.b, *[rows.c[k] for k in plain], rows.c.outcome]
+    one = select(*by_outcome, *[func.sum(rows.c[c]).label(c) for c in counts]).group_by(*by_outcome).subquery("one")
+
+    def total(c: str) -> Any:
+        return cast(cast(func.sum(one.c[c]), BigInteger), Text)
+
+    def text(sql: str) -> Any:  # a constant of this module, never a value from the request
+        return literal_column(sql, Text)
+
+    item = (text(f"""'{{"object":"{_KIND}","input_tokens":'""") + total("prompt_tokens")
+            + text("""',"input_cached_tokens":'""") + total("cached_tokens")
+            + text("""',"output_tokens":'""") + total("completion_tokens")
+            + text("""',"num_model_requests":'""") + total("requests")
+            + text("""',"outcomes":'""")
+            + cast(func.json_object_agg(one.c.outcome, cast(one.c.requests, BigInteger)), Text))
+    for k in keys:  # a name is quoted by the database's own JSON encoder
+        item = item + text(f"""',"{k}":'""") + cast(func.to_json(one.c[k]), Text)
+    item = item + text("'}'")
+    group = [one.c.b, *[one.c[k] for k in keys]]
+    two = select(*group, item.label("item")).group_by(*group).order_by(*group).limit(q.max_rows + 1).subquery("two")
+    order = [two.c[k] for k in keys]
+    comma = literal_column("','")
+    joined = func.string_agg(two.c.item, aggregate_order_by(comma, *order) if order else comma)
+    return select(two.c.b, func.count(), joined).group_by(two.c.b)
+
+
+async def read_usage_json(session: AsyncSession, q: UsageQuery) -> bytes:
+    """``read_usage``'s page as the JSON the API answers with: on PostgreSQL built by the database
+    (``_json_statement``), elsewhere encoded from ``read_usage``'s."""
+    if session.bind.dialect.name != "postgresql":
+        return orjson.dumps(await _read_rows(session, q))
+    lo, hi = _page_span(q)
+    stmt = _json_statement(q, lo, hi, await _watermarks(session))
+    rows = (await session.execute(stmt)).all() if stmt is not None else []
+    if sum(n for _, n, _ in rows) > q.max_rows:
+        raise _too_many(q)
+    by_bucket = {b: orjson.Fragment(b"[" + items.encode() + b"]") for b, _, items in rows}
+    return orjson.dumps(_page(q, lo, hi, by_bucket, orjson.Fragment(b"[]")))
+
+
 async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
     """One page of the query's buckets (``{"object": "page", "data", "has_more", "next_page"}``)."""
-    seconds = q.seconds
-    lo = q.page_start if q.page_start is not None else q.start_time
-    hi = min(q.end_time, lo + q.limit * seconds)
+    if session.bind.dialect.name == "postgresql":
+        page: dict[str, Any] = orjson.loads(await read_usage_json(session, q))
+        return page
+    return await _read_rows(session, q)
+
+
+async def _read_rows(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
+    """The page from the grouped rows, built in Python (SQLite: its aggregates keep no order)."""
+    lo, hi = _page_span(q)
     marks = await _watermarks(session)
     stmt = _statement(q, lo, hi, marks, session.bind.dialect.name)
     rows = (await session.execute(stmt)).all() if stmt is not None else []
     if len(rows) > q.max_rows:
-        raise _bad(None, f"this page would hold more than {q.max_rows:,} results (usage_query_max_rows): narrow it "
-                         f"with a shorter window, a smaller limit, fewer group_by keys or a tenants/aliases/versions "
-                         f"filter", code="too_many_rows")
+        raise _too_many(q)
     keys = [k for k in GROUP_KEYS if k in q.group_by]
     by_bucket: dict[int, list[dict[str, Any]]] = {}
     n = len(keys)
-    kind = "organization.usage.completions.result"
+    kind = _KIND
     for row in rows:  # a page may hold 100k results: plain indexing, no per-row helpers but the outcomes
         result = {"object": kind, "input_tokens": row[n + 2], "input_cached_tokens": row[n + 3],
                   "output_tokens": row[n + 4], "num_model_requests": row[n + 1],
@@ -308,10 +400,7 @@ async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
         if bucket is None:
             bucket = by_bucket[row[0]] = []
         bucket.append(result)
-    data = [{"object": "bucket", "start_time": b, "end_time": b + seconds, "results": by_bucket.get(b, [])}
-            for b in range(lo, hi, seconds)]
-    more = hi < q.end_time
-    return {"object": "page", "data": data, "has_more": more, "next_page": _make_token(q, hi) if more else None}
+    return _page(q, lo, hi, by_bucket, [])
 
 
 async def usage_totals(session: AsyncSession, q: UsageQuery, top: int) -> list[dict[str, Any]]:
