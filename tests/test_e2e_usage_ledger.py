@@ -338,7 +338,7 @@ def _summary(want: dict[Key, list[int]]) -> str:
 def test_ledger_equals_what_clients_received(fleet):
     before = _at_rest(fleet)
     traffic = Traffic(fleet, fleet.up(), fleet.up())
-    asyncio.run(traffic.run(seconds=8.0))
+    asyncio.run(traffic.run(seconds=6.0))
     _check_mix(traffic)
     want, _ = _expected(fleet, traffic)
     got = _settled_ledger(fleet, before, want)
@@ -370,13 +370,13 @@ def test_sigterm_mid_load_loses_nothing(fleet):
     signalled: list[float] = []
 
     async def stop_victim() -> None:
-        await _when_streaming(traffic, victim, 4.0)
+        await _when_streaming(traffic, victim, 2.0)
         traffic.live.remove(victim)
         traffic.cancel_on.remove(victim)
         await asyncio.sleep(0.3)  # requests already sent to it reach it (a load balancer's preStop)
         victim.send_signal(signal.SIGTERM)
         signalled.append(time.monotonic())
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(2.0)
 
     try:
         asyncio.run(traffic.run(stop_victim))
@@ -401,14 +401,14 @@ def test_sigkill_mid_load_is_short_by_at_most_the_last_interval(fleet):
     killed: list[float] = []
 
     async def kill_victim() -> None:
-        await _when_streaming(traffic, victim, 5.0)
+        await _when_streaming(traffic, victim, 2.0)
         traffic.live.remove(victim)
         age = await asyncio.to_thread(gauge, metrics_url(victim), "loraplex_gateway_usage_last_flush_age_seconds")
         at = time.monotonic()
         victim.kill(signal.SIGKILL)
         assert age is not None and age <= 2 * FLUSH_INTERVAL_S + FLUSH_TAKES_S, f"the victim's last flush: {age} s ago"
         killed.append(at - age - FLUSH_TAKES_S)
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(2.0)
 
     try:
         asyncio.run(traffic.run(kill_victim))
