@@ -72,3 +72,35 @@ def make_engine(url: str, *, statement_timeout_s: float | None = 30.0, **kwargs:
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+class LazyDatabase:
+    """The registry database for a gateway-side store (stored Responses, the usage ledger, usage
+    reads): a pool of its own opened on first use, so a gateway nobody asks never connects, or an
+    engine the caller owns (``engine``: never disposed here). ``pool`` sizes an own PostgreSQL pool."""
+
+    def __init__(self, settings: Any, engine: AsyncEngine | None = None, **pool: Any) -> None:
+        self.settings = settings
+        self._engine = engine
+        self._own = engine is None
+        self._pool = pool
+        self._sessions: async_sessionmaker[AsyncSession] | None = None
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            url = resolve_url(self.settings)
+            self._engine = make_engine(url, **self._pool) if is_postgres(url) else make_engine(url)
+        return self._engine
+
+    @property
+    def sessions(self) -> async_sessionmaker[AsyncSession]:
+        if self._sessions is None:
+            self._sessions = session_factory(self.engine)
+        return self._sessions
+
+    async def close(self) -> None:
+        if self._own and self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+            self._sessions = None

@@ -158,3 +158,29 @@ def parse_if_match(value: str) -> int | None:
         raise Invalid(f"If-Match must be a row_version ETag such as '\"3\"', got {value!r}",
                       code="invalid_if_match", param="If-Match")
     return int(tag)
+
+
+class unavailable_on_database_failure:
+    """Inside it (``with`` or ``async with``), a failure of the registry database becomes
+    ``database_unavailable``'s 503: the driver's exception never reaches the caller; the registry's
+    own errors and bugs pass as they are."""
+
+    def __init__(self, tail: str = "try again", *, code: str | None = None) -> None:
+        self.tail, self.code = tail, code
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, RegistryError) or not isinstance(exc, Exception):
+            return False
+        err = database_unavailable(exc, self.tail, code=self.code)
+        if err is None:
+            return False
+        raise err from None
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        return self.__exit__(kind, exc, tb)

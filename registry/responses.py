@@ -7,9 +7,7 @@ Each row keeps what a continuation needs in one read: the items the model saw be
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,8 +16,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.settings import Settings
-from registry.db import make_engine, resolve_url, session_factory
-from registry.errors import RegistryError, database_unavailable
+from registry.db import LazyDatabase
+from registry.errors import unavailable_on_database_failure
 from registry.models import StoredResponse, Tenant
 
 log = logging.getLogger("loraplex.registry.responses")
@@ -52,36 +50,21 @@ class ResponseStore:
 
     def __init__(self, settings: Settings, engine: AsyncEngine | None = None) -> None:
         self.settings = settings
-        self._engine = engine
-        self._own = engine is None
-        self._sessions: async_sessionmaker[AsyncSession] | None = None
+        self._db = LazyDatabase(settings, engine)
 
     @property
     def _session(self) -> async_sessionmaker[AsyncSession]:
         """Sessions on the registry database, connected on first use (a gateway that never stores
         a response never opens it)."""
-        if self._sessions is None:
-            if self._engine is None:
-                self._engine = make_engine(resolve_url(self.settings))
-            self._sessions = session_factory(self._engine)
-        return self._sessions
+        return self._db.sessions
 
-    @contextlib.asynccontextmanager
-    async def _database(self, tail: str) -> AsyncIterator[None]:
+    @staticmethod
+    def _database(tail: str) -> unavailable_on_database_failure:
         """A database failure as ``registry.errors.Unavailable`` (503 ``store_unavailable``)."""
-        try:
-            yield
-        except RegistryError:
-            raise
-        except Exception as exc:
-            err = database_unavailable(exc, tail, code="store_unavailable")
-            if err is None:
-                raise
-            raise err from None
+        return unavailable_on_database_failure(tail, code="store_unavailable")
 
     async def close(self) -> None:
-        if self._own and self._engine is not None:
-            await self._engine.dispose()
+        await self._db.close()
 
     async def get(self, tenant: str, response_id: str) -> Stored | None:
         """The tenant's unexpired response ``response_id`` (None for a missing, expired or foreign id)."""

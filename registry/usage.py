@@ -383,19 +383,15 @@ class UsageStore:
     ``maintain`` (rollups and pruning), on an engine of its own connected on first use."""
 
     def __init__(self, settings: Any, engine: AsyncEngine | None = None) -> None:
+        from registry.db import LazyDatabase
+
         self.settings = settings
-        self._engine = engine
-        self._own = engine is None
+        # One flush and one maintenance round at a time: two connections are plenty.
+        self._db = LazyDatabase(settings, engine, pool_size=2, max_overflow=2)
 
     @property
     def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            from registry.db import is_postgres, make_engine, resolve_url
-
-            url = resolve_url(self.settings)
-            # One flush and one maintenance round at a time: two connections are plenty.
-            self._engine = make_engine(url, pool_size=2, max_overflow=2) if is_postgres(url) else make_engine(url)
-        return self._engine
+        return self._db.engine
 
     async def write(self, gateway: str, seq: int, rows: Sequence[Sequence[Any]]) -> bool:
         return await apply_flush(self.engine, gateway, seq, rows)
@@ -410,6 +406,4 @@ class UsageStore:
         return done
 
     async def close(self) -> None:
-        if self._own and self._engine is not None:
-            await self._engine.dispose()
-            self._engine = None
+        await self._db.close()

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -38,11 +37,11 @@ from typing import Any
 import orjson
 from sqlalchemy import BigInteger, String, Text, cast, func, literal, literal_column, select, union_all
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from loraplex.settings import Settings
-from registry.db import make_engine, resolve_url, session_factory
-from registry.errors import Invalid, NotFound, RegistryError, database_unavailable
+from registry.db import LazyDatabase
+from registry.errors import Invalid, NotFound, unavailable_on_database_failure
 from registry.models import UsageBucket, UsageRollup
 
 WIDTHS: dict[str, tuple[str, int]] = {"1m": ("m", 60), "1h": ("h", 3600), "1d": ("d", 86400)}
@@ -430,41 +429,18 @@ class UsageReader:
 
     def __init__(self, settings: Settings, engine: AsyncEngine | None = None) -> None:
         self.settings = settings
-        self._engine = engine
-        self._own = engine is None
-        self._sessions: async_sessionmaker[AsyncSession] | None = None
-
-    @property
-    def _session(self) -> async_sessionmaker[AsyncSession]:
-        if self._sessions is None:
-            if self._engine is None:
-                self._engine = make_engine(resolve_url(self.settings), pool_size=2, max_overflow=4)
-            self._sessions = session_factory(self._engine)
-        return self._sessions
+        self._db = LazyDatabase(settings, engine, pool_size=2, max_overflow=4)
 
     def parse(self, params: Mapping[str, Iterable[str]], tenant: str) -> UsageQuery:
         """The query of ``tenant``'s own rows (``parse_usage_query``)."""
         return parse_usage_query(params, max_rows=self.settings.usage_query_max_rows, tenant=tenant)
 
     async def page(self, q: UsageQuery) -> dict[str, Any]:
-        async with self._database(), self._session() as s:
+        async with unavailable_on_database_failure("nothing was read"), self._db.sessions() as s:
             return await read_usage(s, q)
 
-    @contextlib.asynccontextmanager
-    async def _database(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except RegistryError:
-            raise
-        except Exception as exc:
-            err = database_unavailable(exc, "nothing was read")
-            if err is None:
-                raise
-            raise err from None
-
     async def close(self) -> None:
-        if self._own and self._engine is not None:
-            await self._engine.dispose()
+        await self._db.close()
 
 
 def utc(ts: int) -> str:
