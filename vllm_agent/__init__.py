@@ -2,6 +2,7 @@
 
 Not the bundled engine: it runs no model and never imports torch (it runs from the plain
 install). It shares the worker side's torch-free pieces with the bundled worker: adapter sources
-and the disk cache (``engine.lora.sources``), the control API's shapes (``engine.control``), the
-worker secret (``engine.worker_auth``) and the residency reports (``engine.reporter``).
+and the disk cache (``engine.lora.sources``), the control API (``engine.control_api``: its routes
+over the agent's backend), the worker secret (``engine.worker_auth``) and the residency reports
+(``engine.reporter``).
 """

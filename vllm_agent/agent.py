@@ -4,7 +4,7 @@ The agent runs beside one vLLM server (started with ``--enable-lora`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``). It publishes that server's ``WorkerReport``
 (``backend="vllm"``: ``url`` is vLLM's, ``control_url`` the agent's) built from vLLM's
 ``/v1/models`` and ``/metrics``, and serves the bundled worker's control API
-(``engine.internal_api``'s routes, shapes, secret and errors): a load fetches the version
+(``engine.control_api``'s routes over ``AgentControl``): a load fetches the version
 through the worker's sources and disk cache (sha256 checked) and registers it with vLLM
 under ``lora_name`` = the immutable version id; at most ``max_adapters`` names are
 registered, least recently used unloaded first. Restarts: a restarted agent adopts the names
@@ -32,7 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.control import ControlError, id_of, parse_probe, read_json, ref_of
+from engine.control import ControlError
+from engine.control_api import ControlBackend, control_routes
 from engine.lora.sources import (
     AdapterFetchError,
     AdapterSource,
@@ -40,11 +41,10 @@ from engine.lora.sources import (
     sources_from_settings,
     verify_digest,
 )
-from engine.worker_auth import SecretRefused, check_worker_secret
 from loraplex.peft_config import ADAPTER_FILES
 from loraplex.residency import ResidencyStore
 from loraplex.settings import Settings
-from loraplex.wire import BACKEND_VLLM, HDR_WORKER_SECRET, AdapterRef, WorkerReport
+from loraplex.wire import BACKEND_VLLM, AdapterRef, WorkerReport
 
 log = logging.getLogger("loraplex.vllm_agent")
 
@@ -379,81 +379,63 @@ def _read_metrics(text: str, state: VllmState) -> None:
                                      for a in s.labels.get(key, "").split(",") if a}
 
 
-def agent_routes(agent: VllmAgent) -> list[Route]:
-    settings = agent.settings
+class AgentControl(ControlBackend):
+    """The control API (``engine.control_api``) over the agent's name table and its vLLM."""
 
-    def guarded(handler: Any) -> Any:
-        async def endpoint(request: Request) -> Response:
-            try:
-                check_worker_secret(request.headers.get(HDR_WORKER_SECRET), settings.worker_secret)
-                return await handler(request)
-            except (ControlError, SecretRefused) as exc:
-                return exc.response()
-        return endpoint
+    def __init__(self, agent: VllmAgent) -> None:
+        self.agent = agent
 
-    async def tokenizer(request: Request) -> Response:
-        if not agent.config.tokenizer_path:
+    def check(self, *, adapters: bool) -> None:
+        """Always answers: a call that needs vLLM fails on its own (503 ``vllm_unavailable``)."""
+
+    def tokenizer(self) -> bytes:
+        if not self.agent.config.tokenizer_path:
             raise ControlError(404, "this agent was started without the base model's tokenizer (--model)", "not_found")
-        return Response(agent.tokenizer_body(), media_type="application/json")
+        return self.agent.tokenizer_body()
 
-    async def list_adapters(request: Request) -> Response:
-        adapters = [agent.describe(h) for h in agent.held.values()]
-        return JSONResponse({"adapters": sorted(adapters, key=lambda a: a["id"]),
-                             "resident": {"device": len(agent.held), "host": 0, "disk": agent.disk.count()}})
+    def adapters(self) -> list[dict[str, Any]]:
+        agent = self.agent
+        return [agent.describe(h) for h in agent.held.values()]
 
-    async def load(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        held, ms = await agent.load(ref_of(body), pin=bool(body.get("pin", False)),
-                                    again=bool(body.get("reload", False)))
-        return JSONResponse({"adapter": agent.describe(held), "load_ms": round(ms, 3)})
+    def resident(self) -> dict[str, int]:
+        return {"device": len(self.agent.held), "host": 0, "disk": self.agent.disk.count()}
 
-    async def unload(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        aid = id_of(body)
-        await agent.unload(aid, force=bool(body.get("force", False)))
-        return JSONResponse({"unloaded": aid})
+    async def load(self, ref: AdapterRef, *, pin: bool, reload: bool) -> tuple[dict[str, Any], float]:
+        held, ms = await self.agent.load(ref, pin=pin, again=reload)
+        return self.agent.describe(held), ms
 
-    async def pin(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        if isinstance(body.get("adapter"), dict) or "uri" in body:
-            held, _ = await agent.load(ref_of(body), pin=True)
-        else:
-            held = _known(id_of(body))
-            held.pinned = True
-        return JSONResponse({"adapter": agent.describe(held)})
+    async def unload(self, aid: str, *, force: bool) -> None:
+        await self.agent.unload(aid, force=force)
 
-    async def unpin(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        held = _known(id_of(body))
-        held.pinned = False
-        return JSONResponse({"adapter": agent.describe(held)})
-
-    def _known(aid: str) -> _Held:
-        held = agent.held.get(aid)
+    def _known(self, aid: str) -> _Held:
+        held = self.agent.held.get(aid)
         if held is None:
             raise ControlError(404, f"adapter {aid} is not known to this worker", "not_found")
         return held
 
-    async def probe(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
-        ref, prompts, max_tokens = parse_probe(body)
+    async def pin(self, ref: AdapterRef) -> dict[str, Any]:
+        held, _ = await self.agent.load(ref, pin=True)
+        return self.agent.describe(held)
+
+    async def pin_known(self, aid: str) -> dict[str, Any]:
+        held = self._known(aid)
+        held.pinned = True
+        return self.agent.describe(held)
+
+    async def unpin(self, aid: str) -> dict[str, Any]:
+        held = self._known(aid)
+        held.pinned = False
+        return self.agent.describe(held)
+
+    async def probe(self, ref: AdapterRef, prompts: list[str], max_tokens: int) -> tuple[list[tuple[str, str]], float]:
+        """Through vLLM's chat route: the base model by vLLM's name, the adapter by its version id."""
+        agent = self.agent
         _, load_ms = await agent.load(ref)
         base = agent.vllm.served_model or agent.config.served_model
         if not base:
             raise ControlError(503, "vLLM has not been reached yet", "loading", "server_error")
         texts = await asyncio.gather(*(agent.complete_text(m, p, max_tokens) for p in prompts for m in (base, ref.id)))
-        results = [{"prompt": p, "base": texts[2 * i], "adapter": texts[2 * i + 1]} for i, p in enumerate(prompts)]
-        return JSONResponse({"results": results, "adapter_load_ms": round(load_ms, 3)})
-
-    return [
-        Route("/internal/tokenizer", guarded(tokenizer), methods=["GET"]),
-        Route("/internal/adapters", guarded(list_adapters), methods=["GET"]),
-        Route("/internal/adapters/load", guarded(load), methods=["POST"]),
-        Route("/internal/adapters/unload", guarded(unload), methods=["POST"]),
-        Route("/internal/adapters/pin", guarded(pin), methods=["POST"]),
-        Route("/internal/adapters/unpin", guarded(unpin), methods=["POST"]),
-        Route("/internal/adapters/probe", guarded(probe), methods=["POST"]),
-    ]
+        return [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))], load_ms
 
 
 async def report_forever(agent: VllmAgent, store: ResidencyStore, settings: Settings) -> None:
@@ -510,7 +492,7 @@ def create_agent_app(config: AgentConfig, settings: Settings, store: ResidencySt
             if closer is not None:
                 await closer.aclose()
 
-    app = Starlette(routes=[Route("/health", health, methods=["GET"]), *agent_routes(agent)], lifespan=lifespan)
+    app = Starlette(routes=[Route("/health", health, methods=["GET"]), *control_routes(AgentControl(agent), settings)], lifespan=lifespan)
     app.state.agent = agent
     return app
 
