@@ -301,3 +301,15 @@ class UsageRollup(Base):
 
     width: Mapped[str] = mapped_column(String(1), primary_key=True)
     done_until: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class UsageLateWrites(Base):
+    """How many flushes have added late minutes to rows of a rolled-up width (``h``, ``d``):
+    counted in the flush's own transaction, so the rows before that width's watermark are the
+    same for as long as the count is (``registry.usage_query`` keeps finished days' pages by it).
+    A width no late minute reached yet has no row (a count of 0)."""
+
+    __tablename__ = "usage_late_writes"
+
+    width: Mapped[str] = mapped_column(String(1), primary_key=True)
+    flushes: Mapped[int] = mapped_column(BigInteger, nullable=False)

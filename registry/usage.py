@@ -14,7 +14,9 @@ complete day into day rows, an hour or a day per transaction, and moves the wate
 (``UsageRollup.done_until``) in the same transaction. A minute that arrives late, into an hour
 already rolled up, is added by its flush to the hour row as well (and to the day row when that day
 is rolled up too): a flush reads the watermarks under a share lock, which the rollup's update of
-them waits for, so every minute lands in every width exactly once, however late it comes.
+them waits for, so every minute lands in every width exactly once, however late it comes. Such a
+flush also counts itself in ``UsageLateWrites`` for each width it added to, last and in the same
+transaction: rows before a watermark change only with that count (what a cached page is kept by).
 ``prune`` removes minutes and hours past their retention (only those already rolled up) and the
 flush rows past ``FLUSH_KEEP_S``. Both are safe to run from several gateways at once (the
 watermark rows serialize them); on PostgreSQL an advisory lock also lets only one gateway work
@@ -32,7 +34,7 @@ from sqlalchemy import delete, func, literal, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from registry.models import UsageBucket, UsageFlush, UsageRollup
+from registry.models import UsageBucket, UsageFlush, UsageLateWrites, UsageRollup
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 FLUSH_KEEP_S = 86400
@@ -156,6 +158,16 @@ def _as_rows(merged: dict[tuple[str, int, str, str, str, str], list[int]]) -> li
     return [(*k, *merged[k]) for k in sorted(merged)]
 
 
+async def _count_late(conn: AsyncConnection, widths: Iterable[str]) -> None:
+    """Count this flush in ``UsageLateWrites`` for each rolled-up width it added rows to. Last in
+    the flush and in width order: a flush holds the row's lock only until its commit, with every
+    bucket row written already, so flushes never wait for each other in a cycle."""
+    for width in sorted(widths):
+        ins = (postgresql.insert if _dialect(conn) == "postgresql" else sqlite.insert)(UsageLateWrites)
+        await conn.execute(ins.values(width=width, flushes=1).on_conflict_do_update(
+            index_elements=[UsageLateWrites.width], set_={"flushes": UsageLateWrites.flushes + 1}))
+
+
 async def apply_flush(engine: AsyncEngine, gateway: str, seq: int, buckets: Sequence[Sequence[Any]],
                       now: float | None = None) -> bool:
     """Add one flush of ``gateway`` in one transaction: True when applied now, False when
@@ -179,7 +191,9 @@ async def apply_flush(engine: AsyncEngine, gateway: str, seq: int, buckets: Sequ
                     await _ensure_marks(conn)
                     marks = await _watermarks(conn, share=True)
                     assert marks is not None
-                await _add_rows(conn, _as_rows(_late(buckets, marks)))
+                merged = _late(buckets, marks)
+                await _add_rows(conn, _as_rows(merged))
+                await _count_late(conn, {k[0] for k in merged} - {"m"})
             except BaseException:
                 if trans.is_active:
                     await trans.rollback()
