@@ -19,6 +19,12 @@ at most ``max_rows`` results come back: a page that would hold more is refused w
 how to narrow it. On PostgreSQL the database also writes the page's results as JSON
 (``read_usage_json``, what ``GET /admin/usage`` answers with); on SQLite they are built here.
 
+A page of finished days (``1d`` buckets all before the day watermark: day rows only, which are
+never pruned) changes only when a late minute is added to a day row, and such a flush counts
+itself in ``usage_late_writes`` in its own transaction (``registry.usage``). So each engine keeps
+those pages' JSON (``FinishedPages``) by the query and that count, read before the page: a kept
+page is byte for byte what reading it again would give, and a day still open is always read.
+
 ``UsageReader`` is the gateway's way in (``GET /v1/usage``): its own small pool on the registry
 database, every failure a ``registry.errors.Unavailable`` (503 with ``retry-after``).
 """
@@ -29,6 +35,8 @@ import base64
 import binascii
 import hashlib
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -37,12 +45,13 @@ from typing import Any
 import orjson
 from sqlalchemy import BigInteger, String, Text, cast, func, literal, literal_column, select, union_all
 from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from loraplex.settings import Settings
 from registry.db import LazyDatabase
 from registry.errors import Invalid, NotFound, unavailable_on_database_failure
-from registry.models import UsageBucket, UsageRollup
+from registry.models import UsageBucket, UsageLateWrites, UsageRollup
 
 WIDTHS: dict[str, tuple[str, int]] = {"1m": ("m", 60), "1h": ("h", 3600), "1d": ("d", 86400)}
 """``bucket_width`` -> the ledger's width code and the bucket's seconds."""
@@ -355,13 +364,100 @@ def _json_statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> A
     return select(two.c.b, func.count(), joined).group_by(two.c.b)
 
 
+PAGE_CACHE_BYTES = 64 << 20
+"""The most JSON one engine keeps of finished days' pages (a day of 100k tenants by tenant is 20 MB)."""
+
+
+class FinishedPages:
+    """The JSON of pages of finished days, by query, all read at one count of the day width's late
+    writes (``UsageLateWrites``): a page asked for or kept at another count empties it first (the
+    rows changed), and the least recently read go past ``budget`` bytes. One per engine
+    (``finished_pages``); ``hits`` and ``misses`` count the pages asked for."""
+
+    def __init__(self, budget: int = PAGE_CACHE_BYTES) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._late: int | None = None
+        self._pages: OrderedDict[UsageQuery, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def get(self, q: UsageQuery, late: int) -> bytes | None:
+        if late != self._late:
+            self.clear()
+            self._late = late
+        body = self._pages.get(q)
+        if body is None:
+            self.misses += 1
+            return None
+        self._pages.move_to_end(q)
+        self.hits += 1
+        return body
+
+    def put(self, q: UsageQuery, late: int, body: bytes) -> None:
+        """Keep ``body``, read at ``late``: unless the count has moved on since (then it may be stale)."""
+        if late != self._late or len(body) > self.budget:
+            return
+        old = self._pages.pop(q, None)
+        self.bytes += len(body) - (len(old) if old is not None else 0)
+        self._pages[q] = body
+        while self.bytes > self.budget:
+            self.bytes -= len(self._pages.popitem(last=False)[1])
+
+    def clear(self) -> None:
+        self._pages.clear()
+        self.bytes = 0
+
+
+_FINISHED: weakref.WeakKeyDictionary[Engine, FinishedPages] = weakref.WeakKeyDictionary()
+
+
+def finished_pages(engine: AsyncEngine) -> FinishedPages:
+    """``engine``'s finished pages (made on first use, gone with the engine)."""
+    pages = _FINISHED.get(engine.sync_engine)
+    if pages is None:
+        pages = _FINISHED[engine.sync_engine] = FinishedPages()
+    return pages
+
+
+async def _late_days(s: AsyncSession) -> int:
+    """How many flushes have added late minutes to day rows (0: none ever has)."""
+    got = (await s.execute(select(UsageLateWrites.flushes).where(UsageLateWrites.width == "d"))).scalar()
+    return int(got or 0)
+
+
 async def read_usage_json(session: AsyncSession, q: UsageQuery) -> bytes:
     """``read_usage``'s page as the JSON the API answers with: on PostgreSQL built by the database
-    (``_json_statement``), elsewhere encoded from ``read_usage``'s."""
-    if session.bind.dialect.name != "postgresql":
-        return orjson.dumps(await _read_rows(session, q))
+    (``_json_statement``), elsewhere encoded from ``read_usage``'s; a page of finished days from
+    the engine's ``FinishedPages`` when it holds it at the current count of late writes."""
     lo, hi = _page_span(q)
-    stmt = _json_statement(q, lo, hi, await _watermarks(session))
+    marks = await _watermarks(session)
+    if q.bucket_width != "1d" or hi > marks["d"]:  # a day still open: minutes and hours change
+        return await _page_json(session, q, lo, hi, marks)
+    pages = finished_pages(_engine(session))
+    late = await _late_days(session)  # before the page: a late flush after it moves the count on
+    body = pages.get(q, late)
+    if body is None:
+        body = await _page_json(session, q, lo, hi, marks)
+        pages.put(q, late, body)
+    return body
+
+
+def _engine(session: AsyncSession) -> AsyncEngine:
+    """The engine ``session`` is bound to (the registry's sessions always are)."""
+    bind = session.bind
+    assert isinstance(bind, AsyncEngine), "usage pages are read by sessions bound to an engine"
+    return bind
+
+
+async def _page_json(session: AsyncSession, q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> bytes:
+    """The page ``[lo, hi)`` read from the ledger as JSON."""
+    if _engine(session).dialect.name != "postgresql":
+        return orjson.dumps(await _read_rows(session, q, lo, hi, marks))
+    stmt = _json_statement(q, lo, hi, marks)
     rows = (await session.execute(stmt)).all() if stmt is not None else []
     if sum(n for _, n, _ in rows) > q.max_rows:
         raise _too_many(q)
@@ -371,17 +467,16 @@ async def read_usage_json(session: AsyncSession, q: UsageQuery) -> bytes:
 
 async def read_usage(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
     """One page of the query's buckets (``{"object": "page", "data", "has_more", "next_page"}``)."""
-    if session.bind.dialect.name == "postgresql":
+    if _engine(session).dialect.name == "postgresql":
         page: dict[str, Any] = orjson.loads(await read_usage_json(session, q))
         return page
-    return await _read_rows(session, q)
-
-
-async def _read_rows(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
-    """The page from the grouped rows, built in Python (SQLite: its aggregates keep no order)."""
     lo, hi = _page_span(q)
-    marks = await _watermarks(session)
-    stmt = _statement(q, lo, hi, marks, session.bind.dialect.name)
+    return await _read_rows(session, q, lo, hi, await _watermarks(session))
+
+
+async def _read_rows(session: AsyncSession, q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> dict[str, Any]:
+    """The page from the grouped rows, built in Python (SQLite: its aggregates keep no order)."""
+    stmt = _statement(q, lo, hi, marks, _engine(session).dialect.name)
     rows = (await session.execute(stmt)).all() if stmt is not None else []
     if len(rows) > q.max_rows:
         raise _too_many(q)
@@ -405,7 +500,7 @@ async def _read_rows(session: AsyncSession, q: UsageQuery) -> dict[str, Any]:
 async def usage_totals(session: AsyncSession, q: UsageQuery, top: int) -> list[dict[str, Any]]:
     """The window's sums per group of ``q.group_by`` (the whole window: one group without it), the
     ``top`` groups with the most tokens (prompt + completion) first: the console's tables."""
-    stmt = _statement(q, q.start_time, q.end_time, await _watermarks(session), session.bind.dialect.name, top=top)
+    stmt = _statement(q, q.start_time, q.end_time, await _watermarks(session), _engine(session).dialect.name, top=top)
     if stmt is None:
         return []
     keys = [k for k in GROUP_KEYS if k in q.group_by]
