@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from gateway import outliers
+from gateway.backends import VllmBody, backend_of
 from gateway.errors import GatewayError, public_event, public_message
 from gateway.router import Router, Worker
 from gateway.worker_client import WorkerBroke, WorkerClient, WorkerResponse, WorkerUnreachable
@@ -170,13 +171,14 @@ class Upstream:
         return max(0.1, min(1.0, self.router.report_ttl_s / 3))
 
     async def open(self, workers: list[Worker], path: str, payload: bytes, request_id: str, *,
-                   whole: bool = False, vllm: Callable[[Worker, bool], Awaitable[bytes]] | None = None) -> Opened:
+                   whole: bool = False, vllm: VllmBody | None = None) -> Opened:
         """The first worker that answers, with the first chunk of its body read (``whole``: all
         of it, for answers that are not streamed). The worker counts as loaded (``router.acquire``)
-        until ``done``. A vLLM worker gets ``vllm(worker, reload)``'s body instead of ``payload``;
-        its 404 (the adapter was unloaded since its report) is retried once on it with the
-        adapter loaded again, and a second 404 moves on to the next candidate (vLLM's answer,
-        which names the version, never reaches the client)."""
+        until ``done``. Each worker's backend (``gateway.backends``) gives its body: ``payload``,
+        or for a vLLM worker ``vllm(worker, reload)``'s. An answer that says the worker lost the
+        adapter (``WorkerBackend.lost_adapter``: vLLM's 404, the adapter unloaded since its
+        report) is retried once on it with the adapter loaded again, and a second one moves on
+        to the next candidate (vLLM's answer, which names the version, never reaches the client)."""
         if not workers:
             raise GatewayError(503, "No worker is available for this model right now.", code="no_worker",
                                headers={"retry-after": "1"})
@@ -191,8 +193,9 @@ class Upstream:
             router.acquire(worker)
             resp: WorkerResponse | None = None
             watch: Watchdog | None = None
+            backend = backend_of(worker)
             try:
-                body = payload if not worker.vllm or vllm is None else await vllm(worker, worker.id in reloaded)
+                body = await backend.body(worker, payload, vllm, worker.id in reloaded)
                 # A whole answer is sent only when done: past its deadline it waits on while the worker
                 # reports. The last candidate has no deadline of its own (nowhere else to go), but
                 # is given up on too once it stops reporting.
@@ -200,7 +203,7 @@ class Upstream:
                                  patient=whole or not tries)
                 resp = await self.client.post(worker.url + path, body, request_id)
                 status = resp.status
-                if status == 404 and worker.vllm:
+                if backend.lost_adapter(status):
                     await resp.read()
                     resp.close()
                     resp = None
@@ -244,7 +247,7 @@ class Upstream:
                 # ``first`` may be only a comment (the worker took the request): it counts as the first
                 # byte; relay_sse passes no comment on.
                 return Opened(worker, resp, first, chunks, stall_s=self.stall_s, alive=self.alive(worker),
-                              check_s=self.check_every(), patient=worker.vllm)
+                              check_s=self.check_every(), patient=backend.patient)
             except (WorkerUnreachable, WorkerBroke) as exc:
                 router.release(worker)
                 if resp is not None:
