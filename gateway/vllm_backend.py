@@ -32,8 +32,16 @@ FORWARDED = frozenset({
     "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "seed", "logprobs", "top_logprobs",
     "stop", "stop_token_ids", "ignore_eos", "logit_bias", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "user"})
-"""The fields the gateway's request checks know (``loraplex.openai_request``): vLLM's own extensions
-(``priority``, ``cache_salt``, ``kv_transfer_params``, ``vllm_xargs``, ...) are not a tenant's to set."""
+"""The fields the gateway's request checks know (``loraplex.openai_request``) that vLLM gets as the
+client sent them: vLLM's own extensions (``priority``, ``cache_salt``, ``kv_transfer_params``,
+``vllm_xargs``, ...) are not a tenant's to set."""
+WITHHELD = {
+    "max_completion_tokens": "the gateway's plan replaces it with max_tokens before any worker sees the body",
+    "metadata": "the client's labels, read by the gateway (canary judging); nothing is generated from them",
+}
+"""The fields the request checks know that vLLM never gets, and why. Every field the checks read
+is in ``FORWARDED`` or here (``tests/test_vllm_fields.py``): a field added to the checks must be
+placed, never dropped unseen."""
 
 
 def _message(raw: bytes) -> str:
