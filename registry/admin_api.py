@@ -3,35 +3,39 @@
     app = admin_app(RegistryService(settings), settings)   # a Starlette sub-app
 
 Every route but ``GET /openapi.json`` needs a JWT carrying ``settings.jwt_admin_scope`` (401/403);
-errors are OpenAI-shaped, never a stack trace. One table (``OPERATIONS``) drives both the routes
-and the OpenAPI document.
+errors are OpenAI-shaped, never a stack trace (both ``registry.admin_edge``). One table
+(``OPERATIONS``) drives both the routes and the OpenAPI document.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from loraplex import json_body
 from loraplex.settings import Settings
-from loraplex.tokens import TokenError, Verifier, bearer
-from loraplex.wire import PRIORITY_CLASSES, error_body
+from loraplex.tokens import Principal, Verifier
+from loraplex.wire import PRIORITY_CLASSES
+from registry.admin_edge import (
+    EXCEPTION_HANDLERS,
+    AdminEndpoint,
+    AnswerInternalErrors,
+    admin_only,
+    error_response,
+)
 from registry.canary import CanaryPolicies
 from registry.console import ConsoleSources, console_routes
-from registry.errors import Invalid, PreconditionFailed, RegistryError, etag, parse_if_match
+from registry.errors import Invalid, PreconditionFailed, etag, parse_if_match
 from registry.records import CACHE_SCOPE_NAME, DIMENSIONS
 from registry.service import RegistryService
 from registry.service_core import COMMITTED
-
-log = logging.getLogger("loraplex.registry.admin")
 
 Handler = Callable[["Call"], Awaitable[Any]]
 
@@ -559,8 +563,8 @@ OPERATIONS: tuple[Operation, ...] = (
 
 # --- validation ----------------------------------------------------------------------------------
 
-_PY = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
-       "null": type(None)}
+_PY: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
+                                           "object": dict, "array": list, "null": type(None)}
 
 
 def _type_ok(value: Any, types: str | list[str]) -> bool:
@@ -685,136 +689,80 @@ def _path_params(path: str) -> list[str]:
 
 # --- the app -------------------------------------------------------------------------------------
 
-def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-           param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type=type, code=code, param=param), status_code=status)
-
-
 def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationGate | None = None,
               console: ConsoleSources | None = None) -> Starlette:
     """The admin API as a Starlette app, to mount at ``/admin``, with the web console at
     ``/admin/console`` (``registry.console``).
 
     With ``gate``, activating an adapter version first verifies it on a worker; ``console``
-    gives the console the fleet and live numbers (without it those pages say so).
+    gives the console the fleet and live numbers (without it those pages say so). Every route but
+    the OpenAPI document runs behind ``registry.admin_edge.admin_only``; refusals are answered by
+    the app's exception handlers (``registry.admin_edge``).
     """
     verifier = Verifier(settings)
     doc = openapi_document()
 
-    def endpoint(op: Operation) -> Callable[[Request], Awaitable[Response]]:
-        async def handle(request: Request) -> Response:
-            try:
-                principal = verifier.verify(bearer(request.headers.get("authorization")))
-                if not principal.has_scope(settings.jwt_admin_scope):
-                    return _error(403, "this token lacks the admin scope", "permission_error", "insufficient_scope")
-                body: dict[str, Any] = {}
-                raw = await request.body()
-                if len(raw) > settings.max_body_bytes:
-                    return _error(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
-                if op.body is not None:
-                    try:
-                        parsed = json_body.loads(raw) if raw.strip() else {}
-                    except json_body.BodyError as exc:
-                        return _error(400, exc.message, code=exc.code)
-                    body = validate(parsed, op.body)
-                elif raw.strip() and raw.strip() not in (b"{}", b"null"):
-                    raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
-                query = _query_lists(request) if op.raw_query else _parse_query(request, op.query)
-                if_match = _if_match(request, body, op)
-                call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate,
-                            if_match)
-                COMMITTED.set(None)
-                result = await op.handler(call)
-                resp = result if isinstance(result, Response) else JSONResponse(result, status_code=op.status)
-                if isinstance(result, dict) and isinstance(result.get("row_version"), int):
-                    resp.headers["etag"] = etag(result["row_version"])
-                committed = COMMITTED.get()
-                if committed is not None:
-                    resp.headers["x-registry-version"] = str(committed)
-                return resp
-            except TokenError as exc:
-                kind = "authentication_error" if exc.status == 401 else "permission_error"
-                headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
-                resp = _error(exc.status, exc.message, kind, exc.code)
-                if headers:
-                    resp.headers.update(headers)
-                return resp
-            except RegistryError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-            except Exception:
-                log.exception("admin %s %s failed", op.method, op.path)
-                return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
+    def endpoint(op: Operation) -> AdminEndpoint:
+        async def handle(request: Request, principal: Principal) -> Response:
+            body: dict[str, Any] = {}
+            raw = await request.body()
+            if len(raw) > settings.max_body_bytes:
+                return error_response(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
+            if op.body is not None:
+                body = validate(json_body.loads(raw) if raw.strip() else {}, op.body)
+            elif raw.strip() and raw.strip() not in (b"{}", b"null"):
+                raise Invalid(f"{op.method} {op.path} takes no request body", code="unexpected_body")
+            query = _query_lists(request) if op.raw_query else _parse_query(request, op.query)
+            if_match = _if_match(request, body, op)
+            call = Call(service, dict(request.path_params), body, query, principal.subject or "admin", gate,
+                        if_match)
+            COMMITTED.set(None)
+            result = await op.handler(call)
+            resp = result if isinstance(result, Response) else JSONResponse(result, status_code=op.status)
+            if isinstance(result, dict) and isinstance(result.get("row_version"), int):
+                resp.headers["etag"] = etag(result["row_version"])
+            committed = COMMITTED.get()
+            if committed is not None:
+                resp.headers["x-registry-version"] = str(committed)
+            return resp
 
         return handle
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(doc)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 500)
-        if status == 404:
-            return _error(404, f"no admin route {request.method} {request.url.path}", "not_found_error",
-                          "unknown_route")
-        if status == 405:
-            return _error(405, f"method {request.method} is not allowed here", code="method_not_allowed")
-        return _error(status, str(getattr(exc, "detail", "error")))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("admin API error on %s", request.url.path, exc_info=exc)
-        return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
-
-    routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {}
-    for op in OPERATIONS:
-        routes.setdefault(op.path, {})[op.method] = endpoint(op)
-
-    def dispatch(by_method: dict[str, Callable[[Request], Awaitable[Response]]]):  # type: ignore[no-untyped-def]
-        async def route(request: Request) -> Response:
-            handler = by_method.get(request.method)
-            if handler is None:
-                raise HTTPException(405)
-            return await handler(request)
-        return route
-
-    async def upload(request: Request) -> Response:
+    async def upload(request: Request, principal: Principal) -> Response:
         """``POST /adapters/upload?name=&base_model=[&owner=&version=]``: the body is adapter_config.json
         (``x-loraplex-config-bytes`` long) then adapter_model.safetensors, streamed into the store."""
         from registry.supply import SupplyChain
 
-        try:
-            principal = verifier.verify(bearer(request.headers.get("authorization")))
-            if not principal.has_scope(settings.jwt_admin_scope):
-                return _error(403, "this token lacks the admin scope", "permission_error", "insufficient_scope")
-            q = request.query_params
-            declared = request.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > settings.max_adapter_bytes:
-                return _error(413, f"the upload is larger than the cap of {settings.max_adapter_bytes} bytes "
-                                   f"(LORAPLEX_MAX_ADAPTER_BYTES)", code="upload_too_large")
-            for key in ("name", "base_model"):
-                if not q.get(key):
-                    raise Invalid(f"query parameter {key} is required", param=key)
-            raw_cfg, raw_ver = request.headers.get("x-loraplex-config-bytes", ""), q.get("version")
-            if not raw_cfg.isdigit():
-                raise Invalid("header x-loraplex-config-bytes must give the size of adapter_config.json",
-                              param="x-loraplex-config-bytes")
-            if raw_ver is not None and not raw_ver.isdigit():
-                raise Invalid(f"version must be a positive integer, got {raw_ver!r}", param="version")
-            result = await SupplyChain(service).upload(
-                q["name"], q["base_model"], request.stream(), config_bytes=int(raw_cfg), owner=q.get("owner"),
-                version=int(raw_ver) if raw_ver is not None else None, actor=principal.subject or "admin")
-            return JSONResponse(result, status_code=201)
-        except TokenError as exc:
-            return _error(exc.status, exc.message, "authentication_error" if exc.status == 401 else
-                          "permission_error", exc.code)
-        except RegistryError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        except Exception:
-            log.exception("admin upload failed")
-            return _error(500, "internal error in the registry admin API", "server_error", "internal_error")
+        q = request.query_params
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > settings.max_adapter_bytes:
+            return error_response(413, f"the upload is larger than the cap of {settings.max_adapter_bytes} bytes "
+                                       f"(LORAPLEX_MAX_ADAPTER_BYTES)", code="upload_too_large")
+        for key in ("name", "base_model"):
+            if not q.get(key):
+                raise Invalid(f"query parameter {key} is required", param=key)
+        raw_cfg, raw_ver = request.headers.get("x-loraplex-config-bytes", ""), q.get("version")
+        if not raw_cfg.isdigit():
+            raise Invalid("header x-loraplex-config-bytes must give the size of adapter_config.json",
+                          param="x-loraplex-config-bytes")
+        if raw_ver is not None and not raw_ver.isdigit():
+            raise Invalid(f"version must be a positive integer, got {raw_ver!r}", param="version")
+        result = await SupplyChain(service).upload(
+            q["name"], q["base_model"], request.stream(), config_bytes=int(raw_cfg), owner=q.get("owner"),
+            version=int(raw_ver) if raw_ver is not None else None, actor=principal.subject or "admin")
+        return JSONResponse(result, status_code=201)
 
-    app_routes = [Route("/openapi.json", openapi, methods=["GET"]),
-                  Route("/adapters/upload", upload, methods=["POST"])]
-    app_routes += [Route(path, dispatch(by_method), methods=list(by_method)) for path, by_method in routes.items()]
-    app_routes += console_routes(service, settings, verifier, console)
-    app = Starlette(routes=app_routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    def admin(work: AdminEndpoint) -> Callable[[Request], Awaitable[Response]]:
+        return admin_only(verifier, settings.jwt_admin_scope, work)
+
+    routes: list[BaseRoute] = [Route("/openapi.json", openapi, methods=["GET"]),
+                               Route("/adapters/upload", admin(upload), methods=["POST"])]
+    routes += [Route(op.path, admin(endpoint(op)), methods=[op.method]) for op in OPERATIONS]
+    routes += console_routes(service, settings, verifier, console)
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS,
+                    middleware=[Middleware(AnswerInternalErrors)])
     app.state.service = service
     return app
