@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy import text
@@ -30,6 +31,7 @@ from gateway.canary_decide import Arms, Decision, decide, summary, window_start
 from gateway.canary_stats import Arm
 from registry.canary import JUDGE, CanaryPolicies
 from registry.errors import RegistryError
+from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.gateway.canary")
 
@@ -40,13 +42,13 @@ LOCK_KEY = 0x6C6F7261706C6578  # "loraplex"
 class Leadership:
     """Whether this process is the one judge (module docstring)."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: RegistryService) -> None:
         self.service = service
         self._conn: Any = None
 
     @property
     def postgres(self) -> bool:
-        return bool(self.service.bus.postgres)
+        return self.service.db.postgres
 
     async def acquire(self) -> bool:
         if not self.postgres:
@@ -58,7 +60,7 @@ class Leadership:
             except Exception:
                 await self.release()
         try:
-            conn = await self.service.engine.connect()
+            conn = await self.service.db.engine.connect()
         except Exception:
             return False
         try:
@@ -83,7 +85,7 @@ class Leadership:
 
 
 class CanaryJudge:
-    def __init__(self, service: Any, samples: Any, metrics: Any = None, interval_s: float = 1.0) -> None:
+    def __init__(self, service: RegistryService, samples: Any, metrics: Any = None, interval_s: float = 1.0) -> None:
         self.service = service
         self.policies = CanaryPolicies(service)
         self.samples = samples
@@ -115,13 +117,13 @@ class CanaryJudge:
         """One look at every judged binding; the judgements made (every decision but ``stopped``)."""
         now = time.time() if now is None else now
         out = []
-        for policy, binding in await self.policies.judged():
-            policy = {**policy, "binding": binding}
+        for judged, routing in await self.policies.judged():
+            policy = {**judged, "binding": asdict(routing)}
             since = window_start(policy)
             arms = Arms()
             if since is not None:
                 read = await self.samples.read(f"{policy['tenant']}/{policy['alias']}", since)
-                arms = Arms(read.get(binding["canary_id"], Arm()), read.get(binding["active_id"], Arm()))
+                arms = Arms(read.get(routing.canary_id, Arm()), read.get(routing.active_id, Arm()))
             decision = decide(policy, arms, now)
             try:
                 await self.apply(decision)

@@ -32,13 +32,17 @@ service calls as the CLI, with actor ``canary-judge`` and the judgement in the a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from registry.errors import Invalid, NotFound
-from registry.models import AdapterVersion, Binding, CanaryPolicy, utcnow
+from registry.lookups import binding_row, version_labels
+from registry.models import Binding, CanaryPolicy, utcnow
+from registry.service import RegistryService
 
 PROPORTION_TESTS = ("two-proportion-z", "fisher-exact")
 SAMPLE_TESTS = ("mann-whitney-u",)
@@ -140,41 +144,41 @@ def policy_dict(p: CanaryPolicy, labels: dict[str, str] | None = None) -> dict[s
     }
 
 
-class CanaryPolicies:
-    """Policy reads and writes over a ``RegistryService`` (its transactions, audit and errors)."""
+@dataclass(frozen=True)
+class Routing:
+    """Where a judged binding routes now (``CanaryPolicies.judged``)."""
 
-    def __init__(self, service: Any) -> None:
+    active_id: str
+    canary_id: str | None
+    percent: float
+
+
+class CanaryPolicies:
+    """Policy reads and writes in a ``RegistryService``'s transactions (``service.db``), with its
+    audit and errors."""
+
+    def __init__(self, service: RegistryService) -> None:
         self.service = service
 
-    async def _policy(self, session: Any, tenant: str, alias: str) -> CanaryPolicy:
+    @staticmethod
+    async def _policy(session: AsyncSession, tenant: str, alias: str) -> CanaryPolicy:
         row = (await session.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == tenant,
                                                                 CanaryPolicy.alias == alias))).scalar_one_or_none()
         if row is None:
-            await self.service._binding(session, tenant, alias)  # 404 for the tenant or the binding first
+            await binding_row(session, tenant, alias)  # 404 for the tenant or the binding first
             raise NotFound(f"{tenant}/{alias} has no canary policy; set one with set-policy",
                            code="canary_policy_not_found", param="alias")
         return row
 
-    async def _labels(self, session: Any, ids: list[str | None]) -> dict[str, str]:
-        wanted = [i for i in ids if i]
-        if not wanted:
-            return {}
-        rows = await session.execute(select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)
-                                     .where(AdapterVersion.id.in_(wanted)))
-        return {i: f"{n}@{v}" for i, n, v in rows}
-
     async def get(self, tenant: str, alias: str) -> dict[str, Any]:
-        async def op(session: Any) -> dict[str, Any]:
+        async with self.service.db.read() as session:
             p = await self._policy(session, tenant, alias)
-            return policy_dict(p, await self._labels(session, [p.canary_id]))
-
-        return await self.service._read(op)
+            return policy_dict(p, await version_labels(session, [p.canary_id]))
 
     async def set_policy(self, tenant: str, alias: str, body: dict[str, Any], *, actor: str = "admin") -> dict:
         """Create or change the binding's policy (its configuration; the judge's state is kept)."""
-
-        async def op(tx: Any) -> dict[str, Any]:
-            await self.service._binding(tx.session, tenant, alias)
+        async with self.service.db.write(actor) as tx:
+            await binding_row(tx.session, tenant, alias)
             row = (await tx.session.execute(select(CanaryPolicy).where(
                 CanaryPolicy.tenant == tenant, CanaryPolicy.alias == alias).with_for_update())).scalar_one_or_none()
             before = None if row is None else {k: getattr(row, k) for k in CONFIG}
@@ -194,11 +198,9 @@ class CanaryPolicies:
             tx.audit("canary.policy_set", f"binding:{tenant}/{alias}", before, config)
             return policy_dict(row)
 
-        return await self.service._write(actor, op)
-
     async def _status(self, tenant: str, alias: str, status: str, allowed: tuple[str, ...], action: str,
                       actor: str) -> dict[str, Any]:
-        async def op(tx: Any) -> dict[str, Any]:
+        async with self.service.db.write(actor) as tx:
             p = await self._policy(tx.session, tenant, alias)
             if p.status == status:
                 return policy_dict(p)
@@ -213,8 +215,6 @@ class CanaryPolicies:
             tx.audit(f"canary.{action}", f"binding:{tenant}/{alias}", before, {"status": status})
             return policy_dict(p)
 
-        return await self.service._write(actor, op)
-
     async def pause(self, tenant: str, alias: str, *, actor: str = "admin") -> dict[str, Any]:
         """Stop judging: the canary keeps its percent until ``resume`` (or a person's decision)."""
         return await self._status(tenant, alias, "paused", ("running", "waiting"), "pause", actor)
@@ -224,10 +224,10 @@ class CanaryPolicies:
 
     # --- the judge's side ----------------------------------------------------------------------
 
-    async def judged(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """Policies to look at and their bindings' routing: (policy, {active_id, canary_id, percent})."""
-
-        async def op(session: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    async def judged(self) -> list[tuple[dict[str, Any], Routing]]:
+        """Policies to look at (``policy_dict`` with the row's ``id`` and ``step_started``, a
+        datetime) and their bindings' routing."""
+        async with self.service.db.read() as session:
             rows = (await session.execute(
                 select(CanaryPolicy, Binding.active_id, Binding.canary_id, Binding.canary_percent)
                 .join(Binding, (Binding.tenant == CanaryPolicy.tenant) & (Binding.alias == CanaryPolicy.alias))
@@ -239,20 +239,15 @@ class CanaryPolicies:
                 d = policy_dict(p)
                 d["id"] = p.id
                 d["step_started"] = _aware(p.step_started_at)
-                out.append((d, {"active_id": active_id, "canary_id": canary_id, "percent": percent}))
+                out.append((d, Routing(active_id, canary_id, percent)))
             return out
-
-        return await self.service._read(op)
 
     async def save_state(self, policy_id: int, row_version: int, **state: Any) -> bool:
         """The judge's bookkeeping, when the row is still at ``row_version`` (an operator's change
         in between wins); not a registry change. True when written."""
-
-        async def op(session: Any) -> bool:
+        async with self.service.db.read() as session:
             async with session.begin():
                 res = await session.execute(
                     update(CanaryPolicy).where(CanaryPolicy.id == policy_id, CanaryPolicy.row_version == row_version)
                     .values(**state, row_version=row_version + 1, updated_at=utcnow()))
                 return bool(res.rowcount)
-
-        return await self.service._read(op)

@@ -171,16 +171,46 @@ class unavailable_on_database_failure:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if exc is None or isinstance(exc, RegistryError) or not isinstance(exc, Exception):
-            return False
+            return
         err = database_unavailable(exc, self.tail, code=self.code)
-        if err is None:
-            return False
-        raise err from None
+        if err is not None:
+            raise err from None
 
     async def __aenter__(self) -> None:
         return None
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        return self.__exit__(kind, exc, tb)
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(kind, exc, tb)
+
+
+def database_refusal(exc: BaseException) -> RegistryError | None:
+    """What a write the database refused means to the client, or None when ``exc`` is no refusal:
+    a row changed by a concurrent writer (409 ``concurrent_update``), a constraint (409) or a
+    value the schema cannot hold (422). The database's text (constraint and row values) goes to
+    the log only."""
+    from sqlalchemy.exc import DataError, IntegrityError
+    from sqlalchemy.orm.exc import StaleDataError
+
+    if isinstance(exc, StaleDataError):
+        return Conflict("the row changed concurrently; retry", code="concurrent_update")
+    if isinstance(exc, IntegrityError):
+        log.warning("registry write refused by a constraint: %s", _short(exc))
+        return Conflict("the change conflicts with existing registry rows; nothing was changed")
+    if isinstance(exc, DataError):
+        log.warning("registry write refused by the schema: %s", _short(exc))
+        return Invalid("a value does not fit the registry schema; nothing was changed")
+    return None
+
+
+class refused_or_unavailable_on_database_failure(unavailable_on_database_failure):
+    """For a write transaction: a refusal by the database becomes ``database_refusal``'s 409 or
+    422; any other failure of the database is ``unavailable_on_database_failure``'s 503."""
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and isinstance(exc, Exception) and not isinstance(exc, RegistryError):
+            refusal = database_refusal(exc)
+            if refusal is not None:
+                raise refusal from None
+        super().__exit__(kind, exc, tb)

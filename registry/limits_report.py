@@ -304,7 +304,7 @@ async def limits_report(service: RegistryService, *, window: str = DEFAULT_WINDO
     if tenant is not None and not SLUG.match(tenant):
         raise NotFound("no such tenant: not a tenant slug", code="tenant_not_found", param="tenant")
 
-    async def op(s: AsyncSession) -> dict[str, Any]:
+    async with service.db.read() as s:
         if tenant is not None and (await s.execute(select(Tenant.slug).where(Tenant.slug == tenant))).first() is None:
             raise NotFound(f"tenant {tenant!r} not found", code="tenant_not_found", param="tenant")
         first, note = await _coverage(s, start, end)
@@ -317,18 +317,14 @@ async def limits_report(service: RegistryService, *, window: str = DEFAULT_WINDO
             tenants |= {t.slug: {"status": t.status, **{d: getattr(t, d) for d in DIMENSIONS}}
                         for t in (await s.execute(stmt)).scalars()}
         total = (await s.execute(select(func.count()).select_from(Tenant))).scalar_one()
-        return {"tallies": tallies, "refusals": refusals, "tenants": tenants, "slugs": slugs, "first": first,
-                "note": note, "total": total}
-
-    got = await service._read(op)
-    rows = [_row(slug, got["tallies"].get(slug, _Tally()), got["tenants"].get(slug), got["refusals"].get(slug, {}),
-                 span, headroom_percent) for slug in got["slugs"]]
+    rows = [_row(slug, tallies.get(slug, _Tally()), tenants.get(slug), refusals.get(slug, {}),
+                 span, headroom_percent) for slug in slugs]
     rows.sort(key=_sort_key(sort))
     return {
-        "object": "limits_report", "window": window, "start": start, "end": end, "covered_from": got["first"],
-        "limited": got["note"] is not None, "note": got["note"], "sort": sort, "headroom_percent": headroom_percent,
+        "object": "limits_report", "window": window, "start": start, "end": end, "covered_from": first,
+        "limited": note is not None, "note": note, "sort": sort, "headroom_percent": headroom_percent,
         "keep_band": [float(KEEP_BAND[0]), float(KEEP_BAND[1])], "min_minutes": MIN_MINUTES,
         "percentile": f"p{PERCENTILE}, nearest rank, over the minutes in which the tenant sent a request",
-        "tenants_with_traffic": len(got["tallies"]), "tenants_total": got["total"],
+        "tenants_with_traffic": len(tallies), "tenants_total": total,
         "truncated": len(rows) > limit, "data": rows[:limit],
     }

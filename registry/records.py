@@ -1,14 +1,12 @@
-"""The registry's rows as the JSON the admin API answers, and the checks every write's values pass."""
+"""The registry's rows as the JSON the admin API answers, and the patterns its values match (the
+checks that apply them: ``registry.validators``)."""
 
 from __future__ import annotations
 
-import math
 import re
 from datetime import UTC, datetime
 from typing import Any
 
-from loraplex.wire import PRIORITY_CLASSES
-from registry.errors import Invalid, PreconditionFailed
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -28,7 +26,6 @@ DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "nu
               "vocab_size", "context_length")
 
 
-
 # --- row -> JSON ------------------------------------------------------------------------------
 
 def _iso(value: datetime | None) -> str | None:
@@ -46,7 +43,7 @@ def tenant_dict(t: Tenant) -> dict[str, Any]:
 
 
 def base_model_dict(b: BaseModelRow) -> dict[str, Any]:
-    out = {"name": b.name, "revision": b.revision, "architecture": b.architecture}
+    out: dict[str, Any] = {"name": b.name, "revision": b.revision, "architecture": b.architecture}
     out.update({k: getattr(b, k) for k in DIMENSIONS})
     out["created_at"] = _iso(b.created_at)
     return out
@@ -79,74 +76,6 @@ def audit_dict(e: AuditEntry) -> dict[str, Any]:
             "action": e.action, "target": e.target, "before": e.before, "after": e.after}
 
 
-def _audit_view(d: dict[str, Any]) -> dict[str, Any]:
+def audit_view(d: dict[str, Any]) -> dict[str, Any]:
     """A row's dict as recorded in the audit log (timestamps are in the entry itself)."""
     return {k: v for k, v in d.items() if k not in ("created_at", "updated_at")}
-
-
-# --- validation ------------------------------------------------------------------------------
-
-def _match(row_version: int | None, if_match: int | None, what: str) -> None:
-    """A conditional write: refuse (412) unless the row is at the version the caller read."""
-    if if_match is None:
-        return
-    if isinstance(if_match, bool) or not isinstance(if_match, int):
-        raise Invalid(f"row_version must be an integer, got {if_match!r}", param="row_version")
-    if row_version != if_match:
-        found = "does not exist" if row_version is None else f"is at row_version {row_version}"
-        raise PreconditionFailed(f"{what} changed since it was read: it {found}, not {if_match}; read it "
-                                 f"again and retry", row_version)
-
-
-def _slug(value: Any, param: str = "tenant") -> str:
-    if not isinstance(value, str) or not SLUG.match(value):
-        raise Invalid(f"{param} must be 1-64 characters of a-z, 0-9, '_' or '-', starting with a letter "
-                      f"or digit; got {value!r}", param=param)
-    return value
-
-
-def _cache_scope(value: Any) -> str:
-    """A shared scope's name, or empty for the tenant's own scope."""
-    if value == "":
-        return ""
-    if not isinstance(value, str) or not CACHE_SCOPE.fullmatch(value):  # no trailing newline
-        raise Invalid("cache_scope must be empty (the tenant's own scope) or 1-63 characters of a-z, 0-9, "
-                      f"'_', '.' or '-', starting with a letter or digit; got {value!r}",
-                      code="invalid_cache_scope", param="cache_scope")
-    return value
-
-
-def _name(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not NAME.match(value):
-        raise Invalid(f"{param} must be 1-200 characters of letters, digits and . _ : + -; got {value!r}",
-                      param=param)
-    return value
-
-
-def _limit(value: Any, param: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
-        raise Invalid(f"{param} must be a non-negative integer, got {value!r}", code="invalid_limit", param=param)
-    return value
-
-
-def _priority(value: Any) -> str:
-    if value not in PRIORITY_CLASSES:
-        raise Invalid(f"priority must be one of {', '.join(PRIORITY_CLASSES)}, got {value!r}",
-                      code="invalid_priority", param="priority")
-    return str(value)
-
-
-def _percent(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or not 0 < value <= 100:
-        raise Invalid(f"canary percent must be a number with 0 < percent <= 100, got {value!r}",
-                      code="invalid_percent", param="percent")
-    return float(value)
-
-
-def _on_disabled(value: Any) -> str:
-    if value not in ("base", "refuse"):
-        raise Invalid(f"on_disabled must be 'base' or 'refuse', got {value!r}", param="on_disabled")
-    return str(value)
-
-

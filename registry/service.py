@@ -3,8 +3,9 @@ the registry version, announced to readers after commit.
 
 The rules it enforces: docs/DESIGN.md, "Registry" and "Bindings, canary, rollback".
 Results are JSON-able dicts (what the admin API returns; ``registry.records``). Here: tenants,
-base models, adapter versions, the audit log; bindings, rollback and canaries are
-``registry.service_bindings``; the transaction plumbing and row lookups ``registry.service_core``.
+base models, adapter versions, the audit log, and the bindings' operations (``Bindings``, in
+``registry.service_bindings``); the transactions are ``RegistryDatabase``'s
+(``registry.service_core``, the ``db`` of a service), the row lookups ``registry.lookups``'.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import func, or_, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from loraplex.adapter_store import AdapterStore, open_store
 from loraplex.modelinfo import ModelInfo, describe_model
+from loraplex.settings import Settings
+from registry import validators
 from registry.admission import AdmissionError, AdmittedAdapter, admit_uri
+from registry.changes import ChangeBus
 from registry.errors import Conflict, Invalid, NotFound, Unavailable
+from registry.lookups import adapter_row, binding_json, tenant_row
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -33,37 +38,59 @@ from registry.models import (
 from registry.records import (
     DIMENSIONS,
     MAX_LIMIT,
-    _audit_view,
-    _cache_scope,
-    _limit,
-    _match,
-    _name,
-    _priority,
-    _slug,
     adapter_dict,
     audit_dict,
+    audit_view,
     base_model_dict,
     tenant_dict,
 )
-from registry.service_bindings import BindingOps
-from registry.service_core import _Tx
+from registry.service_bindings import Bindings
+from registry.service_core import RegistryDatabase, Tx
 
 log = logging.getLogger("loraplex.registry")
+T = TypeVar("T")
 
 
-class RegistryService(BindingOps):
+class RegistryService:
+    """All registry operations (the admin API's, the CLI's, the canary judge's). One per process;
+    safe for concurrent tasks.
+
+    ``db`` is its ``RegistryDatabase``: the transactions (``db.read()``, ``db.write(actor)``) that
+    the modules built on the registry (canary policies, the supply chain, the console, the limits
+    report) run their own reads and writes in. ``bindings`` holds the bindings' operations,
+    offered here too under the same names."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine | None = None, *,
+                 bus: ChangeBus | None = None, database_url: str | None = None) -> None:
+        self.db = RegistryDatabase(settings, engine, bus=bus, database_url=database_url)
+        self.bindings = Bindings(self.db)
+        self.settings = settings
+        self.database_url = self.db.database_url
+        self.engine = self.db.engine
+        self.sessions = self.db.sessions
+        self.bus = self.db.bus
+        self._adapter_store: AdapterStore | None = None
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    async def _read(self, op: Callable[[AsyncSession], Awaitable[T]]) -> T:
+        """``op`` in ``db.read()`` (the admin API's usage page reads through this)."""
+        async with self.db.read() as session:
+            return await op(session)
+
     # --- tenants -----------------------------------------------------------------------------------
 
     async def create_tenant(self, slug: str, *, requests_per_min: int = 600, tokens_per_min: int = 100_000,
                             max_concurrent: int = 16, priority: str = "normal", cache_scope: str = "",
                             actor: str = "admin") -> dict:
-        slug = _slug(slug, "slug")
-        values = {"requests_per_min": _limit(requests_per_min, "requests_per_min"),
-                  "tokens_per_min": _limit(tokens_per_min, "tokens_per_min"),
-                  "max_concurrent": _limit(max_concurrent, "max_concurrent"), "priority": _priority(priority),
-                  "cache_scope": _cache_scope(cache_scope)}
+        slug = validators.slug(slug, "slug")
+        values = {"requests_per_min": validators.limit(requests_per_min, "requests_per_min"),
+                  "tokens_per_min": validators.limit(tokens_per_min, "tokens_per_min"),
+                  "max_concurrent": validators.limit(max_concurrent, "max_concurrent"), "priority": validators.priority(priority),
+                  "cache_scope": validators.cache_scope(cache_scope)}
 
-        async def op(tx: _Tx) -> dict:
+        async with self.db.write(actor) as tx:
             if await tx.session.get(Tenant, slug) is not None:
                 raise Conflict(f"tenant {slug!r} already exists", code="tenant_exists", param="slug")
             now = utcnow()
@@ -71,19 +98,17 @@ class RegistryService(BindingOps):
             tx.session.add(row)
             await tx.session.flush()
             out = tenant_dict(row)
-            tx.audit("tenant.create", f"tenant:{slug}", None, _audit_view(out))
+            tx.audit("tenant.create", f"tenant:{slug}", None, audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def set_tenant_status(self, slug: str, status: str, *, actor: str = "admin",
                                 if_match: int | None = None) -> dict:
         if status not in ("active", "disabled"):
             raise Invalid(f"status must be 'active' or 'disabled', got {status!r}", param="status")
 
-        async def op(tx: _Tx) -> dict:
-            row = await self._tenant(tx.session, slug, lock=True)
-            _match(row.row_version, if_match, f"tenant {slug!r}")
+        async with self.db.write(actor) as tx:
+            row = await tenant_row(tx.session, slug, lock=True)
+            validators.match(row.row_version, if_match, f"tenant {slug!r}")
             before = tenant_dict(row)
             if row.status == status:
                 return before
@@ -91,10 +116,8 @@ class RegistryService(BindingOps):
             await tx.session.flush()
             out = tenant_dict(row)
             tx.audit("tenant.enable" if status == "active" else "tenant.disable", f"tenant:{slug}",
-                     _audit_view(before), _audit_view(out))
+                     audit_view(before), audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def disable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
         return await self.set_tenant_status(slug, "disabled", actor=actor, if_match=if_match)
@@ -110,16 +133,16 @@ class RegistryService(BindingOps):
         for key, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
                            ("max_concurrent", max_concurrent), ("response_retention_s", response_retention_s)):
             if value is not None:
-                changes[key] = _limit(value, key)
+                changes[key] = validators.limit(value, key)
         if priority is not None:
-            changes["priority"] = _priority(priority)
+            changes["priority"] = validators.priority(priority)
         if not changes:
             raise Invalid("give at least one of requests_per_min, tokens_per_min, max_concurrent, priority, "
                           "response_retention_s", code="nothing_to_change")
 
-        async def op(tx: _Tx) -> dict:
-            row = await self._tenant(tx.session, slug, lock=True)
-            _match(row.row_version, if_match, f"tenant {slug!r}")
+        async with self.db.write(actor) as tx:
+            row = await tenant_row(tx.session, slug, lock=True)
+            validators.match(row.row_version, if_match, f"tenant {slug!r}")
             before = tenant_dict(row)
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return before
@@ -128,10 +151,8 @@ class RegistryService(BindingOps):
             row.updated_at = utcnow()
             await tx.session.flush()
             out = tenant_dict(row)
-            tx.audit("tenant.limits", f"tenant:{slug}", _audit_view(before), _audit_view(out))
+            tx.audit("tenant.limits", f"tenant:{slug}", audit_view(before), audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def set_tenant_cache_scope(self, slug: str, cache_scope: str, *, actor: str = "admin",
                                      if_match: int | None = None) -> dict:
@@ -139,39 +160,36 @@ class RegistryService(BindingOps):
 
         Tenants in one scope reuse each other's cached KV blocks, and so can time whether another
         of them sent a prompt: share only among tenants that trust each other (one company's)."""
-        scope = _cache_scope(cache_scope)
+        scope = validators.cache_scope(cache_scope)
 
-        async def op(tx: _Tx) -> dict:
-            row = await self._tenant(tx.session, slug, lock=True)
-            _match(row.row_version, if_match, f"tenant {slug!r}")
+        async with self.db.write(actor) as tx:
+            row = await tenant_row(tx.session, slug, lock=True)
+            validators.match(row.row_version, if_match, f"tenant {slug!r}")
             before = tenant_dict(row)
             if (row.cache_scope or "") == scope:
                 return before
             row.cache_scope, row.updated_at = scope, utcnow()
             await tx.session.flush()
             out = tenant_dict(row)
-            tx.audit("tenant.cache_scope", f"tenant:{slug}", _audit_view(before), _audit_view(out))
+            tx.audit("tenant.cache_scope", f"tenant:{slug}", audit_view(before), audit_view(out))
             return out
 
-        return await self._write(actor, op)
-
     async def get_tenant(self, slug: str) -> dict:
-        return tenant_dict(await self._read(lambda s: self._tenant(s, slug)))
+        async with self.db.read() as s:
+            return tenant_dict(await tenant_row(s, slug))
 
     async def list_tenants(self, status: str | None = None) -> list[dict]:
-        async def op(s: AsyncSession) -> list[dict]:
+        async with self.db.read() as s:
             stmt = select(Tenant).order_by(Tenant.slug)
             if status:
                 stmt = stmt.where(Tenant.status == status)
             return [tenant_dict(t) for t in (await s.execute(stmt)).scalars()]
 
-        return await self._read(op)
-
     # --- base models ---------------------------------------------------------------------------------
 
     async def register_base_model(self, info: ModelInfo | dict[str, Any], *, actor: str = "admin") -> dict:
         data = info.to_dict() if isinstance(info, ModelInfo) else dict(info)
-        name = _name(data.get("name"), "name")
+        name = validators.name(data.get("name"), "name")
         revision = data.get("revision")
         if not isinstance(revision, str) or not revision or len(revision) > 128:
             raise Invalid("revision must be a non-empty string (at most 128 characters)", param="revision")
@@ -188,17 +206,15 @@ class RegistryService(BindingOps):
         if unknown:
             raise Invalid(f"unknown base model fields: {', '.join(unknown)}", param=unknown[0])
 
-        async def op(tx: _Tx) -> dict:
+        async with self.db.write(actor) as tx:
             if await tx.session.get(BaseModelRow, name) is not None:
                 raise Conflict(f"base model {name!r} already exists", code="base_model_exists", param="name")
             row = BaseModelRow(name=name, revision=revision, architecture=architecture, created_at=utcnow(), **dims)
             tx.session.add(row)
             await tx.session.flush()
             out = base_model_dict(row)
-            tx.audit("base_model.register", f"base_model:{name}", None, _audit_view(out))
+            tx.audit("base_model.register", f"base_model:{name}", None, audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def register_base_model_from_path(self, path: str, *, name: str | None = None,
                                             actor: str = "admin") -> dict:
@@ -211,14 +227,12 @@ class RegistryService(BindingOps):
         return await self.register_base_model(info, actor=actor)
 
     async def list_base_models(self) -> list[dict]:
-        async def op(s: AsyncSession) -> list[dict]:
+        async with self.db.read() as s:
             rows = await s.execute(select(BaseModelRow).order_by(BaseModelRow.name))
             return [base_model_dict(b) for b in rows.scalars()]
 
-        return await self._read(op)
-
     async def base_model_info(self, name: str) -> ModelInfo:
-        async def op(s: AsyncSession) -> ModelInfo:
+        async with self.db.read() as s:
             row = await s.get(BaseModelRow, name)
             if row is None:
                 raise NotFound(f"base model {name!r} does not exist", code="base_model_not_found",
@@ -226,8 +240,6 @@ class RegistryService(BindingOps):
             d = base_model_dict(row)
             d.pop("created_at")
             return ModelInfo(**d)
-
-        return await self._read(op)
 
     # --- adapters ------------------------------------------------------------------------------------
 
@@ -246,19 +258,20 @@ class RegistryService(BindingOps):
 
         ``admitted``: already admitted (an upload); ``in_tx`` runs inside the write transaction
         before it commits (an upload makes sure its stored files are still there)."""
-        name = _name(name, "name")
+        name = validators.name(name, "name")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                     or not 1 <= version <= MAX_LIMIT):
             raise Invalid(f"version must be a positive integer, got {version!r}", param="version")
         if owner is not None:
-            _slug(owner, "owner")
+            validators.slug(owner, "owner")
         if expected_revision is not None and not isinstance(expected_revision, str):
             raise Invalid("expected_revision must be a string", param="expected_revision")
         if not isinstance(uri, str) or not uri:
             raise Invalid("uri must be a non-empty string", param="uri")
         base = await self.base_model_info(base_model)
         if owner is not None:
-            await self._read(lambda s: self._tenant(s, owner))
+            async with self.db.read() as s:
+                await tenant_row(s, owner)
         try:
             if admitted is None:
                 admitted = await admit_uri(uri, base, self.settings, self.adapter_store, expected_revision)
@@ -271,14 +284,14 @@ class RegistryService(BindingOps):
             raise Unavailable(f"the adapter store is misconfigured: {exc}", code="store_misconfigured") from None
         assert admitted is not None
 
-        async def op(tx: _Tx) -> dict:
+        async with self.db.write(actor) as tx:
             await tx.serialize(f"adapter-name:{name}")  # registrations of one name number in turn
             current = await tx.session.get(BaseModelRow, base.name)
             if current is None or current.revision != base.revision:
                 raise Conflict(f"base model {base.name!r} changed during admission; retry",
                                code="base_model_changed")
             if owner is not None:
-                await self._tenant(tx.session, owner)
+                await tenant_row(tx.session, owner)
             existing = (await tx.session.execute(
                 select(AdapterVersion.owner_tenant, func.max(AdapterVersion.version))
                 .where(AdapterVersion.name == name).group_by(AdapterVersion.owner_tenant))).all()
@@ -303,10 +316,8 @@ class RegistryService(BindingOps):
                 await tx.serialize(uri)  # against a concurrent clean-up of the same stored files
                 await in_tx()
             out = adapter_dict(row)
-            tx.audit("adapter.register", f"adapter:{row.id}", None, _audit_view(out))
+            tx.audit("adapter.register", f"adapter:{row.id}", None, audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def _set_adapter_status(self, ref: str, status: str, action: str, actor: str, *,
                                   reason: str | None, verification: dict[str, Any] | None,
@@ -321,9 +332,9 @@ class RegistryService(BindingOps):
         if not isinstance(force, bool):
             raise Invalid("force must be a boolean", param="force")
 
-        async def op(tx: _Tx) -> dict:
-            row = await self._adapter(tx.session, ref, lock=True)
-            _match(row.row_version, if_match, f"adapter {row.label}")
+        async with self.db.write(actor) as tx:
+            row = await adapter_row(tx.session, ref, lock=True)
+            validators.match(row.row_version, if_match, f"adapter {row.label}")
             before = adapter_dict(row)
             if row.status == status and verification is None and reason is None:
                 return before
@@ -342,13 +353,11 @@ class RegistryService(BindingOps):
                 row.verification = verification
             await tx.session.flush()
             out = adapter_dict(row)
-            tx.audit(action, f"adapter:{row.id}", _audit_view(before), _audit_view(out))
+            tx.audit(action, f"adapter:{row.id}", audit_view(before), audit_view(out))
             if users:
                 await self._detach_adapter(tx, row)
                 out["detached"] = users
             return out
-
-        return await self._write(actor, op)
 
     @staticmethod
     async def _users(session: AsyncSession, adapter: AdapterVersion) -> list[dict[str, str]]:
@@ -359,13 +368,13 @@ class RegistryService(BindingOps):
         return [{"tenant": b.tenant, "alias": b.alias, "role": "canary" if b.canary_id == adapter.id else "active"}
                 for b in rows if b.canary_id == adapter.id or b.enabled]
 
-    async def _detach_adapter(self, tx: _Tx, adapter: AdapterVersion) -> None:
+    async def _detach_adapter(self, tx: Tx, adapter: AdapterVersion) -> None:
         """Keep every binding routable: abort canaries on it, disable bindings active on it."""
         rows = (await tx.session.execute(
             select(Binding).where(or_(Binding.canary_id == adapter.id, Binding.active_id == adapter.id))
             .order_by(Binding.id).with_for_update())).scalars().all()
         for b in rows:
-            before = await self._binding_out(tx.session, b)
+            before = await binding_json(tx.session, b)
             action = ""
             if b.canary_id == adapter.id:
                 b.canary_id, b.canary_percent, action = None, 0.0, "binding.canary_abort"
@@ -375,8 +384,8 @@ class RegistryService(BindingOps):
                 continue
             b.updated_at = utcnow()
             await tx.session.flush()
-            tx.audit(action, f"binding:{b.tenant}/{b.alias}", _audit_view(before),
-                     _audit_view(await self._binding_out(tx.session, b)) | {"cause": f"adapter {adapter.label} "
+            tx.audit(action, f"binding:{b.tenant}/{b.alias}", audit_view(before),
+                     audit_view(await binding_json(tx.session, b)) | {"cause": f"adapter {adapter.label} "
                                                                              f"is {adapter.status}"})
 
     async def activate_adapter(self, ref: str, *, verification: dict[str, Any] | None = None,
@@ -398,9 +407,9 @@ class RegistryService(BindingOps):
     async def enable_adapter(self, ref: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
         """Re-enable a disabled version that had passed activation (``adapter.enable``). The
         bindings its disabling switched off stay off until enabled one by one."""
-        async def op(tx: _Tx) -> dict:
-            row = await self._adapter(tx.session, ref, lock=True)
-            _match(row.row_version, if_match, f"adapter {row.label}")
+        async with self.db.write(actor) as tx:
+            row = await adapter_row(tx.session, ref, lock=True)
+            validators.match(row.row_version, if_match, f"adapter {row.label}")
             before = adapter_dict(row)
             if row.status == "active":
                 return before
@@ -414,10 +423,8 @@ class RegistryService(BindingOps):
             row.status, row.status_reason = "active", None
             await tx.session.flush()
             out = adapter_dict(row)
-            tx.audit("adapter.enable", f"adapter:{row.id}", _audit_view(before), _audit_view(out))
+            tx.audit("adapter.enable", f"adapter:{row.id}", audit_view(before), audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     @staticmethod
     async def _status_before_disable(session: AsyncSession, adapter_id: str) -> str | None:
@@ -441,11 +448,12 @@ class RegistryService(BindingOps):
                                               if_match=if_match)
 
     async def get_adapter(self, ref: str) -> dict:
-        return adapter_dict(await self._read(lambda s: self._adapter(s, ref)))
+        async with self.db.read() as s:
+            return adapter_dict(await adapter_row(s, ref))
 
     async def list_adapters(self, *, name: str | None = None, base_model: str | None = None,
                             owner: str | None = None, status: str | None = None) -> list[dict]:
-        async def op(s: AsyncSession) -> list[dict]:
+        async with self.db.read() as s:
             stmt = select(AdapterVersion).order_by(AdapterVersion.name, AdapterVersion.version)
             if name:
                 stmt = stmt.where(AdapterVersion.name == name)
@@ -457,8 +465,6 @@ class RegistryService(BindingOps):
                 stmt = stmt.where(AdapterVersion.status == status)
             return [adapter_dict(a) for a in (await s.execute(stmt)).scalars()]
 
-        return await self._read(op)
-
     # --- audit / version -----------------------------------------------------------------------------
 
     async def audit(self, *, actor: str | None = None, action: str | None = None, target: str | None = None,
@@ -467,7 +473,7 @@ class RegistryService(BindingOps):
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise Invalid("limit must be an integer from 1 to 1000", param="limit")
 
-        async def op(s: AsyncSession) -> list[dict]:
+        async with self.db.read() as s:
             stmt = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)
             if actor:
                 stmt = stmt.where(AuditEntry.actor == actor)
@@ -483,10 +489,57 @@ class RegistryService(BindingOps):
                 stmt = stmt.where(AuditEntry.registry_version > since_version)
             return [audit_dict(e) for e in (await s.execute(stmt)).scalars()]
 
-        return await self._read(op)
-
     async def version(self) -> int:
-        async def op(s: AsyncSession) -> int:
+        async with self.db.read() as s:
             return int((await s.execute(select(RegistryState.version).where(RegistryState.id == 1))).scalar_one())
 
-        return await self._read(op)
+    # --- bindings (``Bindings``) ---------------------------------------------------------------------
+
+    async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
+                   actor: str = "admin", if_match: int | None = None) -> dict:
+        """``Bindings.bind``: point ``alias`` at an active adapter version."""
+        return await self.bindings.bind(tenant, alias, adapter, on_disabled=on_disabled, actor=actor,
+                                        if_match=if_match)
+
+    async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
+                       if_match: int | None = None) -> dict:
+        """``Bindings.rollback``: swap active and previous."""
+        return await self.bindings.rollback(tenant, alias, actor=actor, if_match=if_match)
+
+    async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
+                           actor: str = "admin", if_match: int | None = None) -> dict:
+        """``Bindings.canary_start``."""
+        return await self.bindings.canary_start(tenant, alias, adapter, percent, actor=actor, if_match=if_match)
+
+    async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
+                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        """``Bindings.canary_set``."""
+        return await self.bindings.canary_set(tenant, alias, percent, actor=actor, if_match=if_match,
+                                              judgement=judgement)
+
+    async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
+                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        """``Bindings.canary_promote``."""
+        return await self.bindings.canary_promote(tenant, alias, actor=actor, if_match=if_match, judgement=judgement)
+
+    async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
+                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+        """``Bindings.canary_abort``."""
+        return await self.bindings.canary_abort(tenant, alias, actor=actor, if_match=if_match, judgement=judgement)
+
+    async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
+                                  on_disabled: str | None = None, actor: str = "admin",
+                                  if_match: int | None = None) -> dict:
+        """``Bindings.set_binding_enabled``."""
+        return await self.bindings.set_binding_enabled(tenant, alias, enabled, on_disabled=on_disabled, actor=actor,
+                                                       if_match=if_match)
+
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+        """``Bindings.unbind``: remove an alias."""
+        return await self.bindings.unbind(tenant, alias, actor=actor, if_match=if_match)
+
+    async def get_binding(self, tenant: str, alias: str) -> dict:
+        return await self.bindings.get_binding(tenant, alias)
+
+    async def list_bindings(self, tenant: str | None = None) -> list[dict]:
+        return await self.bindings.list_bindings(tenant)

@@ -1,4 +1,5 @@
-"""Bindings: an alias's active version, its previous one (rollback) and its canary."""
+"""Bindings: an alias's active version, its previous one (rollback) and its canary. The
+operations ``RegistryService`` offers for them (the admin API's), on its ``RegistryDatabase``."""
 
 from __future__ import annotations
 
@@ -6,72 +7,88 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
 
+from registry import validators
 from registry.errors import Conflict, Invalid, NotFound
+from registry.lookups import adapter_row, binding_json, binding_row, tenant_row
 from registry.models import (
     AdapterVersion,
     Binding,
     utcnow,
 )
-from registry.records import _audit_view, _match, _name, _on_disabled, _percent, _slug, binding_dict
-from registry.service_core import ServiceCore, _Tx
+from registry.records import audit_view, binding_dict
+from registry.service_core import RegistryDatabase, Tx
 
 
-class BindingOps(ServiceCore):
-    # --- bindings ------------------------------------------------------------------------------------
+def check_bindable(b_tenant: str, adapter: AdapterVersion, base_model: str | None) -> None:
+    """Refuse (422) to route ``b_tenant``'s binding (serving ``base_model``; None: a new one) to
+    ``adapter``: not active, another tenant's, or for another base model."""
+    if adapter.status != "active":
+        raise Invalid(f"adapter {adapter.label} is {adapter.status}; only active versions can be bound",
+                      code="adapter_not_active", param="adapter")
+    if adapter.owner_tenant is not None and adapter.owner_tenant != b_tenant:
+        raise Invalid(f"adapter {adapter.label} belongs to another tenant and cannot be bound to "
+                      f"{b_tenant!r}", code="adapter_owner_mismatch", param="adapter")
+    if base_model is not None and adapter.base_model != base_model:
+        raise Invalid(f"adapter {adapter.label} is for base model {adapter.base_model!r}; the binding "
+                      f"serves {base_model!r}", code="base_model_mismatch", param="adapter")
+
+
+class Bindings:
+    """Binding reads and writes; results are the admin API's JSON (``records.binding_dict``)."""
+
+    def __init__(self, db: RegistryDatabase) -> None:
+        self.db = db
 
     async def _binding_op(self, tenant: str, alias: str, action: str, actor: str,
-                          mutate: Callable[[_Tx, Binding], Awaitable[bool]], if_match: int | None = None,
+                          mutate: Callable[[Tx, Binding], Awaitable[bool]], if_match: int | None = None,
                           judgement: dict[str, Any] | None = None) -> dict:
-        _slug(tenant)
-        _name(alias, "alias")
+        validators.slug(tenant)
+        validators.name(alias, "alias")
 
-        async def op(tx: _Tx) -> dict:
-            b = await self._binding(tx.session, tenant, alias)
-            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
+        async with self.db.write(actor) as tx:
+            b = await binding_row(tx.session, tenant, alias)
+            validators.match(b.row_version, if_match, f"binding {tenant}/{alias}")
             labels: dict[str, str] = {}
-            before = await self._binding_out(tx.session, b, labels)
+            before = await binding_json(tx.session, b, labels)
             if not await mutate(tx, b):
                 return before
             b.updated_at = utcnow()
             await tx.session.flush()
-            out = await self._binding_out(tx.session, b, labels)
-            after = _audit_view(out)
+            out = await binding_json(tx.session, b, labels)
+            after = audit_view(out)
             if judgement is not None:  # the canary judge's numbers that decided this change
                 after["judgement"] = judgement
-            tx.audit(action, f"binding:{tenant}/{alias}", _audit_view(before), after)
+            tx.audit(action, f"binding:{tenant}/{alias}", audit_view(before), after)
             return out
-
-        return await self._write(actor, op)
 
     async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
                    actor: str = "admin", if_match: int | None = None) -> dict:
         """Point ``alias`` at an active adapter version (create, or re-point: current -> previous)."""
-        _slug(tenant)
-        _name(alias, "alias")
+        validators.slug(tenant)
+        validators.name(alias, "alias")
         if on_disabled is not None:
-            _on_disabled(on_disabled)
+            validators.on_disabled(on_disabled)
 
-        async def op(tx: _Tx) -> dict:
-            await self._tenant(tx.session, tenant)
-            new = await self._adapter(tx.session, adapter)
+        async with self.db.write(actor) as tx:
+            await tenant_row(tx.session, tenant)
+            new = await adapter_row(tx.session, adapter)
             b = (await tx.session.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)
                                           .with_for_update())).scalar_one_or_none()
-            _match(b.row_version if b is not None else None, if_match, f"binding {tenant}/{alias}")
+            validators.match(b.row_version if b is not None else None, if_match, f"binding {tenant}/{alias}")
             now = utcnow()
             if b is None:
-                self._check_bindable(tenant, new, None)
+                check_bindable(tenant, new, None)
                 b = Binding(tenant=tenant, alias=alias, base_model=new.base_model, active_id=new.id,
                             previous_id=None, canary_id=None, canary_percent=0.0, enabled=True,
                             on_disabled=on_disabled or "refuse", created_at=now, updated_at=now)
                 tx.session.add(b)
                 await tx.session.flush()
-                out = await self._binding_out(tx.session, b)
-                tx.audit("binding.create", f"binding:{tenant}/{alias}", None, _audit_view(out))
+                out = await binding_json(tx.session, b)
+                tx.audit("binding.create", f"binding:{tenant}/{alias}", None, audit_view(out))
                 return out
-            self._check_bindable(tenant, new, b.base_model)
-            before = await self._binding_out(tx.session, b)
+            check_bindable(tenant, new, b.base_model)
+            before = await binding_json(tx.session, b)
             if b.active_id == new.id and (on_disabled is None or on_disabled == b.on_disabled):
                 return before
             if b.active_id != new.id:
@@ -82,20 +99,18 @@ class BindingOps(ServiceCore):
                 b.on_disabled = on_disabled
             b.updated_at = now
             await tx.session.flush()
-            out = await self._binding_out(tx.session, b)
-            tx.audit("binding.bind", f"binding:{tenant}/{alias}", _audit_view(before), _audit_view(out))
+            out = await binding_json(tx.session, b)
+            tx.audit("binding.bind", f"binding:{tenant}/{alias}", audit_view(before), audit_view(out))
             return out
-
-        return await self._write(actor, op)
 
     async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
                        if_match: int | None = None) -> dict:
         """Swap active and previous in one step (a second rollback rolls forward again)."""
-        async def mutate(tx: _Tx, b: Binding) -> bool:
+        async def mutate(tx: Tx, b: Binding) -> bool:
             if b.previous_id is None:
                 raise Conflict(f"{tenant}/{alias} has no previous version to roll back to", code="no_previous")
-            prev = await self._adapter(tx.session, b.previous_id)
-            self._check_bindable(tenant, prev, b.base_model)
+            prev = await adapter_row(tx.session, b.previous_id)
+            check_bindable(tenant, prev, b.base_model)
             b.active_id, b.previous_id = prev.id, b.active_id
             if b.canary_id == prev.id:
                 b.canary_id, b.canary_percent = None, 0.0
@@ -105,11 +120,11 @@ class BindingOps(ServiceCore):
 
     async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
                            actor: str = "admin", if_match: int | None = None) -> dict:
-        pct = _percent(percent)
+        pct = validators.percent(percent)
 
-        async def mutate(tx: _Tx, b: Binding) -> bool:
-            new = await self._adapter(tx.session, adapter)
-            self._check_bindable(tenant, new, b.base_model)
+        async def mutate(tx: Tx, b: Binding) -> bool:
+            new = await adapter_row(tx.session, adapter)
+            check_bindable(tenant, new, b.base_model)
             if new.id == b.active_id:
                 raise Invalid(f"{new.label} is already the active version of {tenant}/{alias}",
                               code="canary_is_active", param="adapter")
@@ -125,9 +140,9 @@ class BindingOps(ServiceCore):
 
     async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
                          if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
-        pct = _percent(percent)
+        pct = validators.percent(percent)
 
-        async def mutate(tx: _Tx, b: Binding) -> bool:
+        async def mutate(tx: Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
             if b.canary_percent == pct:
@@ -139,11 +154,11 @@ class BindingOps(ServiceCore):
 
     async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
                              if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
-        async def mutate(tx: _Tx, b: Binding) -> bool:
+        async def mutate(tx: Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
-            canary = await self._adapter(tx.session, b.canary_id)
-            self._check_bindable(tenant, canary, b.base_model)
+            canary = await adapter_row(tx.session, b.canary_id)
+            check_bindable(tenant, canary, b.base_model)
             b.previous_id, b.active_id = b.active_id, canary.id
             b.canary_id, b.canary_percent = None, 0.0
             return True
@@ -152,7 +167,7 @@ class BindingOps(ServiceCore):
 
     async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
                            if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
-        async def mutate(tx: _Tx, b: Binding) -> bool:
+        async def mutate(tx: Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
             b.canary_id, b.canary_percent = None, 0.0
@@ -166,13 +181,13 @@ class BindingOps(ServiceCore):
         if not isinstance(enabled, bool):
             raise Invalid("enabled must be a boolean", param="enabled")
         if on_disabled is not None:
-            _on_disabled(on_disabled)
+            validators.on_disabled(on_disabled)
         elif not enabled:
             on_disabled = "refuse"  # per operation: a plain disable refuses, whatever was chosen before
 
-        async def mutate(tx: _Tx, b: Binding) -> bool:
+        async def mutate(tx: Tx, b: Binding) -> bool:
             if enabled:
-                active = await self._adapter(tx.session, b.active_id)
+                active = await adapter_row(tx.session, b.active_id)
                 if active.status != "active":
                     raise Invalid(f"cannot enable {tenant}/{alias}: its active version {active.label} is "
                                   f"{active.status}; bind or roll back first", code="adapter_not_active")
@@ -188,37 +203,33 @@ class BindingOps(ServiceCore):
 
     async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
         """Remove an alias: the tenant's requests for it get 404 from then on."""
-        _slug(tenant)
-        _name(alias, "alias")
+        validators.slug(tenant)
+        validators.name(alias, "alias")
 
-        async def op(tx: _Tx) -> dict:
-            b = await self._binding(tx.session, tenant, alias)
-            _match(b.row_version, if_match, f"binding {tenant}/{alias}")
-            before = await self._binding_out(tx.session, b)
+        async with self.db.write(actor) as tx:
+            b = await binding_row(tx.session, tenant, alias)
+            validators.match(b.row_version, if_match, f"binding {tenant}/{alias}")
+            before = await binding_json(tx.session, b)
             await tx.session.delete(b)
             await tx.session.flush()
-            tx.audit("binding.delete", f"binding:{tenant}/{alias}", _audit_view(before), None)
+            tx.audit("binding.delete", f"binding:{tenant}/{alias}", audit_view(before), None)
             return {"tenant": tenant, "alias": alias, "deleted": True}
 
-        return await self._write(actor, op)
-
     async def get_binding(self, tenant: str, alias: str) -> dict:
-        async def op(s: AsyncSession) -> dict:
-            await self._tenant(s, tenant)
+        async with self.db.read() as s:
+            await tenant_row(s, tenant)
             b = (await s.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)))\
                 .scalar_one_or_none()
             if b is None:
                 raise NotFound(f"tenant {tenant!r} has no alias {alias!r}", code="binding_not_found",
                                param="alias")
-            return await self._binding_out(s, b)
-
-        return await self._read(op)
+            return await binding_json(s, b)
 
     async def list_bindings(self, tenant: str | None = None) -> list[dict]:
-        async def op(s: AsyncSession) -> list[dict]:
+        async with self.db.read() as s:
             stmt = select(Binding).order_by(Binding.tenant, Binding.alias)
             if tenant:
-                await self._tenant(s, tenant)
+                await tenant_row(s, tenant)
                 stmt = stmt.where(Binding.tenant == tenant)
             rows = (await s.execute(stmt)).scalars().all()
             ids = {i for b in rows for i in (b.active_id, b.previous_id, b.canary_id) if i}
@@ -227,6 +238,4 @@ class BindingOps(ServiceCore):
                 names = names.where(AdapterVersion.id.in_(ids))
             labels = {r.id: f"{r.name}@{r.version}" for r in (await s.execute(names))} if ids else {}
             return [binding_dict(b, labels) for b in rows]
-
-        return await self._read(op)
 

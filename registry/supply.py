@@ -30,8 +30,9 @@ from loraplex.adapter_store import (
 from loraplex.peft_config import ADAPTER_FILES
 from registry.admission import AdmissionError, admit_contents, admit_uri
 from registry.errors import Invalid, RegistryError, Unavailable
+from registry.lookups import binding_json
 from registry.models import AdapterVersion, AuditEntry, Binding
-from registry.records import _audit_view, adapter_dict
+from registry.records import adapter_dict, audit_view
 from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.registry.supply")
@@ -143,15 +144,13 @@ class SupplyChain:
     async def _drop_if_unused(self, prefix: str, digest: str) -> None:
         """Undo a refused upload's files unless a version records them, deciding and deleting under
         the files' lock so a concurrent registration of the same bytes cannot interleave."""
-        async def op(tx: Any) -> None:
-            await tx.serialize(self.store.uri_for(prefix))
-            used = (await tx.session.execute(select(AdapterVersion.id).where(
-                AdapterVersion.uri == self.store.uri_for(prefix)).limit(1))).first()
-            if used is None:
-                await _quietly(self.store.delete(version_keys(prefix)))
-
         try:
-            await self.service._write("upload-cleanup", op)
+            async with self.service.db.write("upload-cleanup") as tx:  # records no change: rolled back
+                await tx.serialize(self.store.uri_for(prefix))
+                used = (await tx.session.execute(select(AdapterVersion.id).where(
+                    AdapterVersion.uri == self.store.uri_for(prefix)).limit(1))).first()
+                if used is None:
+                    await _quietly(self.store.delete(version_keys(prefix)))
         except RegistryError as exc:
             log.warning("could not clean up the refused upload %s: %s", digest, exc)
 
@@ -168,7 +167,8 @@ class SupplyChain:
         store = self.store
         now = datetime.now(UTC)
         cutoff = now - timedelta(seconds=retention)
-        plan = await self.service._read(lambda s: _candidates(s, store, cutoff))
+        async with self.service.db.read() as s:
+            plan = await _candidates(s, store, cutoff)
         stale_uploads: list[str] = []
         try:
             stale_uploads = [o.key for o in await store.list(UPLOAD_PREFIX)
@@ -181,26 +181,24 @@ class SupplyChain:
         if not apply or (not plan and not stale_uploads):
             return result
         ids = [v.id for v, _ in plan]
-
-        async def op(tx: Any) -> list[AdapterVersion]:
-            rows = (await tx.session.execute(select(AdapterVersion).where(AdapterVersion.id.in_(ids))
-                                             .with_for_update())).scalars().all()
-            in_use = await _in_use(tx.session, ids)
-            chosen = []
-            for row in rows:
-                if row.id in in_use:  # bound since the plan was made: never touched
-                    continue
-                before = adapter_dict(row)
-                if row.status_reason != GC_REASON or row.status != "disabled":
-                    row.status, row.status_reason = "disabled", GC_REASON
-                    await tx.session.flush()
-                tx.audit("adapter.gc", f"adapter:{row.id}", _audit_view(before),
-                         _audit_view(adapter_dict(row)) | {"deleted": version_keys_of(store, row.uri)})
-                chosen.append(row)
-            return chosen
-
-        collected = await self.service._write(actor, op) if ids else []
-        keep = await self.service._read(lambda s: _uris_kept(s, {r.uri for r in collected}))
+        collected: list[AdapterVersion] = []
+        if ids:
+            async with self.service.db.write(actor) as tx:
+                rows = (await tx.session.execute(select(AdapterVersion).where(AdapterVersion.id.in_(ids))
+                                                 .with_for_update())).scalars().all()
+                in_use = await _in_use(tx.session, ids)
+                for row in rows:
+                    if row.id in in_use:  # bound since the plan was made: never touched
+                        continue
+                    before = adapter_dict(row)
+                    if row.status_reason != GC_REASON or row.status != "disabled":
+                        row.status, row.status_reason = "disabled", GC_REASON
+                        await tx.session.flush()
+                    tx.audit("adapter.gc", f"adapter:{row.id}", audit_view(before),
+                             audit_view(adapter_dict(row)) | {"deleted": version_keys_of(store, row.uri)})
+                    collected.append(row)
+        async with self.service.db.read() as s:
+            keep = await _uris_kept(s, {r.uri for r in collected})
         for row in collected:
             if row.uri in keep:  # another live version records the same content
                 continue
@@ -281,18 +279,18 @@ class SupplyChain:
             out["bindings"] = [{"binding": f"{b['tenant']}/{b['alias']}", "moves": None} for b in bindings]
             return out
 
-        async def op(tx: Any) -> list[dict[str, Any]]:
+        async with svc.db.write(actor) as tx:
             rows = (await tx.session.execute(select(Binding).where(Binding.base_model == old)
                                              .order_by(Binding.tenant, Binding.alias).with_for_update())
                     ).scalars().all()
-            report = []
+            report: list[dict[str, Any]] = []
             for b in rows:
                 target = f"{b.tenant}/{b.alias}"
                 if b.active_id not in moves:
                     report.append({"binding": target, "moves": False,
                                    "reason": "its active version did not pass on the new base model"})
                     continue
-                before = await svc._binding_out(tx.session, b)
+                before = await binding_json(tx.session, b)
                 b.base_model, b.previous_id, b.active_id = new, b.active_id, moves[b.active_id]
                 if b.canary_id is not None:
                     if b.canary_id in moves:
@@ -301,17 +299,15 @@ class SupplyChain:
                         b.canary_id, b.canary_percent = None, 0.0
                 b.updated_at = datetime.now(UTC)
                 await tx.session.flush()
-                after = await svc._binding_out(tx.session, b)
-                tx.audit("binding.upgrade", f"binding:{target}", _audit_view(before), _audit_view(after))
+                after = await binding_json(tx.session, b)
+                tx.audit("binding.upgrade", f"binding:{target}", audit_view(before), audit_view(after))
                 report.append({"binding": target, "moves": True, "active": after["active"]["label"]})
             tx.audit("base_model.upgrade", f"base_model:{old}", {"base_model": old},
                      {"base_model": new, "versions": [{"from": r["from"]["label"], "passed": bool(r.get("passed")),
                                                        "to": (r.get("to") or {}).get("label"),
                                                        "reason": r.get("reason")} for r in plan],
                       "bindings": report})
-            return report
-
-        out["bindings"] = await svc._write(actor, op)
+        out["bindings"] = report
         return out
 
 

@@ -302,7 +302,7 @@ async def test_failure_mid_operation_changes_nothing(svc, monkeypatch):
     async def broken_audit(*_a, **_k):
         raise RuntimeError("audit store exploded")
 
-    monkeypatch.setattr(svc, "_commit_version", broken_audit)
+    monkeypatch.setattr(svc.db, "_commit_version", broken_audit)
     for call in (lambda: svc.bind("acme", "support", v2["id"]), lambda: svc.create_tenant("initech"),
                  lambda: svc.disable_adapter(v1["id"], force=True),
                  lambda: svc.set_tenant_limits("acme", max_concurrent=1),

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from registry.canary import policy_dict
+from registry.lookups import binding_row, tenant_row, version_labels
 from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, CanaryPolicy, Tenant
 from registry.records import adapter_dict, audit_dict, binding_dict, tenant_dict
 from registry.service import RegistryService
@@ -37,7 +37,7 @@ def _prefix(column: Any, text: str) -> Any:
 
 async def tenants(service: RegistryService, *, q: str = "", status: str = "", after: str = "",
                   limit: int = PAGE) -> Page:
-    async def op(s: AsyncSession) -> Page:
+    async with service.db.read() as s:
         where = []
         if q:
             where.append(_prefix(Tenant.slug, q))
@@ -52,31 +52,19 @@ async def tenants(service: RegistryService, *, q: str = "", status: str = "", af
         rows = rows[:limit]
         return Page([tenant_dict(t) for t in rows], total, rows[-1].slug if more else None)
 
-    return await service._read(op)
-
-
-async def labels(s: AsyncSession, ids: set[str]) -> dict[str, str]:
-    if not ids:
-        return {}
-    rows = await s.execute(select(AdapterVersion.id, AdapterVersion.name, AdapterVersion.version)
-                           .where(AdapterVersion.id.in_(ids)))
-    return {i: f"{n}@{v}" for i, n, v in rows}
-
 
 async def tenant(service: RegistryService, slug: str) -> dict[str, Any]:
     """The tenant, its bindings (with labels) and the canary policies on them."""
 
-    async def op(s: AsyncSession) -> dict[str, Any]:
-        t = await service._tenant(s, slug)
+    async with service.db.read() as s:
+        t = await tenant_row(s, slug)
         rows = (await s.execute(select(Binding).where(Binding.tenant == slug).order_by(Binding.alias))).scalars().all()
         pols = (await s.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == slug))).scalars().all()
         ids = {i for b in rows for i in (b.active_id, b.previous_id, b.canary_id) if i}
         ids |= {p.canary_id for p in pols if p.canary_id}
-        names = await labels(s, ids)
+        names = await version_labels(s, ids)
         policies = {p.alias: policy_dict(p, names) for p in pols}
         return {"tenant": tenant_dict(t), "bindings": [binding_dict(b, names) for b in rows], "policies": policies}
-
-    return await service._read(op)
 
 
 BINDABLE = 200
@@ -86,53 +74,45 @@ BINDABLE = 200
 async def bindable(service: RegistryService, slug: str) -> list[str]:
     """``name@version`` of the active versions the tenant may bind: its own and the shared ones."""
 
-    async def op(s: AsyncSession) -> list[str]:
+    async with service.db.read() as s:
         rows = await s.execute(select(AdapterVersion.name, AdapterVersion.version)
                                .where(AdapterVersion.status == "active",
                                       or_(AdapterVersion.owner_tenant == slug, AdapterVersion.owner_tenant.is_(None)))
                                .order_by(AdapterVersion.name, AdapterVersion.version.desc()).limit(BINDABLE))
         return [f"{n}@{v}" for n, v in rows]
 
-    return await service._read(op)
-
 
 async def policy(service: RegistryService, slug: str, alias: str) -> dict[str, Any] | None:
     """The binding's canary policy (None where it has none)."""
 
-    async def op(s: AsyncSession) -> dict[str, Any] | None:
+    async with service.db.read() as s:
         p = (await s.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == slug, CanaryPolicy.alias == alias))
              ).scalar_one_or_none()
         return None if p is None else policy_dict(p)
-
-    return await service._read(op)
 
 
 async def binding_or_none(service: RegistryService, slug: str, alias: str) -> dict[str, Any] | None:
     """The binding, or None where the tenant has no such alias yet (404 for an unknown tenant)."""
 
-    async def op(s: AsyncSession) -> dict[str, Any] | None:
-        await service._tenant(s, slug)
+    async with service.db.read() as s:
+        await tenant_row(s, slug)
         b = (await s.execute(select(Binding).where(Binding.tenant == slug, Binding.alias == alias))).scalar_one_or_none()
         if b is None:
             return None
-        return binding_dict(b, await labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
-
-    return await service._read(op)
+        return binding_dict(b, await version_labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
 
 
 async def binding(service: RegistryService, slug: str, alias: str) -> dict[str, Any]:
-    async def op(s: AsyncSession) -> dict[str, Any]:
-        b = await service._binding(s, slug, alias)
-        return binding_dict(b, await labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
-
-    return await service._read(op)
+    async with service.db.read() as s:
+        b = await binding_row(s, slug, alias)
+        return binding_dict(b, await version_labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
 
 
 async def adapters(service: RegistryService, *, q: str = "", status: str = "", after: str = "",
                    limit: int = PAGE) -> Page:
     """Versions by name then version; ``after`` is ``name@version`` of the last row shown."""
 
-    async def op(s: AsyncSession) -> Page:
+    async with service.db.read() as s:
         where = []
         if q:
             where.append(_prefix(AdapterVersion.name, q))
@@ -153,14 +133,12 @@ async def adapters(service: RegistryService, *, q: str = "", status: str = "", a
         rows = [{**adapter_dict(a), "base_revision": rev} for a, rev in got]
         return Page(rows, total, rows[-1]["label"] if more else None)
 
-    return await service._read(op)
-
 
 async def audit(service: RegistryService, *, actor: str = "", action: str = "", target: str = "",
                 before: int | None = None, limit: int = PAGE) -> Page:
     """Newest first; ``target`` matches exactly or, ending in ``*``, as a prefix."""
 
-    async def op(s: AsyncSession) -> Page:
+    async with service.db.read() as s:
         stmt = select(AuditEntry)
         if actor:
             stmt = stmt.where(AuditEntry.actor == actor)
@@ -175,7 +153,7 @@ async def audit(service: RegistryService, *, actor: str = "", action: str = "", 
         more = len(rows) > limit
         rows = rows[:limit]
         ids = {e.target.removeprefix("adapter:") for e in rows if e.target.startswith("adapter:")}
-        names = await labels(s, ids)
+        names = await version_labels(s, ids)
         out = []
         for e in rows:
             d = audit_dict(e)
@@ -187,11 +165,8 @@ async def audit(service: RegistryService, *, actor: str = "", action: str = "", 
             out.append(d)
         return Page(out, None, str(rows[-1].id) if more else None)
 
-    return await service._read(op)
 
-
-async def version_labels(service: RegistryService, ids: set[str]) -> dict[str, str]:
-    async def op(s: AsyncSession) -> dict[str, str]:
-        return await labels(s, ids)
-
-    return await service._read(op)
+async def labels(service: RegistryService, ids: set[str]) -> dict[str, str]:
+    """``name@version`` of these adapter versions (``lookups.version_labels``)."""
+    async with service.db.read() as s:
+        return await version_labels(s, ids)

@@ -133,7 +133,8 @@ def _span(q: UsageQuery) -> dict[str, str]:
 
 
 async def _buckets(service: RegistryService, q: UsageQuery) -> list[dict[str, Any]]:
-    page = await service._read(lambda s: read_usage(s, q))
+    async with service.db.read() as s:
+        page = await read_usage(s, q)
     return page["data"]
 
 
@@ -142,8 +143,9 @@ async def fleet_usage(service: RegistryService, window: str, now: float | None =
     now = time.time() if now is None else now
     q = _query(window, now)
     buckets = await _buckets(service, q)
-    tenants = await service._read(lambda s: usage_totals(s, _query(window, now, table=True, group_by=["tenant"]), TOP))
-    total = await service._read(lambda s: usage_totals(s, _query(window, now, table=True), 1))
+    async with service.db.read() as s:
+        tenants = await usage_totals(s, _query(window, now, table=True, group_by=["tenant"]), TOP)
+        total = await usage_totals(s, _query(window, now, table=True), 1)
     return {"window": window, "windows": list(WINDOWS), "charts": charts(buckets, q.bucket_width),
             "tenants": _ok_first(tenants), "total": total[0] if total else None, "top": TOP, **_span(q)}
 
@@ -152,14 +154,13 @@ async def tenant_usage(service: RegistryService, slug: str, window: str, now: fl
     """A tenant's page: its charts, its usage by alias and version, and its outcomes."""
     await service.get_tenant(slug)  # a missing tenant is the registry's 404
     now = time.time() if now is None else now
-    only = {"tenants": [slug]}
-    q = _query(window, now, **only)
+    q = _query(window, now, tenants=[slug])
     buckets = await _buckets(service, q)
-    versions = await service._read(lambda s: usage_totals(
-        s, _query(window, now, table=True, group_by=["alias,version"], **only), TOP))
-    outcomes = await service._read(lambda s: usage_totals(
-        s, _query(window, now, table=True, group_by=["outcome"], **only), 100))
-    total = await service._read(lambda s: usage_totals(s, _query(window, now, table=True, **only), 1))
+    async with service.db.read() as s:
+        versions = await usage_totals(s, _query(window, now, table=True, group_by=["alias,version"], tenants=[slug]),
+                                      TOP)
+        outcomes = await usage_totals(s, _query(window, now, table=True, group_by=["outcome"], tenants=[slug]), 100)
+        total = await usage_totals(s, _query(window, now, table=True, tenants=[slug]), 1)
     return {"slug": slug, "window": window, "windows": list(WINDOWS), "charts": charts(buckets, q.bucket_width),
             "versions": _ok_first(versions), "outcomes": sorted(outcomes, key=lambda r: (r["outcome"] != "ok", r["outcome"])),
             "total": total[0] if total else None, "top": TOP, **_span(q)}

@@ -18,10 +18,10 @@ from starlette.routing import Route
 from loraplex.settings import Settings
 from loraplex.tokens import Principal, TokenError, Verifier, bearer
 from loraplex.wire import WorkerReport
+from registry import validators
 from registry.canary import DEFAULTS, validate_policy
 from registry.console import present, queries, usage_view
 from registry.errors import Conflict, Invalid, RegistryError
-from registry.records import _cache_scope
 from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.registry.console")
@@ -163,7 +163,7 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
         start = int(arg(request, "start") or 0) if arg(request, "start").isdigit() else 0
         reports = sorted(await sources.workers(), key=lambda r: r.worker_id)
         ids = {a for r in reports for a in (*r.device_adapters, *r.host_adapters)}
-        names = await queries.version_labels(service, ids)
+        names = await queries.labels(service, ids)
         ejected = await sources.ejections()
         rows = []
         now = time.time()
@@ -198,7 +198,8 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
     async def audit(request: Request, who: Principal) -> Response:
         f = {k: arg(request, k) for k in ("actor", "action", "target")}
         before = arg(request, "before")
-        page = await queries.audit(service, **f, before=int(before) if before.isdigit() else None)
+        page = await queries.audit(service, actor=f["actor"], action=f["action"], target=f["target"],
+                                   before=int(before) if before.isdigit() else None)
         return render("audit.html", page=page, f=f)
 
     async def confirm(request: Request, who: Principal) -> Response:
@@ -258,7 +259,7 @@ async def _confirm(service: RegistryService, request: Request) -> dict[str, Any]
         return _call(f"Change the limits of {slug}", rows, "PATCH", f"{t_path}/limits", body, t["row_version"], back)
     if action == "cache_scope":
         t = (await queries.tenant(service, slug))["tenant"]
-        scope = _cache_scope(q.get("cache_scope", "").strip())  # the refusal here, before anything is called
+        scope = validators.cache_scope(q.get("cache_scope", "").strip())  # the refusal here, before anything is called
         rows = [("cache_scope", _scope_text(t["cache_scope"]), _scope_text(scope))] if scope != t["cache_scope"] else []
         return _call(f"Change the prefix cache scope of {slug}", rows, "PUT", f"{t_path}/cache-scope",
                      {"cache_scope": scope}, t["row_version"], back, note=_SCOPE_NOTE if scope else None)
