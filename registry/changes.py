@@ -12,9 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.settings import Settings
 from registry.db import is_postgres
@@ -71,12 +69,6 @@ class ChangeBus:
         self.postgres = is_postgres(self.database_url)
         self.use_redis = bool(settings.redis_url) and not self.postgres
         self._redis: Any = None
-
-    async def announce_in_tx(self, session: AsyncSession, version: int) -> None:
-        """Inside the write transaction: PostgreSQL delivers the NOTIFY only if it commits."""
-        if self.postgres:
-            await session.execute(text("SELECT pg_notify(:channel, :version)"),
-                                  {"channel": self.channel, "version": str(version)})
 
     async def announce_committed(self, version: int) -> None:
         """After commit: the in-process hub and (SQLite + Redis) Redis pub/sub."""
