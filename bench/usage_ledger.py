@@ -18,7 +18,11 @@ tenants in its own order, so every flush holds as many distinct tenants as the r
    (counted in this process on one flush of the same size), and the minute rows stored per
    minute, so rows per day.
 3. **GET /admin/usage** for the seeded day, ``bucket_width=1d&group_by=tenant``: end to end through a
-   gateway's admin API (the whole body read), best and median of ``--query-repeats``.
+   gateway's admin API (the whole body read), best and median of ``--query-repeats``, two ways side
+   by side in each repeat: read from the ledger (the day's page built by PostgreSQL, as the first
+   read of a finished day, or the first after a late minute, gets it: the late-write count is
+   moved on before it) and then kept (the gateway's engine answers the finished day's page it
+   keeps, ``registry.usage_query.FinishedPages``). The two bodies must be the same bytes.
 
 Prints a table and writes ``bench/results/usage_ledger.json``. PostgreSQL, the gateways, the stub
 and the load generator share this machine: the figures include their contention.
@@ -26,6 +30,8 @@ and the load generator share this machine: the figures include their contention.
     python bench/usage_ledger.py                                   # 100k tenants
     python bench/usage_ledger.py --tenants 2000 --requests 2000 --rounds 1 --sustain 8 --flush-interval 2 \
         --no-whole-minute                                          # a quick look
+    python bench/usage_ledger.py --query-only --query-repeats 7   # 3. alone: the seeded database, one
+                                                                   # gateway, no load (usage_ledger_query.json)
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -185,6 +193,19 @@ async def one_flush_statements(url: str, rows: int) -> dict[str, Any]:
     return {"rows": len(buckets), "statements": len(sent), "kinds": sent, "seconds": took}
 
 
+async def move_late_days(dsn: str) -> None:
+    """Count one more late flush into day rows, as a gateway's late minute does (``registry.usage``):
+    the finished days' pages every engine keeps are read from the ledger again."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("INSERT INTO usage_late_writes (width, flushes) VALUES ('d', 1) ON CONFLICT (width) "
+                           "DO UPDATE SET flushes = usage_late_writes.flushes + 1")
+    finally:
+        await conn.close()
+
+
 # -- processes ----------------------------------------------------------------------------------------
 
 
@@ -296,26 +317,43 @@ def cpu_round(side: list[Gateway], requests: int, concurrency: int, procs: int) 
 # -- the query --------------------------------------------------------------------------------------
 
 
-def time_query(gw: Gateway, token: str, day: int, repeats: int, tenants: int) -> dict[str, Any]:
+def time_query(gw: Gateway, token: str, day: int, repeats: int, tenants: int, dsn: str) -> dict[str, Any]:
+    """The day by tenant, each repeat read from the ledger (the late-write count moved on first)
+    and then kept; the first repeat only warms the gateway's pool and the database's cache."""
     import httpx
 
     params = {"start_time": day, "end_time": day + DAY, "bucket_width": "1d", "group_by": "tenant"}
-    times, size, results = [], 0, 0
+    times: dict[str, list[float]] = {"read": [], "kept": []}
+    bodies: dict[str, bytes] = {}
     with httpx.Client(timeout=120.0) as client:
-        for _ in range(repeats + 1):  # the first warms the gateway's pool and the database's cache
-            t0 = time.perf_counter()
-            r = client.get(gw.base + "/admin/usage", params=params, headers={"authorization": f"Bearer {token}"})
-            body = r.content
-            times.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                raise RuntimeError(f"GET /admin/usage -> {r.status_code}: {body[:300]!r}")
-            size = len(body)
-        results = len(r.json()["data"][0]["results"])
+        for _ in range(repeats + 1):
+            for way in ("read", "kept"):
+                if way == "read":
+                    asyncio.run(move_late_days(dsn))
+                t0 = time.perf_counter()
+                r = client.get(gw.base + "/admin/usage", params=params, headers={"authorization": f"Bearer {token}"})
+                body = r.content
+                times[way].append(time.perf_counter() - t0)
+                if r.status_code != 200:
+                    raise RuntimeError(f"GET /admin/usage -> {r.status_code}: {body[:300]!r}")
+                bodies[way] = body
+    if bodies["read"] != bodies["kept"]:
+        raise RuntimeError("GET /admin/usage: the kept page is not the page read from the ledger")
+    results = len(orjson.loads(bodies["kept"])["data"][0]["results"])
     if results != tenants:
         raise RuntimeError(f"GET /admin/usage returned {results} tenants of {tenants}")
-    times = times[1:]
-    return {"results": results, "bytes": size, "best_s": min(times), "median_s": statistics.median(times),
-            "all_s": times}
+    out: dict[str, Any] = {"results": results, "bytes": len(bodies["kept"])}
+    for way, ts in times.items():
+        out[way] = {"best_s": min(ts[1:]), "median_s": statistics.median(ts[1:]), "all_s": ts[1:]}
+    return out
+
+
+def query_lines(q: dict[str, Any]) -> list[str]:
+    head = f"GET /admin/usage, a day by tenant ({q['results']:,} results, {q['bytes'] / 1e6:.1f} MB)"
+    return [f"| {head}, read from the ledger | best {q['read']['best_s'] * 1000:.0f} ms, "
+            f"median {q['read']['median_s'] * 1000:.0f} ms |",
+            f"| {head}, a finished day's page kept | best {q['kept']['best_s'] * 1000:.0f} ms, "
+            f"median {q['kept']['median_s'] * 1000:.0f} ms |"]
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -409,7 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
         admin = mint_admin(settings, ttl_s=DAY)
-        result["admin_usage_day_by_tenant"] = time_query(on[0], admin, day, args.query_repeats, args.tenants)
+        result["admin_usage_day_by_tenant"] = time_query(on[0], admin, day, args.query_repeats, args.tenants, dsn)
     finally:
         for g in gateways:
             stop_process(g.proc)
@@ -439,10 +477,42 @@ def table(r: dict[str, Any]) -> str:
         f"| minute rows per day (kept 7 days) | {'-' if per_day is None else f'{per_day:,.0f}'} |",
         f"| hour / day rows per day, at most (a key per tenant) | {pg['hour_rows_per_day_at_most']:,} / "
         f"{pg['day_rows_per_day_at_most']:,} |",
-        f"| GET /admin/usage, a day by tenant ({q['results']:,} results, {q['bytes'] / 1e6:.1f} MB) | "
-        f"best {q['best_s'] * 1000:.0f} ms, median {q['median_s'] * 1000:.0f} ms |",
+        *query_lines(q),
     ]
     return "\n".join(lines)
+
+
+def run_query_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 3 alone: the seeded database and one gateway (no ledger of its own), no load."""
+    from loraplex.settings import Settings
+    from loraplex.tokens import mint_admin
+
+    now = int(time.time())
+    day = now - now % DAY - DAY
+    url, dsn = asyncio.run(create_database(args.tenants, day))
+    tmp = Path(tempfile.mkdtemp(prefix="loraplex-usage-bench-"))
+    prefix = f"loraplex-usage-bench-{uuid.uuid4().hex[:8]}"
+    secret, worker_secret = secrets.token_hex(32), secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")} | {
+        "LORAPLEX_REDIS_URL": REDIS_URL, "LORAPLEX_REDIS_PREFIX": prefix, "LORAPLEX_JWT_SECRET": secret,
+        "LORAPLEX_WORKER_SECRET": worker_secret, "LORAPLEX_ADAPTER_ROOT": str(tmp / "adapters"),
+        "LORAPLEX_GATEWAY_HOST": "127.0.0.1", "LORAPLEX_LOG_LEVEL": "WARNING"}
+    stub = StubProcess(f"{prefix}-w1", redis_url=REDIS_URL, redis_prefix=prefix, base_model="tiny",
+                       extra=("--chunks", "5", "--worker-secret", worker_secret))
+    gw: Gateway | None = None
+    try:
+        stub.start()
+        gw = Gateway("query", url, tmp, env, 0)
+        wait_http(gw.base + "/readyz", gw.proc, args.ready_timeout, gw.log)
+        admin = mint_admin(Settings(jwt_secret=secret), ttl_s=DAY)
+        return {"tenants": args.tenants,
+                "admin_usage_day_by_tenant": time_query(gw, admin, day, args.query_repeats, args.tenants, dsn)}
+    finally:
+        if gw is not None:
+            stop_process(gw.proc)
+        stub.stop()
+        delete_redis_keys((f"{prefix}*",))
+        asyncio.run(drop_database(dsn))
 
 
 def main() -> int:
@@ -457,16 +527,20 @@ def main() -> int:
     ap.add_argument("--no-whole-minute", dest="whole_minute", action="store_false",
                     help="do not extend --sustain to cover a whole minute (no minute rows per day then)")
     ap.add_argument("--query-repeats", type=int, default=5)
+    ap.add_argument("--query-only", action="store_true",
+                    help="only 3.: seed the database and time GET /admin/usage on one gateway, no load")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     args = ap.parse_args()
-    result = run(args)
+    result = run_query_only(args) if args.query_only else run(args)
     print()
-    print(table(result))
+    print("\n".join(["| figure | value |", "|---|---|", *query_lines(result["admin_usage_day_by_tenant"])])
+          if args.query_only else table(result))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "usage_ledger", "cpus": os.cpu_count(), "python": platform.python_version(),
            "args": vars(args), "result": result, "load_avg_at_end": os.getloadavg()}
-    (RESULTS / "usage_ledger.json").write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {RESULTS / 'usage_ledger.json'}")
+    path = RESULTS / ("usage_ledger_query.json" if args.query_only else "usage_ledger.json")
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")
     return 0
 
 
