@@ -24,8 +24,11 @@ class AdminError(Exception):
         """The whole error answer (evidence such as ``adapter`` or ``bindings`` beside ``error``)."""
 
 
-def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
-             params: dict[str, Any] | None = None) -> Any:
+def admin_request(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
+                  params: dict[str, Any] | None = None) -> Any:
+    """One call of the admin API (``args``: the admin options ``--url``, ``--token``, ``--timeout``;
+    ``path`` under ``/admin``; None values of ``body`` and ``params`` left out): its JSON answer,
+    or ``AdminError`` (status 0: unreachable)."""
     import httpx
 
     from loraplex.settings import get_settings
@@ -42,10 +45,10 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict[str, A
                                headers={"authorization": f"Bearer {token}"})
     except httpx.HTTPError as exc:
         raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
-    return _answer(r)
+    return admin_answer(r)
 
 
-def _answer(r: Any) -> Any:
+def admin_answer(r: Any) -> Any:
     """The admin API's JSON answer (an ``httpx.Response``), or its error (OpenAI shape) as an ``AdminError``."""
     try:
         data = r.json()
@@ -73,8 +76,8 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], Any]]]] = {
                 ("ALPHA", lambda a: f"{a['alpha']:g}"), ("STATUS", lambda a: a["status"]),
                 ("SHA256", lambda a: a["sha256"][:12])],
     "binding": [("TENANT", lambda b: b["tenant"]), ("ALIAS", lambda b: b["alias"]),
-                ("ACTIVE", lambda b: _label(b["active"])), ("PREVIOUS", lambda b: _label(b["previous"])),
-                ("CANARY", lambda b: f"{_label(b['canary'])} {b['canary_percent']:g}%" if b["canary"] else "-"),
+                ("ACTIVE", lambda b: ref_label(b["active"])), ("PREVIOUS", lambda b: ref_label(b["previous"])),
+                ("CANARY", lambda b: f"{ref_label(b['canary'])} {b['canary_percent']:g}%" if b["canary"] else "-"),
                 ("ENABLED", lambda b: "yes" if b["enabled"] else f"no ({b['on_disabled']})"),
                 ("BASE", lambda b: b["base_model"])],
     "audit": [("VERSION", lambda e: e["registry_version"]), ("AT", lambda e: (e["at"] or "")[:19]),
@@ -82,7 +85,8 @@ COLUMNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], Any]]]] = {
 }
 
 
-def _label(ref: dict[str, Any] | None) -> str:
+def ref_label(ref: dict[str, Any] | None) -> str:
+    """A binding's version reference (``{"id", "label"}``) as shown: its label, or ``-``."""
     return ref["label"] if ref else "-"
 
 
@@ -94,7 +98,8 @@ def _table(kind: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) if rows else "\n".join(lines[:1]) + "\n(none)"
 
 
-def _show(args: argparse.Namespace, kind: str, data: Any, message: str | None = None) -> None:
+def show_answer(args: argparse.Namespace, kind: str, data: Any, message: str | None = None) -> None:
+    """Print an answer: as JSON with ``--json``, else ``message`` and a table of ``kind``'s ``COLUMNS``."""
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -118,7 +123,9 @@ def _with_globals(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def cli_handler(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command's handler: the admin options' defaults filled in, an ``AdminError`` printed (JSON
+    with ``--json``) and turned into the exit code (``EXIT_UNREACHABLE``, ``EXIT_REFUSED``)."""
     def handler(args: argparse.Namespace) -> int:
         _with_globals(args)
         try:
@@ -133,7 +140,7 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
                 print(f"error: {exc.message} ({where}{code})", file=sys.stderr)
                 adapter = exc.body.get("adapter")
                 if isinstance(adapter, dict) and adapter.get("verification"):
-                    print("\n".join(_evidence(adapter["verification"])), file=sys.stderr)
+                    print("\n".join(evidence_lines(adapter["verification"])), file=sys.stderr)
             return EXIT_UNREACHABLE if exc.status == 0 else EXIT_REFUSED
     return handler
 
@@ -143,7 +150,7 @@ def _clip(text: Any, width: int = 100) -> str:
     return text if len(text) <= width else text[:width - 4] + '..."'
 
 
-def _evidence(v: dict[str, Any]) -> list[str]:
+def evidence_lines(v: dict[str, Any]) -> list[str]:
     """The activation gate's evidence, readable: verdict, probes (base vs adapter), failed eval cases."""
     verdict = "passed" if v.get("passed") else "FAILED" if "passed" in v else "recorded"
     lines = [f"verification: {verdict}" + (f" on worker {v['worker']}" if v.get("worker") else "")
@@ -169,7 +176,7 @@ def _evidence(v: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _json_arg(value: str) -> dict[str, Any]:
+def json_object_arg(value: str) -> dict[str, Any]:
     """A JSON object given inline, or ``@path`` to read it from a file."""
     if value.startswith("@"):
         try:
@@ -186,7 +193,8 @@ def _json_arg(value: str) -> dict[str, Any]:
     return parsed
 
 
-def _percent_arg(value: str) -> float:
+def percent_arg(value: str) -> float:
+    """A percent given on the command line (the admin API checks its range)."""
     try:
         return float(value)
     except ValueError:

@@ -13,11 +13,11 @@ from registry.admin_client import (
     EXIT_REFUSED,
     GLOBAL_DEFAULTS,
     AdminError,
-    _answer,
-    _evidence,
-    _label,
-    _request,
-    _show,
+    admin_answer,
+    admin_request,
+    evidence_lines,
+    ref_label,
+    show_answer,
 )
 
 # --- admin: handlers ---------------------------------------------------------------------------------
@@ -35,34 +35,34 @@ def _b(args: argparse.Namespace, suffix: str = "") -> str:
 
 
 def tenant_create(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a), "cache_scope": a.cache_scope})
-    _show(a, "tenant", data, f"created tenant {a.slug}")
+    data = admin_request(a, "POST", "/tenants", {"slug": a.slug, **_limits_body(a), "cache_scope": a.cache_scope})
+    show_answer(a, "tenant", data, f"created tenant {a.slug}")
     return 0
 
 
 def tenant_list(a: argparse.Namespace) -> int:
-    _show(a, "tenant", _request(a, "GET", "/tenants", params={"status": a.status}))
+    show_answer(a, "tenant", admin_request(a, "GET", "/tenants", params={"status": a.status}))
     return 0
 
 
 def tenant_show(a: argparse.Namespace) -> int:
-    _show(a, "tenant", _request(a, "GET", f"/tenants/{a.slug}"))
+    show_answer(a, "tenant", admin_request(a, "GET", f"/tenants/{a.slug}"))
     return 0
 
 
 def tenant_disable(a: argparse.Namespace) -> int:
-    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/disable"), f"disabled tenant {a.slug}")
+    show_answer(a, "tenant", admin_request(a, "POST", f"/tenants/{a.slug}/disable"), f"disabled tenant {a.slug}")
     return 0
 
 
 def tenant_enable(a: argparse.Namespace) -> int:
-    _show(a, "tenant", _request(a, "POST", f"/tenants/{a.slug}/enable"), f"enabled tenant {a.slug}")
+    show_answer(a, "tenant", admin_request(a, "POST", f"/tenants/{a.slug}/enable"), f"enabled tenant {a.slug}")
     return 0
 
 
 def tenant_limits(a: argparse.Namespace) -> int:
-    data = _request(a, "PATCH", f"/tenants/{a.slug}/limits", _limits_body(a))
-    _show(a, "tenant", data, f"updated limits of {a.slug}")
+    data = admin_request(a, "PATCH", f"/tenants/{a.slug}/limits", _limits_body(a))
+    show_answer(a, "tenant", data, f"updated limits of {a.slug}")
     return 0
 
 
@@ -70,9 +70,9 @@ def tenant_cache_scope(a: argparse.Namespace) -> int:
     if (a.name is None) == (not a.own):
         print("error: give either a scope NAME or --own", file=sys.stderr)
         return 2
-    data = _request(a, "PUT", f"/tenants/{a.slug}/cache-scope", {"cache_scope": "" if a.own else a.name})
+    data = admin_request(a, "PUT", f"/tenants/{a.slug}/cache-scope", {"cache_scope": "" if a.own else a.name})
     scope = data["cache_scope"]
-    _show(a, "tenant", data, f"{a.slug} now caches prompt prefixes in the shared scope {scope!r}" if scope
+    show_answer(a, "tenant", data, f"{a.slug} now caches prompt prefixes in the shared scope {scope!r}" if scope
           else f"{a.slug} now caches prompt prefixes in its own scope")
     return 0
 
@@ -97,18 +97,18 @@ def base_model_add(a: argparse.Namespace) -> int:
         body = {f: getattr(a, f) for f in ("name", "revision", "architecture", "hidden_size", "intermediate_size",
                                            "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                                            "context_length")}
-    data = _request(a, "POST", "/base-models", body)
-    _show(a, "base_model", data, f"registered base model {data['name']} at revision {data['revision']}")
+    data = admin_request(a, "POST", "/base-models", body)
+    show_answer(a, "base_model", data, f"registered base model {data['name']} at revision {data['revision']}")
     return 0
 
 
 def base_model_list(a: argparse.Namespace) -> int:
-    _show(a, "base_model", _request(a, "GET", "/base-models"))
+    show_answer(a, "base_model", admin_request(a, "GET", "/base-models"))
     return 0
 
 
 def base_model_upgrade(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/base-models/{a.old}/upgrade", {"to": a.new, "dry_run": a.dry_run})
+    data = admin_request(a, "POST", f"/base-models/{a.old}/upgrade", {"to": a.new, "dry_run": a.dry_run})
     if a.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -125,10 +125,10 @@ def base_model_upgrade(a: argparse.Namespace) -> int:
 
 
 def adapter_register(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
+    data = admin_request(a, "POST", "/adapters", {"name": a.name, "uri": a.uri, "base_model": a.base_model,
                                              "version": a.version, "owner": a.owner,
                                              "expected_revision": a.expected_revision})
-    _show(a, "adapter", data, f"registered {data['label']} (id {data['id']}), status {data['status']}")
+    show_answer(a, "adapter", data, f"registered {data['label']} (id {data['id']}), status {data['status']}")
     return 0
 
 
@@ -179,13 +179,13 @@ def adapter_upload(a: argparse.Namespace) -> int:
                                      "x-loraplex-config-bytes": str(sizes[0])})
     except httpx.HTTPError as exc:
         raise AdminError(0, f"cannot reach the admin API at {base}: {exc}", "unreachable") from None
-    data = _answer(r)
-    _show(a, "adapter", data, f"uploaded {data['label']} (id {data['id']}) to {data['uri']}, status {data['status']}")
+    data = admin_answer(r)
+    show_answer(a, "adapter", data, f"uploaded {data['label']} (id {data['id']}) to {data['uri']}, status {data['status']}")
     return 0
 
 
 def gc(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", "/gc", {"apply": a.apply, "retention_s": a.retention})
+    data = admin_request(a, "POST", "/gc", {"apply": a.apply, "retention_s": a.retention})
     if a.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -200,20 +200,20 @@ def gc(a: argparse.Namespace) -> int:
 
 
 def adapter_list(a: argparse.Namespace) -> int:
-    _show(a, "adapter", _request(a, "GET", "/adapters", params={"name": a.name, "base_model": a.base_model,
+    show_answer(a, "adapter", admin_request(a, "GET", "/adapters", params={"name": a.name, "base_model": a.base_model,
                                                                 "owner": a.owner, "status": a.status}))
     return 0
 
 
 def adapter_show(a: argparse.Namespace) -> int:
-    data = _request(a, "GET", f"/adapters/{a.adapter}")
-    _show(a, "adapter", data)
+    data = admin_request(a, "GET", f"/adapters/{a.adapter}")
+    show_answer(a, "adapter", data)
     if not a.json:
         print(f"uri: {data['uri']}\ntarget modules: {', '.join(data['target_modules'])}")
         if data.get("status_reason"):
             print(f"reason: {data['status_reason']}")
         if data.get("verification"):
-            print("\n".join(_evidence(data["verification"])))
+            print("\n".join(evidence_lines(data["verification"])))
     return 0
 
 
@@ -226,78 +226,78 @@ busy laptop's demo took over a minute)."""
 def adapter_activate(a: argparse.Namespace) -> int:
     if a.timeout == GLOBAL_DEFAULTS["timeout"]:
         a = argparse.Namespace(**{**vars(a), "timeout": ACTIVATE_TIMEOUT_S})
-    data = _request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification,
+    data = admin_request(a, "POST", f"/adapters/{a.adapter}/activate", {"verification": a.verification,
                                                                   "eval": a.eval})
-    _show(a, "adapter", data, f"activated {data['label']}")
+    show_answer(a, "adapter", data, f"activated {data['label']}")
     return 0
 
 
 def adapter_disable(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason, "force": a.force or None})
+    data = admin_request(a, "POST", f"/adapters/{a.adapter}/disable", {"reason": a.reason, "force": a.force or None})
     detached = "".join(f"\n  {d['tenant']}/{d['alias']}: "
                        f"{'canary aborted' if d['role'] == 'canary' else 'binding disabled'}"
                        for d in data.get("detached") or [])
-    _show(a, "adapter", data, f"disabled {data['label']}" + (f"; with it:{detached}" if detached else ""))
+    show_answer(a, "adapter", data, f"disabled {data['label']}" + (f"; with it:{detached}" if detached else ""))
     return 0
 
 
 def adapter_enable(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/adapters/{a.adapter}/enable")
-    _show(a, "adapter", data, f"enabled {data['label']} (bindings disabled with it stay disabled: "
+    data = admin_request(a, "POST", f"/adapters/{a.adapter}/enable")
+    show_answer(a, "adapter", data, f"enabled {data['label']} (bindings disabled with it stay disabled: "
           f"`binding enable TENANT ALIAS`)")
     return 0
 
 
 def adapter_fail(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", f"/adapters/{a.adapter}/fail", {"reason": a.reason, "verification": a.verification})
-    _show(a, "adapter", data, f"marked {data['label']} failed")
+    data = admin_request(a, "POST", f"/adapters/{a.adapter}/fail", {"reason": a.reason, "verification": a.verification})
+    show_answer(a, "adapter", data, f"marked {data['label']} failed")
     return 0
 
 
 def bind(a: argparse.Namespace) -> int:
-    data = _request(a, "PUT", _b(a), {"adapter": a.adapter, "on_disabled": a.on_disabled})
-    _show(a, "binding", data, f"{a.tenant}/{a.alias} -> {_label(data['active'])}")
+    data = admin_request(a, "PUT", _b(a), {"adapter": a.adapter, "on_disabled": a.on_disabled})
+    show_answer(a, "binding", data, f"{a.tenant}/{a.alias} -> {ref_label(data['active'])}")
     return 0
 
 
 def binding_list(a: argparse.Namespace) -> int:
-    _show(a, "binding", _request(a, "GET", "/bindings", params={"tenant": a.tenant}))
+    show_answer(a, "binding", admin_request(a, "GET", "/bindings", params={"tenant": a.tenant}))
     return 0
 
 
 def binding_show(a: argparse.Namespace) -> int:
-    _show(a, "binding", _request(a, "GET", _b(a)))
+    show_answer(a, "binding", admin_request(a, "GET", _b(a)))
     return 0
 
 
 def binding_delete(a: argparse.Namespace) -> int:
-    data = _request(a, "DELETE", _b(a))
+    data = admin_request(a, "DELETE", _b(a))
     print(json.dumps(data) if a.json else f"removed {a.tenant}/{a.alias}")
     return 0
 
 
 def binding_enable(a: argparse.Namespace) -> int:
-    _show(a, "binding", _request(a, "POST", _b(a, "/enable"), {"on_disabled": a.on_disabled}),
+    show_answer(a, "binding", admin_request(a, "POST", _b(a, "/enable"), {"on_disabled": a.on_disabled}),
           f"enabled {a.tenant}/{a.alias}")
     return 0
 
 
 def binding_disable(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/disable"), {"on_disabled": a.on_disabled})
-    _show(a, "binding", data, f"disabled {a.tenant}/{a.alias} (requests: "
+    data = admin_request(a, "POST", _b(a, "/disable"), {"on_disabled": a.on_disabled})
+    show_answer(a, "binding", data, f"disabled {a.tenant}/{a.alias} (requests: "
           f"{'answered by the base model' if data['on_disabled'] == 'base' else 'refused'})")
     return 0
 
 
 def rollback(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/rollback"))
-    _show(a, "binding", data, f"rolled {a.tenant}/{a.alias} back to {_label(data['active'])}")
+    data = admin_request(a, "POST", _b(a, "/rollback"))
+    show_answer(a, "binding", data, f"rolled {a.tenant}/{a.alias} back to {ref_label(data['active'])}")
     return 0
 
 
 def canary_start(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/canary"), {"adapter": a.adapter, "percent": a.percent})
-    _show(a, "binding", data, f"canary {_label(data['canary'])} at {data['canary_percent']:g}% on {a.tenant}/{a.alias}")
+    data = admin_request(a, "POST", _b(a, "/canary"), {"adapter": a.adapter, "percent": a.percent})
+    show_answer(a, "binding", data, f"canary {ref_label(data['canary'])} at {data['canary_percent']:g}% on {a.tenant}/{a.alias}")
     return 0
 
 
@@ -310,32 +310,32 @@ def canary_set(a: argparse.Namespace) -> int:
         print("error: give either PERCENT or --by DELTA", file=sys.stderr)
         return 2
     if a.by is None:
-        data = _request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
+        data = admin_request(a, "PATCH", _b(a, "/canary"), {"percent": a.percent})
     else:  # relative: read, compute, write only if nobody changed it in between (else read again)
         for attempt in range(CONDITIONAL_TRIES):
-            cur = _request(a, "GET", _b(a, ""))
+            cur = admin_request(a, "GET", _b(a, ""))
             if cur["canary"] is None:
                 raise AdminError(409, f"{a.tenant}/{a.alias} has no canary", "no_canary")
             percent = min(100.0, max(0.0, cur["canary_percent"] + a.by))
             try:
-                data = _request(a, "PATCH", _b(a, "/canary"), {"percent": percent, "row_version": cur["row_version"]})
+                data = admin_request(a, "PATCH", _b(a, "/canary"), {"percent": percent, "row_version": cur["row_version"]})
                 break
             except AdminError as exc:
                 if exc.status != 412 or attempt == CONDITIONAL_TRIES - 1:
                     raise
                 time.sleep(random.uniform(0, 0.02 * (attempt + 1)))  # let the other writer finish
-    _show(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
+    show_answer(a, "binding", data, f"canary of {a.tenant}/{a.alias} now at {data['canary_percent']:g}%")
     return 0
 
 
 def canary_promote(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/canary/promote"))
-    _show(a, "binding", data, f"promoted {_label(data['active'])} on {a.tenant}/{a.alias}")
+    data = admin_request(a, "POST", _b(a, "/canary/promote"))
+    show_answer(a, "binding", data, f"promoted {ref_label(data['active'])} on {a.tenant}/{a.alias}")
     return 0
 
 
 def canary_abort(a: argparse.Namespace) -> int:
-    _show(a, "binding", _request(a, "DELETE", _b(a, "/canary")), f"aborted the canary on {a.tenant}/{a.alias}")
+    show_answer(a, "binding", admin_request(a, "DELETE", _b(a, "/canary")), f"aborted the canary on {a.tenant}/{a.alias}")
     return 0
 
 
@@ -402,7 +402,7 @@ def _policy_text(d: dict[str, Any]) -> str:
 
 
 def canary_status(a: argparse.Namespace) -> int:
-    data = _request(a, "GET", _b(a, "/canary/policy"))
+    data = admin_request(a, "GET", _b(a, "/canary/policy"))
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
     return 0
 
@@ -428,27 +428,27 @@ def canary_set_policy(a: argparse.Namespace) -> int:
                 raise bad
             checks[name] = {"threshold": threshold, "segment": segment} if segment else threshold
         body["checks"] = checks
-    data = _request(a, "PUT", _b(a, "/canary/policy"), {k: v for k, v in body.items() if v is not None})
+    data = admin_request(a, "PUT", _b(a, "/canary/policy"), {k: v for k, v in body.items() if v is not None})
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
     return 0
 
 
 def canary_pause(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/canary/pause"))
+    data = admin_request(a, "POST", _b(a, "/canary/pause"))
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
     return 0
 
 
 def canary_resume(a: argparse.Namespace) -> int:
-    data = _request(a, "POST", _b(a, "/canary/resume"))
+    data = admin_request(a, "POST", _b(a, "/canary/resume"))
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else _policy_text(data))
     return 0
 
 
 def audit(a: argparse.Namespace) -> int:
-    data = _request(a, "GET", "/audit", params={"actor": a.actor, "action": a.action, "target": a.target,
+    data = admin_request(a, "GET", "/audit", params={"actor": a.actor, "action": a.action, "target": a.target,
                                                 "since_version": a.since_version, "limit": a.limit})
-    _show(a, "audit", data)
+    show_answer(a, "audit", data)
     return 0
 
 
@@ -509,14 +509,14 @@ def limits_report_text(data: dict[str, Any]) -> str:
 
 
 def limits_report(a: argparse.Namespace) -> int:
-    data = _request(a, "GET", "/limits/report", params={"window": a.window, "sort": a.sort, "tenant": a.tenant,
+    data = admin_request(a, "GET", "/limits/report", params={"window": a.window, "sort": a.sort, "tenant": a.tenant,
                                                         "limit": a.limit, "headroom": a.headroom})
     print(json.dumps(data, indent=2, sort_keys=True) if a.json else limits_report_text(data))
     return 0
 
 
 def version(a: argparse.Namespace) -> int:
-    data = _request(a, "GET", "/version")
+    data = admin_request(a, "GET", "/version")
     print(json.dumps(data) if a.json else f"registry version {data['version']}")
     return 0
 

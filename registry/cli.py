@@ -17,9 +17,9 @@ from typing import Any
 
 from registry import usage_commands
 from registry.admin_client import (
-    _json_arg,
-    _percent_arg,
-    _run,
+    cli_handler,
+    json_object_arg,
+    percent_arg,
 )
 from registry.admin_commands import (
     adapter_activate,
@@ -141,7 +141,7 @@ def register(subparsers: Any) -> None:
              description: str | None = None) -> argparse.ArgumentParser:
         p = parent.add_parser(name, help=help_text, description=description or help_text, parents=[common],
                               formatter_class=fmt)
-        p.set_defaults(handler=_run(fn))
+        p.set_defaults(handler=cli_handler(fn))
         return p
 
     def group(name: str, help_text: str) -> Any:
@@ -252,10 +252,10 @@ def register(subparsers: Any) -> None:
              "reach the threshold); a refusal marks it failed and prints the evidence (probe outputs, "
              "failed eval cases). Activating a failed (or disabled) version runs the gate again.")
     p.add_argument("adapter", help="id or NAME@VERSION")
-    p.add_argument("--eval", type=_json_arg, metavar="JSON|@FILE",
+    p.add_argument("--eval", type=json_object_arg, metavar="JSON|@FILE",
                    help='evaluation set for the gateway\'s activation gate: {"cases": [{"prompt": ..., '
                         '"expect": REGEX}], "threshold": 0.8}')
-    p.add_argument("--verification", type=_json_arg,
+    p.add_argument("--verification", type=json_object_arg,
                    help="JSON object of results to record (only where the gateway runs no activation gate)")
     p = leaf(ad, "disable", adapter_disable, "disable an adapter version (refused while bindings use it, "
              "unless --force)",
@@ -271,7 +271,7 @@ def register(subparsers: Any) -> None:
     p = leaf(ad, "fail", adapter_fail, "mark a pending adapter version failed")
     p.add_argument("adapter", help="id or NAME@VERSION")
     p.add_argument("--reason", required=True)
-    p.add_argument("--verification", type=_json_arg, help="JSON object of probe/eval results")
+    p.add_argument("--verification", type=json_object_arg, help="JSON object of probe/eval results")
 
     p = leaf(groups, "bind", bind, "bind a tenant's alias to an active adapter version (the current one "
              "becomes previous)")
@@ -292,12 +292,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("tenant")
     p.add_argument("alias")
     p.add_argument("adapter", help="id or NAME@VERSION (active, same base model)")
-    p.add_argument("--percent", type=_percent_arg, required=True, help="share of requests, 0 < P <= 100")
+    p.add_argument("--percent", type=percent_arg, required=True, help="share of requests, 0 < P <= 100")
     p = leaf(c, "set", canary_set, "change the canary percent (to PERCENT, or --by a signed step)")
     p.add_argument("tenant")
     p.add_argument("alias")
-    p.add_argument("percent", type=_percent_arg, nargs="?", help="share of requests, 0 < P <= 100")
-    p.add_argument("--by", type=_percent_arg, help="change the current percent by this much (e.g. +5 or -10); "
+    p.add_argument("percent", type=percent_arg, nargs="?", help="share of requests, 0 < P <= 100")
+    p.add_argument("--by", type=percent_arg, help="change the current percent by this much (e.g. +5 or -10); "
                    "a conditional write, retried when another write came in between")
     for name, fn, text in (("promote", canary_promote, "make the canary the active version"),
                            ("abort", canary_abort, "stop the canary"),

@@ -13,7 +13,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from registry.admin_client import _request
+from registry.admin_client import admin_request
 
 GROUP_KEYS = ("tenant", "alias", "version", "outcome")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -103,7 +103,7 @@ def usage(a: argparse.Namespace) -> int:
     merged: dict[str, Any] = {"object": "page", "data": [], "has_more": False, "next_page": None}
     token = None
     for _ in range(MAX_PAGES):
-        page = _request(a, "GET", "/usage", params=params | {"page": token})
+        page = admin_request(a, "GET", "/usage", params=params | {"page": token})
         merged["data"] += page["data"]
         token = page["next_page"] if page["has_more"] else None
         if token is None:

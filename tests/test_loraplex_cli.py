@@ -136,6 +136,6 @@ def test_adapter_activate_waits_as_long_as_the_gate_may_take(monkeypatch, argv, 
         waited.append(a.timeout)
         return {"label": "bot@2"}
 
-    monkeypatch.setattr(commands, "_request", request)
+    monkeypatch.setattr(commands, "admin_request", request)
     assert main(["admin", *argv, "--json"]) == 0
     assert waited == [timeout]
