@@ -4,11 +4,13 @@
 
 Every route but ``GET /openapi.json`` needs a JWT carrying ``settings.jwt_admin_scope`` (401/403);
 errors are OpenAI-shaped, never a stack trace (both ``registry.admin_edge``). One table
-(``OPERATIONS``) drives both the routes and the OpenAPI document.
+(``OPERATIONS``) drives the routes, the OpenAPI document and the check of request bodies against
+it (fields, types, enums, numeric bounds).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,6 +85,10 @@ class Operation:
 
 # --- JSON schemas (used for validation and the OpenAPI document) ----------------------------------
 
+OUT_OF_RANGE = "out_of_range"
+"""The code of a number outside a schema's bounds, unless the schema names its own (``x-error-code``)."""
+
+
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
 
@@ -96,12 +102,13 @@ OBJ = {"type": "object"}
 PRIORITY = {"type": "string", "enum": list(PRIORITY_CLASSES)}
 ON_DISABLED = {"type": "string", "enum": ["base", "refuse"],
                "description": "a disabled binding answers with the base model ('base') or refuses ('refuse')"}
-PERCENT = {"type": "number", "exclusiveMinimum": 0, "maximum": 100}
+PERCENT = {"type": "number", "exclusiveMinimum": 0, "maximum": 100, "x-error-code": "invalid_percent"}
 ADAPTER_REF = {"type": "string", "description": "adapter version id (uuid) or name@version"}
 ROW_VERSION = {"type": "integer", "minimum": 0,
                "description": "change only if the row is still at this row_version (else 412); same as If-Match"}
 
-LIMITS = {"requests_per_min": INT, "tokens_per_min": INT, "max_concurrent": INT, "priority": PRIORITY}
+LIMIT = {**INT, "x-error-code": "invalid_limit"}
+LIMITS = {"requests_per_min": LIMIT, "tokens_per_min": LIMIT, "max_concurrent": LIMIT, "priority": PRIORITY}
 CACHE_SCOPE = {"type": "string", "pattern": f"^(|{CACHE_SCOPE_NAME})$",
                "description": "the shared prefix-cache scope this tenant's requests reuse KV blocks in; empty: "
                               "its own (the default: a shared cache is a timing side channel between tenants)"}
@@ -577,7 +584,8 @@ def _type_ok(value: Any, types: str | list[str]) -> bool:
 
 
 def validate(body: Any, schema: dict[str, Any]) -> dict[str, Any]:
-    """Check a JSON body against the (small) schema subset used above; 422 on the first problem."""
+    """Check a JSON body against the (small) schema subset used above: fields, types, enums and
+    numeric bounds (of a field, or of a list's items); 422 on the first problem."""
     if "oneOf" in schema:  # the option whose fields the body uses most
         keys = set(body) if isinstance(body, dict) else set()
         return validate(body, min(schema["oneOf"], key=lambda o: len(keys - set(o["properties"]))))
@@ -601,8 +609,27 @@ def validate(body: Any, schema: dict[str, Any]) -> dict[str, Any]:
                           code="invalid_type", param=name)
         if "enum" in spec and value not in spec["enum"]:
             raise Invalid(f"field {name!r} must be one of {', '.join(map(str, spec['enum']))}", param=name)
+        _in_bounds(value, spec, name, f"field {name!r}")
+        if "items" in spec and isinstance(value, list):
+            for item in value:
+                _in_bounds(item, spec["items"], name, f"each item of field {name!r}")
         out[name] = value
     return out
+
+
+_BOUNDS = (("minimum", operator.ge, ">="), ("exclusiveMinimum", operator.gt, ">"),
+           ("maximum", operator.le, "<="), ("exclusiveMaximum", operator.lt, "<"))
+
+
+def _in_bounds(value: Any, spec: dict[str, Any], param: str, what: str) -> None:
+    """Refuse a number outside the bounds ``spec`` publishes (422, ``x-error-code`` or ``out_of_range``);
+    anything else is not this check's to judge."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    for key, within, words in _BOUNDS:
+        if key in spec and not within(value, spec[key]):
+            raise Invalid(f"{what} must be {words} {spec[key]}, got {value!r}",
+                          code=spec.get("x-error-code", OUT_OF_RANGE), param=param)
 
 
 def _if_match(request: Request, body: dict[str, Any], op: Operation) -> int | None:

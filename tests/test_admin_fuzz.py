@@ -1,6 +1,7 @@
 """Fuzz the admin API with arbitrary JSON bodies, query strings and path segments: every
 answer is a success or a 4xx in the OpenAI error shape, never a 500, and the registry's
-audit log stays consistent with its version."""
+audit log stays consistent with its version. Numbers outside the bounds the OpenAPI document
+publishes are 422s that change nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from registry.admin_api import OPERATIONS, admin_app
 from registry.migrate import upgrade
 from registry.service import RegistryService
 from tests.registry_support import TINY, make_settings, write_adapter
+from tests.test_admin_bounds import bounded_fields
+from tests.test_admin_edge import fill, valid_body
 
 
 def _props(schema: dict) -> list[str]:
@@ -92,6 +95,52 @@ def test_admin_api_never_500(client, op_index, body, segs, query):
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err["message"] and err["type"] and "Traceback" not in err["message"]
+
+
+def beyond(spec: dict) -> st.SearchStrategy:
+    """Numbers outside a numeric schema's bounds: below its minimum, above its maximum, at or past
+    an exclusive bound (whole numbers only where the schema is an integer)."""
+    whole = spec.get("type") == "integer"
+
+    def below(bound: float, inclusive: bool) -> st.SearchStrategy:
+        ints = st.integers(-2**62, int(bound) - (0 if inclusive and bound == int(bound) else 1))
+        return ints if whole else ints | st.floats(max_value=bound, exclude_max=not inclusive, allow_nan=False,
+                                                   allow_infinity=False)
+
+    def above(bound: float, inclusive: bool) -> st.SearchStrategy:
+        ints = st.integers(int(bound) + (0 if inclusive and bound == int(bound) else 1), 2**62)
+        return ints if whole else ints | st.floats(min_value=bound, exclude_min=not inclusive, allow_nan=False,
+                                                   allow_infinity=False)
+
+    sides = []
+    if "minimum" in spec:
+        sides.append(below(spec["minimum"], inclusive=False))
+    if "exclusiveMinimum" in spec:
+        sides.append(below(spec["exclusiveMinimum"], inclusive=True))
+    if "maximum" in spec:
+        sides.append(above(spec["maximum"], inclusive=False))
+    if "exclusiveMaximum" in spec:
+        sides.append(above(spec["exclusiveMaximum"], inclusive=True))
+    return st.one_of(sides)
+
+
+BOUNDED = bounded_fields()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(BOUNDED), data=st.data())
+def test_out_of_range_numbers_are_422_and_change_nothing(client, case, data):
+    c, _ = client
+    op, schema, name, spec = case
+    bounds = spec.get("items", spec)
+    value = data.draw(beyond(bounds), label="value")
+    body = {**valid_body(schema), name: [value] if "items" in spec else value}
+    before = c.get("/admin/version").json()["version"]
+    r = c.request(op.method, "/admin" + fill(op.path), json=body)
+    assert r.status_code == 422, (op.op_id, name, value, r.text)
+    err = r.json()["error"]
+    assert err["param"] == name and err["code"] == bounds.get("x-error-code", "out_of_range"), r.text
+    assert c.get("/admin/version").json()["version"] == before
 
 
 def test_audit_consistent_after_fuzzing(client):
