@@ -375,7 +375,8 @@ def finish_of(body: bytes) -> tuple[bool, bool]:
     for c in choices if isinstance(choices, list) else ():
         if not isinstance(c, dict):
             continue
-        msg = c.get("message") if isinstance(c.get("message"), dict) else {}
+        msg = c.get("message")
+        msg = msg if isinstance(msg, dict) else {}
         if c.get("text") or msg.get("content") or msg.get("tool_calls"):
             empty = False
         length = length or c.get("finish_reason") == "length"

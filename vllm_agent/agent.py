@@ -112,6 +112,7 @@ class _Copied:
 
     def __init__(self, source: AdapterSource) -> None:
         self.source = source
+        self.schemes = source.schemes
 
     def fetch(self, ref: AdapterRef, dest: Path | None) -> Path:
         assert dest is not None
