@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from gateway.app import _admin_app, _redis_client
+from gateway.app import redis_client, registry_admin
 from gateway.live_stats import LiveStats
 from gateway.outliers import Outliers, SharedEjections
 from gateway.router import Router
@@ -33,13 +33,13 @@ log = logging.getLogger("loraplex.admin_api")
 
 
 def admin_server_app(settings: Settings) -> Starlette:
-    redis = _redis_client(settings) if settings.redis_url else None
+    redis = redis_client(settings) if settings.redis_url else None
     residency = RedisResidency(redis, settings.redis_prefix) if redis is not None else process_residency()
     client = WorkerClient(settings.worker_secret)
     router = Router(residency, candidates=settings.route_candidates, load_factor=settings.route_load_factor,
                     static_urls=settings.worker_urls, cooldown_s=max(2.0, settings.worker_report_ttl_s),
                     outliers=Outliers(shared=SharedEjections(redis, settings.redis_prefix) if redis is not None else None))
-    admin, service = _admin_app(settings, router, client, LiveStats(redis, settings.redis_prefix))
+    admin, service = registry_admin(settings, router, client, LiveStats(redis, settings.redis_prefix))
     if admin is None or service is None:
         raise RuntimeError("the registry admin API is not available in this install")
 

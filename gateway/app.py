@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -21,23 +21,24 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
+from starlette.types import Lifespan
 
 from gateway import responses_api, usage_api
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.console_sources import GatewayConsoleSources
-from gateway.errors import GatewayError, from_registry, public_message
+from gateway.errors import GatewayError, public_message
 from gateway.live_stats import LiveStats
 from gateway.metrics import metrics_app
 from gateway.outliers import Outliers, SharedEjections
 from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
 from gateway.request_path import Gateway, access_log, flush_access_log
+from gateway.route_errors import exception_handlers
 from gateway.router import Router
 from gateway.traffic import AdapterTraffic
 from gateway.usage_ledger import LedgerFlusher, UsageLedger
 from gateway.worker_client import WorkerClient
 from loraplex.residency import RedisResidency, ResidencyStore, process_residency
 from loraplex.settings import Settings
-from registry.errors import RegistryError
 from registry.snapshot import RegistrySnapshot, TenantView
 
 log = logging.getLogger("loraplex.gateway")
@@ -78,21 +79,28 @@ async def _probe_workers(router: Router, every_s: float) -> None:
 
 
 _HOT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+"""The two hot routes (path -> chat?)."""
 SERVED_PATHS = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
                 "GET|DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "GET /v1/models",
                 "GET /v1/models/{model}", "GET /v1/usage")
 """What a client may call (an unknown path's 404 lists them)."""
-"""The two hot routes (path -> chat?)."""
 
 
 class GatewayApp(Starlette):
     """The gateway's Starlette app; the hot routes go straight to ``Gateway.completions`` and
     ``Gateway.responses`` (raw ASGI handlers that answer every error themselves), skipping the
-    middleware stack and the router."""
+    middleware stack and the router. The other routes raise, and ``gateway.route_errors``
+    answers."""
 
-    gateway: Gateway
-    metrics_app: Any
-    """``/metrics`` for the internal metrics port (``gateway.http_edge.metrics_config``), never this app."""
+    def __init__(self, gateway: Gateway, metrics: Any, *, routes: list[Any], lifespan: Lifespan[Starlette],
+                 canary_judge: Any = None, usage_flusher: LedgerFlusher | None = None) -> None:
+        super().__init__(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers(SERVED_PATHS))
+        self.gateway = gateway
+        self.metrics_app = metrics
+        """``/metrics`` for the internal metrics port (``gateway.http_edge.metrics_config``), never this app."""
+        self.state.gateway = gateway
+        self.state.canary_judge = canary_judge
+        self.state.usage_flusher = usage_flusher
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -123,11 +131,6 @@ class GatewayApp(Starlette):
             # which would drop the keep-alive connection and fail the client's next request on it.
 
 
-def _error(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    err = GatewayError(status, message, code=code)
-    return Response(err.body(), status_code=status, media_type="application/json", headers=headers)
-
-
 def _created(snapshot: RegistrySnapshot, tenant: TenantView, name: str) -> int:
     """``/v1/models``' ``created`` of a name: when its alias's active version, or the base model, was
     registered (unix seconds; 0 for an alias with no active version)."""
@@ -138,7 +141,7 @@ def _created(snapshot: RegistrySnapshot, tenant: TenantView, name: str) -> int:
     return base.created if base is not None else 0
 
 
-def _redis_client(settings: Settings) -> Any:
+def redis_client(settings: Settings) -> Any:
     """The replica's one Redis client (limiter, residency, adapter traffic)."""
     import redis.asyncio as aioredis
     from redis.utils import HIREDIS_AVAILABLE
@@ -159,10 +162,11 @@ def _default_snapshots(settings: Settings) -> Any:
     return SnapshotCache(settings)
 
 
-def _admin_app(settings: Settings, router: Router, client: WorkerClient,
-               live: LiveStats) -> tuple[Any, Any] | tuple[None, None]:
+def registry_admin(settings: Settings, router: Router, client: WorkerClient,
+                   live: LiveStats) -> tuple[Any, Any] | tuple[None, None]:
     """The registry admin API (``registry.admin_api``) behind the activation gate, with the console
-    (fleet and live numbers from ``router`` and ``live``), and its service."""
+    (fleet and live numbers from ``router`` and ``live``), and its service; (None, None) in an
+    install without it."""
     try:
         from registry.admin_api import admin_app
         from registry.service import RegistryService
@@ -174,6 +178,26 @@ def _admin_app(settings: Settings, router: Router, client: WorkerClient,
     service = RegistryService(settings)
     return admin_app(service, settings, gate=ActivationGate(settings, router, client),
                      console=GatewayConsoleSources(router.residency, live, router.outliers)), service
+
+
+def _run_task(stack: contextlib.AsyncExitStack, work: Coroutine[Any, Any, None], name: str,
+              then: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Run ``work`` as a task until ``stack`` closes: then it is cancelled (and ``then`` awaited)."""
+    task = asyncio.create_task(work, name=name)
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if then is not None:
+            await then()
+
+    stack.push_async_callback(stop)
+
+
+async def _flush_access_handlers() -> None:
+    for handler in access_log.handlers:
+        handler.flush()
 
 
 def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
@@ -194,7 +218,7 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     Components passed in are started/stopped by their owner, except the snapshot source,
     whose optional ``start()``/``stop()`` the app calls in its lifespan.
     """
-    redis = _redis_client(settings) if settings.redis_url else None
+    redis = redis_client(settings) if settings.redis_url else None
     if snapshots is None:
         snapshots = _default_snapshots(settings)
         if usage_store is None and not settings.registry_snapshot_file:
@@ -217,25 +241,24 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                     outliers=Outliers(settings.worker_eject_failures, settings.worker_eject_base_s,
                                       settings.worker_eject_max_s,
                                       shared=SharedEjections(redis, settings.redis_prefix) if redis is not None else None))
-    gw = Gateway(settings, snapshots, limiter, router, http_client)
-    gw.metrics.observe_snapshots(snapshots)
-    if redis is not None:
-        gw.traffic = AdapterTraffic(redis, settings.redis_prefix)
-    gw.canary = RedisSamples(redis, settings.redis_prefix) if redis is not None else MemorySamples()
+    responses_store = None
+    usage_reader = None
     if not settings.registry_snapshot_file:  # the registry database keeps stored Responses
         from registry.responses import ResponseStore
-
-        gw.responses_store = ResponseStore(settings)
-    usage_reader = None
-    if not settings.registry_snapshot_file:  # and the usage ledger, each tenant's own at /v1/usage
         from registry.usage_query import UsageReader
 
-        usage_reader = UsageReader(settings)
+        responses_store = ResponseStore(settings)
+        usage_reader = UsageReader(settings)  # and the usage ledger, each tenant's own at /v1/usage
+    ledger = UsageLedger() if usage_store is not None and settings.usage_flush_interval_s > 0 else None
+    traffic = AdapterTraffic(redis, settings.redis_prefix) if redis is not None else None
+    canary = RedisSamples(redis, settings.redis_prefix) if redis is not None else MemorySamples()
+    gw = Gateway(settings, snapshots, limiter, router, http_client,
+                 live=LiveStats(redis, settings.redis_prefix) if redis is not None else None, traffic=traffic,
+                 canary=canary, responses_store=responses_store, ledger=ledger)
+    gw.metrics.observe_snapshots(snapshots)
     usage_flusher = None
-    if usage_store is not None and settings.usage_flush_interval_s > 0:
-        gw.ledger = UsageLedger()
-        gw.metrics.track_usage()
-        usage_flusher = LedgerFlusher(gw.ledger, usage_store.write, interval_s=settings.usage_flush_interval_s,
+    if ledger is not None:
+        usage_flusher = LedgerFlusher(ledger, usage_store.write, interval_s=settings.usage_flush_interval_s,
                                       max_pending=settings.usage_max_pending_buckets, metrics=gw.metrics)
 
     def model_entries(request: Request) -> list[dict[str, Any]]:
@@ -247,32 +270,27 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 for name in gw.resolver.models(snapshot, tenant)]
 
     async def models(request: Request) -> Response:
-        try:
-            data = model_entries(request)
-        except GatewayError as err:
-            return _error(err.status, err.message, err.code, err.headers)
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+        return Response(orjson.dumps({"object": "list", "data": model_entries(request)}),
+                        media_type="application/json")
 
     async def model(request: Request) -> Response:
         """One entry of the caller's ``/v1/models``; any other id (another tenant's alias included)
         is the same 404."""
         name = request.path_params["model"]
-        try:
-            found = [m for m in model_entries(request) if m["id"] == name]
-        except GatewayError as err:
-            return _error(err.status, err.message, err.code, err.headers)
+        found = [m for m in model_entries(request) if m["id"] == name]
         if not found:
-            return _error(404, f"The model '{name}' does not exist or you do not have access to it.",
-                          "model_not_found")
+            raise GatewayError(404, f"The model '{name}' does not exist or you do not have access to it.",
+                               code="model_not_found")
         return Response(orjson.dumps(found[0]), media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        """Ready = this replica can serve its API (a registry snapshot is loaded). Workers are
-        reported, not required: during a worker outage the admin API stays in the Service."""
-        snap = None
+        """Ready = this replica can serve its API (a registry snapshot is loaded, and current for the
+        live registry). Workers are reported, not required: during a worker outage the admin API
+        stays in the Service."""
+        snap: RegistrySnapshot | None = None
         check = getattr(gw.snapshots, "readiness_problem", None)  # the live cache: loaded, not too stale
         try:
             problem = check() if check is not None else None
@@ -286,100 +304,72 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             return JSONResponse({"status": "not ready", "problems": [problem]}, status_code=503)
         await router.refresh()
         workers = len(router.workers())
-        body: dict[str, Any] = {"status": "ready", "registry_version": getattr(snap, "version", None),
+        body: dict[str, Any] = {"status": "ready", "registry_version": snap.version if snap is not None else None,
                                 "workers": workers}
         if not workers:
             body["warnings"] = ["no live worker: completions answer 503 no_worker until one reports"]
         return JSONResponse(body)
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        if status == 404:
-            return _error(404, f"Invalid URL ({request.method} {request.url.path}): the gateway does not serve "
-                               f"this path (it serves {', '.join(SERVED_PATHS)})", "unsupported_path")
-        return _error(status, str(getattr(exc, "detail", "error")))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return _error(500, "internal error", "internal_error")
-
-    async def registry_error(request: Request, exc: Exception) -> Response:
-        """The registry's refusal (the stored Responses' database down: 503 ``store_unavailable``
-        with ``retry-after``), its detail in the log (``registry.errors.database_unavailable``)."""
-        assert isinstance(exc, RegistryError)
-        err = from_registry(exc)
-        log.warning("%s %s: %s (%s)", request.method, request.url.path, err.message, err.code)
-        return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
-
-    if redis is not None:
-        gw.live = LiveStats(redis, settings.redis_prefix)
-    admin, admin_service = _admin_app(settings, router, http_client, gw.live) if mount_admin else (None, None)
+    admin, admin_service = registry_admin(settings, router, http_client, gw.live) if mount_admin else (None, None)
     judge = None
     if admin_service is not None and settings.canary_judge_interval_s > 0 and not settings.registry_snapshot_file:
         from gateway.canary_judge import CanaryJudge
 
         judge = CanaryJudge(admin_service, gw.canary, gw.metrics, settings.canary_judge_interval_s)
 
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        start = getattr(snapshots, "start", None)
-        if start is not None:
-            await start()
-        await router.refresh()
-        if own_limiter:
-            await limiter.start()  # the Redis limiter's keepalive: held leases renewed, Redis probed
-        flusher = asyncio.create_task(flush_access_log(), name="access-log-flush")
-        traffic = asyncio.create_task(gw.traffic.run(), name="adapter-traffic") if gw.traffic else None
-        lag = asyncio.create_task(gw.metrics.watch_loop_lag(), name="loop-lag")
-        samples = asyncio.create_task(gw.canary.run(), name="canary-samples") if gw.canary else None
-        purging = asyncio.create_task(_purge_responses(gw.responses_store), name="responses-purge") \
-            if gw.responses_store is not None else None
-        judging = asyncio.create_task(judge.run(), name="canary-judge") if judge is not None else None
-        live = asyncio.create_task(gw.live.publish_forever(), name="live-numbers")
-        probing = asyncio.create_task(_probe_workers(router, max(1.0, settings.worker_report_ttl_s)),
-                                      name="workers-probe")
-        usage = asyncio.create_task(usage_flusher.run(), name="usage-flush") if usage_flusher is not None else None
-        rollup = asyncio.create_task(_maintain_usage(usage_store), name="usage-rollup") \
-            if usage_flusher is not None else None
-        try:
-            yield
-        finally:
-            flusher.cancel()
-            lag.cancel()
-            for task in (samples, judging, purging, live, probing, usage, rollup):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-            if usage_flusher is not None:  # the requests are over: their usage is written before the end
-                await usage_flusher.drain(timeout_s=max(2.0, min(10.0, settings.usage_flush_interval_s)))
-            if traffic is not None and gw.traffic is not None:
-                traffic.cancel()
-                with contextlib.suppress(Exception):
-                    await gw.traffic.flush()
-            for handler in access_log.handlers:
-                handler.flush()
-            await gw.prompts.close()
-            stop = getattr(snapshots, "stop", None)
-            if stop is not None:
-                await stop()
-            if own_client:
-                await http_client.close()
-            if own_limiter:
-                await limiter.close()
-            if redis is not None:
-                await redis.aclose()
-            if admin_service is not None:
-                await admin_service.close()
-            if gw.responses_store is not None:
-                await gw.responses_store.close()
-            if usage_reader is not None:
-                await usage_reader.close()
+        """Start what serves, each pushing its own stop: the stack runs them in reverse after the
+        last request (the background tasks first, the usage ledger drained and the adapter traffic
+        flushed after them), then closes what ``create_app`` built."""
+        async with contextlib.AsyncExitStack() as stack:
             if usage_store is not None:
-                await usage_store.close()
+                stack.push_async_callback(usage_store.close)
+            if usage_reader is not None:
+                stack.push_async_callback(usage_reader.close)
+            if responses_store is not None:
+                stack.push_async_callback(responses_store.close)
+            if admin_service is not None:
+                stack.push_async_callback(admin_service.close)
+            if redis is not None:
+                stack.push_async_callback(redis.aclose)
+            if own_client:
+                stack.push_async_callback(http_client.close)
+            start, stop = getattr(snapshots, "start", None), getattr(snapshots, "stop", None)
+            if start is not None:
+                await start()
+            if stop is not None:
+                stack.push_async_callback(stop)
+            stack.push_async_callback(gw.prompts.close)
+            await router.refresh()
+            if own_limiter:
+                await limiter.start()  # the Redis limiter's keepalive: held leases renewed, Redis probed
+                stack.push_async_callback(limiter.close)
+            _run_task(stack, flush_access_log(), "access-log-flush", then=_flush_access_handlers)
+            if traffic is not None:
+                _run_task(stack, traffic.run(), "adapter-traffic", then=_flush_traffic)
+            if usage_flusher is not None:  # the requests are over: their usage is written before the end
+                _run_task(stack, usage_flusher.run(), "usage-flush", then=_drain_usage)
+            _run_task(stack, gw.metrics.watch_loop_lag(), "loop-lag")
+            _run_task(stack, canary.run(), "canary-samples")
+            if responses_store is not None:
+                _run_task(stack, _purge_responses(responses_store), "responses-purge")
+            if judge is not None:
+                _run_task(stack, judge.run(), "canary-judge")
+            _run_task(stack, gw.live.publish_forever(), "live-numbers")
+            _run_task(stack, _probe_workers(router, max(1.0, settings.worker_report_ttl_s)), "workers-probe")
+            if usage_flusher is not None:
+                _run_task(stack, _maintain_usage(usage_store), "usage-rollup")
+            yield
 
-    from starlette.exceptions import HTTPException
+    async def _flush_traffic() -> None:
+        if traffic is not None:
+            with contextlib.suppress(Exception):  # Redis away: these counts are lost, the shutdown goes on
+                await traffic.flush()
+
+    async def _drain_usage() -> None:
+        if usage_flusher is not None:
+            await usage_flusher.drain(timeout_s=max(2.0, min(10.0, settings.usage_flush_interval_s)))
 
     routes: list[Any] = [
         Route("/v1/models", models, methods=["GET"]),
@@ -391,13 +381,6 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     ]
     if admin is not None:
         routes.append(Mount("/admin", app=admin))
-    app = GatewayApp(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: not_found, RegistryError: registry_error,
-                                         Exception: server_error})
-    app.gateway = gw
-    app.state.gateway = gw
-    app.state.canary_judge = judge
-    app.state.usage_flusher = usage_flusher
 
     def refresh_gauges() -> None:
         gw.metrics.inflight.set(router.inflight())
@@ -407,5 +390,5 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
             gw.metrics.track_gateways().set(limiter.gateways)
         gw.metrics.canary_judge.set(1 if judge is not None and judge.leader else 0)
 
-    app.metrics_app = metrics_app(gw.metrics, refresh_gauges)
-    return app
+    return GatewayApp(gw, metrics_app(gw.metrics, refresh_gauges), routes=routes, lifespan=lifespan,
+                      canary_judge=judge, usage_flusher=usage_flusher)

@@ -16,7 +16,7 @@ import collections
 import logging
 import random
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -73,6 +73,9 @@ from loraplex.wire import (
 from registry.errors import RegistryError
 from registry.snapshot import RegistrySnapshot, TenantView
 
+if TYPE_CHECKING:
+    from registry.responses import ResponseStore
+
 log = logging.getLogger("loraplex.gateway")
 HDR_FALLBACK = "x-loraplex-fallback"
 """Set when a disabled binding was answered by the base model instead of its adapter."""
@@ -88,7 +91,9 @@ class Gateway:
     """Everything the request path needs, built once per app."""
 
     def __init__(self, settings: Settings, snapshots: SnapshotSource, limiter: Limiter, router: Router,
-                 client: WorkerClient) -> None:
+                 client: WorkerClient, *, live: LiveStats | None = None, traffic: AdapterTraffic | None = None,
+                 canary: MemorySamples | RedisSamples | None = None, responses_store: ResponseStore | None = None,
+                 ledger: UsageLedger | None = None) -> None:
         self.settings = settings
         self.snapshots = snapshots
         self.limiter = limiter
@@ -97,8 +102,8 @@ class Gateway:
         self.auth = Authenticator(settings)
         self.resolver = Resolver()
         self.metrics = GatewayMetrics()
-        self.live = LiveStats()
-        """Per-version numbers for the console (``create_app`` gives it Redis to share them)."""
+        self.live = live if live is not None else LiveStats()
+        """Per-version numbers for the console (shared through Redis when ``create_app`` has it)."""
         self.upstream = Upstream(client, router, max_attempts=settings.route_candidates + 1,
                                  on_failure=self.metrics.upstream_failure,
                                  first_byte_s=settings.worker_first_byte_timeout_s,
@@ -113,15 +118,17 @@ class Gateway:
         """One ``Limits`` per distinct set of tenant limits (built once, not per request)."""
         self.log_enabled = True
         self.sweeper = _Sweeper()
-        self.traffic: AdapterTraffic | None = None
-        self.canary: MemorySamples | RedisSamples | None = None
+        self.traffic = traffic
+        """Per-adapter request counts for workers' warm start (None: no Redis to keep them)."""
+        self.canary = canary
         """Where judged requests leave their samples (None: no canary judge reads them)."""
-        """Per-adapter request counts for workers' warm start (set when Redis is configured)."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.responses_store: Any = None
-        """``registry.responses.ResponseStore`` (None: no registry database, nothing is stored)."""
-        self.ledger: UsageLedger | None = None
+        self.responses_store = responses_store
+        """Where stored Responses are kept (None: no registry database, nothing is stored)."""
+        self.ledger = ledger
         """Where settled requests add their usage (``gateway.usage_ledger``; None: no ledger)."""
+        if ledger is not None:
+            self.metrics.track_usage()
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes
@@ -732,7 +739,8 @@ class _Guard:
         self.loop = loop
         self._task = asyncio.current_task(loop)
         self._receive = receive
-        self._state = state
+        self._state: _Call | None = state
+        """The request's call; None once stopped (the guard lets go of it)."""
         self.started = loop.time()
         self._deadline = self.started + timeout_s
         self._timer: asyncio.TimerHandle | None = None
@@ -765,7 +773,7 @@ class _Guard:
             msg = await self._receive()
             if msg["type"] == "http.disconnect":
                 # After the last byte went out, the server reports a disconnect too: ignore it.
-                if not self._state.finished:
+                if self._state is not None and not self._state.finished:
                     self._cancel()
                 return
 

@@ -23,7 +23,6 @@ from gateway.errors import GatewayError
 from gateway.proxy import Opened, StreamResult, relay_sse
 from gateway.responses import ResponsesRequest, StreamTranslator, answer, new_id, read_request, usage_of
 from loraplex import json_body
-from loraplex.wire import error_body
 
 if TYPE_CHECKING:
     from registry.responses import ResponseStore, Stored
@@ -115,63 +114,50 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def _refused(err: GatewayError) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
-
-
-def _missing(response_id: str) -> Response:
-    return _json(error_body(f"Response with id '{response_id}' not found.", "not_found_error",
-                            "response_not_found", "response_id"), 404)
+def _missing(response_id: str) -> GatewayError:
+    return GatewayError(404, f"Response with id '{response_id}' not found.", code="response_not_found",
+                        param="response_id")
 
 
 def routes(gw: Any, store: ResponseStore | None) -> list[Any]:
     """Starlette routes for the stored responses (the tenant's only; any other id is the same 404).
-    A database failure raises ``registry.errors.Unavailable``, which the app answers as 503
-    ``store_unavailable`` with ``retry-after`` (``gateway.app``)."""
+    A refusal raises ``GatewayError``, and a database failure ``registry.errors.Unavailable``
+    (503 ``store_unavailable`` with ``retry-after``): the app's handlers answer both
+    (``gateway.route_errors``)."""
     from starlette.routing import Route
 
-    async def stored(request: Request) -> tuple[str, Stored | None] | Response:
-        try:
-            tenant = gw.auth.tenant(request.headers.get("authorization"), gw._snapshot())
-        except GatewayError as err:
-            return _refused(err)
+    async def stored(request: Request) -> tuple[str, Stored]:
+        """The caller's tenant and its stored response named in the path."""
+        tenant = gw.auth.tenant(request.headers.get("authorization"), gw._snapshot())
         response_id = request.path_params["response_id"]
-        return tenant.slug, (await store.get(tenant.slug, response_id) if store is not None else None)
+        row = await store.get(tenant.slug, response_id) if store is not None else None
+        if row is None:
+            raise _missing(response_id)
+        return tenant.slug, row
 
     async def retrieve(request: Request) -> Response:
-        got = await stored(request)
-        if isinstance(got, Response):
-            return got
-        row = got[1]
-        return _missing(request.path_params["response_id"]) if row is None else _json(row.response)
+        _, row = await stored(request)
+        return _json(row.response)
 
     async def delete(request: Request) -> Response:
-        got = await stored(request)
-        if isinstance(got, Response):
-            return got
+        tenant, _ = await stored(request)
         response_id = request.path_params["response_id"]
-        if got[1] is None or store is None or not await store.delete(got[0], response_id):
-            return _missing(response_id)
+        if store is None or not await store.delete(tenant, response_id):
+            raise _missing(response_id)
         return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(request: Request) -> Response:
-        got = await stored(request)
-        if isinstance(got, Response):
-            return got
-        row = got[1]
-        if row is None:
-            return _missing(request.path_params["response_id"])
+        _, row = await stored(request)
         q = request.query_params
         try:
             limit = int(q.get("limit", "20"))
         except ValueError:
             limit = -1
         if not 1 <= limit <= 100:
-            return _refused(GatewayError(400, "'limit' must be an integer from 1 to 100", param="limit",
-                                         code="invalid_value"))
+            raise GatewayError(400, "'limit' must be an integer from 1 to 100", param="limit", code="invalid_value")
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
-            return _refused(GatewayError(400, "'order' must be 'asc' or 'desc'", param="order", code="invalid_value"))
+            raise GatewayError(400, "'order' must be 'asc' or 'desc'", param="order", code="invalid_value")
         items = [*row.context, *row.input_items]
         if order == "desc":
             items.reverse()

@@ -17,32 +17,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.errors import GatewayError, from_registry
-from registry.errors import RegistryError
-
 if TYPE_CHECKING:
     from registry.usage_query import UsageReader
 
 
-def _refused(err: GatewayError) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=err.headers)
-
-
 def routes(gw: Any, reader: UsageReader) -> list[Route]:
-    """The route, reading through ``reader`` (the registry database)."""
+    """The route, reading through ``reader`` (the registry database). A refusal raises
+    ``GatewayError`` or ``RegistryError``: the app's handlers answer (``gateway.route_errors``)."""
 
     async def usage(request: Request) -> Response:
-        try:
-            tenant = gw.auth.tenant(request.headers.get("authorization"), gw._snapshot())
-        except GatewayError as err:
-            return _refused(err)
+        tenant = gw.auth.tenant(request.headers.get("authorization"), gw._snapshot())
         params: dict[str, list[str]] = {}
         for name, value in request.query_params.multi_items():
             params.setdefault(name, []).append(value)
-        try:
-            page = await reader.page(reader.parse(params, tenant.slug))
-        except RegistryError as err:
-            return _refused(from_registry(err))
+        page = await reader.page(reader.parse(params, tenant.slug))
         return Response(orjson.dumps(page), media_type="application/json")
 
     return [Route("/v1/usage", usage, methods=["GET"])]

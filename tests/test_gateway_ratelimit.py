@@ -15,7 +15,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import _redis_client, create_app
+from gateway.app import create_app
+from gateway.app import redis_client as gateway_redis
 from gateway.ratelimit import MAX_BATCH, Limits, LocalLimiter, RedisLimiter, _StepPipeline
 from loraplex.residency import MemoryResidency
 from loraplex.settings import Settings
@@ -415,7 +416,7 @@ class RoundTrips:
 async def test_gateway_client_parses_with_hiredis(redis_url):
     from redis.asyncio.connection import _AsyncHiredisParser
 
-    r = _redis_client(Settings(redis_url=redis_url))
+    r = gateway_redis(Settings(redis_url=redis_url))
     try:
         assert await r.ping()
         conn = await r.connection_pool.get_connection()
