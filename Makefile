@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 ENGINE_STAMP := $(VENV)/.loraplex-engine
 TEST_STAMP := $(VENV)/.loraplex-test
 
-.PHONY: venv demo serve test test-fast screenshots lint bench
+.PHONY: venv demo serve test test-fast screenshots lint typecheck bench
 
 # `make venv` (tests, CI): the engine and test extras. The demo and serve need only the engine one
 # and the openai client the demo's instructions use: 83 packages, 2.35 GB (most of it torch, and
@@ -45,8 +45,12 @@ test-fast: venv
 screenshots: venv  ## the console's screenshots in docs/console, made by its browser tests
 	LORAPLEX_SCREENSHOTS=docs/console $(VENV)/bin/pytest -q tests/test_console_browser.py -k embedded
 
-lint: venv
+lint: venv typecheck
 	$(VENV)/bin/ruff check .
+
+# mypy over what pyproject.toml's [tool.mypy] lists: the torch-free packages and engine modules.
+typecheck: venv
+	$(VENV)/bin/mypy
 
 bench: venv
 	$(PY) bench/run_all.py
