@@ -407,11 +407,12 @@ class WorkerRoutes:
                                 status_code=503)
         info = eng.info
         fault = eng.fault
-        body = {"status": "degraded" if fault else "ok", "worker_id": state.worker_id, "model": state.model_name,
-                "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
-                "lora": eng.lora_runtime is not None, **eng.load(),
-                "weights": {"format": dtype_name(eng.model.matmul_dtype), "why": eng.weights_reason,
-                            "activations": dtype_name(eng.model.dtype), "kv_cache": dtype_name(eng.cache.dtype)}}
+        body: dict[str, Any] = {
+            "status": "degraded" if fault else "ok", "worker_id": state.worker_id, "model": state.model_name,
+            "revision": info.revision if info else "", "max_model_len": eng.max_model_len,
+            "lora": eng.lora_runtime is not None, **eng.load(),
+            "weights": {"format": dtype_name(eng.model.matmul_dtype), "why": eng.weights_reason,
+                        "activations": dtype_name(eng.model.dtype), "kv_cache": dtype_name(eng.cache.dtype)}}
         if eng.lora_runtime is not None:
             r = eng.lora_runtime.manager.resident()
             body["adapters"] = {"device": len(r["device"]), "host": len(r["host"]),

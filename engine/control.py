@@ -50,7 +50,8 @@ def parse_ref(data: Any) -> AdapterRef:
     rank = data.get("rank", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ControlError(400, "adapter.rank must be a non-negative integer", "invalid_value")
-    name = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else data["id"]
+    given = data.get("name")
+    name: str = given if isinstance(given, str) and given else data["id"]
     revision = data.get("base_revision", "")
     if not isinstance(revision, str):
         raise ControlError(400, "adapter.base_revision must be a string", "invalid_value")

@@ -145,9 +145,8 @@ def decide(policy: dict[str, Any], arms: Arms, now: float) -> Decision:
              "no_data": [row_name(r) for r in checks if r["verdict"] == "no data"]}
     if failed:
         why = "; ".join(f"{row_name(r)}: {r['reason']}" for r in failed)
-        fresh = mark is None or (now - mark["at"] >= policy["interval_s"]
-                                 and c.requests > mark["canary_requests"] and a.requests > mark["active_requests"])
-        if not fresh:
+        if mark is not None and not (now - mark["at"] >= policy["interval_s"] and c.requests > mark["canary_requests"]
+                                     and a.requests > mark["active_requests"]):
             after = mark["at"] + policy["interval_s"]
             return made("failing", base | {"counted": False, "reason": (
                 f"{why}. Not counted: the same evidence as counted failure {failures} of {policy['max_failures']}; "

@@ -245,7 +245,7 @@ def _share(name: str, segment: str | None, threshold: float, alpha: float, test:
     n_c = canary.requests if name == "error_rate" else canary.answers
     n_a = active.requests if name == "error_rate" else active.answers
     x_c, x_a = getattr(canary, attr), getattr(active, attr)
-    base = {"canary_n": n_c, "active_n": n_a, "canary_events": x_c, "active_events": x_a}
+    base: dict[str, Any] = {"canary_n": n_c, "active_n": n_a, "canary_events": x_c, "active_events": x_a}
     if n_c == 0 or n_a == 0:
         side = "the canary" if n_c == 0 else "the active version"
         return _row(name, segment, threshold, alpha, **base, reason=f"no data: no {what} on {side}")
@@ -280,7 +280,7 @@ def _samples(name: str, segment: str | None, threshold: float, alpha: float, tes
     else:
         xs, ys, stat, unit, alt, what = canary.completion, active.completion, _mean, "", "two-sided", \
             "mean completion tokens"
-    base = {"canary_n": len(xs), "active_n": len(ys)}
+    base: dict[str, Any] = {"canary_n": len(xs), "active_n": len(ys)}
     if not xs or not ys:
         kind = "streamed answers" if name == "tokens_per_s" else "answers"
         side = "either arm" if not xs and not ys else ("the canary" if not xs else "the active version")

@@ -35,7 +35,7 @@ without computing it. The gateway cannot see workers' caches; it remembers where
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -132,7 +132,7 @@ class PrefixRoutes:
         while len(chunks) > self.max_chunks:
             chunks.popitem(last=False)
 
-    def depths(self, keys: Sequence[bytes], ids: set[str] | dict[str, object]) -> dict[str, int]:
+    def depths(self, keys: Sequence[bytes], ids: Container[str]) -> dict[str, int]:
         """How many opening chunks of ``keys`` each of the workers ``ids`` holds (absent: none).
         The walk stops at the first chunk none of them holds."""
         out: dict[str, int] = {}

@@ -738,7 +738,7 @@ class RedisLimiter:
         # A failure is reported by the pipeline: the concurrency slot lapses by itself (no
         # longer renewed) and the token refund is lost (conservative).
         with contextlib.suppress(Exception):
-            await self._join_settle(lease, used_tokens, True)  # type: ignore[misc]
+            await self._join_settle(lease, used_tokens, True)
 
     def settle_nowait(self, lease: Lease, used_tokens: int) -> None:
         """``settle`` without waiting for Redis: the request is answered and nothing depends on

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -321,7 +322,7 @@ async def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
-def _handler(demo: bool):  # type: ignore[no-untyped-def]
+def _handler(demo: bool) -> Callable[[argparse.Namespace], int]:
     def handle(args: argparse.Namespace) -> int:
         settings = get_settings()
         overrides = {k: v for k, v in (("gateway_port", args.port), ("worker_port", args.worker_port),

@@ -74,7 +74,8 @@ def default_sizes(trace: Trace, keys: np.ndarray, block: int) -> list[int]:
     named = keys >= 0
     longest = np.zeros(int(keys.max()) + 1 if named.any() else 0, np.int64)
     np.maximum.at(longest, keys[named], trace.prefix_tokens[named] // block * block)
-    total, sizes, size = int(longest.sum()), [], FIRST_SIZE
+    total, size = int(longest.sum()), FIRST_SIZE
+    sizes: list[int] = []
     while len(sizes) < MAX_SIZES:
         sizes.append(size)
         if size >= total:

@@ -138,7 +138,7 @@ def replay_tier(keys: Sequence[int], capacity: int, policy: Callable[[], Evictio
             else:
                 if len(held) >= capacity:
                     out = victim(held)
-                    held.discard(out)  # type: ignore[arg-type]
+                    held.discard(out)
                     remove(out)
                 held.add(key)
             touch(key)
@@ -209,8 +209,9 @@ def _job(args: tuple[int, int, int]) -> tuple[int, int, int, float, float, bool]
 
 def _prefix_job(args: tuple[int, int, int, int]) -> tuple[int, int, int, list[int]]:
     workers, j, kv_tokens, block = args
-    columns = [c.tolist() for c in _PREFIX_STREAMS[workers][j]]  # lists only here: several times the arrays' memory
-    return workers, j, kv_tokens, replay_worker(*columns, kv_tokens, block)
+    # lists only here: several times the arrays' memory
+    keys, shared, prompt, total = (c.tolist() for c in _PREFIX_STREAMS[workers][j])
+    return workers, j, kv_tokens, replay_worker(keys, shared, prompt, total, kv_tokens, block)
 
 
 def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *, jobs: int | None = None,
@@ -280,8 +281,8 @@ def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *
         per_size = {}
         for s in sizes:
             per = np.zeros(len(trace), np.int64)
-            for j, mine in enumerate(owned[w]):
-                per[mine] = cached[(w, j, s)]
+            for j, part in enumerate(owned[w]):
+                per[part] = cached[(w, j, s)]
             per_size[s] = per
             prefix.append(PrefixResult(w, s, int(trace.prompt.sum()), int(per.sum())))
         load.append(peak_load(trace, wheres[w], w, per_size[sizes[0]]))  # the smallest pool: the least reuse
@@ -290,7 +291,7 @@ def replay(trace: Trace, workers: list[int], capacities: dict[str, list[int]], *
         out[tier] = []
         for w in workers:
             for c in caps:
-                mine = [done[(w, j, c)] for j in range(w)]
-                out[tier].append(TierResult(w, c, sum(streams[w][j].size for j in range(w)), sum(m[0] for m in mine),
-                                            max(m[1] for m in mine), any(m[2] for m in mine)))
+                runs = [done[(w, j, c)] for j in range(w)]
+                out[tier].append(TierResult(w, c, sum(streams[w][j].size for j in range(w)), sum(m[0] for m in runs),
+                                            max(m[1] for m in runs), any(m[2] for m in runs)))
     return Replayed(out["device"], out["host"], load, prefix)

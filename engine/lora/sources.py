@@ -55,7 +55,7 @@ class AdapterSource(Protocol):
 class LocalSource:
     """A local directory, as a plain path or a ``file://`` URI."""
 
-    schemes = ("", "file")
+    schemes: tuple[str, ...] = ("", "file")
     remote = False
 
     def fetch(self, ref: AdapterRef, dest: Path | None) -> Path:
@@ -68,7 +68,7 @@ class LocalSource:
 class HttpSource:
     """``http(s)://.../dir``: GETs ``dir/adapter_config.json`` and ``dir/adapter_model.safetensors``."""
 
-    schemes = ("http", "https")
+    schemes: tuple[str, ...] = ("http", "https")
     remote = True
 
     def __init__(self, *, timeout_s: float = 60.0, max_bytes: int = 512 * 1024 * 1024,
@@ -117,7 +117,7 @@ class StoreSource:
 
     def __init__(self, store: AdapterStore, *, max_bytes: int = 512 * 1024 * 1024) -> None:
         self.store = store
-        self.schemes = (uri_scheme(store.url),)
+        self.schemes: tuple[str, ...] = (uri_scheme(store.url),)
         self.max_bytes = max_bytes
 
     def fetch(self, ref: AdapterRef, dest: Path | None) -> Path:
@@ -235,7 +235,9 @@ class SourceRegistry:
     def __init__(self, sources: list[AdapterSource] | None = None, *, policy: SourcePolicy | None = None) -> None:
         self._by_scheme: dict[str, AdapterSource] = {}
         self.policy = policy
-        for s in sources if sources is not None else [LocalSource(), HttpSource()]:
+        if sources is None:
+            sources = [LocalSource(), HttpSource()]
+        for s in sources:
             self.register(s)
 
     def register(self, source: AdapterSource) -> None:
