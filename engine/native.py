@@ -43,31 +43,32 @@ CSRC = Path(__file__).with_name("csrc")
 # -fno-trapping-math: lets GCC if-convert the clamps in exp/silu, so those loops vectorize on
 # AVX2 too (without AVX-512's masks they stayed scalar); nothing here reads FP exception flags.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11"]
-_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+# The C types of the kernels' arguments; engine.native_lora's and engine.native_decoder's structures too.
+I64, INT, PTR, F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "loraplex_decode_attention_f32": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                      _int, _int, _int, _int, _int, _int, _int, _int],
-    "loraplex_decode_attention_bf16kv": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                         _int, _int, _int, _int, _int, _int, _int, _int, _int],
-    "loraplex_lora_rows_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _int,
-                               _int, _int, _int, _int],
-    "loraplex_gemv_f32": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
-    "loraplex_gemv_bf16": [_ptr, _ptr, _ptr, _ptr, _int, _int, _int],
-    "loraplex_add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _int, _ptr, _f32, _int, _int, _int],
-    "loraplex_silu_mul_f32": [_ptr, _i64, _int, _ptr, _i64, _int, _int, _int, _int],
-    "loraplex_rope_store_f32": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64,
-                                _ptr, _int, _int, _int, _int, _int],
-    "loraplex_q8_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
-    "loraplex_q8_swiglu_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _int],
-    "loraplex_q4_matmul_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _int],
+    "loraplex_decode_attention_f32": [PTR, I64, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, I64,
+                                      INT, INT, INT, INT, INT, INT, INT, INT],
+    "loraplex_decode_attention_bf16kv": [PTR, I64, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, I64,
+                                         INT, INT, INT, INT, INT, INT, INT, INT, INT],
+    "loraplex_lora_rows_f32": [PTR, I64, PTR, I64, INT, PTR, PTR, PTR, PTR, PTR, INT, PTR, PTR, INT,
+                               INT, INT, INT, INT],
+    "loraplex_gemv_f32": [PTR, PTR, PTR, PTR, INT, INT, INT],
+    "loraplex_gemv_bf16": [PTR, PTR, PTR, PTR, INT, INT, INT],
+    "loraplex_add_rms_norm_f32": [PTR, I64, PTR, I64, INT, PTR, I64, INT, PTR, F32, INT, INT, INT],
+    "loraplex_silu_mul_f32": [PTR, I64, INT, PTR, I64, INT, INT, INT, INT],
+    "loraplex_rope_store_f32": [PTR, I64, INT, PTR, PTR, PTR, I64, I64, PTR, PTR, I64, PTR, PTR, INT, I64,
+                                PTR, INT, INT, INT, INT, INT],
+    "loraplex_q8_matmul_f32": [PTR, I64, INT, INT, PTR, PTR, PTR, INT, PTR, PTR, I64, INT],
+    "loraplex_q8_swiglu_f32": [PTR, I64, INT, INT, PTR, PTR, PTR, INT, PTR, I64, INT],
+    "loraplex_q4_matmul_f32": [PTR, I64, INT, INT, PTR, PTR, PTR, INT, PTR, PTR, I64, INT],
     "loraplex_f32_panel_available": [],
-    "loraplex_f32_panel_pack": [_ptr, _int, _int, _ptr],
-    "loraplex_f32_panel_matmul": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int],
+    "loraplex_f32_panel_pack": [PTR, INT, INT, PTR],
+    "loraplex_f32_panel_matmul": [PTR, I64, INT, INT, PTR, INT, PTR, PTR, I64, INT],
     "loraplex_tile_matmul_init": [],
-    "loraplex_tile_matmul_bf16": [_ptr, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _int, _int, _int],
-    "loraplex_scan_rows_f32": [_ptr, _i64, _int, _int, _ptr, _ptr, _int],
+    "loraplex_tile_matmul_bf16": [PTR, I64, INT, INT, PTR, INT, PTR, PTR, I64, INT, INT, INT],
+    "loraplex_scan_rows_f32": [PTR, I64, INT, INT, PTR, PTR, INT],
     "loraplex_lora_rows_blocked": [],
-    "loraplex_decoder_layers": [_ptr, _int, _ptr, _int],
+    "loraplex_decoder_layers": [PTR, INT, PTR, INT],
 }
 
 
@@ -109,7 +110,7 @@ def _build(name: str) -> Path:
 
 
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     if platform.system() != "Linux":
         return None
     try:
@@ -119,7 +120,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = _int
+        fn.restype = INT
         fn.argtypes = argtypes
     return lib
 
@@ -167,7 +168,7 @@ class DecodeAttention:
 @lru_cache(maxsize=1)
 def decode_attention_kernel() -> DecodeAttention | None:
     """The native decode attention; its scores on AMX tiles where the CPU has them (and grants them)."""
-    lib = _library()
+    lib = library()
     if lib is None:
         return None
     tiles = tile_matmul_kernel()
@@ -197,7 +198,7 @@ class Gemv:
 
 @lru_cache(maxsize=1)
 def gemv_kernel() -> Gemv | None:
-    lib = _library()
+    lib = library()
     return Gemv(lib) if lib is not None else None
 
 
@@ -231,7 +232,7 @@ class PanelMatmul:
 @lru_cache(maxsize=1)
 def panel_matmul_kernel() -> PanelMatmul | None:
     """The float32 panel kernel where this build has it (AVX2 + FMA, no AVX-512), else None."""
-    lib = _library()
+    lib = library()
     return PanelMatmul(lib) if lib is not None and lib.loraplex_f32_panel_available() else None
 
 
@@ -297,7 +298,7 @@ class FusedOps:
 
 @lru_cache(maxsize=1)
 def fused_ops() -> FusedOps | None:
-    lib = _library()
+    lib = library()
     return FusedOps(lib) if lib is not None else None
 
 
@@ -336,7 +337,7 @@ class RowScan:
 
 @lru_cache(maxsize=1)
 def row_scan_kernel() -> RowScan | None:
-    lib = _library()
+    lib = library()
     return RowScan(lib) if lib is not None else None
 
 
@@ -392,7 +393,7 @@ class BlockMatmul:
 
 @lru_cache(maxsize=1)
 def q8_matmul_kernel() -> BlockMatmul | None:
-    lib = _library()
+    lib = library()
     if lib is None:
         return None
     fused = lib.loraplex_q8_swiglu_f32 if cpu_has_vnni() else None  # the build with the fused SwiGLU
@@ -401,7 +402,7 @@ def q8_matmul_kernel() -> BlockMatmul | None:
 
 @lru_cache(maxsize=1)
 def q4_matmul_kernel() -> BlockMatmul | None:
-    lib = _library()
+    lib = library()
     return BlockMatmul(lib.loraplex_q4_matmul_f32, "m", 4) if lib is not None else None
 
 
@@ -461,7 +462,7 @@ class TileMatmul:
 def tile_matmul_kernel() -> TileMatmul | None:
     """The native bfloat16 matmul where this build has it (``-march=native`` on a CPU with AMX-BF16,
     and the kernel grants this process AMX state, or with AVX512-BF16); else None."""
-    lib = _library()
+    lib = library()
     isa = {1: "amx", 2: "avx512_bf16"}.get(lib.loraplex_tile_matmul_init()) if lib is not None else None
     if isa is None:
         return None

@@ -11,7 +11,7 @@ from functools import lru_cache
 import torch
 
 from engine.kv_cache import KVCache
-from engine.native import _f32, _i64, _int, _library, _ptr
+from engine.native import F32, I64, INT, PTR, library
 from engine.native_lora import LoRASteps
 from engine.quant import PackedQ4, PackedQ8
 
@@ -19,23 +19,23 @@ log = logging.getLogger("loraplex.engine.native")
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("d", _ptr), ("extra", _ptr), ("bias", _ptr), ("format", _int), ("n", _int), ("k", _int)]
+    _fields_ = [("w", PTR), ("d", PTR), ("extra", PTR), ("bias", PTR), ("format", INT), ("n", INT), ("k", INT)]
 
 
 class _LayerArgs(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
-                ("down", _Weight), ("k_pool", _ptr), ("v_pool", _ptr)]
+    _fields_ = [("input_norm", PTR), ("post_norm", PTR), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
+                ("down", _Weight), ("k_pool", PTR), ("v_pool", PTR)]
 
 
 class _StepArgs(ctypes.Structure):
-    _fields_ = [("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("res", _ptr), ("mlp", _ptr),
-                ("gate_up", _ptr), ("xb", _ptr), ("q", _ptr), ("lora", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("head_scale", _ptr),
-                ("cs_row_stride", _i64), ("cs_head_stride", _i64), ("slots", _ptr), ("row_blocks", _ptr),
-                ("row_lens", _ptr), ("blocks_per_seq", _i64), ("pool_slots", _i64), ("max_len", _int),
-                ("block_size", _int), ("kv_bf16", _int), ("amx", _int), ("act_bf16", _int), ("rows", _int),
-                ("hidden", _int), ("heads", _int), ("kv_heads", _int), ("head_dim", _int), ("inter", _int),
-                ("eps", _f32)]
+    _fields_ = [("h", PTR), ("x", PTR), ("qkv", PTR), ("attn", PTR), ("res", PTR), ("mlp", PTR),
+                ("gate_up", PTR), ("xb", PTR), ("q", PTR), ("lora", PTR), ("cos", PTR), ("sin", PTR),
+                ("head_scale", PTR),
+                ("cs_row_stride", I64), ("cs_head_stride", I64), ("slots", PTR), ("row_blocks", PTR),
+                ("row_lens", PTR), ("blocks_per_seq", I64), ("pool_slots", I64), ("max_len", INT),
+                ("block_size", INT), ("kv_bf16", INT), ("amx", INT), ("act_bf16", INT), ("rows", INT),
+                ("hidden", INT), ("heads", INT), ("kv_heads", INT), ("head_dim", INT), ("inter", INT),
+                ("eps", F32)]
 
 
 class NativeWeight:
@@ -156,5 +156,5 @@ class DecoderLayers:
 
 @lru_cache(maxsize=1)
 def decoder_layers_kernel() -> DecoderLayers | None:
-    lib = _library()
+    lib = library()
     return DecoderLayers(lib) if lib is not None else None

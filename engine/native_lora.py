@@ -10,23 +10,23 @@ from functools import lru_cache
 
 import torch
 
-from engine.native import _int, _library, _ptr
+from engine.native import INT, PTR, library
 
 log = logging.getLogger("loraplex.engine.native")
 
 
 class _LoraCall(ctypes.Structure):
-    _fields_ = [("y_cols", _ptr), ("out_dims", _ptr), ("a_ptrs", _ptr), ("b_ptrs", _ptr), ("scale_ptrs", _ptr),
-                ("num_targets", _int), ("b_transposed", _int), ("in_dim", _int), ("rank", _int),
-                ("weights_bf16", _int)]
+    _fields_ = [("y_cols", PTR), ("out_dims", PTR), ("a_ptrs", PTR), ("b_ptrs", PTR), ("scale_ptrs", PTR),
+                ("num_targets", INT), ("b_transposed", INT), ("in_dim", INT), ("rank", INT),
+                ("weights_bf16", INT)]
 
 
 class _LoraPass(ctypes.Structure):
-    _fields_ = [("rows", _ptr), ("row_slots", _ptr), ("num_rows", _int)]
+    _fields_ = [("rows", PTR), ("row_slots", PTR), ("num_rows", INT)]
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("passes", _ptr), ("calls", _ptr), ("num_passes", _int)]
+    _fields_ = [("passes", PTR), ("calls", PTR), ("num_passes", INT)]
 
 
 class LoRASteps:
@@ -150,5 +150,5 @@ class LoRARows:
 
 @lru_cache(maxsize=1)
 def lora_rows_kernel() -> LoRARows | None:
-    lib = _library()
+    lib = library()
     return LoRARows(lib) if lib is not None else None

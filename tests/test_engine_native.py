@@ -87,13 +87,13 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
 def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    native._library.cache_clear()
+    native.library.cache_clear()
     native.decode_attention_kernel.cache_clear()
     try:
         assert native.decode_attention_kernel() is None
         assert "native CPU kernels unavailable" in caplog.text
     finally:
-        native._library.cache_clear()
+        native.library.cache_clear()
         native.decode_attention_kernel.cache_clear()
 
 

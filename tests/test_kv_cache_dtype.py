@@ -19,7 +19,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineConfig, resolve_kv_cache_dtype
 from engine.kv_cache import KVCache, block_bytes
-from engine.native import DecodeAttention, _library, decode_attention_kernel, tile_matmul_kernel
+from engine.native import DecodeAttention, decode_attention_kernel, library, tile_matmul_kernel
 from engine.scoring import agreement, forced_logits
 from loraplex.settings import Settings
 from tests.engine_fixtures import demo_gguf  # noqa: F401  (fixture)
@@ -59,7 +59,7 @@ PATHS = [pytest.param(False, id="vector"),
 
 def _path_kernel(amx: bool) -> DecodeAttention:
     """The decode kernel with its scores on AMX tiles or on the vector path."""
-    return DecodeAttention(_library(), amx=amx)
+    return DecodeAttention(library(), amx=amx)
 
 
 def _cfg(layers: int = 2, kv_heads: int = 3, head_dim: int = 8) -> ModelConfig:
