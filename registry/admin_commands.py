@@ -7,6 +7,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from registry.admin_client import (
@@ -153,7 +154,7 @@ def adapter_upload(a: argparse.Namespace) -> int:
     total = sum(sizes)
     show = (not a.json and sys.stderr.isatty()) or a.progress
 
-    def chunks():  # type: ignore[no-untyped-def]
+    def chunks() -> Iterator[bytes]:
         sent = 0
         for path in paths:
             with open(path, "rb") as fh:

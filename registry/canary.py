@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from registry.errors import Invalid, NotFound
@@ -97,7 +97,7 @@ def validate_policy(body: dict[str, Any], base: dict[str, Any] | None = None) ->
     steps = merged["steps"]
     if not isinstance(steps, list) or not 1 <= len(steps) <= 20:
         raise Invalid("steps must be a list of 1-20 percents", param="steps")
-    out_steps = []
+    out_steps: list[float] = []
     for s in steps:
         if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or not 0 < s <= 100:
             raise Invalid(f"each step must be a percent in (0, 100], got {s!r}", param="steps")
@@ -132,14 +132,14 @@ CONFIG = ("steps", "interval_s", "min_requests", "max_failures", "checks", "prop
 
 def policy_dict(p: CanaryPolicy, labels: dict[str, str] | None = None) -> dict[str, Any]:
     started = _aware(p.step_started_at)
-    running = p.status == "running" and started is not None
+    next_at = started + timedelta(seconds=p.interval_s) if p.status == "running" and started is not None else None
     return {
         "tenant": p.tenant, "alias": p.alias, **{k: getattr(p, k) for k in CONFIG},
         "status": p.status, "canary_id": p.canary_id,
         "canary": (labels or {}).get(p.canary_id or "", p.canary_id),
         "step": p.step, "percent": p.steps[p.step] if p.canary_id and p.step < len(p.steps) else None,
         "step_started_at": started.isoformat() if started else None,
-        "next_step_at": (started + timedelta(seconds=p.interval_s)).isoformat() if running else None,
+        "next_step_at": next_at.isoformat() if next_at else None,
         "failures": p.failures, "last": p.last, "row_version": p.row_version,
     }
 
@@ -247,7 +247,7 @@ class CanaryPolicies:
         in between wins); not a registry change. True when written."""
         async with self.service.db.read() as session:
             async with session.begin():
-                res = await session.execute(
+                res = cast(CursorResult[Any], await session.execute(
                     update(CanaryPolicy).where(CanaryPolicy.id == policy_id, CanaryPolicy.row_version == row_version)
-                    .values(**state, row_version=row_version + 1, updated_at=utcnow()))
+                    .values(**state, row_version=row_version + 1, updated_at=utcnow())))
                 return bool(res.rowcount)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.settings import Settings
@@ -93,13 +93,14 @@ class ResponseStore:
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         async with self._database("nothing was deleted"), self._session.begin() as s:
-            done = await s.execute(delete(StoredResponse).where(StoredResponse.id == response_id,
-                                                                StoredResponse.tenant == tenant))
+            done = cast(CursorResult[Any], await s.execute(delete(StoredResponse).where(
+                StoredResponse.id == response_id, StoredResponse.tenant == tenant)))
         return bool(done.rowcount)
 
     async def purge(self, batch: int = 500) -> int:
         """Delete up to ``batch`` expired rows (call again while it returns ``batch``)."""
         async with self._database("nothing was removed"), self._session.begin() as s:
             ids = select(StoredResponse.id).where(StoredResponse.expires_at <= datetime.now(UTC)).limit(batch)
-            done = await s.execute(delete(StoredResponse).where(StoredResponse.id.in_(ids.scalar_subquery())))
+            done = cast(CursorResult[Any], await s.execute(
+                delete(StoredResponse).where(StoredResponse.id.in_(ids.scalar_subquery()))))
         return int(done.rowcount or 0)

@@ -175,7 +175,7 @@ class SupplyChain:
                              if (now - o.modified).total_seconds() > STALE_UPLOAD_S]
         except StoreError as exc:
             raise Unavailable(f"the adapter store is unavailable: {exc}", code="store_unavailable") from None
-        result = {"apply": apply, "retention_s": retention, "cutoff": cutoff.isoformat(),
+        result: dict[str, Any] = {"apply": apply, "retention_s": retention, "cutoff": cutoff.isoformat(),
                   "versions": [_plan_row(v, last) for v, last in plan], "stale_uploads": stale_uploads,
                   "deleted": []}
         if not apply or (not plan and not stale_uploads):
