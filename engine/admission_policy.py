@@ -37,13 +37,17 @@ import heapq
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
+from engine.scheduler import AdmissionPolicy
 from engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from engine.lora.runtime import LoRARuntime
 
-class FairAdmission:
-    def __init__(self, runtime: Any = None, *, max_wait_steps: int = 64, max_wait_s: float = 5.0,
+
+class FairAdmission(AdmissionPolicy):
+    def __init__(self, runtime: LoRARuntime | None = None, *, max_wait_steps: int = 64, max_wait_s: float = 5.0,
                  linger_steps: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
         self.runtime = runtime
         self.linger_steps = linger_steps
@@ -167,7 +171,10 @@ class FairAdmission:
 
     def take_failed(self) -> list[tuple[Sequence, str]]:
         """Sequences whose adapter failed to load, with the reason (each reported once)."""
-        out = [(s, self.runtime.failure(s) or "adapter load failed") for s in self._failed]
+        rt = self.runtime
+        if rt is None:
+            return []  # without adapters none fails
+        out = [(s, rt.failure(s) or "adapter load failed") for s in self._failed]
         self._failed = []
         return out
 

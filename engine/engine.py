@@ -13,15 +13,16 @@ or, without a thread (tests, benchmarks): ``engine.generate([ids, ...], params)`
 ``add_request`` / ``abort`` may be called from any thread; listeners are called on the
 engine thread with a ``SeqEvent`` per sampled token (and one final event).
 
-LoRA plugs in through two attributes: ``engine.lora_runtime`` (an object with
-``prepare_batch(ctx: BatchContext) -> None`` that sets ``ctx.lora`` before each forward,
-and optionally ``release(seq)`` when a sequence leaves) and
-``engine.scheduler.policy`` (adapter-aware admission, which must admit adapter sequences
-through the runtime's ``admit``: that is where a sequence's slot is taken, and a step
-fails the rows of a sequence that arrives without one). With ``lora_runtime`` unset the
-worker API refuses requests naming an adapter. ``Engine.from_settings`` plugs in both
-(``enable_lora``) unless ``max_loras`` is 0, with ``engine.admission_policy.FairAdmission`` as
-the policy (priority, tenant fairness, adapter residency and aging).
+LoRA plugs in through two attributes: ``engine.lora_runtime`` (an
+``engine.lora.runtime.LoRARuntime``, whose ``prepare_batch(ctx)`` sets ``ctx.lora`` before
+each forward and whose ``release(seq)`` gives back a leaving sequence's slot) and
+``engine.scheduler.policy`` (an ``engine.scheduler.AdmissionPolicy``, adapter-aware, which
+must admit adapter sequences through the runtime's ``admit``: that is where a sequence's slot
+is taken, and a step fails the rows of a sequence that arrives without one). With
+``lora_runtime`` unset the worker API refuses requests naming an adapter.
+``Engine.from_settings`` plugs in both (``enable_lora``) unless ``max_loras`` is 0, with
+``engine.admission_policy.FairAdmission`` as the policy (priority, tenant fairness, adapter
+residency and aging).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +55,11 @@ from loraplex.prefix import namespace, tenant_scope
 from loraplex.settings import Settings
 from loraplex.tokenizer import TextTokenizer
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
+
+if TYPE_CHECKING:
+    from engine.lora.runtime import LoRARuntime
+    from engine.metrics import WorkerMetrics
+    from loraplex.modelinfo import ModelInfo
 
 log = logging.getLogger("loraplex.engine")
 
@@ -244,10 +250,11 @@ class Engine:
                                  budget_s=config.grammar_compile_budget_s)
         self.mask_s = 0.0
         """Seconds spent filling grammar masks (on the grammar thread, beside the forward)."""
-        self.lora_runtime: Any = None
-        self.metrics: Any = None
-        self.info: Any = None
-        """``loraplex.modelinfo.ModelInfo`` when built from settings."""
+        self.lora_runtime: LoRARuntime | None = None
+        self.metrics: WorkerMetrics | None = None
+        """The worker's metrics, once its API attaches them."""
+        self.info: ModelInfo | None = None
+        """The base model's description (from settings, or once LoRA is enabled)."""
         self.weights_reason = ""
         """Why the base weights are in their format (``weights=auto``: the CPU's fastest; else as set)."""
         self._lock = threading.RLock()
@@ -367,7 +374,7 @@ class Engine:
             raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens")
         root = self._cache_root(adapter, cache_scope or tenant_scope(tenant)) if self.config.prefix_cache else None
-        seqs = []
+        seqs: list[Sequence] = []
         for i in range(max(1, params.n)):  # sample i draws with seed + i
             p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
             s = Sequence(list(prompt_ids), p, adapter=adapter, tenant=tenant, priority=priority,
@@ -435,7 +442,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Give back the sequence's adapter slot (under the lock)."""
         rt = self.lora_runtime
-        if rt is not None and hasattr(rt, "release"):
+        if rt is not None:
             rt.release(seq)
 
     def _end_forward(self) -> None:
@@ -462,13 +469,11 @@ class Engine:
                 self._finish(seq, "error", error="the request does not fit in this worker's KV cache")
             for seq, exc in out.errors:
                 self._finish(seq, "error", *self._describe(exc, seq))
-            take_failed = getattr(self.scheduler.policy, "take_failed", None)
-            if take_failed is not None:
-                for seq, reason in take_failed():
-                    if not seq.is_finished:
-                        name = seq.adapter.name if seq.adapter is not None else "?"
-                        self._finish(seq, "error", error=f"adapter {name} could not be loaded: {reason}",
-                                     code="adapter_load_failed")
+            for seq, reason in self.scheduler.policy.take_failed():
+                if not seq.is_finished:
+                    name = seq.adapter.name if seq.adapter is not None else "?"
+                    self._finish(seq, "error", error=f"adapter {name} could not be loaded: {reason}",
+                                 code="adapter_load_failed")
             if out.chunks:
                 self._in_forward = frozenset(seq.seq_id for seq, _ in out.chunks)
         if not out.chunks:

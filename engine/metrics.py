@@ -34,13 +34,19 @@ schemas too complex to serve).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraplex.label_cap import LabelCap
 from loraplex.wire import AdapterRef
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammars
+    from engine.lora.manager import AdapterManager
+    from engine.lora.runtime import LoRARuntime
 
 MAX_ADAPTER_LABELS = 500
 """Distinct ``adapter`` label values one worker exports (the gateway's default cap too)."""
@@ -55,8 +61,22 @@ def adapter_metric_label(adapter: AdapterRef | None) -> str:
     return f"sha256:{adapter.sha256[:12]}" if adapter.sha256 else f"id:{adapter.id[:36]}"
 
 
+class MetricsSource(Protocol):
+    """What the metrics read from their engine (``engine.engine.Engine``)."""
+
+    def load(self) -> dict[str, int]: ...
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """Its grammar compiles (None: no ``grammar`` counters)."""
+
+    @property
+    def lora_runtime(self) -> LoRARuntime | None:
+        """Its adapters (None: LoRA off, no adapter series)."""
+
+
 class WorkerMetrics:
-    def __init__(self, engine: Any, worker_id: str) -> None:
+    def __init__(self, engine: MetricsSource, worker_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         labels = {"worker": worker_id}
@@ -97,10 +117,10 @@ class WorkerMetrics:
                                  [*labels, "cache"], registry=r)
         self._tiers = Counter("loraplex_worker_adapter_arrivals", "Adapter requests by where their adapter "
                               "was at arrival: device, host, loading, absent", [*labels, "tier"], registry=r)
-        grammars = getattr(engine, "grammars", None)
+        grammars = engine.grammars
         if grammars is not None:
             r.register(_GrammarCollector(grammars, worker_id))
-        rt = getattr(engine, "lora_runtime", None)
+        rt = engine.lora_runtime
         if rt is not None:
             manager = rt.manager
             self._load_seconds = Histogram("loraplex_worker_adapter_load_seconds",
@@ -147,14 +167,14 @@ class WorkerMetrics:
 class _GrammarCollector:
     """Grammar compile counters read from ``engine.grammar.Grammars`` at scrape time."""
 
-    def __init__(self, grammars: Any, worker_id: str) -> None:
+    def __init__(self, grammars: Grammars, worker_id: str) -> None:
         self.grammars = grammars
         self.worker = worker_id
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         for name, doc, n in (
             ("loraplex_worker_grammar_compiles", "Response-format grammars compiled", self.grammars.compiles),
             ("loraplex_worker_grammar_refused", "Grammar compiles refused past the CPU budget", self.grammars.refused),
@@ -167,14 +187,14 @@ class _GrammarCollector:
 class _LoRACollector:
     """Adapter tier gauges and counters read from the manager's stats at scrape time."""
 
-    def __init__(self, manager: Any, worker_id: str) -> None:
+    def __init__(self, manager: AdapterManager, worker_id: str) -> None:
         self.manager = manager
         self.worker = worker_id
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         m, w = self.manager, self.worker
         st = m.stats
         resident = GaugeMetricFamily("loraplex_worker_adapters_resident", "Adapters resident per tier",

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.residency import ResidencyStore
 from loraplex.settings import Settings
 from loraplex.wire import WorkerReport
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
 log = logging.getLogger("loraplex.engine.reporter")
 
 
-def build_report(engine: Any, worker_id: str, url: str, settings: Settings) -> WorkerReport:
+def build_report(engine: Engine, worker_id: str, url: str, settings: Settings) -> WorkerReport:
     load = engine.load()
     info = engine.info
     report = WorkerReport(
@@ -34,7 +37,7 @@ def build_report(engine: Any, worker_id: str, url: str, settings: Settings) -> W
         max_loras=settings.max_loras, cached_kv_blocks=load["kv_blocks_cached"], kv_evictions=load["kv_evictions"],
     )
     rt = engine.lora_runtime
-    if rt is not None and hasattr(rt, "report_fields"):
+    if rt is not None:
         for key, value in rt.report_fields().items():
             setattr(report, key, list(value))
     return report
@@ -54,7 +57,7 @@ def residency_store(settings: Settings) -> tuple[ResidencyStore, Any]:
     return RedisResidency(client, settings.redis_prefix), client
 
 
-async def report_forever(engine: Any, store: ResidencyStore, worker_id: str, url: str, settings: Settings) -> None:
+async def report_forever(engine: Engine, store: ResidencyStore, worker_id: str, url: str, settings: Settings) -> None:
     interval = max(0.05, float(settings.report_interval_s))
     ttl = max(settings.worker_report_ttl_s, 3 * interval)
     try:

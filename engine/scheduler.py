@@ -22,14 +22,15 @@ time to first token 0.88 s with a 512-token budget throughout, 0.69 s with 4096 
 
 Prefill chunks and decode rows of the step go through ONE forward pass.
 
-Adapter-aware admission plugs in through ``AdmissionPolicy``: ``admit(seq, batch)`` is
+Adapter-aware admission plugs in through :class:`AdmissionPolicy`: ``admit(seq, batch)`` is
 asked for each waiting candidate with the sequences already chosen for this step
 (running ones included); returning False skips the candidate this step without
 blocking the ones behind it; one that raises fails that candidate only
-(``SchedulerOutput.errors``). The default admits everything. A policy may also define
-``order(waiting, running) -> list`` (the candidates in the order to try them; default:
-priority, then arrival) and ``charge(chunks)`` (told the chunks each step serves) —
-``engine.admission_policy.FairAdmission`` uses both for tenant fairness and adapter residency.
+(``SchedulerOutput.errors``). The default (:class:`AdmitAll`) admits everything. Its other
+hooks default to doing nothing: ``order(waiting, running) -> list`` (the candidates in the
+order to try them; default: priority, then arrival), ``charge(chunks)`` (told the chunks each
+step serves) and ``take_failed()`` (sequences the policy gave up on, which the engine fails) —
+``engine.admission_policy.FairAdmission`` uses all three for tenant fairness and adapter residency.
 
 The samples of one request (``n`` > 1) after the first carry ``share_from`` (the first
 sample): such a sample waits until its parent has computed all but the prompt's last token,
@@ -50,8 +51,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.kv_cache import BlockAllocator
 from engine.sequence import SeqStatus, Sequence
@@ -64,11 +65,30 @@ class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_waiting`` requests; the caller answers 503."""
 
 
-class AdmissionPolicy(Protocol):
-    def admit(self, seq: Sequence, batch: list[Sequence]) -> bool: ...
+class AdmissionPolicy(ABC):
+    """Which waiting sequences join a step. ``admit`` is the policy; the other hooks are
+    optional and do nothing here."""
+
+    @abstractmethod
+    def admit(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        """May ``seq`` join this step beside ``batch`` (the sequences chosen so far, running
+        ones included)? False skips it this step; an exception fails it alone."""
+
+    def order(self, waiting: list[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """The waiting candidates in the order to try them (asked once per step, only while
+        some wait); here: as queued, by priority, then arrival."""
+        return waiting
+
+    def charge(self, chunks: list[tuple[Sequence, int]]) -> None:  # noqa: B027 (an optional hook)
+        """Told the chunks each step serves (only steps that serve some)."""
+
+    def take_failed(self) -> list[tuple[Sequence, str]]:
+        """Sequences the policy will never admit, with the reason, each reported once: the
+        engine finishes them with ``adapter_load_failed``. None here."""
+        return []
 
 
-class AdmitAll:
+class AdmitAll(AdmissionPolicy):
     def admit(self, seq: Sequence, batch: list[Sequence]) -> bool:
         return True
 
@@ -270,9 +290,8 @@ class Scheduler:
             chosen.append(seq)
             budget -= n
         # Admit waiting sequences (the policy's order; default: priority, then arrival).
-        order = getattr(self.policy, "order", None)
         waiting = [e[2] for e in self.waiting]
-        candidates = order(waiting, list(self.running)) if order is not None and waiting else waiting
+        candidates = self.policy.order(waiting, list(self.running)) if waiting else waiting
         admitted: set[int] = set()
         computing: set[bytes] | None = None
         for seq in candidates:
@@ -330,7 +349,6 @@ class Scheduler:
             budget -= n
         if admitted:
             self.waiting = [e for e in self.waiting if id(e[2]) not in admitted]
-        charge = getattr(self.policy, "charge", None)
-        if charge is not None and out.chunks:
-            charge(out.chunks)
+        if out.chunks:
+            self.policy.charge(out.chunks)
         return out

@@ -7,11 +7,14 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loraplex.wire import PRIORITY_CLASSES, AdapterRef
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDecoder
 
 
 @dataclass(frozen=True)
@@ -109,17 +112,17 @@ class Sequence:
     generator: torch.Generator | None = None
     output_text: str = ""
     sent_text_len: int = 0
-    decoder: Any = None
-    """The engine's ``engine.detokenizer.IncrementalDecoder`` of the output text."""
+    decoder: IncrementalDecoder | None = None
+    """The engine's decoder of the output text."""
     extra: dict[str, Any] = field(default_factory=dict)
     matcher: Any = None
+    """With ``params.grammar``: this row's xgrammar ``GrammarMatcher`` (the tokens accepted so far)."""
     share_from: Sequence | None = None
     """Sample ``i`` > 0 of a request: the first sample, whose prompt KV blocks it starts from."""
     index: int = 0
     """Which of the request's samples (the choice index)."""
     samples: list[Sequence] = field(default_factory=list)
     """On the first sample of an ``n`` > 1 request: all of them, itself first."""
-    """With ``params.grammar``: this row's xgrammar ``GrammarMatcher`` (the tokens accepted so far)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With ``params.logprobs``: one entry per output token whose text is in the output."""
     cache_root: bytes | None = None

@@ -34,7 +34,7 @@ from engine.lora.peft import LoRAModule, LoRAWeights
 from engine.lora.runtime import LoRARuntime
 from engine.lora.slots import NonFiniteAdapter, SlotBank, check_finite
 from engine.native_lora import _LoraCall
-from engine.scheduler import Scheduler
+from engine.scheduler import AdmissionPolicy, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, Sequence
 from engine.warmstart import warm
 from loraplex.digest import digest_directory
@@ -475,7 +475,7 @@ def test_unattributed_exception_fails_the_steps_rows_and_the_engine_keeps_servin
 
 
 def test_admission_error_fails_only_that_request():
-    class Flaky:
+    class Flaky(AdmissionPolicy):
         def admit(self, seq, batch):
             if seq.prompt_ids[0] == 99:
                 raise RuntimeError("policy fault")

@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import BlockAllocator, OutOfBlocksError
 from engine.sampler import apply_penalties, sample, token_logprobs
-from engine.scheduler import QueueFullError, Scheduler
+from engine.scheduler import AdmissionPolicy, QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqStatus, Sequence
 
 
@@ -152,7 +152,7 @@ def test_never_fitting_request_fails_instead_of_waiting_forever():
 
 
 def test_admission_policy_hook_can_hold_back_candidates():
-    class OneAdapter:
+    class OneAdapter(AdmissionPolicy):
         def admit(self, seq, batch):
             return all(q.tenant == seq.tenant for q in batch)
 

@@ -165,7 +165,8 @@ def test_evicted_adapter_is_refetched_through_the_manager(tmp_path):
     assert m.stats.loads["source"] == 4 and requested.count("/v1/adapter_model.safetensors") == 2
     assert m.stats.evictions["disk"] == 2 and "ver-1" in m.disk.ids() and m.disk.count() == 2
     engine = SimpleNamespace(load=lambda: {"queue_depth": 0, "running": 0, "kv_blocks_used": 0,
-                                           "kv_blocks_total": 0}, lora_runtime=SimpleNamespace(manager=m))
+                                           "kv_blocks_total": 0}, grammars=None,
+                             lora_runtime=SimpleNamespace(manager=m))
     text = WorkerMetrics(engine, "w").render().decode()
     assert 'loraplex_worker_adapter_evictions_total{tier="disk",worker="w"} 2.0' in text
     m.close()

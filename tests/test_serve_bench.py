@@ -27,6 +27,7 @@ def bench():
 
 
 class _Engine:
+    grammars = None
     lora_runtime = None
 
     def load(self) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 It implements the engine's hooks (see ``engine.engine`` / ``engine.model``):
 
-* ``admit(seq, batch) -> bool`` (``engine.scheduler.AdmissionPolicy``): base-model sequences
+* ``admit(seq, batch) -> bool`` (an ``engine.scheduler.AdmissionPolicy`` of its own, admitting in
+  arrival order; ``engine.admission_policy.FairAdmission`` orders for it): base-model sequences
   always; an adapter sequence once its adapter is in host memory (a background load is
   started otherwise) and a device slot can hold it. The slot is taken (one user) at
   admission and kept until ``release(seq)``, also across preemption, so a running
@@ -19,25 +20,28 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import AdapterLoadError, AdapterManager
+from engine.scheduler import AdmissionPolicy
+from engine.sequence import Sequence
+from engine.step_batch import BatchContext
+from loraplex.wire import AdapterRef
 
 
-class LoRARuntime:
+class LoRARuntime(AdmissionPolicy):
     def __init__(self, manager: AdapterManager, native: bool = True) -> None:
         """``native``: CPU float32 LoRA steps may use the C kernel (``engine.native``)."""
         self.manager = manager
         self.native = native
-        self._held: dict[int, tuple[Any, int]] = {}  # seq_id -> (AdapterRef, slot)
+        self._held: dict[int, tuple[AdapterRef, int]] = {}  # seq_id -> (adapter, slot)
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
 
     # --- admission -------------------------------------------------------------------------
-    def admit(self, seq: Any, batch: list[Any], protect: Iterable[str] = ()) -> bool:
+    def admit(self, seq: Sequence, batch: list[Sequence], protect: Iterable[str] = ()) -> bool:
         """``protect``: adapter ids whose idle slots must not be taken for ``seq``'s adapter."""
         ref = seq.adapter
         if ref is None:
@@ -58,18 +62,18 @@ class LoRARuntime:
             self._failed.pop(seq.seq_id, None)
         return True
 
-    def prefetch(self, seq: Any) -> None:
+    def prefetch(self, seq: Sequence) -> None:
         """Start loading a queued sequence's adapter (call when the request arrives)."""
         if seq.adapter is not None:
             self.manager.prefetch(seq.adapter)
 
-    def failure(self, seq: Any) -> str | None:
+    def failure(self, seq: Sequence) -> str | None:
         """Why the sequence's adapter cannot be served, if its load failed."""
         with self._lock:
             return self._failed.get(seq.seq_id)
 
     # --- per step ----------------------------------------------------------------------------
-    def slot_of(self, seq: Any) -> int:
+    def slot_of(self, seq: Sequence) -> int:
         """The slot admission gave the sequence (``-1`` for the base model). A sequence on an
         adapter that was not admitted here raises :class:`AdapterLoadError` (naming the
         adapter), which fails that adapter's rows, not the step: slots are taken only by
@@ -84,14 +88,14 @@ class LoRARuntime:
                                            "(admission did not go through the LoRA runtime)")
         return held[1]
 
-    def prepare_batch(self, ctx: Any) -> None:
+    def prepare_batch(self, ctx: BatchContext) -> None:
         seq_slots = torch.tensor([self.slot_of(s) for s in ctx.seqs], dtype=torch.int64)
         ctx.seq_slots = seq_slots
         token_slots = seq_slots[ctx.token_seq.cpu()] if seq_slots.numel() else seq_slots
         batch = LoRABatch.build(self.manager.bank, token_slots, native=self.native)
         ctx.lora = None if batch.empty else batch
 
-    def release(self, seq: Any) -> None:
+    def release(self, seq: Sequence) -> None:
         with self._lock:
             held = self._held.pop(seq.seq_id, None)
             self._failed.pop(seq.seq_id, None)
