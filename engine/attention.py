@@ -25,6 +25,13 @@ positions outside a context are never read. Against the batched matmuls per pref
 (five ops and their thread barriers per chunk and layer) it measured 1.1-1.35x faster on
 one thread for 100-512-token chunks and about 2x on two threads of a busy machine.
 
+The one exception on that path: a prefill chunk of at least ``MATMUL_MIN_ROWS`` rows over
+``MATMUL_MIN_CONTEXT`` times as many keys (the new turn of a conversation whose history came from
+the prefix cache) goes by the batched matmuls, and the kernel attends the step's other rows
+(``BatchContext.kernel_rows``). The kernel reads every key once per row; the matmuls read each
+key once for the whole chunk, and the causal triangle they compute in vain is small beside the
+cached context.
+
 K/V pools narrower than the activations (bfloat16 under float32, see ``engine.kv_cache``)
 are widened exactly: by ``KVCache.gather`` on the torch paths, on load in the native kernel.
 The math is the same either way, in the activations' dtype.
@@ -36,9 +43,11 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.native import DecodeAttention
-from engine.step_batch import BatchContext
+from engine.step_batch import BatchContext, PrefillItem
 
 NEG_INF = float("-inf")
+MATMUL_MIN_ROWS = 32
+MATMUL_MIN_CONTEXT = 3
 
 
 def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttention | None = None) -> None:
@@ -46,9 +55,18 @@ def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttent
     table and length; else the masks (True: outside the context)."""
     if kernel is not None:
         if ctx.row_blocks is None and ctx.kv_tables is not None:
-            ctx.row_blocks = ctx.kv_tables.index_select(0, ctx.token_seq)
-            ctx.row_lens = ctx.positions + 1
-            ctx.row_max_len = int(ctx.row_lens.max())
+            ctx.matmul_prefills = [item for item in ctx.prefills if by_matmul(item)]
+            token_seq, positions = ctx.token_seq, ctx.positions
+            if ctx.matmul_prefills:
+                keep = torch.ones(ctx.num_tokens, dtype=torch.bool, device=positions.device)
+                for item in ctx.matmul_prefills:
+                    keep[item.start:item.end] = False
+                    item.masked = ~item.mask
+                ctx.kernel_rows = keep.nonzero().squeeze(1)
+                token_seq, positions = token_seq[ctx.kernel_rows], positions[ctx.kernel_rows]
+            ctx.row_blocks = ctx.kv_tables.index_select(0, token_seq)
+            ctx.row_lens = positions + 1
+            ctx.row_max_len = int(ctx.row_lens.max()) if positions.numel() else 0
         return
     dec = ctx.decode
     if dec is not None and dec.masked is None:
@@ -70,8 +88,11 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
     if kernel is not None:
         assert ctx.row_blocks is not None and ctx.row_lens is not None, "prepare_attention first"
         out = q.new_empty((t, h * d), dtype=out_dtype or q.dtype)
-        kernel(q, cache.k[layer], cache.v[layer], ctx.row_blocks, ctx.row_lens, ctx.row_max_len, cache.block_size,
-               out)
+        if ctx.row_lens.numel():
+            kernel(q, cache.k[layer], cache.v[layer], ctx.row_blocks, ctx.row_lens, ctx.row_max_len,
+                   cache.block_size, out, rows=ctx.kernel_rows)
+        for item in ctx.matmul_prefills:
+            _prefill(item, cache, layer, q, num_kv_heads, out)
         return out
     dec = ctx.decode
     out = None if dec is not None and dec.contiguous else q.new_empty((t, h * d))
@@ -92,12 +113,32 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
         out.index_copy_(0, dec.rows, od)
     assert out is not None
     for item in ctx.prefills:
-        n = item.end - item.start
-        qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
-        kp, vp = cache.gather(layer, item.blocks)
-        scores = torch.matmul(qp, kp.unsqueeze(1).transpose(-1, -2))  # [Hk, g, L, C]
-        scores.masked_fill_(item.masked, NEG_INF)
-        probs = torch.softmax(scores, dim=-1)
-        op = torch.matmul(probs, vp.unsqueeze(1))  # [Hk, g, L, d]
-        out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)
+        _prefill(item, cache, layer, q, num_kv_heads, out)
     return out
+
+
+def by_matmul(item: PrefillItem) -> bool:
+    """Whether a prefill chunk on the native kernel's path is attended by matrix products: a
+    chunk of at least ``MATMUL_MIN_ROWS`` rows over at least ``MATMUL_MIN_CONTEXT`` times as many
+    keys (a chunk after a long cached prefix: a conversation's new turn). The kernel attends each
+    row on its own, streaming all its keys past one query at a time; a matrix product reuses each
+    key across the chunk's rows, which wins once the keys far outnumber the rows (so that the
+    causal triangle it computes and masks is a small part of the work)."""
+    rows = item.end - item.start
+    return rows >= MATMUL_MIN_ROWS and item.mask.shape[1] >= MATMUL_MIN_CONTEXT * rows
+
+
+def _prefill(item: PrefillItem, cache: KVCache, layer: int, q: torch.Tensor, num_kv_heads: int,
+             out: torch.Tensor) -> None:
+    """One prefill chunk's attention by matrix products, into its rows of ``out``."""
+    assert item.masked is not None
+    n = item.end - item.start
+    _, h, d = q.shape
+    g = h // num_kv_heads
+    qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
+    kp, vp = cache.gather(layer, item.blocks)
+    scores = torch.matmul(qp, kp.unsqueeze(1).transpose(-1, -2))  # [Hk, g, L, C]
+    scores.masked_fill_(item.masked, NEG_INF)
+    probs = torch.softmax(scores, dim=-1)
+    op = torch.matmul(probs, vp.unsqueeze(1))  # [Hk, g, L, d]
+    out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)

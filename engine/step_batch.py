@@ -86,12 +86,17 @@ class BatchContext:
     """``[num_seqs, nb]`` int64: each sequence's KV blocks covering its context after this step,
     padded with its own last block (``nb`` blocks of the longest context)."""
     row_blocks: torch.Tensor | None = None
-    """``[T, nb]`` each token row's ``kv_tables`` row, built once per step by the attention when
-    the native kernel attends every row."""
+    """``[R, nb]`` the ``kv_tables`` row of each token row the native kernel attends, built once
+    per step by the attention."""
     row_lens: torch.Tensor | None = None
-    """``[T]`` int64: keys each token row attends to (its position + 1), with ``row_blocks``."""
+    """``[R]`` int64: keys each of those rows attends to (its position + 1), with ``row_blocks``."""
     row_max_len: int = 0
     """The largest of ``row_lens``."""
+    kernel_rows: torch.Tensor | None = None
+    """``[R]`` int64: the token rows the native kernel attends, or None for every row."""
+    matmul_prefills: list[PrefillItem] = field(default_factory=list)
+    """Prefill chunks over a long cached context, attended by matrix products instead of the
+    native kernel (``engine.attention``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -278,6 +278,45 @@ def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_kernel_rows", [True, False])
+def test_long_context_chunks_by_matmul_beside_kernel_rows_equal_the_torch_path(with_kernel_rows):
+    """A prefill chunk over a long cached context (a conversation's new turn) is attended by
+    matrix products, the step's other rows by the kernel (or none: every row by matmul); the
+    result equals the torch path's on the same cache, row for row."""
+    from types import SimpleNamespace
+
+    from engine.attention import MATMUL_MIN_CONTEXT, MATMUL_MIN_ROWS, paged_attention, prepare_attention
+    from engine.kv_cache import KVCache
+    from engine.step_batch import build_batch
+
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 4
+    cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
+    cache = KVCache(cfg, 200, bs, torch.device("cpu"), torch.float32)
+    cache.k[0].normal_(generator=gen)
+    cache.v[0].normal_(generator=gen)
+    perm = torch.randperm(200, generator=gen).tolist()
+
+    def seq(total: int, computed: int):
+        nb = -(-total // bs)
+        table, perm[:] = perm[:nb], perm[nb:]
+        return SimpleNamespace(all_token_ids=list(range(total)), num_computed=computed, block_table=table)
+
+    rows = MATMUL_MIN_ROWS + 5
+    context = MATMUL_MIN_CONTEXT * rows + 30
+    long_chunk = (seq(context, context - rows), rows)
+    chunks = [(seq(13, 12), 1), long_chunk, (seq(40, 0), 40), (seq(6, 5), 1)] if with_kernel_rows else [long_chunk]
+    ctx = build_batch(chunks, bs, torch.device("cpu"))
+    q = torch.randn(ctx.num_tokens, heads, head_dim, generator=gen) / head_dim ** 0.5
+    prepare_attention(ctx, kv_heads, kernel)
+    assert [(i.start, i.end) for i in ctx.matmul_prefills] == [(1, 1 + rows) if with_kernel_rows else (0, rows)]
+    assert ctx.kernel_rows is not None and ctx.kernel_rows.numel() == ctx.num_tokens - rows
+    got = paged_attention(ctx, cache, 0, q, kv_heads, kernel)
+    prepare_attention(ctx, kv_heads, None)
+    want = paged_attention(ctx, cache, 0, q, kv_heads, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_prefill_chunks_match_reference(kv_dtype):
     """Rows of prefill chunks (one block table, consecutive lengths: grouped so a group's keys are
