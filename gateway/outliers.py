@@ -158,12 +158,13 @@ class SharedEjections:
     def publish(self, worker_id: str, ejection: Ejection) -> None:
         ms = int((ejection.until - time.time()) * 1000)
         if ms > 0:
-            self._spawn(self._write(self._prefix + f"{worker_id}:{self._gateway}", orjson.dumps(asdict(ejection)), ms))
+            self._spawn(self._put(self._prefix + f"{worker_id}:{self._gateway}", orjson.dumps(asdict(ejection)), ms))
 
     def clear(self, worker_id: str) -> None:
-        self._spawn(self._write(self._prefix + f"{worker_id}:{self._gateway}", None, 0))
+        self._spawn(self._put(self._prefix + f"{worker_id}:{self._gateway}", None, 0))
 
-    async def _write(self, key: str, value: bytes | None, ms: int) -> None:
+    async def _put(self, key: str, value: bytes | None, ms: int) -> None:
+        """Set (for ``ms``) or, with ``value`` None, delete one key; a failure is only logged."""
         try:
             if value is None:
                 await self._r.delete(key)
