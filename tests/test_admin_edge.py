@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from loraplex.tokens import mint, mint_admin
+from registry import admin_api
 from registry.admin_api import OPERATIONS, Operation, admin_app
 from registry.service import RegistryService
 from tests.registry_support import TINY, make_settings
@@ -119,3 +120,19 @@ async def test_a_method_a_path_does_not_serve_is_405_naming_the_ones_it_does(dow
         assert _error(r, 405, "method_not_allowed")["message"] == f"method {method} is not allowed here"
         assert r.headers["allow"] == allow, (method, path)
     _error(await down.get("/nowhere"), 404, "unknown_route")
+
+
+async def test_a_bug_is_a_logged_500_that_the_server_never_sees(tmp_path, monkeypatch, caplog):
+    """httpx's ASGI transport raises what the app raises: the 500 is answered, not raised on
+    (a server would drop the keep-alive connection it came on)."""
+    async def broken(call: admin_api.Call) -> Any:
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(admin_api, "OPERATIONS", tuple(dataclasses.replace(op, handler=broken)
+                                                       for op in OPERATIONS))
+    settings = make_settings(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/never.db")
+    app = mounted(admin_app(RegistryService(settings), settings))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/admin") as client:
+        r = await client.get("/tenants", headers={"authorization": f"Bearer {mint_admin(settings)}"})
+    assert _error(r, 500, "internal_error")["type"] == "server_error" and "secret" not in r.text
+    assert any("GET /admin/tenants failed" in rec.getMessage() and rec.exc_info for rec in caplog.records)
