@@ -50,6 +50,7 @@ from engine.sampler import sample, token_logprobs
 from engine.scheduler import QueueFullError, Scheduler
 from engine.sequence import SamplingParams, SeqEvent, SeqStatus, Sequence, TokenLogprob
 from engine.step_batch import BatchContext, build_batch
+from engine.stopping import release_text, token_finish
 from engine.threads import release_team
 from loraplex.prefix import namespace, tenant_scope
 from loraplex.settings import Settings
@@ -608,38 +609,24 @@ class Engine:
                                                  seq.extra.get("cache", "base"))
         if self.metrics is not None:
             self.metrics.add_generated(1)
-        reason: str | None = None
+        # the matcher takes the token: the format is complete once it refuses it or none can follow
+        grammar_ended = seq.matcher is not None and (not seq.matcher.accept_token(tok)
+                                                     or seq.matcher.is_terminated())
+        fin = token_finish(tok, p, self.eos_token_ids, grammar_ended=grammar_ended, generated=len(seq.output_ids),
+                           total=seq.num_tokens, max_total_len=seq.max_total_len)
         text_ids = seq.output_ids
-        if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
-            reason = "stop"  # the format is complete (its stop token, or none can follow)
-            if tok in self.eos_token_ids:
-                text_ids = seq.output_ids[:-1]
-                lp = None
-        elif (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = "stop"
+        if fin.hide:
             text_ids = seq.output_ids[:-1]
-            lp = None  # its text is not in the output
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
-            reason = "length"
+            lp = None
         if seq.decoder is None:
             seq.decoder = IncrementalDecoder(self.tokenizer)
         seen = len(seq.decoder.stable)  # text no later token changes: searched for stops already
-        text = seq.decoder.text(text_ids)
-        if p.stop:
-            cut = min((i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in p.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                text = text[:cut]
-                reason = "stop"
-        if reason is None:
-            safe = len(text.rstrip("\ufffd"))
-            if p.stop:  # a stop string may be starting: hold back its length less one character
-                safe -= max(len(s) for s in p.stop) - 1
-        else:
-            safe = len(text)
-        delta = text[seq.sent_text_len:safe] if safe > seq.sent_text_len else ""
-        seq.sent_text_len = max(seq.sent_text_len, safe)
-        seq.output_text = text
+        out = release_text(seq.decoder.text(text_ids), p.stop, searched=seen, sent=seq.sent_text_len,
+                           finishing=fin.reason is not None)
+        reason = "stop" if out.stopped else fin.reason
+        delta = out.delta
+        seq.sent_text_len = out.sent
+        seq.output_text = out.text
         if reason is not None:
             seq.finish_reason = reason
             self._retire(seq)
