@@ -6,7 +6,6 @@ the row lookups they share: ``registry.lookups``."""
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -22,7 +21,6 @@ from registry.db import make_engine, resolve_url, session_factory
 from registry.errors import refused_or_unavailable_on_database_failure, unavailable_on_database_failure
 from registry.models import AuditEntry, RegistryState, utcnow
 
-log = logging.getLogger("loraplex.registry")
 COMMITTED: ContextVar[int | None] = ContextVar("loraplex_registry_committed", default=None)
 """The registry version the caller's last write committed as (the admin API answers it as
 ``X-Registry-Version``: a reader whose snapshot version is at least this serves the change)."""
