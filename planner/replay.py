@@ -122,7 +122,7 @@ def assign(trace: Trace, workers: int) -> np.ndarray:
     return np.where(trace.adapter >= 0, of_adapter[np.maximum(trace.adapter, 0)], base).astype(np.int32)
 
 
-def replay_tier(keys: Sequence[int], capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy,
+def replay_tier(keys: Sequence[int], capacity: int, policy: Callable[[], EvictionPolicy[int]] = LRUPolicy,
                 skip: int = 0) -> int:
     """Hits of a tier of ``capacity`` adapters over ``keys`` (one per arrival), evicting by
     ``policy``; the first ``skip`` arrivals warm the tier up and are not counted."""
@@ -138,8 +138,9 @@ def replay_tier(keys: Sequence[int], capacity: int, policy: Callable[[], Evictio
             else:
                 if len(held) >= capacity:
                     out = victim(held)
-                    held.discard(out)
-                    remove(out)
+                    if out is not None:  # None: a tier of no adapters (capacity 0) holds none yet
+                        held.discard(out)
+                        remove(out)
                 held.add(key)
             touch(key)
         return hits
@@ -174,7 +175,7 @@ def windows(keys: np.ndarray, capacity: int) -> list[tuple[int, int]] | None:
     return out
 
 
-def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPolicy] = LRUPolicy,
+def hit_ratio(keys: np.ndarray, capacity: int, policy: Callable[[], EvictionPolicy[int]] = LRUPolicy,
               distinct: int | None = None) -> tuple[float, bool]:
     """The tier's hit ratio over ``keys`` (``distinct`` adapters, counted when not given), and
     whether it was replayed on stretches (``windows``)."""

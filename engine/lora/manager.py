@@ -126,7 +126,7 @@ class AdapterManager:
         cache_dir: str = "",
         cache_max_bytes: int = 0,
         sources: SourceRegistry | None = None,
-        policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        policy: Callable[[], EvictionPolicy[str]] = LRUPolicy,
         loader_threads: int = 2,
         failure_ttl_s: float = 5.0,
         weights_dtype: torch.dtype = torch.float32,
@@ -325,6 +325,7 @@ class AdapterManager:
         candidates = {k for k in held if k != keep and not self._entries[k].pinned}
         for _ in range(min(excess, len(candidates))):
             k = self._host_policy.victim(candidates)
+            assert k is not None  # candidates is not empty
             candidates.discard(k)
             e = self._entries[k]
             e.weights = None
@@ -397,8 +398,8 @@ class AdapterManager:
                 rc = self.bank.rank_classes[c]
                 raise SlotsExhausted(f"all {self.bank.slots_per_class} rank-{rc} slots are in use or pinned")
             victim = self._entries[key]
+            assert victim.slot is not None
             slot = victim.slot
-            assert slot is not None
             victim.slot = None
             self._device_policy.remove(key)
             self.stats.evictions["device"] += 1
