@@ -98,7 +98,7 @@ class ModelWeights:
         layers = [LayerWeights(*(cv(getattr(lw, f), mm if f in _MATMULS else dtype)
                                  for f in LayerWeights.__dataclass_fields__))
                   for lw in self.layers]
-        return ModelWeights(self.config, embed, layers, cv(self.norm), lm_head,  # type: ignore[arg-type]
+        return ModelWeights(self.config, embed, layers, cv(self.norm), lm_head,
                             self.rope_freq_factors, self.meta)
 
     def nbytes(self) -> int:
@@ -266,13 +266,17 @@ def load_gguf(path: str | Path, keep_q8_0: bool = False, keep_q4: bool = False) 
 
     permute = cfg.architecture == "llama"
 
+    def matrix_shape(t: Any) -> tuple[int, int]:
+        """A 2-D tensor's logical ``[N, K]`` (GGUF lists the dimensions innermost first)."""
+        k, n = (int(d) for d in t.shape.tolist())
+        return n, k
+
     def as_stored(t: Any) -> Q8Weight | Q4Weight | None:
         """A projection's blocks as the file holds them, when kept in that format."""
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if keep_q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0:
-            return q8_0_from_gguf(t.data, shape)
+            return q8_0_from_gguf(t.data, matrix_shape(t))
         if keep_q4 and t.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-            return q4_from_gguf(t.data, shape, offset=t.tensor_type == GGMLQuantizationType.Q4_1)
+            return q4_from_gguf(t.data, matrix_shape(t), offset=t.tensor_type == GGMLQuantizationType.Q4_1)
         return None
 
     def get(i: int, key: str) -> torch.Tensor | Q8Weight | Q4Weight:

@@ -463,7 +463,9 @@ def tile_matmul_kernel() -> TileMatmul | None:
     """The native bfloat16 matmul where this build has it (``-march=native`` on a CPU with AMX-BF16,
     and the kernel grants this process AMX state, or with AVX512-BF16); else None."""
     lib = library()
-    isa = {1: "amx", 2: "avx512_bf16"}.get(lib.loraplex_tile_matmul_init()) if lib is not None else None
+    if lib is None:
+        return None
+    isa = {1: "amx", 2: "avx512_bf16"}.get(lib.loraplex_tile_matmul_init())
     if isa is None:
         return None
     kernel = TileMatmul(lib, isa)

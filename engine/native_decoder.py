@@ -57,7 +57,8 @@ class NativeWeight:
         if isinstance(weight, PackedQ8 | PackedQ4):
             q8 = isinstance(weight, PackedQ8)
             self.format, self.n, self.k = (self.Q8 if q8 else self.Q4), weight.out_features, weight.in_features
-            self._keep: tuple[torch.Tensor | None, ...] = (weight.q, weight.d, weight.comp if q8 else weight.m)
+            self._keep: tuple[torch.Tensor | None, ...] = (
+                weight.q, weight.d, weight.comp if isinstance(weight, PackedQ8) else weight.m)
         elif weight.dtype == torch.float32:
             assert weight.dim() == 3 and weight.shape[2] == 16 and weight.is_contiguous() and n is not None
             assert single is None or (single.shape == (n, weight.shape[1]) and single.dtype == torch.float32

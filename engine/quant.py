@@ -173,7 +173,7 @@ def q8_matmul_reference(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None 
 # the activations as the 8-bit one does and keeps each block's ``dx * sum(xq)``, so a block adds
 # ``d_w * dx * dot(q, xq) + m_w * dx * sum(xq)``: one exact integer dot product and the offset.
 
-INT4 = torch.uint4
+INT4 = torch.uint4  # type: ignore[attr-defined]  # torch's stubs leave the sub-byte dtypes out
 """The ``matmul_dtype`` that stands for ``LORAPLEX_WEIGHTS=int4`` (projections in these blocks)."""
 QUANTIZED = (torch.int8, INT4)
 """The ``matmul_dtype`` values whose projections are blocks of this module (8 or 4 bits)."""

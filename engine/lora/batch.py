@@ -135,6 +135,7 @@ class LoRABatch:
                   todo: tuple[tuple[str, torch.Tensor], ...]) -> None:
         if p.path == "native":
             kernel = lora_rows_kernel()
+            assert kernel is not None  # the native path is chosen only where the kernel built
             table = self._native_table(kernel, p.class_index, layer, tuple(proj for proj, _ in todo))
             kernel.run(table, x, [out for _, out in todo], p.plan.rows, p.plan.row_slots)
             return

@@ -93,13 +93,15 @@ class SegmentPlan:
         for n in seg_lens:
             starts.append(acc)
             acc += n
-        runs: list[tuple[int, int, int]] | None = []
+        spans: list[tuple[int, int, int]] = []
+        runs: tuple[tuple[int, int, int], ...] | None = None
         for slot, start, n in zip(uniq.tolist(), starts, seg_lens, strict=True):
             first = int(rows[start])
             if int(rows[start + n - 1]) - first != n - 1:
-                runs = None
                 break
-            runs.append((first, first + n, int(slot)))
+            spans.append((first, first + n, int(slot)))
+        else:
+            runs = tuple(sorted(spans))
         device = slots.device
         return cls(
             num_tokens=num_tokens,
@@ -108,6 +110,6 @@ class SegmentPlan:
             seg_slots=tuple(int(u) for u in uniq.tolist()),
             seg_starts=tuple(starts),
             seg_lens=seg_lens,
-            runs=tuple(sorted(runs)) if runs is not None else None,
+            runs=runs,
             seg_table=torch.tensor([starts, list(seg_lens), uniq.tolist()], dtype=torch.int32).to(device),
         )

@@ -167,8 +167,8 @@ class SlotBank:
             return st
         cap = min(self.slots_per_class, max(need, 2 * have, 1))
         r, L = self.rank_classes[c], self.num_layers
-        kw = {"dtype": self.dtype, "device": self.device}
-        wkw = {"dtype": self.weights_dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        wkw: dict[str, Any] = {"dtype": self.weights_dtype, "device": self.device}
         new = _ClassStacks(
             a={p: torch.zeros(L, cap, r, fi, **wkw) for p, (fi, _fo) in self.shapes.items()},
             bt={p: torch.zeros(L, cap, r, fo, **wkw) for p, (_fi, fo) in self.shapes.items()},
@@ -210,7 +210,7 @@ class SlotBank:
                 raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer bank")
         check_finite(weights, self.weights_dtype, tensors=False)
         projs = sorted({proj for _, proj in weights.modules})
-        wkw = {"dtype": self.weights_dtype}
+        wkw: dict[str, Any] = {"dtype": self.weights_dtype}
         img = SlotImage(weights.rank, c,
                         a={p: torch.zeros(L, rc, self.shapes[p][0], **wkw) for p in projs},
                         bt={p: torch.zeros(L, rc, self.shapes[p][1], **wkw) for p in projs},
