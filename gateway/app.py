@@ -34,6 +34,7 @@ from gateway.ratelimit import Limiter, LocalLimiter, RedisLimiter
 from gateway.request_path import Gateway, access_log, flush_access_log
 from gateway.route_errors import exception_handlers
 from gateway.router import Router
+from gateway.snapshot_source import RefreshedSnapshots, SnapshotSource
 from gateway.traffic import AdapterTraffic
 from gateway.usage_ledger import LedgerFlusher, UsageLedger
 from gateway.worker_client import WorkerClient
@@ -152,14 +153,16 @@ def redis_client(settings: Settings) -> Any:
                              health_check_interval=0, max_connections=256)
 
 
-def _default_snapshots(settings: Settings) -> Any:
+def _snapshot_source(settings: Settings) -> tuple[SnapshotSource, RefreshedSnapshots | None]:
+    """The snapshot source ``settings`` name, and its refresh numbers when it is the live registry."""
     if settings.registry_snapshot_file:
         from gateway.snapshot_file import FileSnapshotSource
 
-        return FileSnapshotSource(settings.registry_snapshot_file)
+        return FileSnapshotSource(settings.registry_snapshot_file), None
     from registry.cache import SnapshotCache  # the live registry (lazy: keeps startup light)
 
-    return SnapshotCache(settings)
+    cache = SnapshotCache(settings)
+    return cache, cache
 
 
 def registry_admin(settings: Settings, router: Router, client: WorkerClient,
@@ -200,13 +203,14 @@ async def _flush_access_handlers() -> None:
         handler.flush()
 
 
-def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | None = None,
+def create_app(settings: Settings, *, snapshots: SnapshotSource | None = None, limiter: Limiter | None = None,
                residency: ResidencyStore | None = None, http_client: WorkerClient | None = None,
                mount_admin: bool = True, usage_store: Any = None) -> GatewayApp:
     """The gateway app. Anything not passed is built from ``settings``:
 
     * ``snapshots``: ``registry.cache.SnapshotCache`` over the registry database (or a
-      ``FileSnapshotSource`` when ``registry_snapshot_file`` is set);
+      ``FileSnapshotSource`` when ``registry_snapshot_file`` is set); only the one built here
+      reports its loads on ``/metrics``;
     * ``limiter``: ``RedisLimiter`` (with a local fallback) when ``redis_url`` is set,
       else the in-process ``LocalLimiter``;
     * ``residency``: ``RedisResidency`` when ``redis_url`` is set, else the process table;
@@ -216,15 +220,17 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
       with ``usage_flush_interval_s`` 0: no ledger.
 
     Components passed in are started/stopped by their owner, except the snapshot source,
-    whose optional ``start()``/``stop()`` the app calls in its lifespan.
+    whose ``start()``/``stop()`` the app calls in its lifespan.
     """
     redis = redis_client(settings) if settings.redis_url else None
+    refreshed: RefreshedSnapshots | None = None
     if snapshots is None:
-        snapshots = _default_snapshots(settings)
+        snapshots, refreshed = _snapshot_source(settings)
         if usage_store is None and not settings.registry_snapshot_file:
             from registry.usage import UsageStore
 
             usage_store = UsageStore(settings)
+    source: SnapshotSource = snapshots
     own_limiter = limiter is None
     if limiter is None:
         limiter = RedisLimiter(redis, settings.redis_prefix, fail_mode=settings.ratelimit_fail_mode,
@@ -252,10 +258,9 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
     ledger = UsageLedger() if usage_store is not None and settings.usage_flush_interval_s > 0 else None
     traffic = AdapterTraffic(redis, settings.redis_prefix) if redis is not None else None
     canary = RedisSamples(redis, settings.redis_prefix) if redis is not None else MemorySamples()
-    gw = Gateway(settings, snapshots, limiter, router, http_client,
+    gw = Gateway(settings, source, limiter, router, http_client,
                  live=LiveStats(redis, settings.redis_prefix) if redis is not None else None, traffic=traffic,
-                 canary=canary, responses_store=responses_store, ledger=ledger)
-    gw.metrics.observe_snapshots(snapshots)
+                 canary=canary, responses_store=responses_store, ledger=ledger, refreshed=refreshed)
     usage_flusher = None
     if ledger is not None:
         usage_flusher = LedgerFlusher(ledger, usage_store.write, interval_s=settings.usage_flush_interval_s,
@@ -291,11 +296,10 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
         live registry). Workers are reported, not required: during a worker outage the admin API
         stays in the Service."""
         snap: RegistrySnapshot | None = None
-        check = getattr(gw.snapshots, "readiness_problem", None)  # the live cache: loaded, not too stale
         try:
-            problem = check() if check is not None else None
+            problem = source.readiness_problem()
             if problem is None:
-                snap = gw.snapshots.current
+                snap = source.current
                 problem = None if snap is not None else "no registry snapshot yet"
         except Exception as exc:
             problem = f"registry snapshot unavailable: {type(exc).__name__}"
@@ -335,11 +339,8 @@ def create_app(settings: Settings, *, snapshots: Any = None, limiter: Limiter | 
                 stack.push_async_callback(redis.aclose)
             if own_client:
                 stack.push_async_callback(http_client.close)
-            start, stop = getattr(snapshots, "start", None), getattr(snapshots, "stop", None)
-            if start is not None:
-                await start()
-            if stop is not None:
-                stack.push_async_callback(stop)
+            await source.start()
+            stack.push_async_callback(source.stop)
             stack.push_async_callback(gw.prompts.close)
             await router.refresh()
             if own_limiter:

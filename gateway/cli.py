@@ -98,8 +98,7 @@ def _gateway(args: argparse.Namespace) -> int:
     else:
         log_access(settings.access_log or None)
     app = create_app(settings, mount_admin=settings.gateway_mount_admin)
-    if hasattr(app.gateway.snapshots, "freeze_gc"):  # the live registry: its snapshot out of the GC's walk too
-        app.gateway.snapshots.freeze_gc = True
+    app.gateway.snapshots.freeze_gc = True  # the live registry's snapshot out of the GC's walk too
     servers = gateway_servers(app, settings)
     tune_gc()
     try:

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from gateway.prefix_routes import REASONS
+from gateway.snapshot_source import RefreshedSnapshots
 from loraplex.label_cap import OTHER, LabelCap
 
 __all__ = ["OTHER", "GatewayMetrics", "LabelCap", "metrics_app", "status_class"]
@@ -82,14 +83,15 @@ class _RequestCollector:
 
 
 class _SnapshotCollector:
-    """The registry snapshot this replica serves from (``registry.cache.SnapshotCache``)."""
+    """The registry snapshot this replica serves from, when it is the live registry's
+    (``registry.cache.SnapshotCache``): a static source has no loads to report."""
 
     def __init__(self) -> None:
-        self.source: Any = None
+        self.source: RefreshedSnapshots | None = None
 
     def collect(self) -> Iterator[Metric]:
         src = self.source
-        if src is None or not hasattr(src, "failures"):
+        if src is None:
             return
         ready = bool(src.ready)
         yield GaugeMetricFamily("loraplex_registry_snapshot_ready", "1 once a complete registry snapshot is held",
@@ -137,7 +139,7 @@ class GatewayMetrics:
         self.worker_cap = LabelCap(max_workers)
         r = self.registry
         self._series: dict[tuple[str, str], _Series] = {}
-        r.register(_RequestCollector(self._series))  # type: ignore[arg-type]
+        r.register(_RequestCollector(self._series))
         self.rate_limited = Counter("loraplex_gateway_rate_limited", "429 answers by tenant and reason",
                                     ["tenant", "reason"], registry=r)
         self.ttft = Histogram("loraplex_gateway_ttft_seconds",
@@ -175,7 +177,7 @@ class GatewayMetrics:
         self.usage_dropped: Counter | None = None
         self._usage_written_at = time.time()
         self._snapshots = _SnapshotCollector()
-        r.register(self._snapshots)  # type: ignore[arg-type]
+        r.register(self._snapshots)
         self._children: dict[tuple[str, str, int], tuple[_Series, str]] = {}
 
     def _labels(self, tenant: str, adapter: str, status: int) -> tuple[_Series, str]:
@@ -222,7 +224,7 @@ class GatewayMetrics:
 
     def track_ejections(self, router: Any) -> None:
         """Expose which of ``router``'s workers are ejected now (``gateway.outliers``)."""
-        self.registry.register(_EjectionCollector(router, self.worker_cap))  # type: ignore[arg-type]
+        self.registry.register(_EjectionCollector(router, self.worker_cap))
 
     def track_redis(self) -> Gauge:
         if self.redis_up is None:
@@ -272,8 +274,8 @@ class GatewayMetrics:
     def limited(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(self.tenant_cap(tenant), reason).inc()
 
-    def observe_snapshots(self, source: Any) -> None:
-        """Report this snapshot source's version, age, loads and failures (when it has them)."""
+    def observe_snapshots(self, source: RefreshedSnapshots) -> None:
+        """Report this snapshot source's version, age, loads and failures."""
         self._snapshots.source = source
 
     def render(self) -> bytes:

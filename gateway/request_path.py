@@ -16,7 +16,7 @@ import collections
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -52,6 +52,7 @@ from gateway.proxy import (
 from gateway.ratelimit import Limiter, Limits, limit_message
 from gateway.resolve import Resolution, Resolver
 from gateway.router import Router, Worker
+from gateway.snapshot_source import RefreshedSnapshots, SnapshotSource
 from gateway.traffic import AdapterTraffic
 from gateway.usage_ledger import UsageLedger, outcome
 from gateway.validate import Reservation, ValidRequest, estimate, reserve, validate
@@ -82,18 +83,13 @@ HDR_FALLBACK = "x-loraplex-fallback"
 access_log = logging.getLogger("loraplex.gateway.access")
 
 
-class SnapshotSource(Protocol):
-    @property
-    def current(self) -> RegistrySnapshot: ...
-
-
 class Gateway:
     """Everything the request path needs, built once per app."""
 
     def __init__(self, settings: Settings, snapshots: SnapshotSource, limiter: Limiter, router: Router,
                  client: WorkerClient, *, live: LiveStats | None = None, traffic: AdapterTraffic | None = None,
                  canary: MemorySamples | RedisSamples | None = None, responses_store: ResponseStore | None = None,
-                 ledger: UsageLedger | None = None) -> None:
+                 ledger: UsageLedger | None = None, refreshed: RefreshedSnapshots | None = None) -> None:
         self.settings = settings
         self.snapshots = snapshots
         self.limiter = limiter
@@ -129,6 +125,8 @@ class Gateway:
         """Where settled requests add their usage (``gateway.usage_ledger``; None: no ledger)."""
         if ledger is not None:
             self.metrics.track_usage()
+        if refreshed is not None:  # the live registry: its loads, age and failures on /metrics
+            self.metrics.observe_snapshots(refreshed)
 
     async def _read_body(self, receive: Any, declared: int | None) -> bytes:
         limit = self.settings.max_body_bytes

@@ -15,6 +15,8 @@ mirrors ``registry.snapshot``::
 
 ``cache_scope`` is the tenant's shared prefix-cache scope (empty or absent: its own).
 The file is re-read when its modification time changes (checked at most once a second).
+``FileSnapshotSource`` is a ``gateway.snapshot_source.SnapshotSource`` with nothing to start,
+stop or freeze: the interface's no-op hooks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import time
 from typing import Any
 
+from gateway.snapshot_source import SnapshotSource
 from registry.snapshot import AdapterVersionView, BaseModelView, BindingView, RegistrySnapshot, TenantView
 
 
@@ -54,7 +57,10 @@ def snapshot_from_dict(data: dict[str, Any]) -> RegistrySnapshot:
     return RegistrySnapshot(version=int(data.get("version", 1)), tenants=tenants, base_models=bases)
 
 
-class FileSnapshotSource:
+class FileSnapshotSource(SnapshotSource):
+    """The snapshot of the JSON file at ``path``, re-read at most every ``check_s`` seconds when it
+    changed; a file that cannot be read or parsed keeps the last good snapshot."""
+
     def __init__(self, path: str, check_s: float = 1.0) -> None:
         self.path = path
         self.check_s = check_s
@@ -80,9 +86,3 @@ class FileSnapshotSource:
             except (OSError, ValueError, KeyError):
                 pass  # keep serving the last good snapshot
         return self._snapshot
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None

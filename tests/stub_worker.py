@@ -48,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from gateway.snapshot_source import SnapshotSource
 from loraplex.openai_request import FieldError
 from loraplex.openai_request import parse as parse_fields
 from loraplex.settings import DEV_WORKER_SECRET
@@ -485,8 +486,11 @@ def make_snapshot(tenants: dict[str, dict[str, Any]], *, version: int = 1, base_
                                "adapters": adapters, "tenants": out})
 
 
-class MutableSnapshots:
-    """The seam between the gateway and the registry in tests: swap ``current`` at will."""
+class MutableSnapshots(SnapshotSource):
+    """The seam between the gateway and the registry in tests: swap ``current`` at will (the other
+    hooks are the interface's no-op defaults)."""
+
+    current: Any = None
 
     def __init__(self, snapshot: Any) -> None:
         self.current = snapshot
