@@ -35,7 +35,7 @@ from engine.cpu import cpu_has_bf16_matmul
 from engine.quant import PackedQ4, PackedQ8, q4_matmul_reference, q8_matmul_reference
 
 if TYPE_CHECKING:
-    from engine.native import PanelMatmul, TileMatmul
+    from engine.native import BlockMatmul, PanelMatmul, TileMatmul
 
 
 @lru_cache(maxsize=1)
@@ -89,7 +89,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.gemv is not None:
             return self.gemv(x, self.weight, self.bias)
-        if self.panel is not None and x.dtype == torch.float32:
+        if self.panel is not None and self.panels is not None and x.dtype == torch.float32:
             return self.panel(x if x.stride(1) == 1 else x.contiguous(), self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -118,7 +118,7 @@ class BF16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float32, or bfloat16 (already rounded: the same result)."""
-        if self.tile is not None:
+        if self.tile is not None and self.tiles is not None:
             return self.tile(x.to(torch.bfloat16), self.tiles, self.weight.shape[0], self.bias, torch.float32)
         if x.shape[0] == 1 and self.gemv is not None and x.dtype == torch.float32:
             return self.gemv(x, self.weight, self.bias)
@@ -143,7 +143,7 @@ class BF16Linear:
         """The bfloat16 sums before the widening and the bias (for a next step that reads
         bfloat16, ``engine.native.FusedOps``): ``x`` float32 or bfloat16."""
         xb = x.to(torch.bfloat16)
-        if self.tile is not None:
+        if self.tile is not None and self.tiles is not None:
             return self.tile(xb, self.tiles, self.weight.shape[0])
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(xb.contiguous(), self.packed, None, "none", [], "")
@@ -159,7 +159,7 @@ class BlockLinear:
     """The torch arithmetic of the format (``engine.quant``)."""
 
     def __init__(self, weight: PackedQ8 | PackedQ4, bias: torch.Tensor | None = None,
-                 kernel: Callable | None = None) -> None:
+                 kernel: BlockMatmul | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.kernel = kernel
@@ -175,6 +175,7 @@ class Int8Linear(BlockLinear):
     """8-bit ``W`` (:class:`engine.quant.PackedQ8`); ``kernel``: ``engine.native.q8_matmul_kernel()``."""
 
     reference = staticmethod(q8_matmul_reference)
+    weight: PackedQ8
 
     @property
     def fuses_swiglu(self) -> bool:
@@ -196,8 +197,8 @@ class Int4Linear(BlockLinear):
 def make_linear(weight: torch.Tensor | PackedQ8 | PackedQ4, bias: torch.Tensor | None, activations: torch.dtype,
                 pack_batch: int = 0,
                 gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                q8_kernel: Callable | None = None,
-                q4_kernel: Callable | None = None,
+                q8_kernel: BlockMatmul | None = None,
+                q4_kernel: BlockMatmul | None = None,
                 tile: TileMatmul | None = None,
                 panel: PanelMatmul | None = None) -> Linear | BF16Linear | BlockLinear:
     """The projection for ``weight`` under activations of dtype ``activations`` (``q8_kernel``:
