@@ -130,15 +130,19 @@ def by_matmul(item: PrefillItem) -> bool:
 
 def _prefill(item: PrefillItem, cache: KVCache, layer: int, q: torch.Tensor, num_kv_heads: int,
              out: torch.Tensor) -> None:
-    """One prefill chunk's attention by matrix products, into its rows of ``out``."""
+    """One prefill chunk's attention by matrix products, into its rows of ``out``: per kv head one
+    ``[L*g, d] x [d, C]`` product (the chunk's rows and the head's query heads as one matrix, so
+    each key is read once for all of them), masked only in the columns after the chunk's first
+    position (every row sees the ones before), then ``[L*g, C] x [C, d]``."""
     assert item.masked is not None
     n = item.end - item.start
     _, h, d = q.shape
     g = h // num_kv_heads
-    qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hk, g, L, d]
+    qp = q[item.start:item.end].reshape(n, num_kv_heads, g, d).transpose(0, 1).reshape(num_kv_heads, n * g, d)
     kp, vp = cache.gather(layer, item.blocks)
-    scores = torch.matmul(qp, kp.unsqueeze(1).transpose(-1, -2))  # [Hk, g, L, C]
-    scores.masked_fill_(item.masked, NEG_INF)
+    scores = torch.bmm(qp, kp.transpose(1, 2))  # [Hk, L*g, C], row l*g + j: position l, query head j
+    c0 = item.first + 1
+    scores.view(num_kv_heads, n, g, -1)[..., c0:].masked_fill_(item.masked[:, None, c0:], NEG_INF)
     probs = torch.softmax(scores, dim=-1)
-    op = torch.matmul(probs, vp.unsqueeze(1))  # [Hk, g, L, d]
-    out[item.start:item.end] = op.permute(2, 0, 1, 3).reshape(n, h * d)
+    op = torch.bmm(probs, vp)  # [Hk, L*g, d]
+    out[item.start:item.end] = op.view(num_kv_heads, n, h // num_kv_heads * d).transpose(0, 1).reshape(n, h * d)

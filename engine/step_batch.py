@@ -57,6 +57,9 @@ class PrefillItem:
     """``[nb]`` the sequence's KV blocks covering positions ``0..C-1`` (``C = nb * block_size``)."""
     mask: torch.Tensor
     """``[L, C]`` bool causal mask (query at position p sees keys ``0..p``)."""
+    first: int
+    """The chunk's first position: every row sees keys ``0..first``, and only the columns after
+    ``first`` are masked for some row."""
     masked: torch.Tensor | None = None
     """``[L, C]`` ``~mask``, built once per step by the attention."""
 
@@ -160,7 +163,7 @@ def build_batch(chunks: list[tuple[Sequence, int]], block_size: int, device: tor
         qpos = torch.arange(seq.num_computed, c)
         mask = torch.arange(nb * block_size).unsqueeze(0) <= qpos.unsqueeze(1)
         prefills.append(PrefillItem(start_row, end_row, torch.tensor(seq.block_table[:nb], device=device),
-                                    mask.to(device)))
+                                    mask.to(device), seq.num_computed))
     ends = [seq.num_computed + n for seq, n in chunks]
     nb_all = -(-max(ends, default=1) // block_size)
     tables: list[list[int]] = []

@@ -279,10 +279,10 @@ def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
 
 
 @pytest.mark.parametrize("with_kernel_rows", [True, False])
-def test_long_context_chunks_by_matmul_beside_kernel_rows_equal_the_torch_path(with_kernel_rows):
+def test_long_context_chunks_by_matmul_beside_kernel_rows_match_reference(with_kernel_rows):
     """A prefill chunk over a long cached context (a conversation's new turn) is attended by
-    matrix products, the step's other rows by the kernel (or none: every row by matmul); the
-    result equals the torch path's on the same cache, row for row."""
+    matrix products, the step's other rows by the kernel (or none: every row by matmul); every
+    row equals a float64 reference over its own keys."""
     from types import SimpleNamespace
 
     from engine.attention import MATMUL_MIN_CONTEXT, MATMUL_MIN_ROWS, paged_attention, prepare_attention
@@ -312,9 +312,12 @@ def test_long_context_chunks_by_matmul_beside_kernel_rows_equal_the_torch_path(w
     assert [(i.start, i.end) for i in ctx.matmul_prefills] == [(1, 1 + rows) if with_kernel_rows else (0, rows)]
     assert ctx.kernel_rows is not None and ctx.kernel_rows.numel() == ctx.num_tokens - rows
     got = paged_attention(ctx, cache, 0, q, kv_heads, kernel)
-    prepare_attention(ctx, kv_heads, None)
-    want = paged_attention(ctx, cache, 0, q, kv_heads, None)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ctx.kv_tables is not None
+    want = _reference(q, cache.k[0], cache.v[0], ctx.kv_tables.index_select(0, ctx.token_seq), ctx.positions + 1, bs,
+                      torch.arange(ctx.num_tokens))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    prepare_attention(ctx, kv_heads, None)  # the torch path's chunks: the same products
+    torch.testing.assert_close(paged_attention(ctx, cache, 0, q, kv_heads, None).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
