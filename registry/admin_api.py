@@ -245,7 +245,8 @@ async def _usage(c: Call) -> Any:
     from registry.usage_query import parse_usage_query, read_usage_json
 
     q = parse_usage_query(c.query, max_rows=c.service.settings.usage_query_max_rows)
-    page = await c.service._read(lambda s: read_usage_json(s, q))  # a page may hold 100k results: as JSON
+    async with c.service.db.read() as session:
+        page = await read_usage_json(session, q)  # a page may hold 100k results: as JSON
     return Response(page, media_type="application/json")
 
 

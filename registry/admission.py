@@ -47,9 +47,14 @@ TENSOR_NAME = re.compile(
 class BaseDims(Protocol):
     """What admission needs of a base model (``ModelInfo`` or the registry row)."""
 
-    name: str
-    revision: str
-    num_layers: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def revision(self) -> str: ...
+
+    @property
+    def num_layers(self) -> int: ...
 
     def projection_shape(self, module: str) -> tuple[int, int]: ...
 

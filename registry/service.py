@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -48,7 +48,6 @@ from registry.service_bindings import Bindings
 from registry.service_core import RegistryDatabase, Tx
 
 log = logging.getLogger("loraplex.registry")
-T = TypeVar("T")
 
 
 class RegistryService:
@@ -73,11 +72,6 @@ class RegistryService:
 
     async def close(self) -> None:
         await self.db.close()
-
-    async def _read(self, op: Callable[[AsyncSession], Awaitable[T]]) -> T:
-        """``op`` in ``db.read()`` (the admin API's usage page reads through this)."""
-        async with self.db.read() as session:
-            return await op(session)
 
     # --- tenants -----------------------------------------------------------------------------------
 
