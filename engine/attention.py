@@ -46,8 +46,8 @@ from engine.native import DecodeAttention
 from engine.step_batch import BatchContext, PrefillItem
 
 NEG_INF = float("-inf")
-MATMUL_MIN_ROWS = 32
-MATMUL_MIN_CONTEXT = 3
+MATMUL_MIN_ROWS = 128
+MATMUL_MIN_CONTEXT = 4
 
 
 def prepare_attention(ctx: BatchContext, num_kv_heads: int, kernel: DecodeAttention | None = None) -> None:

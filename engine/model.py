@@ -215,7 +215,7 @@ class DecoderModel:
         cos, sin = self.rope.tables(ctx.positions)
         prepare_attention(ctx, cfg.num_kv_heads, self.decode_kernel)
         lora = ctx.lora
-        if self.decoder is not None and ctx.row_blocks is not None:
+        if self.decoder is not None and ctx.row_blocks is not None and not ctx.matmul_prefills:
             steps = lora.native_steps(cfg.num_layers, LORA_INPUTS, self._lora_cols) if lora is not None else None
             if lora is None or steps is not None:
                 assert self.decode_kernel is not None

@@ -161,6 +161,36 @@ def test_namespaces_never_meet(world):
     engine.lora_runtime.manager.close()
 
 
+def test_a_new_turn_over_a_cached_history_is_exact_by_matmul(world, monkeypatch):
+    """A conversation's next turn starts from its history's cached blocks; its new tokens, far
+    fewer than the history, are attended by matrix products (``engine.attention.by_matmul``,
+    thresholds lowered to this model's sizes) in the same steps as other requests' kernel rows,
+    and through the layer-by-layer path (the one-call decoder attends every row by the kernel).
+    Every row still equals PEFT's."""
+    import engine.attention as attention
+
+    monkeypatch.setattr(attention, "MATMUL_MIN_ROWS", 8)
+    monkeypatch.setattr(attention, "MATMUL_MIN_CONTEXT", 2)
+    routed = []
+    real = attention._prefill
+    monkeypatch.setattr(attention, "_prefill", lambda item, *a: (routed.append(item.end - item.start), real(item, *a)))
+    engine = _engine(world)
+    rec = Recorder()
+    rec.install(engine)
+    names: list[str | None] = [None, *ADAPTERS[:2]]
+    turn1 = [(n, SYSTEM + _tokens(30, 300 + i)) for i, n in enumerate(names)]
+    run_to_completion(engine, [s for _, _, s in _submit(engine, world, turn1)])
+    turn2 = [(n, p + _tokens(20, 400 + i)) for i, (n, p) in enumerate(turn1)]
+    turn2.append((ADAPTERS[2], _tokens(6, 500)))  # a short newcomer beside them: kernel rows
+    seqs = _submit(engine, world, turn2)
+    run_to_completion(engine, [s for _, _, s in seqs])
+    assert _mismatches(world, seqs, rec) == []
+    assert [s.cached_tokens for _, _, s in seqs[:-1]] == [64] * len(names)
+    assert routed and min(routed) >= 8, routed
+    engine.cache.allocator.check()
+    engine.lora_runtime.manager.close()
+
+
 def test_eviction_under_pressure_keeps_every_answer_exact(world):
     """A pool of 24 four-token blocks for waves of prompts over three system prompts: cached
     blocks are evicted and found again, every row still equals PEFT's."""
