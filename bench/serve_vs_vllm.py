@@ -131,6 +131,8 @@ class Tally:
     t1: float
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
+    ttft_sent: list[float] = field(default_factory=list)
+    """Each ``ttft``'s request: when it was sent, in seconds from the window's start."""
     requests: int = 0
     wrong_lengths: int = 0
     errors: list[str] = field(default_factory=list)
@@ -142,6 +144,7 @@ class Tally:
     def token(self, sent: float, t: float, n: int, first: bool) -> None:
         if first and sent < self.t1:
             self.ttft.append(t - sent)
+            self.ttft_sent.append(sent - self.t0)
         if self.t0 <= t < self.t1:
             self.tokens += n
 
@@ -168,6 +171,8 @@ class Tally:
                "ttft_p50_s": q[len(q) // 2] if q else None,
                "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
                "ttft_mean_s": statistics.fmean(q) if q else None,
+               "ttft_slowest": [{"ttft_s": round(t, 3), "sent_s": round(at, 3)}
+                                for t, at in sorted(zip(self.ttft, self.ttft_sent, strict=True))[-8:]],
                "wrong_lengths": self.wrong_lengths, "errors": self.errors[:5],
                "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens and self.cached_said
                else None}
