@@ -11,7 +11,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from loraplex.digest import is_digest
 
@@ -53,12 +53,12 @@ class _Codec:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]):  # type: ignore[no-untyped-def]
+    def from_dict(cls, data: dict[str, Any]) -> Self:
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def from_json(cls, raw: str | bytes):  # type: ignore[no-untyped-def]
+    def from_json(cls, raw: str | bytes) -> Self:
         return cls.from_dict(json.loads(raw))
 
 
