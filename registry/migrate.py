@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from registry.db import ensure_sqlite_dir, make_engine
@@ -46,10 +48,10 @@ def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(url), revision)
 
 
-async def _run(engine: AsyncEngine, fn, revision: str) -> None:  # type: ignore[no-untyped-def]
+async def _run(engine: AsyncEngine, fn: Callable[[Config, str], None], revision: str) -> None:
     cfg = alembic_config()
 
-    def run(connection) -> None:  # type: ignore[no-untyped-def]
+    def run(connection: Connection) -> None:
         cfg.attributes["connection"] = connection
         fn(cfg, revision)
 
@@ -66,7 +68,7 @@ async def downgrade_async(url_or_engine: str | AsyncEngine, revision: str = "bas
     await _with_engine(url_or_engine, command.downgrade, revision)
 
 
-async def _with_engine(url_or_engine: str | AsyncEngine, fn, revision: str) -> None:  # type: ignore[no-untyped-def]
+async def _with_engine(url_or_engine: str | AsyncEngine, fn: Callable[[Config, str], None], revision: str) -> None:
     if isinstance(url_or_engine, AsyncEngine):
         await _run(url_or_engine, fn, revision)
         return
