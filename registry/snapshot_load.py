@@ -61,7 +61,7 @@ class LoadStalled(TimeoutError):
     """The database sent nothing for ``stall_s`` seconds during a snapshot load."""
 
 
-async def _rows(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> AsyncIterator[Sequence[Any]]:
+async def _rows(conn: AsyncConnection, stmt: Select, stall_s: float) -> AsyncIterator[Sequence[Any]]:
     """Partitions of ``stmt``'s rows from a server-side cursor; each must arrive within ``stall_s``."""
     try:
         async with asyncio.timeout(stall_s):
@@ -78,7 +78,7 @@ async def _rows(conn: AsyncConnection, stmt: Select[Any], stall_s: float) -> Asy
         raise LoadStalled(f"the registry database sent no rows for {stall_s:g} s") from None
 
 
-async def _all(conn: AsyncConnection, stmt: Select[Any], stall_s: float,
+async def _all(conn: AsyncConnection, stmt: Select, stall_s: float,
                params: dict[str, Any] | None = None) -> list[Any]:
     try:
         async with asyncio.timeout(stall_s):
