@@ -43,7 +43,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import BigInteger, String, Text, cast, func, literal, literal_column, select, union_all
+from sqlalchemy import (
+    BigInteger,
+    ColumnClause,
+    String,
+    Text,
+    cast,
+    func,
+    literal,
+    literal_column,
+    select,
+    union_all,
+)
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -166,7 +177,7 @@ def parse_usage_query(params: Mapping[str, Iterable[str]], *, max_rows: int, now
     for g in groups:
         if g not in GROUP_KEYS:
             raise _bad("group_by", f"group_by takes {', '.join(GROUP_KEYS)}, got {g[:40]!r}")
-    filters: dict[str, tuple[str, ...]] = {}
+    filters: dict[str, Any] = {}  # UsageQuery's tenants, aliases and versions: tuples of names
     for name in FILTERS:
         values = _values(params, name)
         if len(values) > MAX_FILTER_VALUES:
@@ -359,7 +370,7 @@ def _json_statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> A
     group = [one.c.b, *[one.c[k] for k in keys]]
     two = select(*group, item.label("item")).group_by(*group).order_by(*group).limit(q.max_rows + 1).subquery("two")
     order = [two.c[k] for k in keys]
-    comma = literal_column("','")
+    comma: ColumnClause[Any] = literal_column("','")
     joined = func.string_agg(two.c.item, aggregate_order_by(comma, *order) if order else comma)
     return select(two.c.b, func.count(), joined).group_by(two.c.b)
 
