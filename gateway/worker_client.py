@@ -44,6 +44,8 @@ class WorkerResponse(Protocol):
 
     status: int
     content_type: str
+    cache: str
+    """``x-loraplex-cache``: ``cold`` when the worker had to load the adapter first."""
 
     async def read(self) -> bytes: ...
 
