@@ -85,6 +85,7 @@ def paged_attention(ctx: BatchContext, cache: KVCache, layer: int, q: torch.Tens
     native kernel writes it (bfloat16: the next matmul's input)."""
     t, h, d = q.shape
     g = h // num_kv_heads
+    out: torch.Tensor | None  # None: the decode rows' product is the whole output
     if kernel is not None:
         assert ctx.row_blocks is not None and ctx.row_lens is not None, "prepare_attention first"
         out = q.new_empty((t, h * d), dtype=out_dtype or q.dtype)
