@@ -1,5 +1,5 @@
-"""The control API's shapes, shared by the bundled worker (``engine.internal_api``) and
-``loraplex vllm-agent`` (``vllm_agent.agent``): the error, the body reader, the ``AdapterRef`` parser.
+"""The control API's shapes, read by ``engine.control_api`` (the routes both the bundled worker and
+``loraplex vllm-agent`` serve): the error, the body reader, the ``AdapterRef`` parser.
 
 Torch-free, so the agent runs from the plain install.
 """
