@@ -197,9 +197,15 @@ def test_metrics_name_the_route_and_a_401_says_bearer(system):
     c.chat.completions.create(model="support", messages=[{"role": "user", "content": "and me"}])
     from prometheus_client import generate_latest
 
-    body = generate_latest(gw.app.gateway.metrics.registry).decode()
-    assert 'loraplex_gateway_route_requests_total{code="2xx",route="responses"}' in body
-    assert 'loraplex_gateway_route_requests_total{code="2xx",route="chat"}' in body
+    want = ['loraplex_gateway_route_requests_total{code="2xx",route="responses"}',
+            'loraplex_gateway_route_requests_total{code="2xx",route="chat"}']
+    deadline = time.monotonic() + 10
+    while True:  # a request is counted when it settles, which may come just after the client has its answer
+        body = generate_latest(gw.app.gateway.metrics.registry).decode()
+        if all(w in body for w in want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [w for w in want if w not in body] == []
     r = httpx.post(gw.url + "/v1/responses", json={"model": "support", "input": "x"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert json.loads(r.text)["error"]["type"] == "authentication_error"
