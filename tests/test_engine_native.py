@@ -245,27 +245,36 @@ def test_bf16_gemv_rounds_like_a_bfloat16_matmul(n_out, n_in, bias):
     assert not torch.equal(y.double(), x.double() @ w.double().T), "the rounding is part of the contract"
 
 
+def _paged_cache(seed: int, num_blocks: int):
+    """One layer of a float32 cache (9 heads over 3 kv heads, head dim 64, 4-token blocks) filled
+    with noise, and ``seq(total, computed)``: a sequence stand-in whose blocks are drawn at random."""
+    from types import SimpleNamespace
+
+    from engine.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(num_kv_heads=3, head_dim=64, num_layers=1)
+    cache = KVCache(cfg, num_blocks, 4, torch.device("cpu"), torch.float32)
+    cache.k[0].normal_(generator=gen)
+    cache.v[0].normal_(generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def seq(total: int, computed: int):
+        nb = -(-total // 4)
+        table, perm[:] = perm[:nb], perm[nb:]
+        return SimpleNamespace(all_token_ids=list(range(total)), num_computed=computed, block_table=table)
+
+    return gen, cache, seq
+
+
 def test_one_kernel_call_attends_prefill_and_decode_rows_as_the_torch_path():
     """A mixed step (a fresh prompt, a prompt's second chunk, decode rows) attended by the native
     kernel in one call per layer == the masked batched-matmul path on the same cache."""
-    from types import SimpleNamespace
-
     from engine.attention import paged_attention, prepare_attention
-    from engine.kv_cache import KVCache
     from engine.step_batch import build_batch
 
-    gen = torch.Generator().manual_seed(5)
+    gen, cache, seq = _paged_cache(5, 40)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 4
-    cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
-    cache = KVCache(cfg, 40, bs, torch.device("cpu"), torch.float32)
-    cache.k[0].normal_(generator=gen)
-    cache.v[0].normal_(generator=gen)
-    perm = torch.randperm(40, generator=gen).tolist()
-
-    def seq(total: int, computed: int):
-        nb = -(-total // bs)
-        table, perm[:] = perm[:nb], perm[nb:]
-        return SimpleNamespace(all_token_ids=list(range(total)), num_computed=computed, block_table=table)
 
     chunks = [(seq(13, 12), 1), (seq(11, 0), 11), (seq(30, 9), 14), (seq(6, 5), 1), (seq(2, 0), 2)]
     ctx = build_batch(chunks, bs, torch.device("cpu"))
@@ -283,24 +292,11 @@ def test_long_context_chunks_by_matmul_beside_kernel_rows_match_reference(with_k
     """A prefill chunk over a long cached context (a conversation's new turn) is attended by
     matrix products, the step's other rows by the kernel (or none: every row by matmul); every
     row equals a float64 reference over its own keys."""
-    from types import SimpleNamespace
-
     from engine.attention import MATMUL_MIN_CONTEXT, MATMUL_MIN_ROWS, paged_attention, prepare_attention
-    from engine.kv_cache import KVCache
     from engine.step_batch import build_batch
 
-    gen = torch.Generator().manual_seed(11)
+    gen, cache, seq = _paged_cache(11, 200)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 4
-    cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
-    cache = KVCache(cfg, 200, bs, torch.device("cpu"), torch.float32)
-    cache.k[0].normal_(generator=gen)
-    cache.v[0].normal_(generator=gen)
-    perm = torch.randperm(200, generator=gen).tolist()
-
-    def seq(total: int, computed: int):
-        nb = -(-total // bs)
-        table, perm[:] = perm[:nb], perm[nb:]
-        return SimpleNamespace(all_token_ids=list(range(total)), num_computed=computed, block_table=table)
 
     rows = MATMUL_MIN_ROWS + 5
     context = MATMUL_MIN_CONTEXT * rows + 30
