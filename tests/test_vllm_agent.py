@@ -6,8 +6,10 @@ adapter (a real vLLM is in ``tests/test_vllm_backend.py``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -265,3 +267,86 @@ def test_an_agent_whose_vllm_refuses_connections_forgets_its_names(tmp_path):
     assert not state.up and names == []
     assert (refused.status, refused.code) == (503, "vllm_unavailable")
     assert agent.report().device_adapters == []
+
+
+class _Looks:
+    """vLLM's ``/v1/models`` and ``/metrics``, each answered after ``delay`` seconds (past the
+    request's read timeout: a ``ReadTimeout``, as httpx's own transport raises it)."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions["timeout"]["read"]
+        if timeout is not None and self.delay > timeout:
+            await asyncio.sleep(timeout)
+            raise httpx.ReadTimeout("timed out", request=request)
+        await asyncio.sleep(self.delay)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base", "max_model_len": 1024}]})
+        return httpx.Response(200, text=METRICS)
+
+
+class _Heartbeats:
+    """A residency store that keeps when each report was published and withdrawn."""
+
+    def __init__(self) -> None:
+        self.published: list[float] = []
+        self.removed: list[float] = []
+
+    async def publish(self, report: WorkerReport, ttl_s: float) -> None:
+        self.published.append(time.monotonic())
+
+    async def remove(self, worker_id: str) -> None:
+        self.removed.append(time.monotonic())
+
+
+def _reporting(tmp_path: Path, looks: _Looks, store: _Heartbeats, seconds: float, slow_after: float,
+               delay: float) -> float:
+    """Run the report loop for ``seconds``, the looks taking ``delay`` from ``slow_after`` on;
+    the monotonic time they turned slow."""
+    settings = Settings.from_env({"LORAPLEX_HOME": str(tmp_path), "LORAPLEX_REPORT_INTERVAL_S": "0.1",
+                                  "LORAPLEX_WORKER_REPORT_TTL_S": "0.5"})
+    agent = VllmAgent(AgentConfig(vllm_url="http://vllm", url="http://agent", worker_id="v", base_model="m"),
+                      settings)
+
+    async def scenario() -> float:
+        await agent.http.aclose()
+        agent.http = httpx.AsyncClient(transport=httpx.MockTransport(looks), base_url="http://vllm")
+        task = asyncio.create_task(vllm_agent.report_forever(agent, store, settings))
+        try:
+            await asyncio.sleep(slow_after)
+            looks.delay = delay
+            slow = time.monotonic()
+            await asyncio.sleep(seconds - slow_after)
+            return slow
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await agent.close()
+
+    return asyncio.run(scenario())
+
+
+def test_the_report_goes_on_while_a_busy_vllm_is_slow_to_answer_a_look(tmp_path):
+    """vLLM with a full batch may take longer than the report TTL to answer ``/v1/models``: the
+    report is the gateway's sign that the worker lives, so it still goes out every interval (from
+    the last state) and the gateway does not give up on the worker's requests as hung."""
+    looks, store = _Looks(), _Heartbeats()
+    slow = _reporting(tmp_path, looks, store, seconds=3.0, slow_after=0.5, delay=1.5)
+    during = [t for t in store.published if t >= slow]
+    gaps = [b - a for a, b in zip([slow, *during], during, strict=False)]
+    assert len(during) >= 15 and max(gaps) < 0.4, gaps
+    assert store.removed[:-1] == []  # withdrawn only as the loop stopped
+
+
+def test_a_vllm_that_stops_answering_is_withdrawn_after_its_missed_looks(tmp_path, monkeypatch):
+    """A hung vLLM (looks time out) keeps its report for ``MAX_MISSES`` looks, then loses it."""
+    monkeypatch.setattr(vllm_agent, "OBSERVE_TIMEOUT_S", 0.3)
+    looks, store = _Looks(), _Heartbeats()
+    slow = _reporting(tmp_path, looks, store, seconds=2.5, slow_after=0.5, delay=60.0)
+    assert store.removed and store.removed[0] > slow
+    withdrawn = store.removed[0] - slow
+    assert vllm_agent.MAX_MISSES * 0.3 - 0.1 < withdrawn < vllm_agent.MAX_MISSES * 0.3 + 0.6, withdrawn
+    assert max(t for t in store.published) < store.removed[0]  # none after it

@@ -440,15 +440,26 @@ class AgentControl(ControlBackend):
 
 
 async def report_forever(agent: VllmAgent, store: ResidencyStore, settings: Settings) -> None:
-    """Publish the report while vLLM answers; withdraw it at once when vLLM stops answering."""
+    """Publish the report every interval while vLLM answers; withdraw it when vLLM stops answering.
+
+    The report is the agent's heartbeat, which the gateway reads to tell a live worker from a hung
+    one (``Router.gone_quiet``): it goes out every interval, whatever a look at vLLM takes. vLLM
+    busy with a full batch can take seconds to answer ``/v1/models`` and ``/metrics``, longer than
+    the report TTL; the last state then stands until the look ends, and ``observe`` withdraws it
+    only after ``MAX_MISSES`` slow looks in a row (a refused connection at once)."""
     interval = max(0.05, float(settings.report_interval_s))
     ttl = max(settings.worker_report_ttl_s, 3 * interval)
     published = False
+    look: asyncio.Task[VllmState] | None = None
     try:
         while True:
+            if look is None or look.done():
+                if look is not None and not look.cancelled() and look.exception() is not None:
+                    log.warning("looking at vLLM failed: %s", look.exception())
+                look = asyncio.create_task(agent.observe(), name="vllm-agent-observe")
+            done, _ = await asyncio.wait({look}, timeout=interval)
             try:
-                state = await agent.observe()
-                if state.up:
+                if agent.vllm.up:
                     await store.publish(agent.report(), ttl)
                     published = True
                 elif published:
@@ -456,8 +467,11 @@ async def report_forever(agent: VllmAgent, store: ResidencyStore, settings: Sett
                     published = False
             except Exception as exc:  # a flaky store must not stop the agent
                 log.warning("residency report failed: %s", exc)
-            await asyncio.sleep(interval)
+            if done:
+                await asyncio.sleep(interval)
     finally:
+        if look is not None:
+            look.cancel()
         with contextlib.suppress(Exception):
             await asyncio.shield(store.remove(agent.config.worker_id))
 
