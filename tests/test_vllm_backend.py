@@ -53,7 +53,8 @@ RANDOM_SPECS: dict[str, dict[str, Any]] = {  # eight adapters, ranks 8-64, sever
 PROMPTS = ["What is the capital of Italy?", "Name a large ocean.", "How many legs does a spider have?",
            "Write one word about the sea."]
 LONG_PROMPT = "Explain to a child, in many sentences, how the tides of the ocean work."
-COMPLETION_PROMPTS = ["The capital of Italy is", "A spider has", "The ocean is", "My favourite colour is"]
+COMPLETION_PROMPTS = ["The capital of Italy is", "The ocean is"]
+"""Two prompts per adapter: 16 rows over 8 adapters in one batch (each is sent alone again after)."""
 ISO_TOKENS = 8
 TIMEOUT = httpx.Timeout(180.0, connect=10.0)
 
@@ -152,7 +153,7 @@ def fleet(pg_url, redis_url, tmp_path_factory):
 
 
 def test_rows_of_a_mixed_batch_equal_each_request_alone(fleet):
-    """32 concurrent greedy requests over 8 adapters (ranks 8-64) through the gateway to vLLM:
+    """16 concurrent greedy requests over 8 adapters (ranks 8-64) through the gateway to vLLM:
     each row equals the same request sent alone (no adapter's weights reach another's row)."""
     rows = [(name, p) for name in RANDOM_SPECS for p in COMPLETION_PROMPTS]
     auth = {"Authorization": f"Bearer {fleet.cluster.token('iso')}"}
