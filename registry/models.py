@@ -295,7 +295,8 @@ class UsageFlush(Base):
 
 class UsageRollup(Base):
     """How far minute buckets have been rolled up into hours (``h``) and hours into days (``d``):
-    every bucket before ``done_until`` (unix seconds) of that width is complete."""
+    every bucket before ``done_until`` (unix seconds) of that width is complete. ``t`` (PostgreSQL
+    only): every day before it has its ``UsageTenantDay`` rows."""
 
     __tablename__ = "usage_rollups"
 
@@ -313,3 +314,18 @@ class UsageLateWrites(Base):
 
     width: Mapped[str] = mapped_column(String(1), primary_key=True)
     flushes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class UsageTenantDay(Base):
+    """One tenant's usage of a finished day as ``GET /admin/usage`` answers it: the JSON text of
+    its result in a page of days grouped by tenant (``registry.usage_tenant_days``). PostgreSQL
+    renders a day's rows in the transaction that rolls the day up, and a tenant's again in the
+    flush that adds a late minute to its day; they are complete for the days before the ``t``
+    watermark of ``UsageRollup``. SQLite keeps none (it reads every page from the ledger)."""
+
+    __tablename__ = "usage_tenant_days"
+
+    day: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    """The day's first second (unix time, a UTC midnight)."""
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    result: Mapped[str] = mapped_column(Text, nullable=False)

@@ -17,6 +17,11 @@ is rolled up too): a flush reads the watermarks under a share lock, which the ro
 them waits for, so every minute lands in every width exactly once, however late it comes. Such a
 flush also counts itself in ``UsageLateWrites`` for each width it added to, last and in the same
 transaction: rows before a watermark change only with that count (what a cached page is kept by).
+On PostgreSQL a day's rollup also renders each tenant's result of the day as a page of days by
+tenant shows it (``registry.usage_tenant_days``), in the same transaction, and moves the ``t``
+watermark with ``d``; a flush adding late minutes to such a day renders its tenants again, before
+it counts itself. Days rolled up before those results existed (an upgraded ledger) are rendered
+first in each round, a day per transaction, until ``t`` has caught up with ``d``.
 ``prune`` removes minutes and hours past their retention (only those already rolled up) and the
 flush rows past ``FLUSH_KEEP_S``. Both are safe to run from several gateways at once (the
 watermark rows serialize them); on PostgreSQL an advisory lock also lets only one gateway work
@@ -35,6 +40,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from registry.models import UsageBucket, UsageFlush, UsageLateWrites, UsageRollup
+from registry.usage_tenant_days import render_day, render_tenants
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 FLUSH_KEEP_S = 86400
@@ -117,15 +123,16 @@ async def _add_rows(conn: AsyncConnection, rows: list[tuple[Any, ...]]) -> None:
 
 
 async def _watermarks(conn: AsyncConnection, *, share: bool) -> dict[str, int] | None:
-    """``{'h': done_until, 'd': done_until}`` (None: the rows are not there yet); ``share``: under a
-    share lock (PostgreSQL), so a rollup moving them waits for this transaction, then sees its rows."""
+    """``{'h': done_until, 'd': done_until, 't': done_until}`` (None: the rows are not there yet;
+    ``t`` 0 where it is not); ``share``: under a share lock (PostgreSQL), so a rollup moving them
+    waits for this transaction, then sees its rows."""
     q = select(UsageRollup.width, UsageRollup.done_until).order_by(UsageRollup.width)
     if share and _dialect(conn) == "postgresql":
         q = q.with_for_update(read=True)
     found = {w: d for w, d in (await conn.execute(q)).all()}
     if "h" not in found or "d" not in found:
         return None
-    return {"h": found["h"], "d": found["d"]}
+    return {"h": found["h"], "d": found["d"], "t": found.get("t", 0)}
 
 
 def _late(buckets: Iterable[Sequence[Any]], marks: dict[str, int]) -> dict[tuple[str, int, str, str, str, str], list[int]]:
@@ -156,6 +163,18 @@ def _late(buckets: Iterable[Sequence[Any]], marks: dict[str, int]) -> dict[tuple
 
 def _as_rows(merged: dict[tuple[str, int, str, str, str, str], list[int]]) -> list[tuple[Any, ...]]:
     return [(*k, *merged[k]) for k in sorted(merged)]
+
+
+async def _render_late_days(conn: AsyncConnection, merged: Iterable[tuple[str, int, str, str, str, str]],
+                            rendered_until: int) -> None:
+    """Render again the results kept per tenant (``registry.usage_tenant_days``) of the day rows
+    this flush added to, on the days rendered already."""
+    tenants: dict[int, set[str]] = {}
+    for width, at, tenant, *_ in merged:
+        if width == "d" and at < rendered_until:
+            tenants.setdefault(at, set()).add(tenant)
+    if tenants:
+        await render_tenants(conn, tenants)
 
 
 async def _count_late(conn: AsyncConnection, widths: Iterable[str]) -> None:
@@ -193,6 +212,8 @@ async def apply_flush(engine: AsyncEngine, gateway: str, seq: int, buckets: Sequ
                     assert marks is not None
                 merged = _late(buckets, marks)
                 await _add_rows(conn, _as_rows(merged))
+                if _dialect(conn) == "postgresql":
+                    await _render_late_days(conn, merged, marks["t"])
                 await _count_late(conn, {k[0] for k in merged} - {"m"})
             except BaseException:
                 if trans.is_active:
@@ -223,6 +244,8 @@ class Maintenance:
     hours: int = 0
     days: int = 0
     pruned: int = 0
+    rendered: int = 0
+    """Days whose results per tenant were rendered behind the days rolled (``registry.usage_tenant_days``)."""
     skipped: bool = False
     """Another process held the advisory lock: this round did nothing."""
 
@@ -237,16 +260,27 @@ async def _lock(conn: AsyncConnection) -> bool:
 
 async def _ensure_marks(conn: AsyncConnection) -> None:
     """The watermark rows (at 0: nothing rolled up yet), so that a flush always finds rows to
-    lock and a rollup always finds rows to update."""
-    ins = (postgresql.insert if _dialect(conn) == "postgresql" else sqlite.insert)(UsageRollup)
-    await conn.execute(ins.values([{"width": "d", "done_until": 0}, {"width": "h", "done_until": 0}])
-                       .on_conflict_do_nothing())
+    lock and a rollup always finds rows to update; on PostgreSQL ``t`` too (results kept per
+    tenant and day: none yet)."""
+    pg = _dialect(conn) == "postgresql"
+    widths = ("d", "h", "t") if pg else ("d", "h")
+    ins = (postgresql.insert if pg else sqlite.insert)(UsageRollup)
+    await conn.execute(ins.values([{"width": w, "done_until": 0} for w in widths]).on_conflict_do_nothing())
+
+
+async def _mark(conn: AsyncConnection, width: str) -> int | None:
+    return (await conn.execute(select(UsageRollup.done_until).where(UsageRollup.width == width))).scalar()
+
+
+async def _move(conn: AsyncConnection, widths: Sequence[str], until: int) -> None:
+    await conn.execute(update(UsageRollup).where(UsageRollup.width.in_(widths)).values(done_until=until))
 
 
 async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool | None:
     """Roll one hour (``width`` 'h', from minutes) or one day ('d', from hours) whose end is at
     most ``limit``, and move its watermark in the same transaction. False: nothing to do; None:
-    another process holds the advisory lock."""
+    another process holds the advisory lock. A day's results per tenant (``t``, PostgreSQL) are
+    rendered in that transaction too, when they were caught up with the days."""
     size, source = (HOUR, "m") if width == "h" else (DAY, "h")
     async with engine.begin() as conn:
         if not await _lock(conn):
@@ -255,15 +289,17 @@ async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool | None:
         # which waits for the flushes holding it shared (their rows are then visible below).
         await conn.execute(update(UsageRollup).where(UsageRollup.width == width)
                            .values(done_until=UsageRollup.done_until))
-        done = (await conn.execute(select(UsageRollup.done_until).where(UsageRollup.width == width))).scalar()
+        done = await _mark(conn, width)
         if done is None or done + size > limit:
             return False
+        # Days rendered up to the days rolled: they move on together (the day rows are written below).
+        moving = [width, "t"] if width == "d" and await _mark(conn, "t") == done else [width]
         nxt = (await conn.execute(select(func.min(UsageBucket.start)).where(
             UsageBucket.width == source, UsageBucket.start >= done))).scalar()
         if nxt is None or nxt - nxt % size + size > limit:  # nothing complete to roll: skip to the limit
             until = limit - limit % size
             if until > done:
-                await conn.execute(update(UsageRollup).where(UsageRollup.width == width).values(done_until=until))
+                await _move(conn, moving, until)
             return False
         start = nxt - nxt % size
         b = UsageBucket.__table__.c
@@ -277,7 +313,33 @@ async def _roll(engine: AsyncEngine, width: str, limit: int) -> bool | None:
         sets: dict[str, Any] = {c: b[c] + ex[c] for c in _COUNTS}
         sets["peak_concurrent"] = _greatest(conn, b.peak_concurrent, ex.peak_concurrent)
         await conn.execute(stmt.on_conflict_do_update(index_elements=list(_KEY), set_=sets))
-        await conn.execute(update(UsageRollup).where(UsageRollup.width == width).values(done_until=start + size))
+        if "t" in moving:
+            await render_day(conn, start)
+        await _move(conn, moving, start + size)
+        return True
+
+
+async def _render_behind(engine: AsyncEngine) -> bool | None:
+    """Render the results per tenant of the next day before the day watermark that has day rows
+    and is not rendered yet (an existing ledger, after the upgrade that added them), and move
+    ``t`` past it: False when ``t`` has caught up (moved to the day watermark), None when another
+    process holds the advisory lock. PostgreSQL only."""
+    async with engine.begin() as conn:
+        if not await _lock(conn):
+            return None
+        # Both rows locked: the flushes holding them shared are done, and their rows visible below.
+        await conn.execute(update(UsageRollup).where(UsageRollup.width.in_(("d", "t")))
+                           .values(done_until=UsageRollup.done_until))
+        rendered, days = await _mark(conn, "t"), await _mark(conn, "d")
+        if rendered is None or days is None or rendered >= days:
+            return False
+        nxt = (await conn.execute(select(func.min(UsageBucket.start)).where(
+            UsageBucket.width == "d", UsageBucket.start >= rendered, UsageBucket.start < days))).scalar()
+        if nxt is None:
+            await _move(conn, ["t"], days)
+            return False
+        await render_day(conn, nxt)
+        await _move(conn, ["t"], nxt + DAY)
         return True
 
 
@@ -299,6 +361,15 @@ async def roll_up(engine: AsyncEngine, now: float | None = None, *, grace_s: int
         done.hours += 1
     async with engine.connect() as conn:
         marks = await _watermarks(conn, share=False)
+        pg = _dialect(conn) == "postgresql"
+    for _ in range(max_steps):  # days whose results per tenant are behind the days rolled: first
+        rendered = await _render_behind(engine) if pg else False
+        if not rendered:
+            done.skipped = rendered is None
+            if done.skipped:
+                return done
+            break
+        done.rendered += 1
     for _ in range(max_steps):
         rolled = None if marks is None else await _roll(engine, "d", marks["h"])
         if not rolled:

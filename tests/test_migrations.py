@@ -18,7 +18,8 @@ from registry.models import Base
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = {"registry_state", "base_models", "tenants", "adapter_versions", "bindings", "audit_log", "canary_policies", "responses",
-          "usage_buckets", "usage_flushes", "usage_rollups", "usage_late_writes"}
+          "usage_buckets", "usage_flushes", "usage_rollups", "usage_late_writes",
+          "usage_tenant_days"}
 
 
 async def _tables(engine) -> set[str]:

@@ -14,7 +14,7 @@ from sqlalchemy import delete
 
 from registry.db import make_engine, session_factory
 from registry.migrate import upgrade_async
-from registry.models import UsageBucket, UsageFlush, UsageLateWrites, UsageRollup
+from registry.models import UsageBucket, UsageFlush, UsageLateWrites, UsageRollup, UsageTenantDay
 from registry.usage import DAY, HOUR, apply_flush, roll_up, totals
 from registry.usage_query import FinishedPages, finished_pages, parse_usage_query, read_usage, read_usage_json
 
@@ -47,7 +47,7 @@ async def engines(db_url):
     await upgrade_async(db_url)
     one, two = make_engine(db_url), make_engine(db_url)
     async with one.begin() as conn:  # the PostgreSQL database is the module's: start empty
-        for model in (UsageBucket, UsageFlush, UsageRollup, UsageLateWrites):
+        for model in (UsageBucket, UsageFlush, UsageRollup, UsageLateWrites, UsageTenantDay):
             await conn.execute(delete(model))
     assert await apply_flush(one, "g1", 1, day_of_traffic(D0), now=D0 + DAY)
     assert await apply_flush(one, "g1", 2, day_of_traffic(D0 + DAY, tenants=12), now=NOW)

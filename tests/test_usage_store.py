@@ -13,7 +13,7 @@ from sqlalchemy import delete, func, select
 from gateway.usage_ledger import LedgerFlusher, UsageLedger
 from registry.db import make_engine
 from registry.migrate import upgrade_async
-from registry.models import UsageBucket, UsageFlush, UsageRollup
+from registry.models import UsageBucket, UsageFlush, UsageRollup, UsageTenantDay
 from registry.usage import ADVISORY_KEY, DAY, HOUR, FlushInDoubt, apply_flush, prune, roll_up, totals
 
 T0 = 1_700_000_000 - 1_700_000_000 % DAY  # a day's start (UTC)
@@ -24,7 +24,7 @@ async def engine(db_url):
     await upgrade_async(db_url)
     eng = make_engine(db_url)
     async with eng.begin() as conn:  # the PostgreSQL database is the module's: start empty
-        for model in (UsageBucket, UsageFlush, UsageRollup):
+        for model in (UsageBucket, UsageFlush, UsageRollup, UsageTenantDay):
             await conn.execute(delete(model))
     yield eng
     await eng.dispose()
@@ -210,7 +210,7 @@ async def test_one_gateway_rolls_up_at_a_time_on_postgresql(pg_url):
     eng = make_engine(pg_url)
     try:
         async with eng.begin() as conn:
-            for model in (UsageBucket, UsageFlush, UsageRollup):
+            for model in (UsageBucket, UsageFlush, UsageRollup, UsageTenantDay):
                 await conn.execute(delete(model))
         assert await apply_flush(eng, "g", 1, [row(T0 + 60)])
         holder = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
