@@ -32,11 +32,11 @@ async def seed() -> dict[str, str]:
                                 max_concurrent=100_000)
         d = write_adapter(Path(settings.resolved_adapter_root()) / "support-1", TINY, seed=1)
         a = await svc.register_adapter("support", str(d), TINY.name, owner="bench")
-        a = await svc.activate_adapter(a["id"], verification={"bench": "ok"})
-        await svc.bind("bench", "support", a["id"])
+        a = await svc.activate_adapter(a.id, verification={"bench": "ok"})
+        await svc.bind("bench", "support", a.id)
     finally:
         await svc.close()
-    return {"adapter_id": a["id"], "token": mint(settings, "bench-user", tenant="bench", ttl_s=24 * 3600)}
+    return {"adapter_id": a.id, "token": mint(settings, "bench-user", tenant="bench", ttl_s=24 * 3600)}
 
 
 if __name__ == "__main__":

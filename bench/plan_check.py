@@ -76,9 +76,9 @@ async def _seed(settings: Any, model: str, cfg: Config, home: Path) -> list[tupl
         for i in range(cfg.adapters):
             tenant, alias = f"t{i % cfg.tenants}", f"a{i}"
             d = write_adapter(home / "adapters" / f"a{i}", info, rank=8, seed=i)
-            a = await svc.register_adapter(f"{tenant}-{alias}", str(d), base["name"], owner=tenant)
-            await svc.activate_adapter(a["id"], verification={"bench": "plan_check"})
-            await svc.bind(tenant, alias, a["id"])
+            a = await svc.register_adapter(f"{tenant}-{alias}", str(d), base.name, owner=tenant)
+            await svc.activate_adapter(a.id, verification={"bench": "plan_check"})
+            await svc.bind(tenant, alias, a.id)
             out.append((tenant, alias))
     finally:
         await svc.close()

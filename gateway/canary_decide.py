@@ -2,10 +2,11 @@
 
 ``decide(policy, arms, now) -> Decision`` reads no clock, no database and no samples store;
 ``gateway.canary_judge`` reads those, calls it, and applies the decision (registry writes,
-the policy's state, audit, metrics, log). ``policy`` is a judged policy as
-``registry.canary.CanaryPolicies.judged`` returns it: the configuration, the judge's state
-(``status``, ``canary_id``, ``step``, ``step_started``, ``failures``, ``last``) and the binding's
-routing under ``binding`` (``active_id``, ``canary_id``, ``percent``). ``arms`` are the canary's
+the policy's state, audit, metrics, log). ``policy`` is a judged policy
+(``registry.canary.CanaryPolicies.judged``) as the judge hands it over: its JSON
+(``CanaryPolicyRecord.to_json()``: the configuration, the judge's state ``status``,
+``canary_id``, ``step``, ``failures``, ``last``) with the row's ``id`` and ``step_started`` (a
+datetime), and the binding's routing under ``binding`` (``active_id``, ``canary_id``, ``percent``). ``arms`` are the canary's
 and the active version's samples since the step began.
 
 The decisions, in the order they are tried:

@@ -118,7 +118,8 @@ class CanaryJudge:
         now = time.time() if now is None else now
         out = []
         for judged, routing in await self.policies.judged():
-            policy = {**judged, "binding": asdict(routing)}
+            policy = {**judged.to_json(), "id": judged.id, "step_started": judged.step_started_at,
+                      "binding": asdict(routing)}
             since = window_start(policy)
             arms = Arms()
             if since is not None:

@@ -25,11 +25,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from loraplex.devsecrets import refusal
 from loraplex.ports import busy
 from loraplex.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from registry.records import BaseModelRecord
+    from registry.service import RegistryService
 
 log = logging.getLogger("loraplex_cli.serve")
 
@@ -104,17 +108,17 @@ def prepare(settings: Settings) -> Settings:
     return settings
 
 
-async def _ensure_base_model(service: Any, settings: Settings) -> dict[str, Any]:
+async def _ensure_base_model(service: RegistryService, settings: Settings) -> BaseModelRecord:
     from loraplex.modelinfo import describe_model
 
     info = await asyncio.to_thread(describe_model, settings.model, settings.model_name or None)
     for row in await service.list_base_models():
-        if row["name"] == info.name:
-            if row["revision"] != info.revision:
-                raise SystemExit(f"the registry has base model {info.name!r} at revision {row['revision']}, "
+        if row.name == info.name:
+            if row.revision != info.revision:
+                raise SystemExit(f"the registry has base model {info.name!r} at revision {row.revision}, "
                                  f"but {settings.model} is revision {info.revision}")
-            return dict(row)
-    return dict(await service.register_base_model(info, actor="serve"))
+            return row
+    return await service.register_base_model(info, actor="serve")
 
 
 async def register_base_model(settings: Settings) -> str:
@@ -123,7 +127,7 @@ async def register_base_model(settings: Settings) -> str:
 
     service = RegistryService(settings)
     try:
-        return str((await _ensure_base_model(service, settings))["name"])
+        return (await _ensure_base_model(service, settings)).name
     finally:
         await service.close()
 

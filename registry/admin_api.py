@@ -11,7 +11,7 @@ it (fields, types, enums, numeric bounds).
 from __future__ import annotations
 
 import operator
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,17 +35,19 @@ from registry.admin_edge import (
 from registry.canary import CanaryPolicies
 from registry.console import ConsoleSources, console_routes
 from registry.errors import Invalid, PreconditionFailed, etag, parse_if_match
-from registry.records import CACHE_SCOPE_NAME, DIMENSIONS
+from registry.records import CACHE_SCOPE_NAME, DIMENSIONS, JsonRecord
 from registry.service import RegistryService
 from registry.service_core import COMMITTED
 
-Handler = Callable[["Call"], Awaitable[Any]]
+Handler = Callable[["Call"], Awaitable[dict[str, Any] | Response]]
+"""An operation's handler: its JSON answer (or a response it made itself)."""
 
 
 class ActivationGate(Protocol):
     """Verifies a pending adapter version on a worker before it may go active.
 
-    Called with the adapter record and the activate request body; returns an object with
+    Called with the adapter version's JSON (``AdapterRecord.to_json()`` with the base model's
+    ``base_revision``) and the activate request body; returns an object with
     ``passed``, ``reason`` and ``verification``; raises ``RegistryError`` when it cannot run.
     The gateway provides one (``gateway.activation``); without it, activation records the
     caller's ``verification`` as given.
@@ -233,15 +235,15 @@ RESPONSES: dict[str, dict[str, Any]] = {
 
 # --- handlers ------------------------------------------------------------------------------------
 
-def _list(items: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"object": "list", "data": items}
+def _list(records: Sequence[JsonRecord]) -> dict[str, Any]:
+    return {"object": "list", "data": [r.to_json() for r in records]}
 
 
-async def _version(c: Call) -> Any:
+async def _version(c: Call) -> dict[str, Any]:
     return {"version": await c.service.version()}
 
 
-async def _usage(c: Call) -> Any:
+async def _usage(c: Call) -> Response:
     from registry.usage_query import parse_usage_query, read_usage_json
 
     q = parse_usage_query(c.query, max_rows=c.service.settings.usage_query_max_rows)
@@ -266,186 +268,195 @@ USAGE_QUERY: dict[str, dict[str, Any]] = {
 }
 
 
-async def _tenants(c: Call) -> Any:
+async def _tenants(c: Call) -> dict[str, Any]:
     return _list(await c.service.list_tenants(status=c.query.get("status")))
 
 
-async def _tenant_create(c: Call) -> Any:
-    return await c.service.create_tenant(actor=c.actor, **c.body)
+async def _tenant_create(c: Call) -> dict[str, Any]:
+    return (await c.service.create_tenant(actor=c.actor, **c.body)).to_json()
 
 
-async def _tenant_get(c: Call) -> Any:
-    return await c.service.get_tenant(c.path["slug"])
+async def _tenant_get(c: Call) -> dict[str, Any]:
+    return (await c.service.get_tenant(c.path["slug"])).to_json()
 
 
-async def _tenant_disable(c: Call) -> Any:
-    return await c.service.disable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)
+async def _tenant_disable(c: Call) -> dict[str, Any]:
+    return (await c.service.disable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)).to_json()
 
 
-async def _tenant_enable(c: Call) -> Any:
-    return await c.service.enable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)
+async def _tenant_enable(c: Call) -> dict[str, Any]:
+    return (await c.service.enable_tenant(c.path["slug"], actor=c.actor, if_match=c.if_match)).to_json()
 
 
-async def _tenant_limits(c: Call) -> Any:
-    return await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body, if_match=c.if_match)
+async def _tenant_limits(c: Call) -> dict[str, Any]:
+    return (await c.service.set_tenant_limits(c.path["slug"], actor=c.actor, **c.body,
+                                              if_match=c.if_match)).to_json()
 
 
-async def _tenant_cache_scope(c: Call) -> Any:
-    return await c.service.set_tenant_cache_scope(c.path["slug"], c.body["cache_scope"], actor=c.actor,
-                                                  if_match=c.if_match)
+async def _tenant_cache_scope(c: Call) -> dict[str, Any]:
+    return (await c.service.set_tenant_cache_scope(c.path["slug"], c.body["cache_scope"], actor=c.actor,
+                                                   if_match=c.if_match)).to_json()
 
 
-async def _base_models(c: Call) -> Any:
+async def _base_models(c: Call) -> dict[str, Any]:
     return _list(await c.service.list_base_models())
 
 
-async def _base_model_create(c: Call) -> Any:
+async def _base_model_create(c: Call) -> dict[str, Any]:
     if "path" in c.body:
-        return await c.service.register_base_model_from_path(c.body["path"], name=c.body.get("name"),
-                                                             actor=c.actor)
-    return await c.service.register_base_model(c.body, actor=c.actor)
+        return (await c.service.register_base_model_from_path(c.body["path"], name=c.body.get("name"),
+                                                              actor=c.actor)).to_json()
+    return (await c.service.register_base_model(c.body, actor=c.actor)).to_json()
 
 
-async def _adapters(c: Call) -> Any:
+async def _adapters(c: Call) -> dict[str, Any]:
     return _list(await c.service.list_adapters(**{k: c.query.get(k) for k in ("name", "base_model", "owner",
                                                                                "status")}))
 
 
-async def _adapter_create(c: Call) -> Any:
+async def _adapter_create(c: Call) -> dict[str, Any]:
     b = dict(c.body)
-    return await c.service.register_adapter(b.pop("name"), b.pop("uri"), b.pop("base_model"), actor=c.actor, **b)
+    return (await c.service.register_adapter(b.pop("name"), b.pop("uri"), b.pop("base_model"), actor=c.actor,
+                                             **b)).to_json()
 
 
-async def _adapter_get(c: Call) -> Any:
-    return await c.service.get_adapter(c.path["ref"])
+async def _adapter_get(c: Call) -> dict[str, Any]:
+    return (await c.service.get_adapter(c.path["ref"])).to_json()
 
 
-async def _adapter_activate(c: Call) -> Any:
+async def _adapter_activate(c: Call) -> dict[str, Any]:
     if c.gate is None:
-        return await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"),
-                                                actor=c.actor, if_match=c.if_match)
+        return (await c.service.activate_adapter(c.path["ref"], verification=c.body.get("verification"),
+                                                 actor=c.actor, if_match=c.if_match)).to_json()
     if "verification" in c.body:
         raise Invalid("verification is recorded by the activation gate, not given", param="verification")
     adapter = await c.service.get_adapter(c.path["ref"])
-    if c.if_match is not None and adapter["row_version"] != c.if_match:  # before the gate's work
-        raise PreconditionFailed(f"adapter {adapter['label']} changed since it was read: it is at row_version "
-                                 f"{adapter['row_version']}, not {c.if_match}", adapter["row_version"])
-    if adapter["status"] == "active":
-        return adapter
+    if c.if_match is not None and adapter.row_version != c.if_match:  # before the gate's work
+        raise PreconditionFailed(f"adapter {adapter.label} changed since it was read: it is at row_version "
+                                 f"{adapter.row_version}, not {c.if_match}", adapter.row_version)
+    if adapter.status == "active":
+        return adapter.to_json()
     # pending, failed (a retry) or disabled: the gate runs again on the version as it is now
-    base = await c.service.base_model_info(adapter["base_model"])
-    result = await c.gate({**adapter, "base_revision": base.revision}, c.body)
+    base = await c.service.base_model_info(adapter.base_model)
+    result = await c.gate({**adapter.to_json(), "base_revision": base.revision}, c.body)
     if not result.passed:
-        failed = await c.service.fail_adapter(adapter["id"], reason=result.reason,
+        failed = await c.service.fail_adapter(adapter.id, reason=result.reason,
                                               verification=result.verification, actor=c.actor,
-                                              if_match=adapter["row_version"])
+                                              if_match=adapter.row_version)
         raise Invalid(f"activation refused: {result.reason}", code="adapter_verification_failed",
-                      extra={"adapter": failed})
-    return await c.service.activate_adapter(adapter["id"], verification=result.verification, actor=c.actor,
-                                            if_match=adapter["row_version"])
+                      extra={"adapter": failed.to_json()})
+    return (await c.service.activate_adapter(adapter.id, verification=result.verification, actor=c.actor,
+                                             if_match=adapter.row_version)).to_json()
 
 
-async def _adapter_disable(c: Call) -> Any:
-    return await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"),
-                                           force=c.body.get("force", False), actor=c.actor,
-                                           if_match=c.if_match)
+async def _adapter_disable(c: Call) -> dict[str, Any]:
+    return (await c.service.disable_adapter(c.path["ref"], reason=c.body.get("reason"),
+                                            force=c.body.get("force", False), actor=c.actor,
+                                            if_match=c.if_match)).to_json()
 
 
-async def _adapter_enable(c: Call) -> Any:
-    return await c.service.enable_adapter(c.path["ref"], actor=c.actor, if_match=c.if_match)
+async def _adapter_enable(c: Call) -> dict[str, Any]:
+    return (await c.service.enable_adapter(c.path["ref"], actor=c.actor, if_match=c.if_match)).to_json()
 
 
-async def _adapter_fail(c: Call) -> Any:
-    return await c.service.fail_adapter(c.path["ref"], reason=c.body["reason"],
-                                        verification=c.body.get("verification"), actor=c.actor,
-                                        if_match=c.if_match)
+async def _adapter_fail(c: Call) -> dict[str, Any]:
+    return (await c.service.fail_adapter(c.path["ref"], reason=c.body["reason"],
+                                         verification=c.body.get("verification"), actor=c.actor,
+                                         if_match=c.if_match)).to_json()
 
 
-async def _bindings(c: Call) -> Any:
+async def _bindings(c: Call) -> dict[str, Any]:
     return _list(await c.service.list_bindings(tenant=c.query.get("tenant")))
 
 
-async def _binding_get(c: Call) -> Any:
-    return await c.service.get_binding(c.path["slug"], c.path["alias"])
+async def _binding_get(c: Call) -> dict[str, Any]:
+    return (await c.service.get_binding(c.path["slug"], c.path["alias"])).to_json()
 
 
-async def _bind(c: Call) -> Any:
-    return await c.service.bind(c.path["slug"], c.path["alias"], c.body["adapter"],
-                                on_disabled=c.body.get("on_disabled"), actor=c.actor, if_match=c.if_match)
+async def _bind(c: Call) -> dict[str, Any]:
+    return (await c.service.bind(c.path["slug"], c.path["alias"], c.body["adapter"],
+                                 on_disabled=c.body.get("on_disabled"), actor=c.actor,
+                                 if_match=c.if_match)).to_json()
 
 
-async def _unbind(c: Call) -> Any:
-    return await c.service.unbind(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
+async def _unbind(c: Call) -> dict[str, Any]:
+    return (await c.service.unbind(c.path["slug"], c.path["alias"], actor=c.actor,
+                                   if_match=c.if_match)).to_json()
 
 
-async def _rollback(c: Call) -> Any:
-    return await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
+async def _rollback(c: Call) -> dict[str, Any]:
+    return (await c.service.rollback(c.path["slug"], c.path["alias"], actor=c.actor,
+                                     if_match=c.if_match)).to_json()
 
 
-async def _canary_start(c: Call) -> Any:
-    return await c.service.canary_start(c.path["slug"], c.path["alias"], c.body["adapter"], c.body["percent"],
-                                        actor=c.actor, if_match=c.if_match)
+async def _canary_start(c: Call) -> dict[str, Any]:
+    return (await c.service.canary_start(c.path["slug"], c.path["alias"], c.body["adapter"], c.body["percent"],
+                                         actor=c.actor, if_match=c.if_match)).to_json()
 
 
-async def _canary_set(c: Call) -> Any:
-    return await c.service.canary_set(c.path["slug"], c.path["alias"], c.body["percent"], actor=c.actor, if_match=c.if_match)
+async def _canary_set(c: Call) -> dict[str, Any]:
+    return (await c.service.canary_set(c.path["slug"], c.path["alias"], c.body["percent"], actor=c.actor,
+                                       if_match=c.if_match)).to_json()
 
 
-async def _canary_promote(c: Call) -> Any:
-    return await c.service.canary_promote(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
+async def _canary_promote(c: Call) -> dict[str, Any]:
+    return (await c.service.canary_promote(c.path["slug"], c.path["alias"], actor=c.actor,
+                                           if_match=c.if_match)).to_json()
 
 
-async def _canary_abort(c: Call) -> Any:
-    return await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor, if_match=c.if_match)
+async def _canary_abort(c: Call) -> dict[str, Any]:
+    return (await c.service.canary_abort(c.path["slug"], c.path["alias"], actor=c.actor,
+                                         if_match=c.if_match)).to_json()
 
 
-async def _canary_policy(c: Call) -> Any:
-    return await CanaryPolicies(c.service).get(c.path["slug"], c.path["alias"])
+async def _canary_policy(c: Call) -> dict[str, Any]:
+    return (await CanaryPolicies(c.service).get(c.path["slug"], c.path["alias"])).to_json()
 
 
-async def _canary_set_policy(c: Call) -> Any:
-    return await CanaryPolicies(c.service).set_policy(c.path["slug"], c.path["alias"], c.body, actor=c.actor)
+async def _canary_set_policy(c: Call) -> dict[str, Any]:
+    return (await CanaryPolicies(c.service).set_policy(c.path["slug"], c.path["alias"], c.body,
+                                                       actor=c.actor)).to_json()
 
 
-async def _canary_pause(c: Call) -> Any:
-    return await CanaryPolicies(c.service).pause(c.path["slug"], c.path["alias"], actor=c.actor)
+async def _canary_pause(c: Call) -> dict[str, Any]:
+    return (await CanaryPolicies(c.service).pause(c.path["slug"], c.path["alias"], actor=c.actor)).to_json()
 
 
-async def _canary_resume(c: Call) -> Any:
-    return await CanaryPolicies(c.service).resume(c.path["slug"], c.path["alias"], actor=c.actor)
+async def _canary_resume(c: Call) -> dict[str, Any]:
+    return (await CanaryPolicies(c.service).resume(c.path["slug"], c.path["alias"], actor=c.actor)).to_json()
 
 
-async def _binding_enable(c: Call) -> Any:
-    return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], True,
-                                               on_disabled=c.body.get("on_disabled"), actor=c.actor,
-                                               if_match=c.if_match)
+async def _binding_enable(c: Call) -> dict[str, Any]:
+    return (await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], True,
+                                                on_disabled=c.body.get("on_disabled"), actor=c.actor,
+                                                if_match=c.if_match)).to_json()
 
 
-async def _binding_disable(c: Call) -> Any:
-    return await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], False,
-                                               on_disabled=c.body.get("on_disabled"), actor=c.actor,
-                                               if_match=c.if_match)
+async def _binding_disable(c: Call) -> dict[str, Any]:
+    return (await c.service.set_binding_enabled(c.path["slug"], c.path["alias"], False,
+                                                on_disabled=c.body.get("on_disabled"), actor=c.actor,
+                                                if_match=c.if_match)).to_json()
 
 
-async def _gc(c: Call) -> Any:
+async def _gc(c: Call) -> dict[str, Any]:
     from registry.supply import SupplyChain
 
     return await SupplyChain(c.service).gc(apply=c.body.get("apply", False), retention_s=c.body.get("retention_s"),
                                            actor=c.actor)
 
 
-async def _base_model_upgrade(c: Call) -> Any:
+async def _base_model_upgrade(c: Call) -> dict[str, Any]:
     from registry.supply import SupplyChain
 
     return await SupplyChain(c.service).upgrade(c.path["name"], c.body["to"], dry_run=c.body.get("dry_run", False),
                                                 gate=c.gate, actor=c.actor)
 
 
-async def _audit(c: Call) -> Any:
+async def _audit(c: Call) -> dict[str, Any]:
     return _list(await c.service.audit(**{k: v for k, v in c.query.items() if v is not None}))
 
 
-async def _limits_report(c: Call) -> Any:
+async def _limits_report(c: Call) -> dict[str, Any]:
     from registry.limits_report import DEFAULT_LIMIT, DEFAULT_WINDOW, HEADROOM_PERCENT, limits_report
 
     q = c.query
@@ -781,7 +792,7 @@ def admin_app(service: RegistryService, settings: Settings, *, gate: ActivationG
         result = await SupplyChain(service).upload(
             q["name"], q["base_model"], request.stream(), config_bytes=int(raw_cfg), owner=q.get("owner"),
             version=int(raw_ver) if raw_ver is not None else None, actor=principal.subject or "admin")
-        return JSONResponse(result, status_code=201)
+        return JSONResponse(result.to_json(), status_code=201)
 
     def admin(work: AdminEndpoint) -> Callable[[Request], Awaitable[Response]]:
         return admin_only(verifier, settings.jwt_admin_scope, work)

@@ -130,18 +130,61 @@ def _aware(t: datetime | None) -> datetime | None:
 CONFIG = ("steps", "interval_s", "min_requests", "max_failures", "checks", "proportion_test", "sample_test", "alpha")
 
 
-def policy_dict(p: CanaryPolicy, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    started = _aware(p.step_started_at)
-    next_at = started + timedelta(seconds=p.interval_s) if p.status == "running" and started is not None else None
-    return {
-        "tenant": p.tenant, "alias": p.alias, **{k: getattr(p, k) for k in CONFIG},
-        "status": p.status, "canary_id": p.canary_id,
-        "canary": (labels or {}).get(p.canary_id or "", p.canary_id),
-        "step": p.step, "percent": p.steps[p.step] if p.canary_id and p.step < len(p.steps) else None,
-        "step_started_at": started.isoformat() if started else None,
-        "next_step_at": next_at.isoformat() if next_at else None,
-        "failures": p.failures, "last": p.last, "row_version": p.row_version,
-    }
+@dataclass(frozen=True, slots=True)
+class CanaryPolicyRecord:
+    """A binding's canary policy and where its judge stands (what ``CanaryPolicies`` answers; the
+    admin API answers ``to_json()``)."""
+
+    id: int
+    tenant: str
+    alias: str
+    steps: tuple[float, ...]
+    interval_s: float
+    min_requests: int
+    max_failures: int
+    checks: dict[str, Any]
+    proportion_test: str
+    sample_test: str
+    alpha: float
+    status: str
+    canary_id: str | None
+    canary: str | None
+    """The judged version's ``name@version`` (its id where the label was not looked up)."""
+    step: int
+    percent: float | None
+    """The current step's percent (None without a canary, or past the last step)."""
+    step_started_at: datetime | None
+    next_step_at: datetime | None
+    failures: int
+    last: dict[str, Any] | None
+    row_version: int
+
+    @classmethod
+    def of(cls, p: CanaryPolicy, labels: dict[str, str] | None = None) -> CanaryPolicyRecord:
+        started = _aware(p.step_started_at)
+        next_at = started + timedelta(seconds=p.interval_s) if p.status == "running" and started is not None else None
+        return cls(id=p.id, tenant=p.tenant, alias=p.alias, steps=tuple(p.steps), interval_s=p.interval_s,
+                   min_requests=p.min_requests, max_failures=p.max_failures, checks=p.checks,
+                   proportion_test=p.proportion_test, sample_test=p.sample_test, alpha=p.alpha, status=p.status,
+                   canary_id=p.canary_id, canary=(labels or {}).get(p.canary_id or "", p.canary_id), step=p.step,
+                   percent=p.steps[p.step] if p.canary_id and p.step < len(p.steps) else None,
+                   step_started_at=started, next_step_at=next_at, failures=p.failures, last=p.last,
+                   row_version=p.row_version)
+
+    def config(self) -> dict[str, Any]:
+        """The operator's configuration (``CONFIG``), as ``validate_policy`` takes and gives it."""
+        return {"steps": list(self.steps), "interval_s": self.interval_s, "min_requests": self.min_requests,
+                "max_failures": self.max_failures, "checks": self.checks, "proportion_test": self.proportion_test,
+                "sample_test": self.sample_test, "alpha": self.alpha}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant, "alias": self.alias, **self.config(), "status": self.status,
+            "canary_id": self.canary_id, "canary": self.canary, "step": self.step, "percent": self.percent,
+            "step_started_at": self.step_started_at.isoformat() if self.step_started_at else None,
+            "next_step_at": self.next_step_at.isoformat() if self.next_step_at else None,
+            "failures": self.failures, "last": self.last, "row_version": self.row_version,
+        }
 
 
 @dataclass(frozen=True)
@@ -170,12 +213,13 @@ class CanaryPolicies:
                            code="canary_policy_not_found", param="alias")
         return row
 
-    async def get(self, tenant: str, alias: str) -> dict[str, Any]:
+    async def get(self, tenant: str, alias: str) -> CanaryPolicyRecord:
         async with self.service.db.read() as session:
             p = await self._policy(session, tenant, alias)
-            return policy_dict(p, await version_labels(session, [p.canary_id]))
+            return CanaryPolicyRecord.of(p, await version_labels(session, [p.canary_id]))
 
-    async def set_policy(self, tenant: str, alias: str, body: dict[str, Any], *, actor: str = "admin") -> dict:
+    async def set_policy(self, tenant: str, alias: str, body: dict[str, Any], *,
+                         actor: str = "admin") -> CanaryPolicyRecord:
         """Create or change the binding's policy (its configuration; the judge's state is kept)."""
         async with self.service.db.write(actor) as tx:
             await binding_row(tx.session, tenant, alias)
@@ -188,7 +232,7 @@ class CanaryPolicies:
                                    created_at=utcnow(), updated_at=utcnow(), **config)
                 tx.session.add(row)
             elif config == before:
-                return policy_dict(row)
+                return CanaryPolicyRecord.of(row)
             else:
                 for k, v in config.items():
                     setattr(row, k, v)
@@ -196,14 +240,14 @@ class CanaryPolicies:
                 row.updated_at = utcnow()
             await tx.session.flush()
             tx.audit("canary.policy_set", f"binding:{tenant}/{alias}", before, config)
-            return policy_dict(row)
+            return CanaryPolicyRecord.of(row)
 
     async def _status(self, tenant: str, alias: str, status: str, allowed: tuple[str, ...], action: str,
-                      actor: str) -> dict[str, Any]:
+                      actor: str) -> CanaryPolicyRecord:
         async with self.service.db.write(actor) as tx:
             p = await self._policy(tx.session, tenant, alias)
             if p.status == status:
-                return policy_dict(p)
+                return CanaryPolicyRecord.of(p)
             if p.status not in allowed:
                 raise Invalid(f"the canary of {tenant}/{alias} is {p.status}; {action} needs it "
                               f"{' or '.join(allowed)}", code="canary_not_" + allowed[0], param="alias")
@@ -213,20 +257,19 @@ class CanaryPolicies:
             p.updated_at = utcnow()
             await tx.session.flush()
             tx.audit(f"canary.{action}", f"binding:{tenant}/{alias}", before, {"status": status})
-            return policy_dict(p)
+            return CanaryPolicyRecord.of(p)
 
-    async def pause(self, tenant: str, alias: str, *, actor: str = "admin") -> dict[str, Any]:
+    async def pause(self, tenant: str, alias: str, *, actor: str = "admin") -> CanaryPolicyRecord:
         """Stop judging: the canary keeps its percent until ``resume`` (or a person's decision)."""
         return await self._status(tenant, alias, "paused", ("running", "waiting"), "pause", actor)
 
-    async def resume(self, tenant: str, alias: str, *, actor: str = "admin") -> dict[str, Any]:
+    async def resume(self, tenant: str, alias: str, *, actor: str = "admin") -> CanaryPolicyRecord:
         return await self._status(tenant, alias, "running", ("paused",), "resume", actor)
 
     # --- the judge's side ----------------------------------------------------------------------
 
-    async def judged(self) -> list[tuple[dict[str, Any], Routing]]:
-        """Policies to look at (``policy_dict`` with the row's ``id`` and ``step_started``, a
-        datetime) and their bindings' routing."""
+    async def judged(self) -> list[tuple[CanaryPolicyRecord, Routing]]:
+        """Policies to look at and their bindings' routing."""
         async with self.service.db.read() as session:
             rows = (await session.execute(
                 select(CanaryPolicy, Binding.active_id, Binding.canary_id, Binding.canary_percent)
@@ -236,10 +279,7 @@ class CanaryPolicies:
             for p, active_id, canary_id, percent in rows:
                 if canary_id is None and p.status != "running":
                     continue  # nothing to judge until a canary starts
-                d = policy_dict(p)
-                d["id"] = p.id
-                d["step_started"] = _aware(p.step_started_at)
-                out.append((d, Routing(active_id, canary_id, percent)))
+                out.append((CanaryPolicyRecord.of(p), Routing(active_id, canary_id, percent)))
             return out
 
     async def save_state(self, policy_id: int, row_version: int, **state: Any) -> bool:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from registry.errors import Invalid, NotFound
 from registry.models import AdapterVersion, Binding, Tenant
-from registry.records import UUID, binding_dict
+from registry.records import UUID, BindingRecord
 
 
 async def tenant_row(session: AsyncSession, slug: str, *, lock: bool = False) -> Tenant:
@@ -64,11 +63,11 @@ async def version_labels(session: AsyncSession, ids: Iterable[str | None]) -> di
     return {i: f"{n}@{v}" for i, n, v in rows}
 
 
-async def binding_json(session: AsyncSession, b: Binding, known: dict[str, str] | None = None) -> dict[str, Any]:
-    """The binding as the admin API answers it (``records.binding_dict``, its versions labelled);
-    ``known`` labels (filled in here) are not looked up again."""
+async def binding_record(session: AsyncSession, b: Binding, known: dict[str, str] | None = None) -> BindingRecord:
+    """The binding's record, its versions labelled; ``known`` labels (filled in here) are not
+    looked up again."""
     labels = known if known is not None else {}
     missing = [i for i in (b.active_id, b.previous_id, b.canary_id) if i and i not in labels]
     if missing:
         labels.update(await version_labels(session, missing))
-    return binding_dict(b, labels)
+    return BindingRecord.of(b, labels)

@@ -1,12 +1,15 @@
-"""The registry's rows as the JSON the admin API answers, and the patterns its values match (the
-checks that apply them: ``registry.validators``)."""
+"""The registry's rows as typed records (what ``RegistryService`` answers, each with the JSON the admin
+API answers for it: ``to_json``), and the patterns its values match (the checks that apply them:
+``registry.validators``)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
+from loraplex.modelinfo import ModelInfo
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -26,56 +29,245 @@ DIMENSIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "nu
               "vocab_size", "context_length")
 
 
-# --- row -> JSON ------------------------------------------------------------------------------
+# --- rows as records, and their JSON -----------------------------------------------------------
+# What ``RegistryService`` answers: each record is built from its row (``of``) and gives the
+# admin API's JSON (``to_json``); ``audit_json`` is that JSON as an audit row records it (the
+# timestamps are in the audit entry itself).
 
-def _iso(value: datetime | None) -> str | None:
-    """ISO 8601 in UTC (SQLite hands timestamps back without their zone)."""
+class JsonRecord(Protocol):
+    """A record the admin API answers: its JSON."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """The timestamp with its zone: UTC (SQLite hands timestamps back without theirs)."""
     if value is None:
         return None
-    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).isoformat()
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def tenant_dict(t: Tenant) -> dict[str, Any]:
-    return {"slug": t.slug, "status": t.status, "requests_per_min": t.requests_per_min,
-            "tokens_per_min": t.tokens_per_min, "max_concurrent": t.max_concurrent, "priority": t.priority,
-            "response_retention_s": t.response_retention_s, "cache_scope": t.cache_scope or "",
-            "row_version": t.row_version, "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at)}
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
 
 
-def base_model_dict(b: BaseModelRow) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": b.name, "revision": b.revision, "architecture": b.architecture}
-    out.update({k: getattr(b, k) for k in DIMENSIONS})
-    out["created_at"] = _iso(b.created_at)
-    return out
-
-
-def adapter_dict(a: AdapterVersion) -> dict[str, Any]:
-    return {"id": a.id, "name": a.name, "version": a.version, "label": a.label, "base_model": a.base_model,
-            "uri": a.uri, "sha256": a.sha256, "size_bytes": a.size_bytes, "rank": a.rank, "alpha": a.alpha,
-            "target_modules": list(a.target_modules), "owner_tenant": a.owner_tenant, "status": a.status,
-            "status_reason": a.status_reason, "verification": a.verification, "row_version": a.row_version,
-            "created_at": _iso(a.created_at)}
-
-
-def binding_dict(b: Binding, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    labels = labels or {}
-
-    def ref(adapter_id: str | None) -> dict[str, str] | None:
-        if adapter_id is None:
-            return None
-        return {"id": adapter_id, "label": labels.get(adapter_id, adapter_id)}
-
-    return {"tenant": b.tenant, "alias": b.alias, "base_model": b.base_model, "active": ref(b.active_id),
-            "previous": ref(b.previous_id), "canary": ref(b.canary_id), "canary_percent": b.canary_percent,
-            "enabled": b.enabled, "on_disabled": b.on_disabled, "row_version": b.row_version,
-            "updated_at": _iso(b.updated_at)}
-
-
-def audit_dict(e: AuditEntry) -> dict[str, Any]:
-    return {"id": e.id, "registry_version": e.registry_version, "at": _iso(e.at), "actor": e.actor,
-            "action": e.action, "target": e.target, "before": e.before, "after": e.after}
-
-
-def audit_view(d: dict[str, Any]) -> dict[str, Any]:
-    """A row's dict as recorded in the audit log (timestamps are in the entry itself)."""
+def _untimed(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in ("created_at", "updated_at")}
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    slug: str
+    status: str
+    requests_per_min: int
+    tokens_per_min: int
+    max_concurrent: int
+    priority: str
+    response_retention_s: int | None
+    cache_scope: str
+    row_version: int
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    @classmethod
+    def of(cls, t: Tenant) -> TenantRecord:
+        return cls(slug=t.slug, status=t.status, requests_per_min=t.requests_per_min,
+                   tokens_per_min=t.tokens_per_min, max_concurrent=t.max_concurrent, priority=t.priority,
+                   response_retention_s=t.response_retention_s, cache_scope=t.cache_scope or "",
+                   row_version=t.row_version, created_at=_utc(t.created_at), updated_at=_utc(t.updated_at))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slug": self.slug, "status": self.status, "requests_per_min": self.requests_per_min,
+                "tokens_per_min": self.tokens_per_min, "max_concurrent": self.max_concurrent,
+                "priority": self.priority, "response_retention_s": self.response_retention_s,
+                "cache_scope": self.cache_scope, "row_version": self.row_version,
+                "created_at": _iso(self.created_at), "updated_at": _iso(self.updated_at)}
+
+    def audit_json(self) -> dict[str, Any]:
+        return _untimed(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelRecord:
+    name: str
+    revision: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    created_at: datetime | None
+
+    @classmethod
+    def of(cls, b: BaseModelRow) -> BaseModelRecord:
+        return cls(name=b.name, revision=b.revision, architecture=b.architecture, hidden_size=b.hidden_size,
+                   intermediate_size=b.intermediate_size, num_layers=b.num_layers, num_heads=b.num_heads,
+                   num_kv_heads=b.num_kv_heads, head_dim=b.head_dim, vocab_size=b.vocab_size,
+                   context_length=b.context_length, created_at=_utc(b.created_at))
+
+    def dimensions(self) -> dict[str, int]:
+        """The shape's numbers, by name (``DIMENSIONS``, in its order)."""
+        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_layers": self.num_layers, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "vocab_size": self.vocab_size, "context_length": self.context_length}
+
+    def info(self) -> ModelInfo:
+        """The base model's description (``loraplex.modelinfo``)."""
+        return ModelInfo(architecture=self.architecture, hidden_size=self.hidden_size,
+                         intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         vocab_size=self.vocab_size, context_length=self.context_length, name=self.name,
+                         revision=self.revision)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "revision": self.revision, "architecture": self.architecture,
+                **self.dimensions(), "created_at": _iso(self.created_at)}
+
+    def audit_json(self) -> dict[str, Any]:
+        return _untimed(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class BindingUse:
+    """A binding that routes to an adapter version: as its ``active`` or its ``canary``."""
+
+    tenant: str
+    alias: str
+    role: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"tenant": self.tenant, "alias": self.alias, "role": self.role}
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRecord:
+    id: str
+    name: str
+    version: int
+    label: str
+    base_model: str
+    uri: str
+    sha256: str
+    size_bytes: int
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    owner_tenant: str | None
+    status: str
+    status_reason: str | None
+    verification: dict[str, Any] | None
+    row_version: int
+    created_at: datetime | None
+    detached: tuple[BindingUse, ...] = ()
+    """The bindings a forced disable changed (answered as ``detached`` where there are any)."""
+
+    @classmethod
+    def of(cls, a: AdapterVersion) -> AdapterRecord:
+        return cls(id=a.id, name=a.name, version=a.version, label=a.label, base_model=a.base_model, uri=a.uri,
+                   sha256=a.sha256, size_bytes=a.size_bytes, rank=a.rank, alpha=a.alpha,
+                   target_modules=tuple(a.target_modules), owner_tenant=a.owner_tenant, status=a.status,
+                   status_reason=a.status_reason, verification=a.verification, row_version=a.row_version,
+                   created_at=_utc(a.created_at))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id, "name": self.name, "version": self.version, "label": self.label,
+            "base_model": self.base_model, "uri": self.uri, "sha256": self.sha256, "size_bytes": self.size_bytes,
+            "rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
+            "owner_tenant": self.owner_tenant, "status": self.status, "status_reason": self.status_reason,
+            "verification": self.verification, "row_version": self.row_version,
+            "created_at": _iso(self.created_at)}
+        if self.detached:
+            out["detached"] = [u.to_json() for u in self.detached]
+        return out
+
+    def audit_json(self) -> dict[str, Any]:
+        return _untimed(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRef:
+    """An adapter version a binding names: its id and ``name@version``."""
+
+    id: str
+    label: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"id": self.id, "label": self.label}
+
+
+@dataclass(frozen=True, slots=True)
+class BindingRecord:
+    tenant: str
+    alias: str
+    base_model: str
+    active: VersionRef
+    previous: VersionRef | None
+    canary: VersionRef | None
+    canary_percent: float
+    enabled: bool
+    on_disabled: str
+    row_version: int
+    updated_at: datetime | None
+
+    @classmethod
+    def of(cls, b: Binding, labels: dict[str, str] | None = None) -> BindingRecord:
+        """``labels``: ``name@version`` by version id (a version not in it is labelled by its id)."""
+        known = labels or {}
+
+        def ref(adapter_id: str | None) -> VersionRef | None:
+            return None if adapter_id is None else VersionRef(adapter_id, known.get(adapter_id, adapter_id))
+
+        return cls(tenant=b.tenant, alias=b.alias, base_model=b.base_model,
+                   active=VersionRef(b.active_id, known.get(b.active_id, b.active_id)),
+                   previous=ref(b.previous_id), canary=ref(b.canary_id), canary_percent=b.canary_percent,
+                   enabled=b.enabled, on_disabled=b.on_disabled, row_version=b.row_version,
+                   updated_at=_utc(b.updated_at))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "alias": self.alias, "base_model": self.base_model,
+                "active": self.active.to_json(),
+                "previous": self.previous.to_json() if self.previous is not None else None,
+                "canary": self.canary.to_json() if self.canary is not None else None,
+                "canary_percent": self.canary_percent, "enabled": self.enabled, "on_disabled": self.on_disabled,
+                "row_version": self.row_version, "updated_at": _iso(self.updated_at)}
+
+    def audit_json(self) -> dict[str, Any]:
+        return _untimed(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedBinding:
+    """What an unbind answers: the alias that is gone."""
+
+    tenant: str
+    alias: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "alias": self.alias, "deleted": True}
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    id: int
+    registry_version: int
+    at: datetime | None
+    actor: str
+    action: str
+    target: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, e: AuditEntry) -> AuditRecord:
+        return cls(id=e.id, registry_version=e.registry_version, at=_utc(e.at), actor=e.actor, action=e.action,
+                   target=e.target, before=e.before, after=e.after)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "registry_version": self.registry_version, "at": _iso(self.at),
+                "actor": self.actor, "action": self.action, "target": self.target, "before": self.before,
+                "after": self.after}

@@ -2,7 +2,8 @@
 the registry version, announced to readers after commit.
 
 The rules it enforces: docs/DESIGN.md, "Registry" and "Bindings, canary, rollback".
-Results are JSON-able dicts (what the admin API returns; ``registry.records``). Here: tenants,
+Results are typed records (``registry.records``: ``TenantRecord``, ``AdapterRecord``, ...; the admin
+API answers their ``to_json()``). Here: tenants,
 base models, adapter versions, the audit log, and the bindings' operations (``Bindings``, in
 ``registry.service_bindings``); the transactions are ``RegistryDatabase``'s
 (``registry.service_core``, the ``db`` of a service), the row lookups ``registry.lookups``'.
@@ -11,6 +12,7 @@ base models, adapter versions, the audit log, and the bindings' operations (``Bi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,7 +27,7 @@ from registry import validators
 from registry.admission import AdmissionError, AdmittedAdapter, admit_uri
 from registry.changes import ChangeBus
 from registry.errors import Conflict, Invalid, NotFound, Unavailable
-from registry.lookups import adapter_row, binding_json, tenant_row
+from registry.lookups import adapter_row, binding_record, tenant_row
 from registry.models import (
     AdapterVersion,
     AuditEntry,
@@ -38,11 +40,13 @@ from registry.models import (
 from registry.records import (
     DIMENSIONS,
     MAX_LIMIT,
-    adapter_dict,
-    audit_dict,
-    audit_view,
-    base_model_dict,
-    tenant_dict,
+    AdapterRecord,
+    AuditRecord,
+    BaseModelRecord,
+    BindingRecord,
+    BindingUse,
+    DeletedBinding,
+    TenantRecord,
 )
 from registry.service_bindings import Bindings
 from registry.service_core import RegistryDatabase, Tx
@@ -77,7 +81,7 @@ class RegistryService:
 
     async def create_tenant(self, slug: str, *, requests_per_min: int = 600, tokens_per_min: int = 100_000,
                             max_concurrent: int = 16, priority: str = "normal", cache_scope: str = "",
-                            actor: str = "admin") -> dict:
+                            actor: str = "admin") -> TenantRecord:
         slug = validators.slug(slug, "slug")
         values = {"requests_per_min": validators.limit(requests_per_min, "requests_per_min"),
                   "tokens_per_min": validators.limit(tokens_per_min, "tokens_per_min"),
@@ -91,38 +95,38 @@ class RegistryService:
             row = Tenant(slug=slug, status="active", created_at=now, updated_at=now, **values)
             tx.session.add(row)
             await tx.session.flush()
-            out = tenant_dict(row)
-            tx.audit("tenant.create", f"tenant:{slug}", None, audit_view(out))
+            out = TenantRecord.of(row)
+            tx.audit("tenant.create", f"tenant:{slug}", None, out.audit_json())
             return out
 
     async def set_tenant_status(self, slug: str, status: str, *, actor: str = "admin",
-                                if_match: int | None = None) -> dict:
+                                if_match: int | None = None) -> TenantRecord:
         if status not in ("active", "disabled"):
             raise Invalid(f"status must be 'active' or 'disabled', got {status!r}", param="status")
 
         async with self.db.write(actor) as tx:
             row = await tenant_row(tx.session, slug, lock=True)
             validators.match(row.row_version, if_match, f"tenant {slug!r}")
-            before = tenant_dict(row)
+            before = TenantRecord.of(row)
             if row.status == status:
                 return before
             row.status, row.updated_at = status, utcnow()
             await tx.session.flush()
-            out = tenant_dict(row)
+            out = TenantRecord.of(row)
             tx.audit("tenant.enable" if status == "active" else "tenant.disable", f"tenant:{slug}",
-                     audit_view(before), audit_view(out))
+                     before.audit_json(), out.audit_json())
             return out
 
-    async def disable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+    async def disable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> TenantRecord:
         return await self.set_tenant_status(slug, "disabled", actor=actor, if_match=if_match)
 
-    async def enable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+    async def enable_tenant(self, slug: str, *, actor: str = "admin", if_match: int | None = None) -> TenantRecord:
         return await self.set_tenant_status(slug, "active", actor=actor, if_match=if_match)
 
     async def set_tenant_limits(self, slug: str, *, requests_per_min: int | None = None,
                                 tokens_per_min: int | None = None, max_concurrent: int | None = None,
                                 priority: str | None = None, response_retention_s: int | None = None,
-                                actor: str = "admin", if_match: int | None = None) -> dict:
+                                actor: str = "admin", if_match: int | None = None) -> TenantRecord:
         changes: dict[str, Any] = {}
         for key, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
                            ("max_concurrent", max_concurrent), ("response_retention_s", response_retention_s)):
@@ -137,19 +141,19 @@ class RegistryService:
         async with self.db.write(actor) as tx:
             row = await tenant_row(tx.session, slug, lock=True)
             validators.match(row.row_version, if_match, f"tenant {slug!r}")
-            before = tenant_dict(row)
+            before = TenantRecord.of(row)
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return before
             for key, value in changes.items():
                 setattr(row, key, value)
             row.updated_at = utcnow()
             await tx.session.flush()
-            out = tenant_dict(row)
-            tx.audit("tenant.limits", f"tenant:{slug}", audit_view(before), audit_view(out))
+            out = TenantRecord.of(row)
+            tx.audit("tenant.limits", f"tenant:{slug}", before.audit_json(), out.audit_json())
             return out
 
     async def set_tenant_cache_scope(self, slug: str, cache_scope: str, *, actor: str = "admin",
-                                     if_match: int | None = None) -> dict:
+                                     if_match: int | None = None) -> TenantRecord:
         """Put a tenant in a shared prefix-cache scope (a name), or back in its own (``""``).
 
         Tenants in one scope reuse each other's cached KV blocks, and so can time whether another
@@ -159,29 +163,30 @@ class RegistryService:
         async with self.db.write(actor) as tx:
             row = await tenant_row(tx.session, slug, lock=True)
             validators.match(row.row_version, if_match, f"tenant {slug!r}")
-            before = tenant_dict(row)
+            before = TenantRecord.of(row)
             if (row.cache_scope or "") == scope:
                 return before
             row.cache_scope, row.updated_at = scope, utcnow()
             await tx.session.flush()
-            out = tenant_dict(row)
-            tx.audit("tenant.cache_scope", f"tenant:{slug}", audit_view(before), audit_view(out))
+            out = TenantRecord.of(row)
+            tx.audit("tenant.cache_scope", f"tenant:{slug}", before.audit_json(), out.audit_json())
             return out
 
-    async def get_tenant(self, slug: str) -> dict:
+    async def get_tenant(self, slug: str) -> TenantRecord:
         async with self.db.read() as s:
-            return tenant_dict(await tenant_row(s, slug))
+            return TenantRecord.of(await tenant_row(s, slug))
 
-    async def list_tenants(self, status: str | None = None) -> list[dict]:
+    async def list_tenants(self, status: str | None = None) -> list[TenantRecord]:
         async with self.db.read() as s:
             stmt = select(Tenant).order_by(Tenant.slug)
             if status:
                 stmt = stmt.where(Tenant.status == status)
-            return [tenant_dict(t) for t in (await s.execute(stmt)).scalars()]
+            return [TenantRecord.of(t) for t in (await s.execute(stmt)).scalars()]
 
     # --- base models ---------------------------------------------------------------------------------
 
-    async def register_base_model(self, info: ModelInfo | dict[str, Any], *, actor: str = "admin") -> dict:
+    async def register_base_model(self, info: ModelInfo | dict[str, Any], *,
+                                  actor: str = "admin") -> BaseModelRecord:
         data = info.to_dict() if isinstance(info, ModelInfo) else dict(info)
         name = validators.name(data.get("name"), "name")
         revision = data.get("revision")
@@ -206,12 +211,12 @@ class RegistryService:
             row = BaseModelRow(name=name, revision=revision, architecture=architecture, created_at=utcnow(), **dims)
             tx.session.add(row)
             await tx.session.flush()
-            out = base_model_dict(row)
-            tx.audit("base_model.register", f"base_model:{name}", None, audit_view(out))
+            out = BaseModelRecord.of(row)
+            tx.audit("base_model.register", f"base_model:{name}", None, out.audit_json())
             return out
 
     async def register_base_model_from_path(self, path: str, *, name: str | None = None,
-                                            actor: str = "admin") -> dict:
+                                            actor: str = "admin") -> BaseModelRecord:
         """Describe a local model (HF directory or GGUF) with ``ModelInfo`` and register it."""
         try:
             info = await asyncio.to_thread(describe_model, path, name)
@@ -220,10 +225,10 @@ class RegistryService:
                 from None
         return await self.register_base_model(info, actor=actor)
 
-    async def list_base_models(self) -> list[dict]:
+    async def list_base_models(self) -> list[BaseModelRecord]:
         async with self.db.read() as s:
             rows = await s.execute(select(BaseModelRow).order_by(BaseModelRow.name))
-            return [base_model_dict(b) for b in rows.scalars()]
+            return [BaseModelRecord.of(b) for b in rows.scalars()]
 
     async def base_model_info(self, name: str) -> ModelInfo:
         async with self.db.read() as s:
@@ -231,9 +236,7 @@ class RegistryService:
             if row is None:
                 raise NotFound(f"base model {name!r} does not exist", code="base_model_not_found",
                                param="base_model")
-            d = base_model_dict(row)
-            d.pop("created_at")
-            return ModelInfo(**d)
+            return BaseModelRecord.of(row).info()
 
     # --- adapters ------------------------------------------------------------------------------------
 
@@ -247,7 +250,7 @@ class RegistryService:
     async def register_adapter(self, name: str, uri: str, base_model: str, *, version: int | None = None,
                                owner: str | None = None, expected_revision: str | None = None,
                                actor: str = "admin", admitted: AdmittedAdapter | None = None,
-                               in_tx: Callable[[], Awaitable[None]] | None = None) -> dict:
+                               in_tx: Callable[[], Awaitable[None]] | None = None) -> AdapterRecord:
         """Admit the artifact (outside the transaction), then record it as ``pending``.
 
         ``admitted``: already admitted (an upload); ``in_tx`` runs inside the write transaction
@@ -309,14 +312,14 @@ class RegistryService:
             if in_tx is not None:
                 await tx.serialize(uri)  # against a concurrent clean-up of the same stored files
                 await in_tx()
-            out = adapter_dict(row)
-            tx.audit("adapter.register", f"adapter:{row.id}", None, audit_view(out))
+            out = AdapterRecord.of(row)
+            tx.audit("adapter.register", f"adapter:{row.id}", None, out.audit_json())
             return out
 
     async def _set_adapter_status(self, ref: str, status: str, action: str, actor: str, *,
                                   reason: str | None, verification: dict[str, Any] | None,
                                   allowed_from: tuple[str, ...], force: bool = True,
-                                  if_match: int | None = None) -> dict:
+                                  if_match: int | None = None) -> AdapterRecord:
         """Move a version to ``status``. Leaving ``active`` touches the bindings that use it:
         without ``force`` that is refused (409 ``adapter_in_use``, naming them)."""
         if verification is not None and not isinstance(verification, dict):
@@ -329,7 +332,7 @@ class RegistryService:
         async with self.db.write(actor) as tx:
             row = await adapter_row(tx.session, ref, lock=True)
             validators.match(row.row_version, if_match, f"adapter {row.label}")
-            before = adapter_dict(row)
+            before = AdapterRecord.of(row)
             if row.status == status and verification is None and reason is None:
                 return before
             if row.status not in allowed_from and row.status != status:
@@ -337,29 +340,29 @@ class RegistryService:
                                code="invalid_transition")
             users = await self._users(tx.session, row) if status != "active" else []
             if users and not force:
-                named = ", ".join(f"{u['tenant']}/{u['alias']} ({u['role']})" for u in users)
+                named = ", ".join(f"{u.tenant}/{u.alias} ({u.role})" for u in users)
                 raise Conflict(f"adapter {row.label} is in use by {named}; re-point or disable those bindings "
                                f"first, or force it (disables them and aborts the canaries)",
-                               code="adapter_in_use", extra={"bindings": users})
+                               code="adapter_in_use", extra={"bindings": [u.to_json() for u in users]})
             row.status = status
             row.status_reason = reason
             if verification is not None:
                 row.verification = verification
             await tx.session.flush()
-            out = adapter_dict(row)
-            tx.audit(action, f"adapter:{row.id}", audit_view(before), audit_view(out))
+            out = AdapterRecord.of(row)
+            tx.audit(action, f"adapter:{row.id}", before.audit_json(), out.audit_json())
             if users:
                 await self._detach_adapter(tx, row)
-                out["detached"] = users
+                out = dataclasses.replace(out, detached=tuple(users))
             return out
 
     @staticmethod
-    async def _users(session: AsyncSession, adapter: AdapterVersion) -> list[dict[str, str]]:
+    async def _users(session: AsyncSession, adapter: AdapterVersion) -> list[BindingUse]:
         """Bindings that route to ``adapter``: enabled ones active on it, and canaries on it."""
         rows = (await session.execute(
             select(Binding).where(or_(Binding.canary_id == adapter.id, Binding.active_id == adapter.id))
             .order_by(Binding.tenant, Binding.alias).with_for_update())).scalars().all()
-        return [{"tenant": b.tenant, "alias": b.alias, "role": "canary" if b.canary_id == adapter.id else "active"}
+        return [BindingUse(b.tenant, b.alias, "canary" if b.canary_id == adapter.id else "active")
                 for b in rows if b.canary_id == adapter.id or b.enabled]
 
     async def _detach_adapter(self, tx: Tx, adapter: AdapterVersion) -> None:
@@ -368,7 +371,7 @@ class RegistryService:
             select(Binding).where(or_(Binding.canary_id == adapter.id, Binding.active_id == adapter.id))
             .order_by(Binding.id).with_for_update())).scalars().all()
         for b in rows:
-            before = await binding_json(tx.session, b)
+            before = await binding_record(tx.session, b)
             action = ""
             if b.canary_id == adapter.id:
                 b.canary_id, b.canary_percent, action = None, 0.0, "binding.canary_abort"
@@ -378,19 +381,19 @@ class RegistryService:
                 continue
             b.updated_at = utcnow()
             await tx.session.flush()
-            tx.audit(action, f"binding:{b.tenant}/{b.alias}", audit_view(before),
-                     audit_view(await binding_json(tx.session, b)) | {"cause": f"adapter {adapter.label} "
-                                                                             f"is {adapter.status}"})
+            after = await binding_record(tx.session, b)
+            tx.audit(action, f"binding:{b.tenant}/{b.alias}", before.audit_json(),
+                     after.audit_json() | {"cause": f"adapter {adapter.label} is {adapter.status}"})
 
     async def activate_adapter(self, ref: str, *, verification: dict[str, Any] | None = None,
-                               actor: str = "admin", if_match: int | None = None) -> dict:
+                               actor: str = "admin", if_match: int | None = None) -> AdapterRecord:
         """Make a version active (pending, disabled, or failed: a failed activation may be retried)."""
         return await self._set_adapter_status(ref, "active", "adapter.activate", actor, reason=None,
                                               verification=verification,
                                               allowed_from=("pending", "disabled", "failed"), if_match=if_match)
 
     async def disable_adapter(self, ref: str, *, reason: str | None = None, force: bool = False,
-                              actor: str = "admin", if_match: int | None = None) -> dict:
+                              actor: str = "admin", if_match: int | None = None) -> AdapterRecord:
         """Disable a version. Bindings that route to it (active, canary) refuse this with 409
         ``adapter_in_use`` unless ``force``: then it aborts those canaries and disables those
         bindings (each audited) and lists them under ``detached``."""
@@ -398,13 +401,13 @@ class RegistryService:
                                               verification=None, allowed_from=("pending", "active", "failed"),
                                               force=force, if_match=if_match)
 
-    async def enable_adapter(self, ref: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+    async def enable_adapter(self, ref: str, *, actor: str = "admin", if_match: int | None = None) -> AdapterRecord:
         """Re-enable a disabled version that had passed activation (``adapter.enable``). The
         bindings its disabling switched off stay off until enabled one by one."""
         async with self.db.write(actor) as tx:
             row = await adapter_row(tx.session, ref, lock=True)
             validators.match(row.row_version, if_match, f"adapter {row.label}")
-            before = adapter_dict(row)
+            before = AdapterRecord.of(row)
             if row.status == "active":
                 return before
             if row.status != "disabled":
@@ -416,8 +419,8 @@ class RegistryService:
                                f"activation; activate it instead", code="never_activated")
             row.status, row.status_reason = "active", None
             await tx.session.flush()
-            out = adapter_dict(row)
-            tx.audit("adapter.enable", f"adapter:{row.id}", audit_view(before), audit_view(out))
+            out = AdapterRecord.of(row)
+            tx.audit("adapter.enable", f"adapter:{row.id}", before.audit_json(), out.audit_json())
             return out
 
     @staticmethod
@@ -434,19 +437,19 @@ class RegistryService:
         return None
 
     async def fail_adapter(self, ref: str, *, reason: str, verification: dict[str, Any] | None = None,
-                           actor: str = "admin", if_match: int | None = None) -> dict:
+                           actor: str = "admin", if_match: int | None = None) -> AdapterRecord:
         """Mark a version failed: the activation gate refused it (pending, failed again on a retry, or
         disabled and re-verified)."""
         return await self._set_adapter_status(ref, "failed", "adapter.fail", actor, reason=reason,
                                               verification=verification, allowed_from=("pending", "disabled"),
                                               if_match=if_match)
 
-    async def get_adapter(self, ref: str) -> dict:
+    async def get_adapter(self, ref: str) -> AdapterRecord:
         async with self.db.read() as s:
-            return adapter_dict(await adapter_row(s, ref))
+            return AdapterRecord.of(await adapter_row(s, ref))
 
     async def list_adapters(self, *, name: str | None = None, base_model: str | None = None,
-                            owner: str | None = None, status: str | None = None) -> list[dict]:
+                            owner: str | None = None, status: str | None = None) -> list[AdapterRecord]:
         async with self.db.read() as s:
             stmt = select(AdapterVersion).order_by(AdapterVersion.name, AdapterVersion.version)
             if name:
@@ -457,12 +460,12 @@ class RegistryService:
                 stmt = stmt.where(AdapterVersion.owner_tenant == owner)
             if status:
                 stmt = stmt.where(AdapterVersion.status == status)
-            return [adapter_dict(a) for a in (await s.execute(stmt)).scalars()]
+            return [AdapterRecord.of(a) for a in (await s.execute(stmt)).scalars()]
 
     # --- audit / version -----------------------------------------------------------------------------
 
     async def audit(self, *, actor: str | None = None, action: str | None = None, target: str | None = None,
-                    since_version: int | None = None, limit: int = 100) -> list[dict]:
+                    since_version: int | None = None, limit: int = 100) -> list[AuditRecord]:
         """Newest first. ``target`` matches exactly or as a prefix ending in ``*``."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise Invalid("limit must be an integer from 1 to 1000", param="limit")
@@ -481,7 +484,7 @@ class RegistryService:
                     stmt = stmt.where(AuditEntry.target == target)
             if since_version is not None:
                 stmt = stmt.where(AuditEntry.registry_version > since_version)
-            return [audit_dict(e) for e in (await s.execute(stmt)).scalars()]
+            return [AuditRecord.of(e) for e in (await s.execute(stmt)).scalars()]
 
     async def version(self) -> int:
         async with self.db.read() as s:
@@ -490,50 +493,50 @@ class RegistryService:
     # --- bindings (``Bindings``) ---------------------------------------------------------------------
 
     async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
-                   actor: str = "admin", if_match: int | None = None) -> dict:
+                   actor: str = "admin", if_match: int | None = None) -> BindingRecord:
         """``Bindings.bind``: point ``alias`` at an active adapter version."""
         return await self.bindings.bind(tenant, alias, adapter, on_disabled=on_disabled, actor=actor,
                                         if_match=if_match)
 
     async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
-                       if_match: int | None = None) -> dict:
+                       if_match: int | None = None) -> BindingRecord:
         """``Bindings.rollback``: swap active and previous."""
         return await self.bindings.rollback(tenant, alias, actor=actor, if_match=if_match)
 
     async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
-                           actor: str = "admin", if_match: int | None = None) -> dict:
+                           actor: str = "admin", if_match: int | None = None) -> BindingRecord:
         """``Bindings.canary_start``."""
         return await self.bindings.canary_start(tenant, alias, adapter, percent, actor=actor, if_match=if_match)
 
     async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
-                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         """``Bindings.canary_set``."""
         return await self.bindings.canary_set(tenant, alias, percent, actor=actor, if_match=if_match,
                                               judgement=judgement)
 
     async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
-                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         """``Bindings.canary_promote``."""
         return await self.bindings.canary_promote(tenant, alias, actor=actor, if_match=if_match, judgement=judgement)
 
     async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
-                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         """``Bindings.canary_abort``."""
         return await self.bindings.canary_abort(tenant, alias, actor=actor, if_match=if_match, judgement=judgement)
 
     async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
                                   on_disabled: str | None = None, actor: str = "admin",
-                                  if_match: int | None = None) -> dict:
+                                  if_match: int | None = None) -> BindingRecord:
         """``Bindings.set_binding_enabled``."""
         return await self.bindings.set_binding_enabled(tenant, alias, enabled, on_disabled=on_disabled, actor=actor,
                                                        if_match=if_match)
 
-    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> DeletedBinding:
         """``Bindings.unbind``: remove an alias."""
         return await self.bindings.unbind(tenant, alias, actor=actor, if_match=if_match)
 
-    async def get_binding(self, tenant: str, alias: str) -> dict:
+    async def get_binding(self, tenant: str, alias: str) -> BindingRecord:
         return await self.bindings.get_binding(tenant, alias)
 
-    async def list_bindings(self, tenant: str | None = None) -> list[dict]:
+    async def list_bindings(self, tenant: str | None = None) -> list[BindingRecord]:
         return await self.bindings.list_bindings(tenant)

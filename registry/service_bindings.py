@@ -10,13 +10,13 @@ from sqlalchemy import select
 
 from registry import validators
 from registry.errors import Conflict, Invalid, NotFound
-from registry.lookups import adapter_row, binding_json, binding_row, tenant_row
+from registry.lookups import adapter_row, binding_record, binding_row, tenant_row
 from registry.models import (
     AdapterVersion,
     Binding,
     utcnow,
 )
-from registry.records import audit_view, binding_dict
+from registry.records import BindingRecord, DeletedBinding
 from registry.service_core import RegistryDatabase, Tx
 
 
@@ -35,14 +35,15 @@ def check_bindable(b_tenant: str, adapter: AdapterVersion, base_model: str | Non
 
 
 class Bindings:
-    """Binding reads and writes; results are the admin API's JSON (``records.binding_dict``)."""
+    """Binding reads and writes; results are ``records.BindingRecord`` (the admin API answers their
+    ``to_json()``)."""
 
     def __init__(self, db: RegistryDatabase) -> None:
         self.db = db
 
     async def _binding_op(self, tenant: str, alias: str, action: str, actor: str,
                           mutate: Callable[[Tx, Binding], Awaitable[bool]], if_match: int | None = None,
-                          judgement: dict[str, Any] | None = None) -> dict:
+                          judgement: dict[str, Any] | None = None) -> BindingRecord:
         validators.slug(tenant)
         validators.name(alias, "alias")
 
@@ -50,20 +51,20 @@ class Bindings:
             b = await binding_row(tx.session, tenant, alias)
             validators.match(b.row_version, if_match, f"binding {tenant}/{alias}")
             labels: dict[str, str] = {}
-            before = await binding_json(tx.session, b, labels)
+            before = await binding_record(tx.session, b, labels)
             if not await mutate(tx, b):
                 return before
             b.updated_at = utcnow()
             await tx.session.flush()
-            out = await binding_json(tx.session, b, labels)
-            after = audit_view(out)
+            out = await binding_record(tx.session, b, labels)
+            after = out.audit_json()
             if judgement is not None:  # the canary judge's numbers that decided this change
                 after["judgement"] = judgement
-            tx.audit(action, f"binding:{tenant}/{alias}", audit_view(before), after)
+            tx.audit(action, f"binding:{tenant}/{alias}", before.audit_json(), after)
             return out
 
     async def bind(self, tenant: str, alias: str, adapter: str, *, on_disabled: str | None = None,
-                   actor: str = "admin", if_match: int | None = None) -> dict:
+                   actor: str = "admin", if_match: int | None = None) -> BindingRecord:
         """Point ``alias`` at an active adapter version (create, or re-point: current -> previous)."""
         validators.slug(tenant)
         validators.name(alias, "alias")
@@ -84,11 +85,11 @@ class Bindings:
                             on_disabled=on_disabled or "refuse", created_at=now, updated_at=now)
                 tx.session.add(b)
                 await tx.session.flush()
-                out = await binding_json(tx.session, b)
-                tx.audit("binding.create", f"binding:{tenant}/{alias}", None, audit_view(out))
+                out = await binding_record(tx.session, b)
+                tx.audit("binding.create", f"binding:{tenant}/{alias}", None, out.audit_json())
                 return out
             check_bindable(tenant, new, b.base_model)
-            before = await binding_json(tx.session, b)
+            before = await binding_record(tx.session, b)
             if b.active_id == new.id and (on_disabled is None or on_disabled == b.on_disabled):
                 return before
             if b.active_id != new.id:
@@ -99,12 +100,12 @@ class Bindings:
                 b.on_disabled = on_disabled
             b.updated_at = now
             await tx.session.flush()
-            out = await binding_json(tx.session, b)
-            tx.audit("binding.bind", f"binding:{tenant}/{alias}", audit_view(before), audit_view(out))
+            out = await binding_record(tx.session, b)
+            tx.audit("binding.bind", f"binding:{tenant}/{alias}", before.audit_json(), out.audit_json())
             return out
 
     async def rollback(self, tenant: str, alias: str, *, actor: str = "admin",
-                       if_match: int | None = None) -> dict:
+                       if_match: int | None = None) -> BindingRecord:
         """Swap active and previous in one step (a second rollback rolls forward again)."""
         async def mutate(tx: Tx, b: Binding) -> bool:
             if b.previous_id is None:
@@ -119,7 +120,7 @@ class Bindings:
         return await self._binding_op(tenant, alias, "binding.rollback", actor, mutate, if_match)
 
     async def canary_start(self, tenant: str, alias: str, adapter: str, percent: float, *,
-                           actor: str = "admin", if_match: int | None = None) -> dict:
+                           actor: str = "admin", if_match: int | None = None) -> BindingRecord:
         pct = validators.percent(percent)
 
         async def mutate(tx: Tx, b: Binding) -> bool:
@@ -139,7 +140,7 @@ class Bindings:
         return await self._binding_op(tenant, alias, "binding.canary_start", actor, mutate, if_match)
 
     async def canary_set(self, tenant: str, alias: str, percent: float, *, actor: str = "admin",
-                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                         if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         pct = validators.percent(percent)
 
         async def mutate(tx: Tx, b: Binding) -> bool:
@@ -153,7 +154,7 @@ class Bindings:
         return await self._binding_op(tenant, alias, "binding.canary_set", actor, mutate, if_match, judgement)
 
     async def canary_promote(self, tenant: str, alias: str, *, actor: str = "admin",
-                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                             if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         async def mutate(tx: Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
@@ -166,7 +167,7 @@ class Bindings:
         return await self._binding_op(tenant, alias, "binding.canary_promote", actor, mutate, if_match, judgement)
 
     async def canary_abort(self, tenant: str, alias: str, *, actor: str = "admin",
-                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> dict:
+                           if_match: int | None = None, judgement: dict[str, Any] | None = None) -> BindingRecord:
         async def mutate(tx: Tx, b: Binding) -> bool:
             if b.canary_id is None:
                 raise Conflict(f"{tenant}/{alias} has no canary", code="no_canary")
@@ -177,7 +178,7 @@ class Bindings:
 
     async def set_binding_enabled(self, tenant: str, alias: str, enabled: bool, *,
                                   on_disabled: str | None = None, actor: str = "admin",
-                                  if_match: int | None = None) -> dict:
+                                  if_match: int | None = None) -> BindingRecord:
         if not isinstance(enabled, bool):
             raise Invalid("enabled must be a boolean", param="enabled")
         if on_disabled is not None:
@@ -201,7 +202,8 @@ class Bindings:
         return await self._binding_op(tenant, alias, "binding.enable" if enabled else "binding.disable",
                                       actor, mutate, if_match)
 
-    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin", if_match: int | None = None) -> dict:
+    async def unbind(self, tenant: str, alias: str, *, actor: str = "admin",
+                     if_match: int | None = None) -> DeletedBinding:
         """Remove an alias: the tenant's requests for it get 404 from then on."""
         validators.slug(tenant)
         validators.name(alias, "alias")
@@ -209,13 +211,13 @@ class Bindings:
         async with self.db.write(actor) as tx:
             b = await binding_row(tx.session, tenant, alias)
             validators.match(b.row_version, if_match, f"binding {tenant}/{alias}")
-            before = await binding_json(tx.session, b)
+            before = await binding_record(tx.session, b)
             await tx.session.delete(b)
             await tx.session.flush()
-            tx.audit("binding.delete", f"binding:{tenant}/{alias}", audit_view(before), None)
-            return {"tenant": tenant, "alias": alias, "deleted": True}
+            tx.audit("binding.delete", f"binding:{tenant}/{alias}", before.audit_json(), None)
+            return DeletedBinding(tenant, alias)
 
-    async def get_binding(self, tenant: str, alias: str) -> dict:
+    async def get_binding(self, tenant: str, alias: str) -> BindingRecord:
         async with self.db.read() as s:
             await tenant_row(s, tenant)
             b = (await s.execute(select(Binding).where(Binding.tenant == tenant, Binding.alias == alias)))\
@@ -223,9 +225,9 @@ class Bindings:
             if b is None:
                 raise NotFound(f"tenant {tenant!r} has no alias {alias!r}", code="binding_not_found",
                                param="alias")
-            return await binding_json(s, b)
+            return await binding_record(s, b)
 
-    async def list_bindings(self, tenant: str | None = None) -> list[dict]:
+    async def list_bindings(self, tenant: str | None = None) -> list[BindingRecord]:
         async with self.db.read() as s:
             stmt = select(Binding).order_by(Binding.tenant, Binding.alias)
             if tenant:
@@ -237,5 +239,5 @@ class Bindings:
             if len(ids) <= 1000:  # one tenant's: only its versions (beyond that, one scan beats a huge IN)
                 names = names.where(AdapterVersion.id.in_(ids))
             labels = {r.id: f"{r.name}@{r.version}" for r in (await s.execute(names))} if ids else {}
-            return [binding_dict(b, labels) for b in rows]
+            return [BindingRecord.of(b, labels) for b in rows]
 

@@ -30,9 +30,9 @@ from loraplex.adapter_store import (
 from loraplex.peft_config import ADAPTER_FILES
 from registry.admission import AdmissionError, admit_contents, admit_uri
 from registry.errors import Invalid, RegistryError, Unavailable
-from registry.lookups import binding_json
+from registry.lookups import binding_record
 from registry.models import AdapterVersion, AuditEntry, Binding
-from registry.records import adapter_dict, audit_view
+from registry.records import AdapterRecord, BindingRecord
 from registry.service import RegistryService
 
 log = logging.getLogger("loraplex.registry.supply")
@@ -67,7 +67,8 @@ class SupplyChain:
     # --- upload ----------------------------------------------------------------------------
 
     async def upload(self, name: str, base_model: str, body: AsyncIterable[bytes], *, config_bytes: int,
-                     owner: str | None = None, version: int | None = None, actor: str = "admin") -> dict:
+                     owner: str | None = None, version: int | None = None,
+                     actor: str = "admin") -> AdapterRecord:
         """Store and register the version whose files arrive in ``body``: ``adapter_config.json``
         (its first ``config_bytes`` bytes), then ``adapter_model.safetensors``."""
         settings = self.service.settings
@@ -190,12 +191,12 @@ class SupplyChain:
                 for row in rows:
                     if row.id in in_use:  # bound since the plan was made: never touched
                         continue
-                    before = adapter_dict(row)
+                    before = AdapterRecord.of(row)
                     if row.status_reason != GC_REASON or row.status != "disabled":
                         row.status, row.status_reason = "disabled", GC_REASON
                         await tx.session.flush()
-                    tx.audit("adapter.gc", f"adapter:{row.id}", audit_view(before),
-                             audit_view(adapter_dict(row)) | {"deleted": version_keys_of(store, row.uri)})
+                    tx.audit("adapter.gc", f"adapter:{row.id}", before.audit_json(),
+                             AdapterRecord.of(row).audit_json() | {"deleted": version_keys_of(store, row.uri)})
                     collected.append(row)
         async with self.service.db.read() as s:
             keep = await _uris_kept(s, {r.uri for r in collected})
@@ -230,53 +231,52 @@ class SupplyChain:
         if old_base.name == new_base.name:
             raise Invalid("OLD and NEW are the same base model", param="to")
         versions = await svc.list_adapters(base_model=old, status="active")
-        carried = {(a["name"], a["sha256"]): a for a in await svc.list_adapters(base_model=new)}
-        bindings = [b for b in await svc.list_bindings() if b["base_model"] == old]
+        carried = {(a.name, a.sha256): a for a in await svc.list_adapters(base_model=new)}
+        bindings = [b for b in await svc.list_bindings() if b.base_model == old]
         plan: list[dict[str, Any]] = []
         for v in versions:
-            row: dict[str, Any] = {"from": {"id": v["id"], "label": v["label"]}, "to": None,
-                                   "bindings": [f"{b['tenant']}/{b['alias']}" for b in bindings
-                                                if v["id"] in _ids(b)]}
+            row: dict[str, Any] = {"from": {"id": v.id, "label": v.label}, "to": None,
+                                   "bindings": [f"{b.tenant}/{b.alias}" for b in bindings if v.id in _ids(b)]}
             plan.append(row)
-            again = carried.get((v["name"], v["sha256"]))
-            if again is not None and again["status"] == "active":  # carried by an earlier run
-                row.update(to={"id": again["id"], "label": again["label"]}, passed=True, reason=None)
+            again = carried.get((v.name, v.sha256))
+            if again is not None and again.status == "active":  # carried by an earlier run
+                row.update(to={"id": again.id, "label": again.label}, passed=True, reason=None)
                 continue
             try:
-                admitted = await admit_uri(v["uri"], new_base, svc.settings, self.store, carried_from=old_base)
+                admitted = await admit_uri(v.uri, new_base, svc.settings, self.store, carried_from=old_base)
             except AdmissionError as exc:
                 row.update(passed=False, reason=f"admission against {new}: {exc.message}")
                 continue
-            if admitted.sha256 != v["sha256"]:
-                row.update(passed=False, reason=f"its files at {v['uri']} changed since registration (sha256 "
-                                                f"{admitted.sha256} != {v['sha256']})")
+            if admitted.sha256 != v.sha256:
+                row.update(passed=False, reason=f"its files at {v.uri} changed since registration (sha256 "
+                                                f"{admitted.sha256} != {v.sha256})")
                 continue
             row.update(passed=None if dry_run else False, reason=None)
             if dry_run:
                 continue
-            fresh = again or await svc.register_adapter(v["name"], v["uri"], new, owner=v["owner_tenant"],
+            fresh = again or await svc.register_adapter(v.name, v.uri, new, owner=v.owner_tenant,
                                                         actor=actor, admitted=admitted)
-            row["to"] = {"id": fresh["id"], "label": fresh["label"]}
-            evaluation = ((v.get("verification") or {}).get("eval") or {}).get("set")
+            row["to"] = {"id": fresh.id, "label": fresh.label}
+            evaluation = ((v.verification or {}).get("eval") or {}).get("set")
             if gate is None:
-                await svc.activate_adapter(fresh["id"], actor=actor, verification={
-                    "carried_from": v["label"], "gate": "none (no activation gate on this process)"})
+                await svc.activate_adapter(fresh.id, actor=actor, verification={
+                    "carried_from": v.label, "gate": "none (no activation gate on this process)"})
                 row["passed"] = True
                 continue
             base = await svc.base_model_info(new)
-            result = await gate({**fresh, "base_revision": base.revision},
+            result = await gate({**fresh.to_json(), "base_revision": base.revision},
                                 {"eval": evaluation} if evaluation is not None else {})
-            verification = dict(result.verification) | {"carried_from": v["label"]}
+            verification = dict(result.verification) | {"carried_from": v.label}
             if result.passed:
-                await svc.activate_adapter(fresh["id"], verification=verification, actor=actor)
+                await svc.activate_adapter(fresh.id, verification=verification, actor=actor)
                 row["passed"] = True
             else:
-                await svc.fail_adapter(fresh["id"], reason=result.reason, verification=verification, actor=actor)
+                await svc.fail_adapter(fresh.id, reason=result.reason, verification=verification, actor=actor)
                 row["reason"] = f"activation gate on {new}: {result.reason}"
         moves = {r["from"]["id"]: r["to"]["id"] for r in plan if r.get("passed") and r.get("to")}
         out: dict[str, Any] = {"from": old, "to": new, "dry_run": dry_run, "versions": plan, "bindings": []}
         if dry_run:
-            out["bindings"] = [{"binding": f"{b['tenant']}/{b['alias']}", "moves": None} for b in bindings]
+            out["bindings"] = [{"binding": f"{b.tenant}/{b.alias}", "moves": None} for b in bindings]
             return out
 
         async with svc.db.write(actor) as tx:
@@ -290,7 +290,7 @@ class SupplyChain:
                     report.append({"binding": target, "moves": False,
                                    "reason": "its active version did not pass on the new base model"})
                     continue
-                before = await binding_json(tx.session, b)
+                before = await binding_record(tx.session, b)
                 b.base_model, b.previous_id, b.active_id = new, b.active_id, moves[b.active_id]
                 if b.canary_id is not None:
                     if b.canary_id in moves:
@@ -299,9 +299,9 @@ class SupplyChain:
                         b.canary_id, b.canary_percent = None, 0.0
                 b.updated_at = datetime.now(UTC)
                 await tx.session.flush()
-                after = await binding_json(tx.session, b)
-                tx.audit("binding.upgrade", f"binding:{target}", audit_view(before), audit_view(after))
-                report.append({"binding": target, "moves": True, "active": after["active"]["label"]})
+                after = await binding_record(tx.session, b)
+                tx.audit("binding.upgrade", f"binding:{target}", before.audit_json(), after.audit_json())
+                report.append({"binding": target, "moves": True, "active": after.active.label})
             tx.audit("base_model.upgrade", f"base_model:{old}", {"base_model": old},
                      {"base_model": new, "versions": [{"from": r["from"]["label"], "passed": bool(r.get("passed")),
                                                        "to": (r.get("to") or {}).get("label"),
@@ -311,8 +311,8 @@ class SupplyChain:
         return out
 
 
-def _ids(b: dict[str, Any]) -> set[str]:
-    return {r["id"] for r in (b.get("active"), b.get("canary")) if r}
+def _ids(b: BindingRecord) -> set[str]:
+    return {r.id for r in (b.active, b.canary) if r is not None}
 
 
 def version_keys_of(store: AdapterStore, uri: str) -> list[str]:

@@ -23,6 +23,7 @@ from loraplex.residency import MemoryResidency
 from loraplex.tokens import mint_admin
 from loraplex.wire import HDR_WORKER_SECRET, WorkerReport
 from registry.admin_api import admin_app
+from registry.records import AuditRecord
 from registry.service import RegistryService
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
 from tests.worker_double import worker_client
@@ -99,7 +100,7 @@ async def env(tmp_path):
     await service.close()
 
 
-async def _audit(service: RegistryService, adapter_id: str) -> list[dict]:
+async def _audit(service: RegistryService, adapter_id: str) -> list[AuditRecord]:
     return await service.audit(target=f"adapter:{adapter_id}")
 
 
@@ -115,7 +116,7 @@ async def test_adapter_that_changes_outputs_goes_active_with_its_verification(en
     assert v["passed"] is True and v["worker"] == "w1" and v["probes_differing"] == len(v["probes"]) > 0
     assert worker.secrets == [settings.worker_secret]
     assert worker.calls[0]["adapter"]["id"] == ad["id"]  # the version id, the engine's cache key
-    actions = [e["action"] for e in await _audit(service, ad["id"])]
+    actions = [e.action for e in await _audit(service, ad["id"])]
     assert "adapter.activate" in actions
 
 
@@ -128,8 +129,8 @@ async def test_adapter_that_changes_nothing_is_failed_and_recorded(env):
     assert r.json()["error"]["code"] == "adapter_verification_failed"
     assert "equal the base model" in r.json()["error"]["message"]
     row = await service.get_adapter(ad["id"])
-    assert row["status"] == "failed" and row["verification"]["passed"] is False
-    assert (await _audit(service, ad["id"]))[0]["action"] == "adapter.fail"
+    assert row.status == "failed" and row.verification["passed"] is False
+    assert (await _audit(service, ad["id"]))[0].action == "adapter.fail"
     # The refusal carries the evidence: the failed version with every probe's base and adapter output.
     evidence = r.json()["adapter"]
     assert evidence["status"] == "failed" and evidence["verification"]["probes"][0]["base"].startswith("base")
@@ -148,7 +149,7 @@ async def test_failed_activation_can_be_retried(env):
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "active" and r.json()["verification"]["passed"] is True
     assert len(worker.calls) == 3
-    actions = [e["action"] for e in await _audit(service, ad["id"])]
+    actions = [e.action for e in await _audit(service, ad["id"])]
     assert actions == ["adapter.activate", "adapter.fail", "adapter.fail", "adapter.register"]
 
 
@@ -164,8 +165,8 @@ async def test_empty_or_degenerate_output_is_a_failed_activation(env, mode, word
     assert r.status_code == 422, r.text
     assert "degenerate output" in r.json()["error"]["message"] and words in r.json()["error"]["message"]
     row = await service.get_adapter(ad["id"])
-    assert row["status"] == "failed" and words in row["status_reason"]
-    assert row["verification"]["passed"] is False and len(row["verification"]["probes"]) == 3
+    assert row.status == "failed" and words in row.status_reason
+    assert row.verification["passed"] is False and len(row.verification["probes"]) == 3
 
 
 async def _two_workers(residency) -> None:
@@ -185,7 +186,7 @@ async def test_engine_failure_fails_the_version_without_trying_another_worker(en
     assert "non-finite logits" in r.json()["error"]["message"]
     assert len(worker.hosts) == 1  # the second worker was spared
     row = await service.get_adapter(ad["id"])
-    assert row["status"] == "failed" and row["verification"]["error"]["code"] == "engine_error"
+    assert row.status == "failed" and row.verification["error"]["code"] == "engine_error"
 
 
 async def test_worker_breaking_off_mid_probe_fails_without_trying_another(env):
@@ -197,7 +198,7 @@ async def test_worker_breaking_off_mid_probe_fails_without_trying_another(env):
     assert r.status_code == 422, r.text
     assert "broke off during the probe" in r.json()["error"]["message"]
     assert len(worker.hosts) == 1
-    assert (await service.get_adapter(ad["id"]))["status"] == "failed"
+    assert (await service.get_adapter(ad["id"])).status == "failed"
 
 
 async def test_unreachable_worker_hands_the_probe_to_the_next(env):
@@ -208,7 +209,7 @@ async def test_unreachable_worker_hands_the_probe_to_the_next(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
     assert sorted(worker.hosts) == ["w1", "w2"]  # each tried in turn: none took the probe
-    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    assert (await service.get_adapter(ad["id"])).status == "pending"
     # w2 comes back (a fresh report); w1 is still down
     worker.modes = {"w1": "unreachable"}
     await residency.publish(WorkerReport(worker_id="w2", url="http://w2", base_model=TINY.name,
@@ -224,7 +225,7 @@ async def test_busy_worker_records_nothing(env):
     ad = await register()
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_busy"
-    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    assert (await service.get_adapter(ad["id"])).status == "pending"
 
 
 async def test_eval_set_threshold(env):
@@ -245,7 +246,7 @@ async def test_eval_set_threshold(env):
     r = await api.post(f"/adapters/{ad2['id']}/activate", json={"eval": failing})
     assert r.status_code == 422
     assert "eval score 0.50 is below the threshold 0.75" in r.json()["error"]["message"]
-    assert (await service.get_adapter(ad2["id"]))["status"] == "failed"
+    assert (await service.get_adapter(ad2["id"])).status == "failed"
     # which cases failed, and what the adapter answered
     assert r.json()["adapter"]["verification"]["eval"]["failed_cases"] == [
         {"prompt": "Say hi", "expect": "bonjour", "adapter": '{"answer": "Say hi"}'}]
@@ -259,7 +260,7 @@ async def test_bad_eval_set_and_caller_verification_are_refused_without_recordin
                  {"verification": {"passed": True}}):
         r = await api.post(f"/adapters/{ad['id']}/activate", json=body)
         assert r.status_code == 422, (body, r.text)
-    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    assert (await service.get_adapter(ad["id"])).status == "pending"
 
 
 async def test_load_failure_on_the_worker_fails_the_version(env):
@@ -269,7 +270,7 @@ async def test_load_failure_on_the_worker_fails_the_version(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
     assert r.status_code == 422
     row = await service.get_adapter(ad["id"])
-    assert row["status"] == "failed" and "sha256 mismatch" in row["status_reason"]
+    assert row.status == "failed" and "sha256 mismatch" in row.status_reason
 
 
 async def test_no_worker_is_503_and_nothing_recorded(env):
@@ -279,7 +280,7 @@ async def test_no_worker_is_503_and_nothing_recorded(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_worker"
-    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    assert (await service.get_adapter(ad["id"])).status == "pending"
 
 
 async def test_gate_probes_only_on_workers_at_the_versions_base_revision(env):
@@ -290,7 +291,7 @@ async def test_gate_probes_only_on_workers_at_the_versions_base_revision(env):
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker_on_revision", r.text
     assert "rev-other" in r.json()["error"]["message"] and worker.calls == []
-    assert (await service.get_adapter(ad["id"]))["status"] == "pending"
+    assert (await service.get_adapter(ad["id"])).status == "pending"
     await residency.publish(WorkerReport(worker_id="w2", url="http://w2", base_model=TINY.name,
                                          base_revision=TINY.revision), ttl_s=60)
     r = await api.post(f"/adapters/{ad['id']}/activate", json={})

@@ -295,7 +295,7 @@ async def test_register_by_store_uri_and_upload(admin, tmp_path):
     assert {o.key for o in await store.list("")} - before == {version_prefix(up["sha256"]) + n
                                                               for n in ADAPTER_FILES}
     audit = await service.audit(target=f"adapter:{up['id']}")
-    assert [e["action"] for e in audit] == ["adapter.register"]
+    assert [e.action for e in audit] == ["adapter.register"]
 
     # Refusals leave the store and the registry as they were.
     state = ({o.key for o in await store.list("")}, await service.version())
@@ -349,9 +349,9 @@ async def test_gc_spares_versions_in_use(admin, tmp_path):
     assert [d["id"] for d in r.json()["deleted"]] == [ids[0]]
     left = {o.key for o in await service.adapter_store.list("sha256/")}
     gone = await service.get_adapter(ids[0])
-    assert len(left) == 4 and not any(k.startswith(version_prefix(gone["sha256"])) for k in left)
-    assert gone["status"] == "disabled" and "garbage-collected" in gone["status_reason"]
-    assert next(e["action"] for e in await service.audit(target=f"adapter:{ids[0]}")) == "adapter.gc"
+    assert len(left) == 4 and not any(k.startswith(version_prefix(gone.sha256)) for k in left)
+    assert gone.status == "disabled" and "garbage-collected" in gone.status_reason
+    assert next(e.action for e in await service.audit(target=f"adapter:{ids[0]}")) == "adapter.gc"
     r = await client.put("/tenants/acme/bindings/support", json={"adapter": ids[0]})
     assert r.status_code == 422  # a collected version can no longer be bound
 
@@ -388,7 +388,7 @@ async def test_base_model_upgrade_moves_only_passing_versions(pg_url, tmp_path, 
             ids = {}
             for i, name in enumerate(("strong", "weak")):
                 uri, _ = await _put_version(service.adapter_store, write_adapter(tmp_path / name, TINY, seed=20 + i))
-                ids[name] = (await service.register_adapter(name, uri, TINY.name))["id"]
+                ids[name] = (await service.register_adapter(name, uri, TINY.name)).id
                 r = await client.post(f"/adapters/{ids[name]}/activate", json={"eval": evalset})
                 assert r.status_code == 200, r.text
                 await service.bind("acme", name, ids[name])
@@ -415,14 +415,14 @@ async def test_base_model_upgrade_moves_only_passing_versions(pg_url, tmp_path, 
             assert {a["base_revision"] for a, _ in gate.calls} == {"rev-cccc"}
             assert all(req == {"eval": evalset} for _, req in gate.calls)
             strong = await service.get_binding("acme", "strong")
-            assert strong["base_model"] == "tiny-v2" and strong["active"]["label"] == "strong@2"
-            assert strong["previous"]["label"] == "strong@1"
+            assert strong.base_model == "tiny-v2" and strong.active.label == "strong@2"
+            assert strong.previous.label == "strong@1"
             weak = await service.get_binding("acme", "weak")
-            assert weak["base_model"] == TINY.name and weak["active"]["label"] == "weak@1"
-            assert (await service.get_adapter("weak@2"))["status"] == "failed"
+            assert weak.base_model == TINY.name and weak.active.label == "weak@1"
+            assert (await service.get_adapter("weak@2")).status == "failed"
             upgrade_audit = await service.audit(action="base_model.upgrade")
             assert len(upgrade_audit) == 1
-            assert [e["target"] for e in await service.audit(action="binding.upgrade")] == ["binding:acme/strong"]
+            assert [e.target for e in await service.audit(action="binding.upgrade")] == ["binding:acme/strong"]
     finally:
         await service.close()
 
@@ -528,7 +528,7 @@ async def test_upload_restores_files_removed_by_a_concurrent_cleanup(sqlite_url,
         out = await SupplyChain(service, store).upload("race", TINY.name, chunks(),
                                                        config_bytes=int(headers["x-loraplex-config-bytes"]))
         assert store.raced
-        key = store.key_of(out["uri"])
+        key = store.key_of(out.uri)
         assert sorted(o.key for o in await store.list(key)) == sorted(key + n for n in ADAPTER_FILES)
     finally:
         await service.close()

@@ -31,7 +31,7 @@ async def _seed(svc: RegistryService) -> list[str]:
     for seed in range(3):
         write_adapter(root / f"v{seed}", TINY, seed=seed)
         a = await svc.register_adapter("bot", f"v{seed}", "tiny")
-        ids.append((await svc.activate_adapter(a["id"]))["id"])
+        ids.append((await svc.activate_adapter(a.id)).id)
     await svc.bind("acme", "support", ids[0])
     return ids
 
@@ -63,7 +63,7 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     # A broken version: a third of its requests fail.
     await svc.canary_start("acme", "support", ids[1], 1, actor="ops")
     [start] = await judge.tick(now=1000.0)
-    assert start["decision"] == "start" and (await svc.get_binding("acme", "support"))["canary_percent"] == 10
+    assert start["decision"] == "start" and (await svc.get_binding("acme", "support")).canary_percent == 10
     _feed(samples, ids[1], 10, 1001.0, errors=4)
     _feed(samples, ids[0], 90, 1001.0)
     [waiting] = await judge.tick(now=1002.0)
@@ -77,22 +77,22 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     assert again["decision"] == "failing" and not again["counted"] and again["failures"] == 1
     assert "Not counted" in again["reason"]
     status = await policies.get("acme", "support")
-    assert status["failures"] == 1 and status["last"]["counted_failure"]["at"] == 1004.0
+    assert status.failures == 1 and status.last["counted_failure"]["at"] == 1004.0
     _feed(samples, ids[1], 10, 1030.0, errors=4)  # new evidence, an interval after the counted failure
     _feed(samples, ids[0], 90, 1030.0)
     [abort] = await judge.tick(now=1034.0)
     assert abort["decision"] == "abort" and abort["canary_requests"] == 40 and abort["failures"] == 2
     b = await svc.get_binding("acme", "support")
-    assert b["canary"] is None and b["active"]["id"] == ids[0]
+    assert b.canary is None and b.active.id == ids[0]
     status = await policies.get("acme", "support")
-    assert status["status"] == "aborted" and status["last"]["decision"] == "abort"
+    assert status.status == "aborted" and status.last["decision"] == "abort"
     entry = (await svc.audit(action="binding.canary_abort"))[0]
-    assert entry["actor"] == JUDGE
-    checks = {r["check"]: r for r in entry["after"]["judgement"]["checks"]}
+    assert entry.actor == JUDGE
+    checks = {r["check"]: r for r in entry.after["judgement"]["checks"]}
     assert checks["error_rate"]["verdict"] == "fail" and checks["error_rate"]["canary"] == pytest.approx(16 / 40, abs=1e-4)
     assert (checks["error_rate"]["canary_events"], checks["error_rate"]["canary_n"]) == (16, 40)
     assert "canary 16 of 40 requests vs active 0 of 360" in checks["error_rate"]["reason"]
-    assert entry["after"]["judgement"]["failed"] == ["error_rate"] and "error_rate" in entry["after"]["judgement"]["reason"]
+    assert entry.after["judgement"]["failed"] == ["error_rate"] and "error_rate" in entry.after["judgement"]["reason"]
 
     # A healthy version walks 10% -> 50% and is promoted (a 100% step is the promotion itself).
     await svc.canary_start("acme", "support", ids[2], 5, actor="ops")
@@ -104,17 +104,17 @@ async def test_a_broken_canary_is_aborted_and_a_healthy_one_promoted(registry):
     assert passing["decision"] == "passing" and passing["failed"] == []  # healthy, but the step lasts 30 s
     [step] = await judge.tick(now=2031.0)
     assert step["decision"] == "step" and step["next_percent"] == 50
-    assert (await svc.get_binding("acme", "support"))["canary_percent"] == 50
+    assert (await svc.get_binding("acme", "support")).canary_percent == 50
     _feed(samples, ids[2], 40, 2032.0)
     _feed(samples, ids[0], 40, 2032.0)
     [promote] = await judge.tick(now=2062.0)
     assert promote["decision"] == "promote" and promote["window_s"] == pytest.approx(31.0)
     b = await svc.get_binding("acme", "support")
-    assert b["active"]["id"] == ids[2] and b["previous"]["id"] == ids[0] and b["canary"] is None
-    actions = [e["action"] for e in await svc.audit(actor=JUDGE)]
+    assert b.active.id == ids[2] and b.previous.id == ids[0] and b.canary is None
+    actions = [e.action for e in await svc.audit(actor=JUDGE)]
     assert actions[:4] == ["binding.canary_promote", "binding.canary_set", "binding.canary_set",
                            "binding.canary_abort"]
-    assert (await policies.get("acme", "support"))["status"] == "promoted"
+    assert (await policies.get("acme", "support")).status == "promoted"
 
 
 async def test_pause_holds_the_judge_and_policies_are_checked(registry):
@@ -129,22 +129,22 @@ async def test_pause_holds_the_judge_and_policies_are_checked(registry):
             await policies.set_policy("acme", "support", bad)
         assert exc.value.param == param
     p = await policies.set_policy("acme", "support", {"interval_s": 5})
-    assert p["steps"] == [5.0, 10.0, 25.0, 50.0, 100.0] and p["interval_s"] == 5 and p["status"] == "waiting"
+    assert p.steps == (5.0, 10.0, 25.0, 50.0, 100.0) and p.interval_s == 5 and p.status == "waiting"
     await svc.canary_start("acme", "support", ids[1], 1)
     samples = MemorySamples()
     judge = CanaryJudge(svc, samples)
     await judge.tick(now=100.0)
-    assert (await policies.pause("acme", "support"))["status"] == "paused"
+    assert (await policies.pause("acme", "support")).status == "paused"
     assert await judge.tick(now=200.0) == []
-    assert (await svc.get_binding("acme", "support"))["canary_percent"] == 5  # left as it was
-    assert (await policies.resume("acme", "support"))["status"] == "running"
-    assert (await policies.resume("acme", "support"))["status"] == "running"  # idempotent
+    assert (await svc.get_binding("acme", "support")).canary_percent == 5  # left as it was
+    assert (await policies.resume("acme", "support")).status == "running"
+    assert (await policies.resume("acme", "support")).status == "running"  # idempotent
     await svc.canary_abort("acme", "support")
     await judge.tick(now=300.0)  # a person aborted it: the judge waits for the next canary
-    assert (await policies.get("acme", "support"))["status"] == "waiting"
+    assert (await policies.get("acme", "support")).status == "waiting"
     with pytest.raises(Invalid):
         await policies.resume("acme", "support")  # nothing paused
-    actions = [e["action"] for e in await svc.audit(target="binding:acme/support")]
+    actions = [e.action for e in await svc.audit(target="binding:acme/support")]
     assert "canary.pause" in actions and "canary.resume" in actions and "canary.policy_set" in actions
 
 
@@ -207,7 +207,7 @@ async def test_one_empty_answer_does_not_abort_a_quarter_does(registry, caplog):
     _answers(samples, ids[0], 90, 1000.5)
     decisions = [(await judge.tick(now=1001.0 + s))[0]["decision"] for s in range(11)]
     assert decisions == ["passing"] * 9 + ["step", "waiting"], decisions
-    assert (await svc.get_binding("acme", "support"))["canary_percent"] == 50
+    assert (await svc.get_binding("acme", "support")).canary_percent == 50
     await svc.canary_abort("acme", "support", actor="ops")
     assert await judge.tick(now=1500.0) == []
 
@@ -230,4 +230,4 @@ async def test_one_empty_answer_does_not_abort_a_quarter_does(registry, caplog):
     assert j["decision"] == "abort" and now == 2011.0 and j["failed"] == ["empty_share"]
     logged = [r.getMessage() for r in caplog.records if r.name == "loraplex.gateway.canary"]
     assert any("abort (empty_share fail: canary" in m and "ratio inf" in m for m in logged), logged
-    assert (await svc.get_binding("acme", "support"))["canary"] is None
+    assert (await svc.get_binding("acme", "support")).canary is None

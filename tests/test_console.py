@@ -62,7 +62,7 @@ async def _seed(svc: RegistryService, root) -> dict[str, str]:
     for i, name in enumerate(("one", "two", "three")):
         a = await svc.register_adapter(name, str(write_adapter(root / "adapters" / name, TINY, seed=i)), TINY.name,
                                        owner="acme")
-        ids[name] = (await svc.activate_adapter(a["id"], verification={"passed": True, "reason": "probes differ"}))["id"]
+        ids[name] = (await svc.activate_adapter(a.id, verification={"passed": True, "reason": "probes differ"})).id
     await svc.bind("acme", "chat", ids["one"])
     await svc.bind("acme", "chat", ids["two"])  # previous: one
     await svc.canary_start("acme", "chat", ids["three"], 10)
@@ -188,7 +188,7 @@ async def test_pages_escape_what_they_show(console, tmp_path):
     await _seed(console.service, tmp_path)
     bad = await console.service.register_adapter("bad", str(write_adapter(tmp_path / "adapters" / "bad", TINY)),
                                                  TINY.name)
-    await console.service.fail_adapter(bad["id"], reason='<script>alert("x")</script>')
+    await console.service.fail_adapter(bad.id, reason='<script>alert("x")</script>')
     html = (await console.get("/console/view/adapters")).text
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert 'data-adapter="one@1"' in html and "passed" in html and TINY.revision[:12] in html
@@ -333,7 +333,7 @@ async def test_bind_a_new_alias_and_rebind_one_through_the_confirm_step(console,
     assert not any(i in _text(audit) for i in ids.values())  # versions by name@version, never ids
     pending = await console.service.register_adapter("four", str(write_adapter(tmp_path / "adapters" / "four", TINY,
                                                                                 seed=9)), TINY.name, owner="acme")
-    r = await console.get(f"/console/view/confirm?action=bind&slug=acme&alias=chat&adapter={pending['label']}")
+    r = await console.get(f"/console/view/confirm?action=bind&slug=acme&alias=chat&adapter={pending.label}")
     assert r.status_code == 409 and "activate it first" in r.text
 
 
@@ -349,14 +349,14 @@ async def test_activate_an_uploaded_version_and_see_the_gates_evidence(console, 
     assert (call["method"], call["path"]) == ("POST", "/admin/adapters/four%401/activate")
     assert (await _call(console, call)).json()["status"] == "active"  # no gate in this app: recorded as given
     audit = (await console.get("/console/view/audit?action=adapter.activate")).text
-    assert "adapter:four@1" in _text(audit) and a["id"] not in _text(audit)
+    assert "adapter:four@1" in _text(audit) and a.id not in _text(audit)
     assert ("status", "pending", "active") in _diff(audit)
     # A version the gate refused: its page shows the verdict, the reason and the probes.
     bad = await console.service.register_adapter("five", str(write_adapter(tmp_path / "adapters" / "five", TINY,
                                                                             seed=7)), TINY.name)
     evidence = {"worker": "w1", "passed": False, "reason": "degenerate output: the adapter answered nothing",
                 "probes_differing": 2, "probes": [{"prompt": "Hi?", "base": "Hello.", "adapter": ""}]}
-    await console.service.fail_adapter(bad["id"], reason=evidence["reason"], verification=evidence)
+    await console.service.fail_adapter(bad.id, reason=evidence["reason"], verification=evidence)
     page = (await console.get("/console/view/adapter?ref=five@1")).text
     assert "refused" in page and "answered nothing" in page and "(empty)" in page and "Hello." in page
     assert 'data-confirm="activate"' in page  # activating again re-runs the gate
@@ -427,9 +427,9 @@ async def test_an_aborted_canary_shows_its_failed_checks(console, tmp_path):
     await _seed(console.service, tmp_path)
     policies = CanaryPolicies(console.service)
     p = await policies.set_policy("acme", "chat", {"steps": [10, 50]})
-    [policy_id] = [d["id"] for d, _ in await policies.judged() if d["alias"] == "chat"]
+    [policy_id] = [d.id for d, _ in await policies.judged() if d.alias == "chat"]
     judgement = _judgement("abort")  # what the judge writes when it aborts (its state, then the registry)
-    assert await policies.save_state(policy_id, p["row_version"], status="aborted", last=judgement | {"at": 1765e6})
+    assert await policies.save_state(policy_id, p.row_version, status="aborted", last=judgement | {"at": 1765e6})
     await console.service.canary_abort("acme", "chat", actor="canary-judge", judgement=judgement)
     page = (await console.get("/console/view/tenant?slug=acme")).text
     cell = page[page.index('data-alias="chat"'):]
@@ -451,18 +451,18 @@ async def test_the_audit_change_cell_is_a_readable_diff(console, tmp_path):
     long_reason = "x" * 400
     bad = await console.service.register_adapter("six", str(write_adapter(tmp_path / "adapters" / "six", TINY,
                                                                            seed=5)), TINY.name)
-    await console.service.fail_adapter(bad["id"], reason=long_reason, verification={"passed": False, "worker": "w9"},
+    await console.service.fail_adapter(bad.id, reason=long_reason, verification={"passed": False, "worker": "w9"},
                                        actor="ops-bob")
     audit = (await console.get("/console/view/audit?actor=ops-bob")).text
     diff = _diff(audit)
     limits = await console.service.get_tenant("acme")
     assert [(f, a) for f, b, a in diff if f == "requests_per_min" and b.isdigit()] == [
-        ("requests_per_min", str(limits["requests_per_min"]))]
+        ("requests_per_min", str(limits.requests_per_min))]
     assert ("priority", "normal", "high") in diff
     assert ("verification.worker", "—", "w9") in diff and ("status", "pending", "failed") in diff
     shown = next(a for f, _, a in diff if f == "status_reason")
     assert len(shown) <= 160 and shown.endswith("…") and f'title="{long_reason}"' in audit  # cut, whole on hover
-    assert "adapter:six@1" in _text(audit) and bad["id"] not in _text(audit)
+    assert "adapter:six@1" in _text(audit) and bad.id not in _text(audit)
 
 
 async def test_the_live_page_draws_charts_and_says_why_ttft_is_blank(console, tmp_path):

@@ -13,6 +13,7 @@ import httpx
 from gateway.app import create_app
 from loraplex.settings import Settings
 from loraplex_cli.serve import DEMO_BINDINGS, DEMO_DIR, DEMO_TENANTS, prepare, register_base_model, seed_demo
+from registry.records import VersionRef
 from registry.service import RegistryService
 from tests.engine_fixtures import demo_model_file
 
@@ -20,10 +21,10 @@ CHECKED = {"note": "activated by the test, without the gate"}
 
 
 async def _bindings(svc: RegistryService) -> dict[tuple[str, str], tuple[str | None, str | None, str | None]]:
-    def label(ref):
-        return ref["label"] if ref else None
+    def label(ref: VersionRef | None) -> str | None:
+        return ref.label if ref else None
 
-    return {(b["tenant"], b["alias"]): (label(b["active"]), label(b["previous"]), label(b["canary"]))
+    return {(b.tenant, b.alias): (label(b.active), label(b.previous), label(b.canary))
             for b in await svc.list_bindings()}
 
 
@@ -43,7 +44,7 @@ async def test_a_second_seeding_keeps_what_operators_did(tmp_path):
             src = tmp_path / "adapters" / "test" / f"{name}-{version}"
             shutil.copytree(DEMO_DIR / b.adapter, src)
             a = await svc.register_adapter(name, str(src), base, owner=b.tenant)
-            ids[f"{name}@{version}"] = (await svc.activate_adapter(a["id"], verification=CHECKED))["id"]
+            ids[f"{name}@{version}"] = (await svc.activate_adapter(a.id, verification=CHECKED)).id
         for b in DEMO_BINDINGS:  # the first start binds each demo alias (the newest active version)
             await svc.bind(b.tenant, b.alias, ids[f"{b.tenant}-{b.adapter}@1"], actor="demo")
 

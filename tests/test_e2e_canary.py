@@ -280,7 +280,7 @@ def _versions(admin: Admin, settings: Settings, root: Path, base: str) -> tuple[
         svc = RegistryService(settings.replace(max_lora_scale=math.inf, max_lora_delta=math.inf))
         try:
             a = await svc.register_adapter("acme-french", str(broken_dir), base, owner="acme")
-            return await svc.activate_adapter(a["id"], verification={"note": "the test's broken version"})
+            return (await svc.activate_adapter(a.id, verification={"note": "the test's broken version"})).to_json()
         finally:
             await svc.close()
 

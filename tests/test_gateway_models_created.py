@@ -19,8 +19,9 @@ from tests.stub_worker import mock_worker_transport
 from tests.worker_double import worker_client
 
 
-def _unix(iso: str) -> int:
-    return int(datetime.fromisoformat(iso).timestamp())
+def _unix(at: datetime | None) -> int:
+    assert at is not None
+    return int(at.timestamp())
 
 
 async def test_created_is_the_registration_time(db_url, tmp_path):
@@ -36,20 +37,20 @@ async def test_created_is_the_registration_time(db_url, tmp_path):
         for seed in (1, 2):
             write_adapter(root / f"v{seed}", TINY, seed=seed)
             a = await svc.register_adapter("support", f"v{seed}", "tiny", owner="acme")
-            versions.append(await svc.activate_adapter(a["id"]))
-        await svc.bind("acme", "support", versions[0]["id"])
+            versions.append(await svc.activate_adapter(a.id))
+        await svc.bind("acme", "support", versions[0].id)
         app = create_app(settings, limiter=LocalLimiter(), residency=MemoryResidency(),
                          http_client=worker_client(mock_worker_transport([])), mount_admin=False)
         user = {"authorization": f"Bearer {mint(settings, 'u', tenant='acme')}"}
         async with app.router.lifespan_context(app), httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             models = {m["id"]: m["created"] for m in (await c.get("/v1/models", headers=user)).json()["data"]}
-            assert models == {"support": _unix(versions[0]["created_at"]), "tiny": _unix(base["created_at"])}
+            assert models == {"support": _unix(versions[0].created_at), "tiny": _unix(base.created_at)}
             assert started - 1 <= models["support"] <= time.time()
             # A change: the tenant is read again on its own, the new alias's version with its time.
-            await svc.bind("acme", "sales", versions[1]["id"])
+            await svc.bind("acme", "sales", versions[1].id)
             await app.gateway.snapshots.wait_for(await svc.version(), timeout=10)
             r = await c.get("/v1/models/sales", headers=user)
-            assert r.json()["created"] == _unix(versions[1]["created_at"]) > 0, r.text
+            assert r.json()["created"] == _unix(versions[1].created_at) > 0, r.text
     finally:
         await svc.close()

@@ -32,7 +32,7 @@ async def seeded(pg_url, tmp_path):
     for seed in (1, 2, 3):
         d = write_adapter(Path(settings.resolved_adapter_root()) / f"support-{seed}", TINY, seed=seed)
         a = await svc.register_adapter("support", str(d), TINY.name, owner="acme")
-        ids.append((await svc.activate_adapter(a["id"], verification={"probe": "ok"}))["id"])
+        ids.append((await svc.activate_adapter(a.id, verification={"probe": "ok"})).id)
     await svc.bind("acme", "support", ids[0])
     await svc.bind("acme", "support", ids[1])
     yield settings, ids

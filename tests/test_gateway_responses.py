@@ -291,11 +291,11 @@ async def test_a_tenants_own_retention_is_set_through_the_service_and_zero_keeps
     try:
         for slug in ("keeps", "forgets"):
             await svc.create_tenant(slug)
-        assert (await svc.get_tenant("keeps"))["response_retention_s"] is None
+        assert (await svc.get_tenant("keeps")).response_retention_s is None
         out = await svc.set_tenant_limits("forgets", response_retention_s=0)
-        assert out["response_retention_s"] == 0
+        assert out.response_retention_s == 0
         audit = await svc.audit(action="tenant.limits")
-        assert audit[0]["after"]["response_retention_s"] == 0
+        assert audit[0].after["response_retention_s"] == 0
         for slug in ("keeps", "forgets"):
             await store.put(tenant=slug, response={"id": f"resp_{slug}", "model": "m", "output": []}, input_items=[],
                             context=[], previous=None, adapter="a@1")

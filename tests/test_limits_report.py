@@ -195,10 +195,10 @@ async def test_an_applied_suggestion_is_audited_and_then_kept(service):
     await seed(service, END)
     hot = (await limits_report(service, tenant="hot", now=NOW))["data"][0]
     after = await service.set_tenant_limits("hot", actor="ops-alice", **hot["apply"])
-    assert {k: after[k] for k in hot["apply"]} == hot["apply"]
+    assert {k: after.to_json()[k] for k in hot["apply"]} == hot["apply"]
     entry = (await service.audit(action="tenant.limits"))[0]
-    assert entry["actor"] == "ops-alice" and entry["before"]["tokens_per_min"] == 10_000
-    assert entry["after"]["tokens_per_min"] == 13_000
+    assert entry.actor == "ops-alice" and entry.before["tokens_per_min"] == 10_000
+    assert entry.after["tokens_per_min"] == 13_000
     again = (await limits_report(service, tenant="hot", now=NOW))["data"][0]
     assert again["apply"] is None, again
 
@@ -374,6 +374,6 @@ async def test_console_limits_view_and_apply(api):
     r = await api.request(call["method"], call["path"].removeprefix("/admin"), json=call["body"],
                           headers={"if-match": f'"{call["if_match"]}"'})
     assert r.status_code == 200 and r.json()["tokens_per_min"] == 13_000
-    assert (await api.service.audit(action="tenant.limits"))[0]["actor"] == "ops-alice"
+    assert (await api.service.audit(action="tenant.limits"))[0].actor == "ops-alice"
     after = (await api.get("/console/view/limits")).text
     assert 'data-slug="hot"' not in after  # applied: nothing left to apply for it

@@ -175,8 +175,7 @@ async def test_config_edited_after_registration_fails_the_load(tmp_path):
 
     m = AdapterManager.from_settings(settings, TINY)
     try:
-        refs = {v["name"]: AdapterRef(id=v["id"], name=v["name"], uri=v["uri"], sha256=v["sha256"])
-                for v in (kept, edited)}
+        refs = {v.name: AdapterRef(id=v.id, name=v.name, uri=v.uri, sha256=v.sha256) for v in (kept, edited)}
         assert m.acquire_slots([refs["kept"]]) == [0]
         with pytest.raises(AdapterLoadError, match="sha256 mismatch"):
             m.acquire_slots([refs["edited"]])

@@ -22,6 +22,7 @@ import pytest
 
 from registry.cache import NotLoaded, SnapshotCache
 from registry.migrate import upgrade_async
+from registry.records import AdapterRecord
 from registry.service import RegistryService
 from tests.conftest import PG_ADMIN_URL
 from tests.registry_support import TINY, fresh_registry, make_settings, write_adapter
@@ -50,7 +51,7 @@ READER = textwrap.dedent("""
 """)
 
 
-async def _seed(svc: RegistryService) -> list[dict]:
+async def _seed(svc: RegistryService) -> list[AdapterRecord]:
     await svc.register_base_model(TINY)
     await svc.create_tenant("acme", tokens_per_min=1000, priority="high")
     root = Path(svc.settings.resolved_adapter_root())
@@ -58,8 +59,8 @@ async def _seed(svc: RegistryService) -> list[dict]:
     for seed in (1, 2):
         write_adapter(root / f"v{seed}", TINY, seed=seed)
         a = await svc.register_adapter("support", f"v{seed}", "tiny", owner="acme")
-        out.append(await svc.activate_adapter(a["id"]))
-    await svc.bind("acme", "support", out[0]["id"], on_disabled="base")
+        out.append(await svc.activate_adapter(a.id))
+    await svc.bind("acme", "support", out[0].id, on_disabled="base")
     return out
 
 
@@ -80,14 +81,14 @@ async def test_snapshot_mirrors_registry_and_follows_changes(db_url, tmp_path):
         acme = snap.tenants["acme"]
         assert (acme.tokens_per_min, acme.priority, acme.active) == (1000, "high", True)
         b = acme.bindings["support"]
-        assert b.active.id == v1["id"] and b.active.label == "support@1" and b.active.sha256 == v1["sha256"]
-        assert (b.active.rank, b.active.alpha, b.active.uri) == (4, 8.0, v1["uri"])
+        assert b.active.id == v1.id and b.active.label == "support@1" and b.active.sha256 == v1.sha256
+        assert (b.active.rank, b.active.alpha, b.active.uri) == (4, 8.0, v1.uri)
         assert (b.canary, b.canary_percent, b.enabled, b.on_disabled, b.base_model) == (None, 0.0, True, "base", "tiny")
 
-        await svc.canary_start("acme", "support", v2["id"], 25)
+        await svc.canary_start("acme", "support", v2.id, 25)
         assert await cache.wait_for(await svc.version(), timeout=5)
         b = cache.current.tenants["acme"].bindings["support"]
-        assert b.canary.id == v2["id"] and b.canary_percent == 25
+        assert b.canary.id == v2.id and b.canary_percent == 25
         await svc.disable_tenant("acme")
         assert await cache.wait_for(await svc.version(), timeout=5)
         assert cache.current.tenants["acme"].active is False
@@ -137,7 +138,7 @@ async def _second_process_sees_changes(settings, env: dict[str, str]) -> list[fl
         for step in range(3):
             if step == 0:
                 t0 = time.monotonic()
-                await svc.canary_start("acme", "support", v2["id"], 10)
+                await svc.canary_start("acme", "support", v2.id, 10)
                 want = lambda i: i["canary"] == "support@2"  # noqa: E731
             elif step == 1:
                 t0 = time.monotonic()

@@ -46,7 +46,7 @@ async def _seed(svc: RegistryService) -> list[str]:
     for seed in range(4):
         write_adapter(root / f"a{seed}", TINY, seed=seed)
         a = await svc.register_adapter("shared", f"a{seed}", "tiny")
-        ids.append((await svc.activate_adapter(a["id"]))["id"])
+        ids.append((await svc.activate_adapter(a.id)).id)
     return ids
 
 
@@ -250,7 +250,7 @@ async def test_concurrent_conditional_writers_lose_no_increment(db_url, tmp_path
         ids = await _seed(svc)
         await svc.bind("t0", "a", ids[0])
         await svc.canary_start("t0", "a", ids[1], 1)
-        start = (await svc.get_tenant("t0"))["requests_per_min"]
+        start = (await svc.get_tenant("t0")).requests_per_min
         conflicts = 0
 
         async def client(rounds: int) -> None:
@@ -259,11 +259,11 @@ async def test_concurrent_conditional_writers_lose_no_increment(db_url, tmp_path
                 while True:
                     t = await svc.get_tenant("t0")
                     try:
-                        await svc.set_tenant_limits("t0", requests_per_min=t["requests_per_min"] + 1,
-                                                    if_match=t["row_version"])
+                        await svc.set_tenant_limits("t0", requests_per_min=t.requests_per_min + 1,
+                                                    if_match=t.row_version)
                         break
                     except PreconditionFailed as exc:
-                        assert exc.row_version is not None and exc.row_version > t["row_version"]
+                        assert exc.row_version is not None and exc.row_version > t.row_version
                         conflicts += 1
 
         async def canary_client() -> None:
@@ -271,14 +271,14 @@ async def test_concurrent_conditional_writers_lose_no_increment(db_url, tmp_path
             while True:
                 b = await svc.get_binding("t0", "a")
                 try:
-                    await svc.canary_set("t0", "a", b["canary_percent"] + 1, if_match=b["row_version"])
+                    await svc.canary_set("t0", "a", b.canary_percent + 1, if_match=b.row_version)
                     return
                 except PreconditionFailed:
                     conflicts += 1
 
         await asyncio.gather(*(client(3) for _ in range(20)), *(canary_client() for _ in range(20)))
-        assert (await svc.get_tenant("t0"))["requests_per_min"] == start + 60
-        assert (await svc.get_binding("t0", "a"))["canary_percent"] == 21
+        assert (await svc.get_tenant("t0")).requests_per_min == start + 60
+        assert (await svc.get_binding("t0", "a")).canary_percent == 21
         assert conflicts > 0  # the clients did collide: the preconditions did the work
     finally:
         await svc.close()
@@ -295,7 +295,7 @@ async def test_concurrent_registrations_of_one_name_each_get_the_next_version(db
         for seed in range(8):
             write_adapter(root / f"r{seed}", TINY, seed=seed)
         done = await asyncio.gather(*(svc.register_adapter("busy", f"r{seed}", "tiny") for seed in range(8)))
-        assert sorted(a["version"] for a in done) == list(range(1, 9))
+        assert sorted(a.version for a in done) == list(range(1, 9))
     finally:
         await svc.close()
 
@@ -325,12 +325,12 @@ async def test_admin_api_if_match_etag_and_412(db_url, tmp_path):
                 assert r.status_code == 412, r.text
                 assert r.json()["error"]["code"] == "precondition_failed" and r.json()["row_version"] == rv + 1
                 assert r.headers["etag"] == f'"{rv + 1}"'
-            assert (await svc.get_binding("t0", "a"))["enabled"] is False  # nothing changed
+            assert (await svc.get_binding("t0", "a")).enabled is False  # nothing changed
             # If-Match compares strongly (RFC 9110): a weak tag of the current version matches nothing.
             r = await c.post("/tenants/t0/bindings/a/enable", headers={"if-match": f'W/"{rv + 1}"'}, json={})
             assert r.status_code == 412 and r.json()["error"]["code"] == "precondition_failed", r.text
             assert "strongly" in r.json()["error"]["message"]
-            assert (await svc.get_binding("t0", "a"))["enabled"] is False
+            assert (await svc.get_binding("t0", "a")).enabled is False
             t = (await c.get("/tenants/t1")).json()
             r = await c.patch("/tenants/t1/limits", json={"max_concurrent": 3, "row_version": t["row_version"]})
             assert r.status_code == 200 and r.json()["row_version"] == t["row_version"] + 1
@@ -370,7 +370,7 @@ async def test_pool_exhaustion_is_503_with_retry_after(pg_url, tmp_path):
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "registry_busy" and r.headers["retry-after"] == "1"
         r = await svc.set_tenant_limits("acme", max_concurrent=2)
-        assert r["max_concurrent"] == 2
+        assert r.max_concurrent == 2
     finally:
         await svc.close()
         await engine.dispose()

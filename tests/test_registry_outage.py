@@ -98,7 +98,7 @@ async def _seed(settings: Any) -> Seeded:
         for seed in (1, 2):
             d = write_adapter(Path(settings.resolved_adapter_root()) / f"support-{seed}", TINY, seed=seed)
             a = await svc.register_adapter("support", str(d), TINY.name, owner="acme")
-            ids.append((await svc.activate_adapter(a["id"], verification={"probe": "ok"}))["id"])
+            ids.append((await svc.activate_adapter(a.id, verification={"probe": "ok"})).id)
         await svc.bind("acme", "support", ids[0])
     finally:
         await svc.close()

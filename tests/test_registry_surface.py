@@ -21,7 +21,7 @@ from registry.errors import (
     refused_or_unavailable_on_database_failure,
     unavailable_on_database_failure,
 )
-from registry.lookups import adapter_row, binding_json, binding_row, tenant_row, version_labels
+from registry.lookups import adapter_row, binding_record, binding_row, tenant_row, version_labels
 from registry.models import AuditEntry, Tenant, utcnow
 from registry.service import RegistryService
 from registry.service_core import COMMITTED
@@ -52,7 +52,7 @@ async def test_a_write_that_records_changes_commits_one_version_with_its_audit_r
         tx.audit("tenant.note", "tenant:acme", None, None)
     assert await svc.version() == 1 and COMMITTED.get() == 1
     assert await _audit_rows(svc) == [(1, "ops", "tenant.create"), (1, "ops", "tenant.note")]
-    assert (await svc.get_tenant("acme"))["slug"] == "acme"
+    assert (await svc.get_tenant("acme")).slug == "acme"
 
 
 async def test_a_write_that_records_no_change_is_rolled_back_and_bumps_nothing(svc):
@@ -62,7 +62,7 @@ async def test_a_write_that_records_no_change_is_rolled_back_and_bumps_nothing(s
         row.max_concurrent = 99  # flushed but never audited: not a registry change
         await tx.session.flush()
     assert await svc.version() == 1
-    assert (await svc.get_tenant("acme"))["max_concurrent"] == 16
+    assert (await svc.get_tenant("acme")).max_concurrent == 16
     assert [a for _, _, a in await _audit_rows(svc)] == ["tenant.create"]
 
 
@@ -96,14 +96,14 @@ async def test_lookups_tell_a_missing_tenant_from_a_missing_binding(svc):
     await svc.create_tenant("acme")
     await svc.register_base_model(TINY)
     d = write_adapter(Path(svc.settings.resolved_adapter_root()) / "bot", TINY, seed=1)
-    a = await svc.activate_adapter((await svc.register_adapter("bot", str(d), TINY.name, owner="acme"))["id"])
-    await svc.bind("acme", "support", a["id"])
+    a = await svc.activate_adapter((await svc.register_adapter("bot", str(d), TINY.name, owner="acme")).id)
+    await svc.bind("acme", "support", a.id)
     async with svc.db.read() as s:
         assert (await tenant_row(s, "acme")).slug == "acme"
-        assert (await adapter_row(s, "bot@1")).id == a["id"] == (await adapter_row(s, a["id"])).id
+        assert (await adapter_row(s, "bot@1")).id == a.id == (await adapter_row(s, a.id)).id
         b = await binding_row(s, "acme", "support")
-        assert await version_labels(s, [b.active_id, None, "no-such-id"]) == {a["id"]: "bot@1"}
-        assert await binding_json(s, b) == await svc.get_binding("acme", "support")
+        assert await version_labels(s, [b.active_id, None, "no-such-id"]) == {a.id: "bot@1"}
+        assert await binding_record(s, b) == await svc.get_binding("acme", "support")
         with pytest.raises(NotFound) as exc:
             await binding_row(s, "initech", "support")
         assert exc.value.code == "tenant_not_found"

@@ -42,27 +42,27 @@ async def api(svc):
 
 async def test_set_and_clear_through_the_service_audited(svc):
     t = await svc.create_tenant("acme-eu")
-    assert t["cache_scope"] == ""
+    assert t.cache_scope == ""
     t = await svc.set_tenant_cache_scope("acme-eu", "acme", actor="alice")
-    assert t["cache_scope"] == "acme" and t["row_version"] == 2
+    assert t.cache_scope == "acme" and t.row_version == 2
     assert await svc.version() == 2
     await svc.set_tenant_cache_scope("acme-eu", "acme")  # no change: no version, no audit row
     assert await svc.version() == 2
     t = await svc.set_tenant_cache_scope("acme-eu", "", actor="bob")
-    assert t["cache_scope"] == ""
+    assert t.cache_scope == ""
     audit = await svc.audit(target="tenant:acme-eu")
-    assert [(e["action"], e["actor"]) for e in audit] == [
+    assert [(e.action, e.actor) for e in audit] == [
         ("tenant.cache_scope", "bob"), ("tenant.cache_scope", "alice"), ("tenant.create", "admin")]
-    assert (audit[1]["before"]["cache_scope"], audit[1]["after"]["cache_scope"]) == ("", "acme")
-    assert (audit[0]["before"]["cache_scope"], audit[0]["after"]["cache_scope"]) == ("acme", "")
-    assert audit[1]["before"]["requests_per_min"] == audit[1]["after"]["requests_per_min"] == 600
+    assert (audit[1].before["cache_scope"], audit[1].after["cache_scope"]) == ("", "acme")
+    assert (audit[0].before["cache_scope"], audit[0].after["cache_scope"]) == ("acme", "")
+    assert audit[1].before["requests_per_min"] == audit[1].after["requests_per_min"] == 600
     # the longest name the pattern allows, dots and underscores included
     longest = "0" + "a._-" * 15 + "zz"
     assert len(longest) == 63
-    assert (await svc.set_tenant_cache_scope("acme-eu", longest))["cache_scope"] == longest
+    assert (await svc.set_tenant_cache_scope("acme-eu", longest)).cache_scope == longest
     created = await svc.create_tenant("acme-us", cache_scope="acme")
-    assert created["cache_scope"] == "acme"
-    assert [(t["slug"], t["cache_scope"]) for t in await svc.list_tenants()] == [
+    assert created.cache_scope == "acme"
+    assert [(t.slug, t.cache_scope) for t in await svc.list_tenants()] == [
         ("acme-eu", longest), ("acme-us", "acme")]
 
 
@@ -76,14 +76,14 @@ async def test_a_malformed_scope_is_refused_naming_the_field(svc, value):
     with pytest.raises(Invalid) as exc:
         await svc.create_tenant("other", cache_scope=value)
     assert exc.value.param == "cache_scope"
-    assert await svc.version() == version and (await svc.get_tenant("acme"))["cache_scope"] == ""
+    assert await svc.version() == version and (await svc.get_tenant("acme")).cache_scope == ""
 
 
 async def test_conditional_and_unknown_tenant(svc):
     await svc.create_tenant("acme")
     with pytest.raises(PreconditionFailed):
         await svc.set_tenant_cache_scope("acme", "co", if_match=7)
-    assert (await svc.set_tenant_cache_scope("acme", "co", if_match=1))["cache_scope"] == "co"
+    assert (await svc.set_tenant_cache_scope("acme", "co", if_match=1)).cache_scope == "co"
     with pytest.raises(NotFound):
         await svc.set_tenant_cache_scope("nobody", "co")
 

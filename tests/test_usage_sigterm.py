@@ -36,7 +36,7 @@ async def _seed(settings) -> str:
         await svc.create_tenant("globex", requests_per_min=100_000, tokens_per_min=10_000_000)
         d = write_adapter(Path(settings.resolved_adapter_root()) / "support-1", TINY, seed=1)
         a = await svc.register_adapter("support", str(d), TINY.name, owner="acme")
-        version = (await svc.activate_adapter(a["id"], verification={"probe": "ok"}))["id"]
+        version = (await svc.activate_adapter(a.id, verification={"probe": "ok"})).id
         await svc.bind("acme", "support", version)
         return version
     finally:

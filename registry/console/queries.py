@@ -12,10 +12,10 @@ from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 
-from registry.canary import policy_dict
+from registry.canary import CanaryPolicyRecord
 from registry.lookups import binding_row, tenant_row, version_labels
 from registry.models import AdapterVersion, AuditEntry, BaseModelRow, Binding, CanaryPolicy, Tenant
-from registry.records import adapter_dict, audit_dict, binding_dict, tenant_dict
+from registry.records import AdapterRecord, AuditRecord, BindingRecord, TenantRecord
 from registry.service import RegistryService
 
 PAGE = 50
@@ -50,7 +50,7 @@ async def tenants(service: RegistryService, *, q: str = "", status: str = "", af
         rows = (await s.execute(stmt.order_by(Tenant.slug).limit(limit + 1))).scalars().all()
         more = len(rows) > limit
         rows = rows[:limit]
-        return Page([tenant_dict(t) for t in rows], total, rows[-1].slug if more else None)
+        return Page([TenantRecord.of(t).to_json() for t in rows], total, rows[-1].slug if more else None)
 
 
 async def tenant(service: RegistryService, slug: str) -> dict[str, Any]:
@@ -63,8 +63,9 @@ async def tenant(service: RegistryService, slug: str) -> dict[str, Any]:
         ids = {i for b in rows for i in (b.active_id, b.previous_id, b.canary_id) if i}
         ids |= {p.canary_id for p in pols if p.canary_id}
         names = await version_labels(s, ids)
-        policies = {p.alias: policy_dict(p, names) for p in pols}
-        return {"tenant": tenant_dict(t), "bindings": [binding_dict(b, names) for b in rows], "policies": policies}
+        policies = {p.alias: CanaryPolicyRecord.of(p, names).to_json() for p in pols}
+        return {"tenant": TenantRecord.of(t).to_json(),
+                "bindings": [BindingRecord.of(b, names).to_json() for b in rows], "policies": policies}
 
 
 BINDABLE = 200
@@ -88,7 +89,7 @@ async def policy(service: RegistryService, slug: str, alias: str) -> dict[str, A
     async with service.db.read() as s:
         p = (await s.execute(select(CanaryPolicy).where(CanaryPolicy.tenant == slug, CanaryPolicy.alias == alias))
              ).scalar_one_or_none()
-        return None if p is None else policy_dict(p)
+        return None if p is None else CanaryPolicyRecord.of(p).to_json()
 
 
 async def binding_or_none(service: RegistryService, slug: str, alias: str) -> dict[str, Any] | None:
@@ -99,13 +100,13 @@ async def binding_or_none(service: RegistryService, slug: str, alias: str) -> di
         b = (await s.execute(select(Binding).where(Binding.tenant == slug, Binding.alias == alias))).scalar_one_or_none()
         if b is None:
             return None
-        return binding_dict(b, await version_labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
+        return BindingRecord.of(b, await version_labels(s, (b.active_id, b.previous_id, b.canary_id))).to_json()
 
 
 async def binding(service: RegistryService, slug: str, alias: str) -> dict[str, Any]:
     async with service.db.read() as s:
         b = await binding_row(s, slug, alias)
-        return binding_dict(b, await version_labels(s, {i for i in (b.active_id, b.previous_id, b.canary_id) if i}))
+        return BindingRecord.of(b, await version_labels(s, (b.active_id, b.previous_id, b.canary_id))).to_json()
 
 
 async def adapters(service: RegistryService, *, q: str = "", status: str = "", after: str = "",
@@ -130,7 +131,7 @@ async def adapters(service: RegistryService, *, q: str = "", status: str = "", a
         got = (await s.execute(stmt.order_by(AdapterVersion.name, AdapterVersion.version).limit(limit + 1))).all()
         more = len(got) > limit
         got = got[:limit]
-        rows = [{**adapter_dict(a), "base_revision": rev} for a, rev in got]
+        rows = [{**AdapterRecord.of(a).to_json(), "base_revision": rev} for a, rev in got]
         return Page(rows, total, rows[-1]["label"] if more else None)
 
 
@@ -156,7 +157,7 @@ async def audit(service: RegistryService, *, actor: str = "", action: str = "", 
         names = await version_labels(s, ids)
         out = []
         for e in rows:
-            d = audit_dict(e)
+            d = AuditRecord.of(e).to_json()
             if e.target.startswith("adapter:"):
                 ref = e.target.removeprefix("adapter:")
                 d["target_label"] = f"adapter:{names.get(ref, ref)}"

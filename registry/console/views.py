@@ -149,12 +149,12 @@ def console_routes(service: RegistryService, settings: Settings, verifier: Verif
     async def adapters(request: Request, who: Principal) -> Response:
         q, status, after = arg(request, "q"), arg(request, "status"), arg(request, "after")
         page = await queries.adapters(service, q=q, status=status, after=after)
-        bases = [b["name"] for b in await service.list_base_models()]
+        bases = [b.name for b in await service.list_base_models()]
         return render("adapters.html", page=page, q=q, status=status, after=after, bases=bases)
 
     async def adapter(request: Request, who: Principal) -> Response:
         a = await service.get_adapter(arg(request, "ref"))
-        return render("adapter.html", a=a, v=a["verification"] or {})
+        return render("adapter.html", a=a.to_json(), v=a.verification or {})
 
     async def fleet(request: Request, who: Principal) -> Response:
         if sources is None:
@@ -321,17 +321,17 @@ def _calls(title: str, rows: list[tuple[str, Any, Any]], calls: list[tuple[str, 
 
 async def _activate(service: RegistryService, ref: str, root: str) -> dict[str, Any]:
     a = await service.get_adapter(ref)
-    path = f"{root}/adapters/{quote(a['label'], safe='')}"
-    back = f"#adapter?ref={quote(a['label'], safe='')}"
-    if a["status"] == "active":
-        return _calls(f"Activate {a['label']}", [], [], back)
+    path = f"{root}/adapters/{quote(a.label, safe='')}"
+    back = f"#adapter?ref={quote(a.label, safe='')}"
+    if a.status == "active":
+        return _calls(f"Activate {a.label}", [], [], back)
     note = ("The activation gate runs first: a worker of its base model loads the version and answers probe "
             "prompts with and without it. The version becomes active only if its answers differ from the base "
             "model's and are answers (not empty, not one text for every prompt); otherwise it is marked failed "
             "with the evidence. Either way the evidence is recorded on the version and in the audit log. The probe takes "
             "a few seconds to a minute, depending on the worker's load.")
-    return _call(f"Activate {a['label']}", [("status", a["status"], "active (if the gate passes)")], "POST",
-                 f"{path}/activate", {}, a["row_version"], back, note=note, evidence=a["verification"])
+    return _call(f"Activate {a.label}", [("status", a.status, "active (if the gate passes)")], "POST",
+                 f"{path}/activate", {}, a.row_version, back, note=note, evidence=a.verification)
 
 
 async def _bind(service: RegistryService, slug: str, alias: str, adapter: str, b_path: str,
@@ -341,17 +341,17 @@ async def _bind(service: RegistryService, slug: str, alias: str, adapter: str, b
     if not adapter:
         raise Invalid("choose the adapter version to bind", param="adapter")
     a = await service.get_adapter(adapter)
-    if a["status"] != "active":
-        raise Conflict(f"{a['label']} is {a['status']}: activate it first (the activation gate)", "adapter_not_active")
+    if a.status != "active":
+        raise Conflict(f"{a.label} is {a.status}: activate it first (the activation gate)", "adapter_not_active")
     b = await queries.binding_or_none(service, slug, alias)
     if b is None:
-        return _call(f"Bind a new alias {slug}/{alias}", [("active", None, a["label"])], "PUT", b_path,
-                     {"adapter": a["label"]}, None, back)
+        return _call(f"Bind a new alias {slug}/{alias}", [("active", None, a.label)], "PUT", b_path,
+                     {"adapter": a.label}, None, back)
     cur = (b["active"] or {}).get("label")
     prev = (b["previous"] or {}).get("label")
-    rows = [("active", cur, a["label"]), ("previous", prev, cur if cur != a["label"] else prev)]
-    return _call(f"Bind {slug}/{alias} to {a['label']}", [r for r in rows if r[1] != r[2]], "PUT", b_path,
-                 {"adapter": a["label"]}, b["row_version"], back)
+    rows = [("active", cur, a.label), ("previous", prev, cur if cur != a.label else prev)]
+    return _call(f"Bind {slug}/{alias} to {a.label}", [r for r in rows if r[1] != r[2]], "PUT", b_path,
+                 {"adapter": a.label}, b["row_version"], back)
 
 
 POLICY_FIELDS = ("steps", "interval_s", "min_requests", "max_failures")
@@ -365,12 +365,12 @@ async def _canary(service: RegistryService, slug: str, alias: str, q: Any, b_pat
         raise Invalid("choose the adapter version to canary", param="adapter")
     a = await service.get_adapter(adapter)
     b = await queries.binding(service, slug, alias)
-    if a["status"] != "active":
-        raise Conflict(f"{a['label']} is {a['status']}: activate it first (the activation gate)", "adapter_not_active")
-    if a["label"] == (b["active"] or {}).get("label"):
-        raise Invalid(f"{a['label']} is already the active version of {slug}/{alias}", "canary_is_active",
+    if a.status != "active":
+        raise Conflict(f"{a.label} is {a.status}: activate it first (the activation gate)", "adapter_not_active")
+    if a.label == (b["active"] or {}).get("label"):
+        raise Invalid(f"{a.label} is already the active version of {slug}/{alias}", "canary_is_active",
                       param="adapter")
-    if b["canary"] and b["canary"]["label"] != a["label"]:
+    if b["canary"] and b["canary"]["label"] != a.label:
         raise Conflict(f"{slug}/{alias} already has a canary ({b['canary']['label']}); promote or abort it first",
                        "canary_in_progress")
     old = await queries.policy(service, slug, alias)
@@ -387,18 +387,18 @@ async def _canary(service: RegistryService, slug: str, alias: str, q: Any, b_pat
             given[k] = _int(q[k].strip(), k)
     config = validate_policy(given, base)  # the refusal here, before anything is called
     first = config["steps"][0]
-    rows: list[tuple[str, Any, Any]] = [("canary", (b["canary"] or {}).get("label"), a["label"]),
+    rows: list[tuple[str, Any, Any]] = [("canary", (b["canary"] or {}).get("label"), a.label),
                                         ("canary_percent", b["canary_percent"], first)]
     rows += [(f"policy {k}", present.text(old[k]) if old else None, present.text(config[k])) for k in POLICY_FIELDS
              if not old or old[k] != config[k]]
     calls: list[tuple[str, str, Any, int | None]] = []
     if not old or any(old[k] != config[k] for k in POLICY_FIELDS):
         calls.append(("PUT", f"{b_path}/canary/policy", {k: config[k] for k in POLICY_FIELDS}, None))
-    calls.append(("POST", f"{b_path}/canary", {"adapter": a["label"], "percent": first}, b["row_version"]))
+    calls.append(("POST", f"{b_path}/canary", {"adapter": a.label, "percent": first}, b["row_version"]))
     note = (f"The canary judge then steps it through {'/'.join(f'{s:g}' for s in config['steps'])} %, at least "
             f"{config['interval_s']:g} s a step, judging on at least {config['min_requests']} requests per arm; "
             f"{config['max_failures']} failed judgements abort it, and after the last step it is promoted.")
-    return _calls(f"Start a canary of {a['label']} on {slug}/{alias}", rows, calls, back, note=note)
+    return _calls(f"Start a canary of {a.label} on {slug}/{alias}", rows, calls, back, note=note)
 
 
 def _int(v: str, name: str) -> int:
