@@ -371,11 +371,12 @@ def results_select(rows: Any, keys: list[str]) -> Select[Any]:
 
 
 def _buckets_of(two: Any, order: list[Any]) -> Select[Any]:
-    """Per bucket of ``two`` (``b``, the groups, ``item``): ``(b, results, the items joined by
-    commas)``, sorted by ``order`` in the aggregate (none: in the order ``two`` gives them)."""
+    """Per bucket of ``two`` (``b``, the groups, ``item``): ``(b, results, the JSON array of the
+    items)``, sorted by ``order`` in the aggregate (none: in the order ``two`` gives them). The
+    array is the text the page holds as it is (a day of 100k tenants: 20 MB not copied again)."""
     comma: ColumnClause[Any] = literal_column("','")
     joined = func.string_agg(two.c.item, aggregate_order_by(comma, *order) if order else comma)
-    return select(two.c.b, func.count(), joined).group_by(two.c.b)
+    return select(two.c.b, func.count(), _text("'['") + joined + _text("']'")).group_by(two.c.b)
 
 
 def _json_statement(q: UsageQuery, lo: int, hi: int, marks: dict[str, int]) -> Any:
@@ -520,7 +521,7 @@ async def _page_json(session: AsyncSession, q: UsageQuery, lo: int, hi: int, mar
     rows = (await session.execute(stmt)).all() if stmt is not None else []
     if sum(n for _, n, _ in rows) > q.max_rows:
         raise _too_many(q)
-    by_bucket = {b: orjson.Fragment(b"[" + items.encode() + b"]") for b, _, items in rows}
+    by_bucket = {b: orjson.Fragment(items) for b, _, items in rows}
     return orjson.dumps(_page(q, lo, hi, by_bucket, orjson.Fragment(b"[]")))
 
 

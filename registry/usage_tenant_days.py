@@ -52,10 +52,14 @@ def _rendered(day: int, tenants: Iterable[str] | None) -> tuple[list[str], Selec
 
 async def render_day(conn: AsyncConnection, day: int) -> int:
     """Render every tenant's result of ``day`` from its day rows (the rows rendered before are
-    replaced): how many tenants it has."""
+    replaced): how many tenants it has. The table is analyzed in the same transaction (a sample
+    of 30,000 rows whatever its size): a planner that has never seen the day's rows estimates a
+    few hundred and sorts the day's 20 MB (100k tenants) on disk instead of reading them in key
+    order, which the first read of the day would pay (about 1 s)."""
     await conn.execute(delete(UsageTenantDay).where(UsageTenantDay.day == day))
     columns, picked = _rendered(day, None)
     done = await conn.execute(insert(UsageTenantDay).from_select(columns, picked))
+    await conn.execute(text("ANALYZE usage_tenant_days"))
     return int(done.rowcount or 0)
 
 
