@@ -1,8 +1,9 @@
 """Usage ledger at scale: what it writes to PostgreSQL, what it costs a gateway, how fast it reads.
 
 Real processes on loopback: a fresh PostgreSQL database seeded (plain SQL) with N tenants (default
-100k) and a day of ledger rows for every one of them (the day before the run, rolled up: 1-3 rows
-per tenant by alias and outcome); a stub worker (``tests/stub_worker.py``, answering at once) and
+100k) and a day of ledger rows for every one of them (the day before the run, as hour rows: 1-3
+rows per tenant by alias and outcome), which this process then closes with the gateways' own
+rollup (``registry.usage.roll_up``: the day rows, the results kept per tenant); a stub worker (``tests/stub_worker.py``, answering at once) and
 four ``loraplex gateway`` processes on it: two keeping the ledger (``LORAPLEX_USAGE_FLUSH_INTERVAL_S``
 ``--flush-interval``, 10 s by default) and two without it (``0``), all with auth (a JWT per
 tenant), the Redis limiter and routing on, no access log. The load generator (raw keep-alive
@@ -17,12 +18,19 @@ tenants in its own order, so every flush holds as many distinct tenants as the r
    (``pg_stat_user_tables``: inserts plus updates of ``usage_buckets``), the statements a flush is
    (counted in this process on one flush of the same size), and the minute rows stored per
    minute, so rows per day.
-3. **GET /admin/usage** for the seeded day, ``bucket_width=1d&group_by=tenant``: end to end through a
-   gateway's admin API (the whole body read), best and median of ``--query-repeats``, two ways side
-   by side in each repeat: read from the ledger (the day's page built by PostgreSQL, as the first
-   read of a finished day, or the first after a late minute, gets it: the late-write count is
-   moved on before it) and then kept (the gateway's engine answers the finished day's page it
-   keeps, ``registry.usage_query.FinishedPages``). The two bodies must be the same bytes.
+3. **Closing the day**: the rollup round that turns the seeded hours into day rows and renders
+   every tenant's result (``registry.usage_tenant_days``) in the same transaction, timed per
+   statement (what rendering adds to the rollup).
+4. **GET /admin/usage** for the seeded day, ``bucket_width=1d&group_by=tenant``: end to end through a
+   gateway's admin API (the whole body read). First, once, the first read after the day was closed
+   (a gateway whose pool one small page warmed). Then best and median of ``--query-repeats``,
+   three ways side by side in each repeat: read after a late minute (a real late flush into the
+   day, ``apply_flush``, which renders its tenant again and moves the late-write count on: the
+   page is read from the results kept per tenant, as every first read of a finished day is), then
+   kept (the gateway's engine answers the page it keeps, ``registry.usage_query.FinishedPages``),
+   then summed from the ledger (the ``t`` watermark at 0 and the count moved on: the page built
+   from the day rows, the path before the results were kept; the watermark is put back). The
+   three bodies must be the same bytes.
 
 Prints a table and writes ``bench/results/usage_ledger.json``. PostgreSQL, the gateways, the stub
 and the load generator share this machine: the figures include their contention.
@@ -30,8 +38,8 @@ and the load generator share this machine: the figures include their contention.
     python bench/usage_ledger.py                                   # 100k tenants
     python bench/usage_ledger.py --tenants 2000 --requests 2000 --rounds 1 --sustain 8 --flush-interval 2 \
         --no-whole-minute                                          # a quick look
-    python bench/usage_ledger.py --query-only --query-repeats 7   # 3. alone: the seeded database, one
-                                                                   # gateway, no load (usage_ledger_query.json)
+    python bench/usage_ledger.py --query-only --query-repeats 7   # 3. and 4. alone: the seeded database,
+                                                                   # one gateway, no load (usage_ledger_query.json)
 """
 
 from __future__ import annotations
@@ -84,22 +92,23 @@ SELECT 't' || i, 'active', 1000000, 100000000, 1000, 'normal', now(), now() FROM
 
 INSERT INTO usage_buckets (width, start, tenant, alias, version, outcome, requests, prompt_tokens, cached_tokens,
                            completion_tokens, peak_concurrent)
-SELECT 'd', $DAY, 't' || i, x.alias, x.version, x.outcome, 10 + i % 500, (10 + i % 500) * 40, i % 7 * 30,
+SELECT 'h', $DAY, 't' || i, x.alias, x.version, x.outcome, 10 + i % 500, (10 + i % 500) * 40, i % 7 * 30,
        (10 + i % 500) * 25, 1 + i % 9
 FROM generate_series(0, $N - 1) i,
      (VALUES ('tiny', '', 'ok', 1), ('assistant', md5('v')::uuid::text, 'ok', 2),
              ('tiny', '', '429:requests', 4), ('tiny', '', '4xx:model_not_found', 10)) x(alias, version, outcome, every)
 WHERE i % x.every = 0;
 
-INSERT INTO usage_rollups (width, done_until) VALUES ('h', $DAY + 86400), ('d', $DAY + 86400)
+INSERT INTO usage_rollups (width, done_until) VALUES ('h', $DAY + 86400), ('d', $DAY), ('t', $DAY)
 ON CONFLICT (width) DO UPDATE SET done_until = excluded.done_until;
 
 UPDATE registry_state SET version = 1 WHERE id = 1;
 ANALYZE;
 """
 """Tenants ``t0``..; the ledger's rows of the day at ``$DAY`` for every one (ok on the base model,
-every other also on an adapter, every 4th 429s, every 10th an unknown model's 404s) and the
-rollup watermarks past it, as after a day's rollup."""
+every other also on an adapter, every 4th 429s, every 10th an unknown model's 404s), as hour rows
+(all in the day's first hour), and the rollup watermarks as before the day's rollup: hours done
+past the day, days (and the days' results per tenant) up to it."""
 
 
 # -- the database -----------------------------------------------------------------------------------
@@ -193,15 +202,71 @@ async def one_flush_statements(url: str, rows: int) -> dict[str, Any]:
     return {"rows": len(buckets), "statements": len(sent), "kinds": sent, "seconds": took}
 
 
-async def move_late_days(dsn: str) -> None:
-    """Count one more late flush into day rows, as a gateway's late minute does (``registry.usage``):
-    the finished days' pages every engine keeps are read from the ledger again."""
+async def close_day(url: str, day: int) -> dict[str, Any]:
+    """The rollup round that closes ``day`` (its hours are done), as a gateway's maintenance runs
+    it: its seconds, the day rows and the results per tenant it wrote, and the seconds of the
+    statements that render those results (``usage_tenant_days``), timed as SQLAlchemy sends them."""
+    from sqlalchemy import event
+
+    from registry.db import make_engine
+    from registry.usage import roll_up
+
+    engine = make_engine(url, pool_size=1, max_overflow=0)
+    spent: list[tuple[str, float]] = []
+    started: dict[int, float] = {}
+
+    def before(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        started[id(cursor)] = time.perf_counter()
+
+    def after(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        spent.append((statement, time.perf_counter() - started.pop(id(cursor))))
+
+    event.listen(engine.sync_engine, "before_cursor_execute", before)
+    event.listen(engine.sync_engine, "after_cursor_execute", after)
+    try:
+        async with engine.connect() as conn:  # connected before the clock starts
+            await conn.exec_driver_sql("SELECT 1")
+        spent.clear()
+        t0 = time.perf_counter()
+        done = await roll_up(engine, day + DAY + 600)
+        took = time.perf_counter() - t0
+    finally:
+        await engine.dispose()
+    if done.days != 1:
+        raise RuntimeError(f"the rollup closed {done.days} days, not the seeded one")
+    render = sum(s for statement, s in spent if "usage_tenant_days" in statement)
+    return {"seconds": took, "render_seconds": render, "statements": len(spent)}
+
+
+async def late_minute(url: str, day: int, tenant: str, seq: int) -> None:
+    """One late minute of ``tenant`` into the closed ``day``, flushed as a gateway back from an
+    outage flushes it (``registry.usage.apply_flush``): its day row, its result kept per tenant
+    and the late-write count change in one transaction."""
+    from registry.db import make_engine
+    from registry.usage import apply_flush
+
+    engine = make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        await apply_flush(engine, "bench-late", seq, [(day + 3600, tenant, "tiny", "", "ok", 1, 40, 0, 25, 1)])
+    finally:
+        await engine.dispose()
+
+
+async def set_results_aside(dsn: str, aside: bool) -> None:
+    """``aside``: the days' results kept per tenant left unused (the ``t`` watermark at 0) and the
+    late-write count moved on, so the next page is summed from the day rows; else ``t`` put back
+    at the day watermark (where the rollup left it)."""
     import asyncpg
 
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("INSERT INTO usage_late_writes (width, flushes) VALUES ('d', 1) ON CONFLICT (width) "
-                           "DO UPDATE SET flushes = usage_late_writes.flushes + 1")
+        if aside:
+            await conn.execute("INSERT INTO usage_late_writes (width, flushes) VALUES ('d', 1) ON CONFLICT (width) "
+                               "DO UPDATE SET flushes = usage_late_writes.flushes + 1")
+            await conn.execute("UPDATE usage_rollups SET done_until = 0 WHERE width = 't'")
+        else:
+            await conn.execute("UPDATE usage_rollups SET done_until = (SELECT done_until FROM usage_rollups "
+                               "WHERE width = 'd') WHERE width = 't'")
     finally:
         await conn.close()
 
@@ -317,43 +382,64 @@ def cpu_round(side: list[Gateway], requests: int, concurrency: int, procs: int) 
 # -- the query --------------------------------------------------------------------------------------
 
 
-def time_query(gw: Gateway, token: str, day: int, repeats: int, tenants: int, dsn: str) -> dict[str, Any]:
-    """The day by tenant, each repeat read from the ledger (the late-write count moved on first)
-    and then kept; the first repeat only warms the gateway's pool and the database's cache."""
+def time_query(gw: Gateway, token: str, day: int, repeats: int, tenants: int, url: str, dsn: str) -> dict[str, Any]:
+    """The day by tenant: its first read after the rollup closed it, then each repeat read after a
+    late minute, kept, and summed from the ledger; the first repeat only warms the gateway's pool
+    and the database's cache."""
     import httpx
 
     params = {"start_time": day, "end_time": day + DAY, "bucket_width": "1d", "group_by": "tenant"}
-    times: dict[str, list[float]] = {"read": [], "kept": []}
+    auth = {"authorization": f"Bearer {token}"}
+    times: dict[str, list[float]] = {"read": [], "kept": [], "summed": []}
     bodies: dict[str, bytes] = {}
+
+    def get(client: httpx.Client, query: dict[str, Any]) -> tuple[float, bytes]:
+        t0 = time.perf_counter()
+        r = client.get(gw.base + "/admin/usage", params=query, headers=auth)
+        body = r.content
+        took = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"GET /admin/usage -> {r.status_code}: {body[:300]!r}")
+        return took, body
+
     with httpx.Client(timeout=120.0) as client:
-        for _ in range(repeats + 1):
-            for way in ("read", "kept"):
+        get(client, params | {"tenants": "t0"})  # the gateway's pool and admin path warm, not this page
+        first, bodies["first"] = get(client, params)
+        for i in range(repeats + 1):
+            for way in ("read", "kept", "summed"):
                 if way == "read":
-                    asyncio.run(move_late_days(dsn))
-                t0 = time.perf_counter()
-                r = client.get(gw.base + "/admin/usage", params=params, headers={"authorization": f"Bearer {token}"})
-                body = r.content
-                times[way].append(time.perf_counter() - t0)
-                if r.status_code != 200:
-                    raise RuntimeError(f"GET /admin/usage -> {r.status_code}: {body[:300]!r}")
-                bodies[way] = body
-    if bodies["read"] != bodies["kept"]:
-        raise RuntimeError("GET /admin/usage: the kept page is not the page read from the ledger")
+                    asyncio.run(late_minute(url, day, f"t{secrets.randbelow(tenants)}", i + 1))
+                if way == "summed":
+                    asyncio.run(set_results_aside(dsn, True))
+                try:
+                    took, bodies[way] = get(client, params)
+                finally:
+                    if way == "summed":
+                        asyncio.run(set_results_aside(dsn, False))
+                times[way].append(took)
+            if not bodies["read"] == bodies["kept"] == bodies["summed"]:
+                raise RuntimeError("GET /admin/usage: the pages read, kept and summed from the ledger differ")
     results = len(orjson.loads(bodies["kept"])["data"][0]["results"])
     if results != tenants:
         raise RuntimeError(f"GET /admin/usage returned {results} tenants of {tenants}")
-    out: dict[str, Any] = {"results": results, "bytes": len(bodies["kept"])}
+    out: dict[str, Any] = {"results": results, "bytes": len(bodies["kept"]), "first_read_s": first}
     for way, ts in times.items():
         out[way] = {"best_s": min(ts[1:]), "median_s": statistics.median(ts[1:]), "all_s": ts[1:]}
     return out
 
 
-def query_lines(q: dict[str, Any]) -> list[str]:
+def query_lines(q: dict[str, Any], closed: dict[str, Any]) -> list[str]:
     head = f"GET /admin/usage, a day by tenant ({q['results']:,} results, {q['bytes'] / 1e6:.1f} MB)"
-    return [f"| {head}, read from the ledger | best {q['read']['best_s'] * 1000:.0f} ms, "
-            f"median {q['read']['median_s'] * 1000:.0f} ms |",
-            f"| {head}, a finished day's page kept | best {q['kept']['best_s'] * 1000:.0f} ms, "
-            f"median {q['kept']['median_s'] * 1000:.0f} ms |"]
+
+    def line(what: str, way: str) -> str:
+        return f"| {head}, {what} | best {q[way]['best_s'] * 1000:.0f} ms, median {q[way]['median_s'] * 1000:.0f} ms |"
+
+    return [f"| the rollup closing the day (day rows and results per tenant, one transaction) | "
+            f"{closed['seconds'] * 1000:.0f} ms, of which rendering the results {closed['render_seconds'] * 1000:.0f} ms |",
+            f"| {head}, the first read after the day closed | {q['first_read_s'] * 1000:.0f} ms |",
+            line("read after a late minute (results kept per tenant)", "read"),
+            line("a finished day's page kept", "kept"),
+            line("summed from the ledger (results per tenant set aside)", "summed")]
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -379,6 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"tenants": args.tenants, "flush_interval_s": args.flush_interval,
                               "concurrency": args.concurrency, "requests_per_round": args.requests}
     try:
+        result["close_day"] = asyncio.run(close_day(url, day))  # before the gateways: their maintenance would
         stub.start()
         t0 = time.monotonic()
         gateways = [Gateway(f"ledger-{i}", url, tmp, env, args.flush_interval) for i in (1, 2)]
@@ -447,7 +534,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
         admin = mint_admin(settings, ttl_s=DAY)
-        result["admin_usage_day_by_tenant"] = time_query(on[0], admin, day, args.query_repeats, args.tenants, dsn)
+        result["admin_usage_day_by_tenant"] = time_query(on[0], admin, day, args.query_repeats, args.tenants, url,
+                                                            dsn)
     finally:
         for g in gateways:
             stop_process(g.proc)
@@ -477,7 +565,7 @@ def table(r: dict[str, Any]) -> str:
         f"| minute rows per day (kept 7 days) | {'-' if per_day is None else f'{per_day:,.0f}'} |",
         f"| hour / day rows per day, at most (a key per tenant) | {pg['hour_rows_per_day_at_most']:,} / "
         f"{pg['day_rows_per_day_at_most']:,} |",
-        *query_lines(q),
+        *query_lines(q, r["close_day"]),
     ]
     return "\n".join(lines)
 
@@ -501,12 +589,13 @@ def run_query_only(args: argparse.Namespace) -> dict[str, Any]:
                        extra=("--chunks", "5", "--worker-secret", worker_secret))
     gw: Gateway | None = None
     try:
+        closed = asyncio.run(close_day(url, day))
         stub.start()
         gw = Gateway("query", url, tmp, env, 0)
         wait_http(gw.base + "/readyz", gw.proc, args.ready_timeout, gw.log)
         admin = mint_admin(Settings(jwt_secret=secret), ttl_s=DAY)
-        return {"tenants": args.tenants,
-                "admin_usage_day_by_tenant": time_query(gw, admin, day, args.query_repeats, args.tenants, dsn)}
+        return {"tenants": args.tenants, "close_day": closed,
+                "admin_usage_day_by_tenant": time_query(gw, admin, day, args.query_repeats, args.tenants, url, dsn)}
     finally:
         if gw is not None:
             stop_process(gw.proc)
@@ -528,12 +617,13 @@ def main() -> int:
                     help="do not extend --sustain to cover a whole minute (no minute rows per day then)")
     ap.add_argument("--query-repeats", type=int, default=5)
     ap.add_argument("--query-only", action="store_true",
-                    help="only 3.: seed the database and time GET /admin/usage on one gateway, no load")
+                    help="only 3. and 4.: seed the database, close the day and time GET /admin/usage on one gateway, no load")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     args = ap.parse_args()
     result = run_query_only(args) if args.query_only else run(args)
     print()
-    print("\n".join(["| figure | value |", "|---|---|", *query_lines(result["admin_usage_day_by_tenant"])])
+    print("\n".join(["| figure | value |", "|---|---|", *query_lines(result["admin_usage_day_by_tenant"],
+                                                                       result["close_day"])])
           if args.query_only else table(result))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "usage_ledger", "cpus": os.cpu_count(), "python": platform.python_version(),
