@@ -92,7 +92,7 @@ async def test_0002_recomputes_version_digests(db_url, tmp_path, caplog):
     dirs = {n: root / n for n in rows}
     weights_sha = {n: hashlib.sha256((d / "adapter_model.safetensors").read_bytes()).hexdigest()
                    for n, d in dirs.items()}
-    assert all(rows[n]["sha256"] == digest_directory(dirs[n]) != weights_sha[n] for n in rows)
+    assert all(rows[n].sha256 == digest_directory(dirs[n]) != weights_sha[n] for n in rows)
 
     async def stored() -> dict[str, str]:
         async with engine.connect() as conn:
