@@ -20,7 +20,10 @@ tenants in its own order, so every flush holds as many distinct tenants as the r
    minute, so rows per day.
 3. **Closing the day**: the rollup round that turns the seeded hours into day rows and renders
    every tenant's result (``registry.usage_tenant_days``) in the same transaction, timed per
-   statement (what rendering adds to the rollup).
+   statement (what rendering adds to the rollup). With ``--query-only`` the gateway is up and has
+   read the day's page once while it was open (summed from the hours, as a gateway that has been
+   serving has), and the rollup runs then; in the full run it runs before the gateways start
+   (their own maintenance would close the day).
 4. **GET /admin/usage** for the seeded day, ``bucket_width=1d&group_by=tenant``: end to end through a
    gateway's admin API (the whole body read). First, once, the first read after the day was closed
    (a gateway whose pool one small page warmed). Then best and median of ``--query-repeats``,
@@ -382,6 +385,20 @@ def cpu_round(side: list[Gateway], requests: int, concurrency: int, procs: int) 
 # -- the query --------------------------------------------------------------------------------------
 
 
+def read_open_day(gw: Gateway, token: str, day: int) -> float:
+    """The day by tenant while it is still open (summed from its hours), as a gateway that has
+    been serving reads it before the rollup closes the day: its seconds."""
+    import httpx
+
+    params = {"start_time": day, "end_time": day + DAY, "bucket_width": "1d", "group_by": "tenant"}
+    t0 = time.perf_counter()
+    r = httpx.get(gw.base + "/admin/usage", params=params, headers={"authorization": f"Bearer {token}"},
+                  timeout=120.0)
+    if r.status_code != 200:
+        raise RuntimeError(f"GET /admin/usage -> {r.status_code}: {r.content[:300]!r}")
+    return time.perf_counter() - t0
+
+
 def time_query(gw: Gateway, token: str, day: int, repeats: int, tenants: int, url: str, dsn: str) -> dict[str, Any]:
     """The day by tenant: its first read after the rollup closed it, then each repeat read after a
     late minute, kept, and summed from the ledger; the first repeat only warms the gateway's pool
@@ -589,11 +606,12 @@ def run_query_only(args: argparse.Namespace) -> dict[str, Any]:
                        extra=("--chunks", "5", "--worker-secret", worker_secret))
     gw: Gateway | None = None
     try:
-        closed = asyncio.run(close_day(url, day))
         stub.start()
         gw = Gateway("query", url, tmp, env, 0)
         wait_http(gw.base + "/readyz", gw.proc, args.ready_timeout, gw.log)
         admin = mint_admin(Settings(jwt_secret=secret), ttl_s=DAY)
+        open_day_s = read_open_day(gw, admin, day)
+        closed = asyncio.run(close_day(url, day)) | {"open_day_read_s": open_day_s}
         return {"tenants": args.tenants, "close_day": closed,
                 "admin_usage_day_by_tenant": time_query(gw, admin, day, args.query_repeats, args.tenants, url, dsn)}
     finally:
