@@ -12,7 +12,8 @@ weight is quantized by :meth:`ModelWeights.to`. For 4-bit serving (``LORAPLEX_WE
 GGUF Q4_0 and Q4_1 tensors are read as they are too (``keep_q4``), Q8_0 ones stay 8-bit, any
 other weight is quantized to 4 bits.
 
-GGUF specifics: tensors are dequantized with ``gguf.quants.dequantize``; llama.cpp's
+GGUF specifics: the file is parsed by ``loraplex.gguf_file`` and its tensors dequantized
+there, to exactly ``gguf.quants.dequantize``'s values; llama.cpp's
 converter permutes the q and k rows of Llama models (interleaved RoPE pairs), which is
 undone here so the Hugging Face ``rotate_half`` rotation applies; a ``rope_freqs``
 tensor (Llama-3 scaling as llama.cpp stores it) is returned as frequency factors.
@@ -43,6 +44,7 @@ from engine.quant import (
     quantize_q4,
     quantize_q8,
 )
+from loraplex.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from loraplex.modelinfo import gguf_getter
 
 Matrix = torch.Tensor | Q8Weight | PackedQ8 | Q4Weight | PackedQ4
@@ -223,21 +225,19 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return read_gguf(path)
 
 
-def gguf_reader(path: str | Path) -> Any:
-    """A parsed ``GGUFReader`` (parsing the metadata is slow, so weights and tokenizer share one)."""
+def gguf_reader(path: str | Path) -> GGUFFile:
+    """The parsed GGUF file (weights and tokenizer share one parse of its metadata)."""
     st = Path(path).stat()
     return _cached_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
 def release_readers() -> None:
-    """Drop the cached readers: one holds its file's metadata as about 250k Python objects (the
-    demo's vocabulary) and keeps the file mapped, long after the weights were copied out."""
+    """Drop the cached readers: one holds its file's metadata (the demo's vocabulary and merges
+    are about 100k strings) and keeps the file mapped, long after the weights were copied out."""
     _cached_reader.cache_clear()
 
 
@@ -249,10 +249,9 @@ def load_gguf(path: str | Path, keep_q8_0: bool = False, keep_q4: bool = False) 
     blocks as they are in the file) instead of float32; ``keep_q4``: those stored as Q4_0 or
     Q4_1 as ``engine.quant.Q4Weight``."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     reader = gguf_reader(path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
     get_meta = gguf_getter(reader)
     cfg = ModelConfig.from_gguf_fields(get_meta, set(tensors))
 
@@ -260,18 +259,16 @@ def load_gguf(path: str | Path, keep_q8_0: bool = False, keep_q4: bool = False) 
         t = tensors.get(name)
         if t is None:
             raise KeyError(f"tensor {name!r} missing from {path}")
-        arr = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return np.array(arr, dtype=np.float32, copy=True).reshape(shape)
+        return t.dequantized()
 
     permute = cfg.architecture == "llama"
 
-    def matrix_shape(t: Any) -> tuple[int, int]:
-        """A 2-D tensor's logical ``[N, K]`` (GGUF lists the dimensions innermost first)."""
-        k, n = (int(d) for d in t.shape.tolist())
+    def matrix_shape(t: GGUFTensor) -> tuple[int, int]:
+        """A 2-D tensor's logical ``[N, K]``."""
+        n, k = t.logical_shape
         return n, k
 
-    def as_stored(t: Any) -> Q8Weight | Q4Weight | None:
+    def as_stored(t: GGUFTensor) -> Q8Weight | Q4Weight | None:
         """A projection's blocks as the file holds them, when kept in that format."""
         if keep_q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0:
             return q8_0_from_gguf(t.data, matrix_shape(t))

@@ -91,7 +91,7 @@ def quantize_q8(w: torch.Tensor) -> Q8Weight:
 
 
 def q8_0_from_gguf(raw: np.ndarray, shape: tuple[int, int]) -> Q8Weight:
-    """A GGUF Q8_0 tensor's raw bytes (``GGUFReader``'s ``tensor.data``, uint8) of logical
+    """A GGUF Q8_0 tensor's raw bytes (``loraplex.gguf_file.GGUFTensor.data``, uint8) of logical
     ``shape`` ``[N, K]``, read as they are: no dequantize, no requantization."""
     n, k = shape
     if k % BLOCK:
@@ -247,7 +247,7 @@ def quantize_q4(w: torch.Tensor) -> Q4Weight:
 
 
 def q4_from_gguf(raw: np.ndarray, shape: tuple[int, int], offset: bool) -> Q4Weight:
-    """A GGUF Q4_1 (``offset``) or Q4_0 tensor's raw bytes (``GGUFReader``'s ``tensor.data``)
+    """A GGUF Q4_1 (``offset``) or Q4_0 tensor's raw bytes (``GGUFTensor.data``)
     of logical ``shape`` ``[N, K]``, read as they are: float16 ``d`` (and ``m``; Q4_0's is
     ``-8 d``) widened to float32, the nibbles unpacked (low = inputs 0..15 of a block, high =
     16..31), nothing dequantized or requantized."""

@@ -10,7 +10,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loraplex.gguf_file import GGUFFile
 
 PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -84,16 +87,15 @@ def hf_shape(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def gguf_getter(reader: Any) -> Any:
-    """``get(key, default)`` over a ``gguf.GGUFReader``'s metadata; the pseudo-key
+def gguf_getter(reader: GGUFFile) -> Any:
+    """``get(key, default)`` over a GGUF file's metadata; the pseudo-key
     ``tokenizer.ggml.tokens.__len__`` is the vocabulary's length."""
 
     def get(key: str, default: Any = None) -> Any:
         if key == "tokenizer.ggml.tokens.__len__":
-            f = reader.fields.get("tokenizer.ggml.tokens")
-            return default if f is None else len(f.data)
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+            tokens = reader.get("tokenizer.ggml.tokens")
+            return default if tokens is None else len(tokens)
+        return reader.get(key, default)
 
     return get
 
@@ -153,9 +155,9 @@ def describe_model(path: str | Path, name: str | None = None, revision: str | No
     if shape is not None:
         dims = {f.name: getattr(shape, f.name) for f in fields(ModelShape)}
     elif gguf:
-        from gguf import GGUFReader
+        from loraplex.gguf_file import read_gguf
 
-        dims = gguf_shape(gguf_getter(GGUFReader(str(p))))
+        dims = gguf_shape(gguf_getter(read_gguf(p)))
     else:
         dims = hf_shape(json.loads((p / "config.json").read_text()))
     return ModelInfo(name=name or default_name, revision=revision or revision_of(p), **dims)

@@ -11,9 +11,12 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    from loraplex.gguf_file import GGUFFile
 
 
 class ChatTemplateError(ValueError):
@@ -136,16 +139,13 @@ class TextTokenizer:
         return cls(tk, bos_token=bos, eos_token=eos, add_bos=add_bos, chat_template=template, extra_special=extra)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, reader: Any = None) -> TextTokenizer:
-        """``reader``: a ``gguf.GGUFReader`` of ``path`` already parsed (parsing is slow)."""
+    def from_gguf(cls, path: str | Path, reader: GGUFFile | None = None) -> TextTokenizer:
+        """``reader``: ``path`` already parsed (shared with the weights' load)."""
         if reader is None:
-            from gguf import GGUFReader
+            from loraplex.gguf_file import read_gguf
 
-            reader = GGUFReader(str(path))
-
-        def get(key: str, default: Any = None) -> Any:
-            f = reader.fields.get(key)
-            return default if f is None else f.contents()
+            reader = read_gguf(path)
+        get = reader.get
 
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -184,7 +184,7 @@ class TextTokenizer:
                                   "pad_token": tok("tokenizer.ggml.padding_token_id")})
 
     @classmethod
-    def from_model_path(cls, path: str | Path, gguf_reader: Any = None) -> TextTokenizer:
+    def from_model_path(cls, path: str | Path, gguf_reader: GGUFFile | None = None) -> TextTokenizer:
         p = Path(path)
         return cls.from_gguf(p, gguf_reader) if p.suffix == ".gguf" else cls.from_hf_dir(p)
 
