@@ -802,6 +802,19 @@ static int decode_attention(
         if (!joins) group[ngroups++] = b;
     }
     group[ngroups] = num_seqs;
+    /* The groups in the order each head takes them: by their first block, so rows over one shared
+     * prefix (the prefix cache's blocks) follow each other and read its keys from L2. */
+    int *order = (int *)malloc(sizeof(int) * (size_t)(ngroups > 0 ? ngroups : 1));
+    if (order == NULL) {
+        free(group);
+        return -2;
+    }
+    for (int i = 0; i < ngroups; i++) {  /* insertion sort, stable: a step has a few dozen groups */
+        const int64_t key = blocks[(int64_t)group[i] * blocks_per_seq];
+        int j = i;
+        for (; j > 0 && blocks[(int64_t)group[order[j - 1]] * blocks_per_seq] > key; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
     const int tasks = ngroups * num_kv_heads;
     int failed = 0, next_task = 0;
 
@@ -831,16 +844,17 @@ static int decode_attention(
          * one as it starts the current one, so that the next one's K/V blocks are fetched while
          * the current one computes (with the widened keys: decode rows of 100-200 tokens waited
          * on memory for half their time without it). They go kv head by kv head, each head's
-         * rows in batch order: the rows of a prefill chunk (one block table) come one after
-         * another on the same head, so a row finds the keys and values the row before it read
-         * still in L2 (one head's K/V of a 544-token context is 280 KB in float32), where
-         * row-major order streamed the other heads' between them and read every row's from L3. */
+         * rows in ``order``: the rows of a prefill chunk (one block table), and rows over one
+         * cached prefix, come one after another on the same head, so a row finds the keys and
+         * values the row before it read still in L2 (one head's K/V of a 544-token context is
+         * 280 KB in float32), where row-major order streamed the other heads' between them and
+         * read every row's from L3. */
         int task = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
         while (task < tasks) {
             const int upcoming = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             struct kv_next nx = {NULL, NULL, NULL, 0};
             if ((widen || amx) && upcoming < tasks) {
-                const int ng = upcoming % ngroups, nk = upcoming / ngroups;
+                const int ng = order[upcoming % ngroups], nk = upcoming / ngroups;
                 nx.k = (const uint16_t *)((const char *)k_pool + nk * head_bytes);
                 nx.v = (const uint16_t *)((const char *)v_pool + nk * head_bytes);
                 nx.table = blocks + (int64_t)group[ng] * blocks_per_seq;
@@ -849,7 +863,7 @@ static int decode_attention(
             const int current = task;
             task = upcoming;
             if (!ok) continue;
-            const int gi = current % ngroups;
+            const int gi = order[current % ngroups];
             const int kh = current / ngroups;
             const int first = group[gi], end = group[gi + 1];
             const int64_t *table = blocks + (int64_t)first * blocks_per_seq;
@@ -903,6 +917,7 @@ static int decode_attention(
 #endif
     }
     free(group);
+    free(order);
     return failed ? -2 : 0;
 }
 
