@@ -42,11 +42,12 @@ def test_settling_drops_the_reader_returns_memory_and_freezes_the_rest():
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["readers_before"] == 1 and got["readers_after"] == 0
-    # The reader's vocabulary alone is a quarter of a million objects; after settling, a full
-    # collection walks only what was made since.
-    assert got["objects_before"] > 300_000 and got["objects_after"] < 20_000, got
+    # The model's, tokenizer's and modules' objects are about 180k (the reader's metadata is plain
+    # strings and numbers, which the collector does not track); after settling, a full collection
+    # walks only what was made since.
+    assert got["objects_before"] > 100_000 and got["objects_after"] < 20_000, got
     assert got["frozen"] > 100_000
-    # The demo at int8: 1.6 GB resident before, 0.6 GB after. The reader's objects and the mapped
-    # file's pages are about 0.23 GB of that, the loader's freed float32 temporaries the rest.
-    assert got["rss_before"] - got["rss_after"] > 500e6, got
+    # The demo at int8: 1.18 GB resident before, 0.63 GB after: the loader's freed float32
+    # temporaries and the mapped file's pages.
+    assert got["rss_before"] - got["rss_after"] > 400e6, got
     assert got["tokens_equal"]
