@@ -89,43 +89,27 @@ class TenantRecord:
 
 @dataclass(frozen=True, slots=True)
 class BaseModelRecord:
-    name: str
-    revision: str
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    context_length: int
+    info: ModelInfo
+    """Its shape, name and content revision (``loraplex.modelinfo``)."""
     created_at: datetime | None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def revision(self) -> str:
+        return self.info.revision
 
     @classmethod
     def of(cls, b: BaseModelRow) -> BaseModelRecord:
-        return cls(name=b.name, revision=b.revision, architecture=b.architecture, hidden_size=b.hidden_size,
-                   intermediate_size=b.intermediate_size, num_layers=b.num_layers, num_heads=b.num_heads,
-                   num_kv_heads=b.num_kv_heads, head_dim=b.head_dim, vocab_size=b.vocab_size,
-                   context_length=b.context_length, created_at=_utc(b.created_at))
-
-    def dimensions(self) -> dict[str, int]:
-        """The shape's numbers, by name (``DIMENSIONS``, in its order)."""
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_layers": self.num_layers, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "vocab_size": self.vocab_size, "context_length": self.context_length}
-
-    def info(self) -> ModelInfo:
-        """The base model's description (``loraplex.modelinfo``)."""
-        return ModelInfo(architecture=self.architecture, hidden_size=self.hidden_size,
-                         intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         vocab_size=self.vocab_size, context_length=self.context_length, name=self.name,
-                         revision=self.revision)
+        return cls(ModelInfo(architecture=b.architecture, **{k: getattr(b, k) for k in DIMENSIONS}, name=b.name,
+                             revision=b.revision), _utc(b.created_at))
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "revision": self.revision, "architecture": self.architecture,
-                **self.dimensions(), "created_at": _iso(self.created_at)}
+        i = self.info
+        return {"name": i.name, "revision": i.revision, "architecture": i.architecture,
+                **{k: getattr(i, k) for k in DIMENSIONS}, "created_at": _iso(self.created_at)}
 
     def audit_json(self) -> dict[str, Any]:
         return _untimed(self.to_json())

@@ -236,7 +236,7 @@ class RegistryService:
             if row is None:
                 raise NotFound(f"base model {name!r} does not exist", code="base_model_not_found",
                                param="base_model")
-            return BaseModelRecord.of(row).info()
+            return BaseModelRecord.of(row).info
 
     # --- adapters ------------------------------------------------------------------------------------
 
