@@ -8,44 +8,12 @@ import gc
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+from gateway.access_lines import BufferedLines
 from loraplex.devsecrets import refusal
 from loraplex.ports import busy
 from loraplex.settings import Settings
-
-
-class BufferedLines(logging.Handler):
-    """Writes log messages as plain lines, many per ``write`` (flushed when full and by the app
-    every second)."""
-
-    def __init__(self, stream: TextIO, capacity: int = 256) -> None:
-        super().__init__()
-        self.stream = stream
-        self.capacity = capacity
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.add_line(record.getMessage())
-
-    def add_line(self, line: str) -> None:
-        """Take one line as it is (the gateway's access log calls this directly, without a record)."""
-        self.lines.append(line)
-        if len(self.lines) >= self.capacity:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.lines:
-            lines, self.lines = self.lines, []
-            try:
-                self.stream.write("\n".join(lines) + "\n")
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> None:
-        self.flush()
-        super().close()
 
 
 def log_access(path: str | None = None) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import responses_api
+from gateway.access_lines import BufferedLines
 from gateway.auth import Authenticator
 from gateway.canary_samples import MemorySamples, RedisSamples
 from gateway.canary_samples import sample as canary_sample
@@ -659,9 +660,8 @@ class _AccessRecords:
             # The logger's only handler takes plain lines (``loraplex gateway``'s buffered
             # access log): hand it the line, no record needed.
             handler = handlers[0]
-            add = getattr(handler, "add_line", None)
-            if add is not None and not handler.filters and handler.level <= logging.INFO:
-                add(line)
+            if isinstance(handler, BufferedLines) and not handler.filters and handler.level <= logging.INFO:
+                handler.add_line(line)
                 return
         template = self._template
         if template is None:

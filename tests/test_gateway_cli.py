@@ -16,7 +16,7 @@ from unittest import mock
 
 import httpx
 
-from gateway.cli import BufferedLines
+from gateway.access_lines import BufferedLines
 from gateway.metrics import OTHER, GatewayMetrics
 from gateway.request_path import _AccessRecords
 from loraplex.settings import Settings
