@@ -267,12 +267,23 @@ async def test_report_tiers_in_process_and_redis(client, world, redis_url, redis
     await rclient.aclose()
 
 
+ABSENT = 'loraplex_worker_adapter_arrivals_total{tier="absent",worker="w-lora"}'
+
+
+def _sample(text: str, series: str) -> float:
+    """``series``'s value in a Prometheus text page (0 where the page has no such line yet)."""
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
 async def test_metrics_adapter_tiers_and_ttft_by_cache(client, world):
     await chat(client, None)
     await chat(client, ref(world, "a"))
+    await chat(client, ref(world, "a"))  # warm now
+    absent = _sample((await client.get("/metrics")).text, ABSENT)  # the module's earlier tests count too
     fresh = ref(world, "b", id_="id-b-fresh")  # same files, new version id: a cold load
     await chat(client, fresh)
     text = (await client.get("/metrics")).text
+    assert _sample(text, ABSENT) == absent + 1  # the fresh version arrived absent
     for needle in ('loraplex_worker_adapters_resident{tier="device",worker="w-lora"}',
                    'loraplex_worker_adapter_loads_total{tier="disk",worker="w-lora"}',
                    'loraplex_worker_adapter_loads_total{tier="host",worker="w-lora"}',
@@ -281,7 +292,6 @@ async def test_metrics_adapter_tiers_and_ttft_by_cache(client, world):
                    'loraplex_worker_adapter_hits_total{tier="host",worker="w-lora"}',
                    "loraplex_worker_adapter_misses_total", "loraplex_worker_adapter_load_failures_total",
                    'loraplex_worker_adapter_requests_total{cache="cold",worker="w-lora"}',
-                   'loraplex_worker_adapter_arrivals_total{tier="absent",worker="w-lora"} 1.0',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="warm",worker="w-lora"}',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="cold",worker="w-lora"}',
                    'loraplex_worker_time_to_first_token_seconds_count{cache="base",worker="w-lora"}'):
