@@ -16,7 +16,8 @@ from registry.db import make_engine, session_factory
 from registry.migrate import upgrade_async
 from registry.models import UsageBucket, UsageFlush, UsageLateWrites, UsageRollup, UsageTenantDay
 from registry.usage import DAY, HOUR, apply_flush, roll_up, totals
-from registry.usage_query import FinishedPages, finished_pages, parse_usage_query, read_usage, read_usage_json
+from registry.usage_query import FinishedPages, finished_pages, parse_usage_query, read_usage
+from tests.usage_support import fresh, page
 
 D0 = 1_765_000_000 - 1_765_000_000 % DAY
 """A finished day (rolled up); ``D0 + DAY`` is today, still open."""
@@ -61,22 +62,6 @@ def q_day(day: int, days: int = 1, **more: str) -> Any:
     params = {"start_time": [str(day)], "end_time": [str(day + days * DAY)], "bucket_width": ["1d"],
               "group_by": ["tenant"], **{k: [v] for k, v in more.items()}}
     return parse_usage_query(params, max_rows=10_000, now=NOW)
-
-
-async def page(engine, q) -> bytes:
-    async with session_factory(engine)() as s:
-        return await read_usage_json(s, q)
-
-
-async def fresh(url: str, q) -> bytes:
-    """The page read by the general path: an engine with nothing kept."""
-    engine = make_engine(url)
-    try:
-        body = await page(engine, q)
-        assert finished_pages(engine).hits == 0
-        return body
-    finally:
-        await engine.dispose()
 
 
 def requests_by_tenant(body: bytes) -> dict[str, int]:
