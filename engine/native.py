@@ -65,6 +65,7 @@ _SIGNATURES = {
     "loraplex_f32_panel_pack": [PTR, INT, INT, PTR],
     "loraplex_f32_panel_matmul": [PTR, I64, INT, INT, PTR, INT, PTR, PTR, I64, INT],
     "loraplex_tile_matmul_init": [],
+    "loraplex_tile_matmul_fma": [INT],
     "loraplex_tile_matmul_bf16": [PTR, I64, INT, INT, PTR, INT, PTR, PTR, I64, INT, INT, INT],
     "loraplex_scan_rows_f32": [PTR, I64, INT, INT, PTR, PTR, INT],
     "loraplex_lora_rows_blocked": [],
@@ -422,8 +423,21 @@ class TileMatmul:
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self._fn = lib.loraplex_tile_matmul_bf16
+        self._fma = lib.loraplex_tile_matmul_fma
         self.isa = isa
         """``amx`` or ``avx512_bf16``: the build that runs."""
+
+    @property
+    def by_fma(self) -> bool:
+        """The AVX512-BF16 build sums with float32 FMAs on the widened bfloat16 (the same sums as
+        ``vdpbf16ps``'s, but where it flushes a denormal), as the library's start chose on a core
+        whose FMAs multiply-accumulate faster than its ``vdpbf16ps``; never on AMX."""
+        return self._fma(-1) == 1
+
+    @by_fma.setter
+    def by_fma(self, on: bool) -> None:
+        if self.isa == "avx512_bf16":
+            self._fma(int(on))
 
     @classmethod
     def fits(cls, weight: torch.Tensor) -> bool:

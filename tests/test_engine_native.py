@@ -375,6 +375,34 @@ def test_tile_matmul_rounds_like_onednn(rows, n_out, n_in):
 
 
 
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 31, 48, 301])
+def test_tile_matmul_fma_sums_are_vdpbf16ps_sums(rows):
+    """The AVX512-BF16 build's two ways to sum a tile (``vdpbf16ps``, or float32 FMAs on the
+    widened bfloat16 where the core runs those faster): the same bits in every out dtype, bias and
+    SwiGLU epilogue, every row block size and column chunking."""
+    tk = native.tile_matmul_kernel()
+    if tk is None or tk.isa != "avx512_bf16":
+        pytest.skip("not the AVX512-BF16 build (AMX tiles, or no native bfloat16)")
+    chosen = tk.by_fma
+    gen = torch.Generator().manual_seed(rows)
+    try:
+        for n_out, n_in in ((64, 32), (96, 576), (576, 1536), (3072, 576)):
+            w = torch.randn(n_out, n_in, generator=gen).bfloat16()
+            b = torch.randn(n_out, generator=gen)
+            x = torch.randn(rows, n_in + 32, generator=gen).bfloat16()[:, :n_in]
+            tiles = tk.pack(w)
+            for kw in ({}, {"bias": b, "out_dtype": torch.float32}, {"swiglu": True},
+                       {"swiglu": True, "out_dtype": torch.float32}):
+                tk.by_fma = False
+                assert not tk.by_fma
+                dp = tk(x, tiles, n_out, **kw)
+                tk.by_fma = True
+                assert tk.by_fma
+                assert torch.equal(tk(x, tiles, n_out, **kw), dp), (n_out, n_in, kw)
+    finally:
+        tk.by_fma = chosen
+
 @pytest.mark.parametrize("rows", [1, 7, 17, 32, 45, 100, 301])
 @pytest.mark.parametrize(("inter", "n_in"), [(16, 32), (48, 96), (1536, 576)])
 def test_tile_swiglu_epilogue_matches_matmul_then_silu_mul(rows, inter, n_in):

@@ -61,6 +61,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 
 #define MAX_GROUP 32
@@ -2446,6 +2447,8 @@ static inline __attribute__((always_inline)) void tile_epilogue(const struct til
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+int loraplex_tile_matmul_fma(int mode) { (void)mode; return -1; }  /* AMX tiles: no such choice */
+
 int loraplex_tile_matmul_init(void)
 {
     const int ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -2542,7 +2545,101 @@ static inline void tile_done(int configured)
 #define DP_PREFETCH 1
 #endif
 
-int loraplex_tile_matmul_init(void) { return 2; }
+/* 1: dp_pair's sums come from float32 FMAs (fma_pair) instead of vdpbf16ps; set by
+ * loraplex_tile_matmul_init from the two instructions' rates on this core. */
+static int dp_by_fma;
+
+/* Multiply-accumulates per second of a register loop of ``fma`` ? FMAs : vdpbf16ps (eight
+ * independent chains), on the calling thread. */
+static double dp_loop_rate(int fma, long iters)
+{
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_set1_ps(1e-3f * (float)(i + 1));
+    const __m512 x = _mm512_set1_ps(0.999f);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f), yb = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long it = 0; it < iters; it++) {
+        if (fma)
+            for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(a[i], x, a[i]);
+        else
+            for (int i = 0; i < 8; i++) a[i] = _mm512_dpbf16_ps(a[i], xb, yb);
+        __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]), "+v"(a[6]),
+                         "+v"(a[7]));
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    return (double)iters * 8.0 * (fma ? 16.0 : 32.0) / (s > 0 ? s : 1e-9);
+}
+
+int loraplex_tile_matmul_init(void)
+{
+    /* Some cores run vdpbf16ps at a quarter of their FMA rate per instruction (2 cores of an Intel
+     * Xeon with AVX512-BF16 but no AMX: its register loop 157 GFLOP/s against float32 FMA's 336),
+     * others at full rate (Zen 4). The best of three short alternated loops (about 1 ms in all)
+     * says which: FMAs over the widened bfloat16 when they multiply-accumulate 1.25x faster. */
+    double dp = 0, fma = 0;
+    for (int i = 0; i < 3; i++) {
+        const double d = dp_loop_rate(0, 20000), f = dp_loop_rate(1, 20000);
+        dp = d > dp ? d : dp;
+        fma = f > fma ? f : fma;
+    }
+    __atomic_store_n(&dp_by_fma, fma > 1.25 * dp, __ATOMIC_RELEASE);
+    return 2;
+}
+
+int loraplex_tile_matmul_fma(int mode)
+{
+    if (mode == 0 || mode == 1) __atomic_store_n(&dp_by_fma, mode, __ATOMIC_RELEASE);
+    return __atomic_load_n(&dp_by_fma, __ATOMIC_ACQUIRE);
+}
+
+/* dp_pair's sums (the same bits but where vdpbf16ps flushes a denormal) from float32 FMAs: a tile
+ * row's 16 columns x input pair widened into the odd inputs' floats (the pair's high halves, masked)
+ * and the even ones' (shifted up), and x's 32 inputs per pair step widened once into ``xs``. As
+ * vdpbf16ps does, each lane adds the odd input's exact product, then the even one's, rounding
+ * after each: two FMAs where vdpbf16ps is one instruction, at twice its rate where FMAs run 4x as
+ * fast. 2 x rows accumulators, four widened weight vectors and a broadcast: 29 of the 32 zmm. */
+static inline __attribute__((always_inline)) void fma_pair(const uint16_t *xa, int64_t x_stride, const int rows,
+                                                           int kbs, const uint16_t *b0, const uint16_t *b1,
+                                                           float *c0, float *c1)
+{
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    float xs[TILE_ROWS * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < rows; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int kb = 0; kb < kbs; kb++) {
+        const uint16_t *w0 = b0 + (int64_t)kb * 512, *w1 = b1 + (int64_t)kb * 512, *xk = xa + kb * 32;
+        for (int i = 0; i < rows; i++) {
+            const __m512i h = _mm512_loadu_si512(xk + i * x_stride);
+            _mm512_store_si512(xs + 32 * i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            _mm512_store_si512(xs + 32 * i + 16,
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        }
+        /* xs escapes here, so the broadcasts below load from it (load ports), where GCC would
+         * otherwise shuffle them out of the widened registers on the FMAs' own ports */
+        __asm__ volatile("" : : "r"(xs) : "memory");
+        for (int r = 0; r < 16; r++) {
+            _mm_prefetch((const char *)(w0 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
+            const __m512i v0 = _mm512_loadu_si512(w0 + 32 * r), v1 = _mm512_loadu_si512(w1 + 32 * r);
+            const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+            const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+            const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+            const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+            for (int i = 0; i < rows; i++) {
+                const __m512 xo = _mm512_set1_ps(xs[32 * i + 2 * r + 1]);
+                const __m512 xe = _mm512_set1_ps(xs[32 * i + 2 * r]);
+                a0[i] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, a0[i]));
+                a1[i] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, a1[i]));
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm512_storeu_ps(c0 + 16 * i, a0[i]);
+        _mm512_storeu_ps(c1 + 16 * i, a1[i]);
+    }
+}
 
 /* ``rows`` (constant at each call) rows of x against column blocks ``b0`` and ``b1``: 2 x rows
  * accumulators; per input pair, one load of each block's tile row and one broadcast per x row. */
@@ -2580,6 +2677,15 @@ static inline void tile_pair(const uint16_t *xa, int64_t x_stride, int rows, int
 {
     (void)configured;
     if (pend != NULL) tile_epilogue(dst, pend, 0, pend->rows);
+    if (__atomic_load_n(&dp_by_fma, __ATOMIC_RELAXED)) {
+        switch (rows) {
+#define FMA_ROWS(r) case r: fma_pair(xa, x_stride, r, kbs, b0, b1, c0, c1); break;
+        FMA_ROWS(1) FMA_ROWS(2) FMA_ROWS(3) FMA_ROWS(4) FMA_ROWS(5) FMA_ROWS(6)
+        FMA_ROWS(7) FMA_ROWS(8) FMA_ROWS(9) FMA_ROWS(10) FMA_ROWS(11) FMA_ROWS(12)
+#undef FMA_ROWS
+        }
+        return;
+    }
     switch (rows) {
 #define DP_ROWS(r) case r: dp_pair(xa, x_stride, r, kbs, b0, b1, c0, c1); break;
     DP_ROWS(1) DP_ROWS(2) DP_ROWS(3) DP_ROWS(4) DP_ROWS(5) DP_ROWS(6)
@@ -2643,6 +2749,7 @@ int loraplex_tile_matmul_bf16(
 }
 #else
 int loraplex_tile_matmul_init(void) { return -1; }
+int loraplex_tile_matmul_fma(int mode) { (void)mode; return -1; }
 
 int loraplex_tile_matmul_bf16(
     const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *wt, int n,
