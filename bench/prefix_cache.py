@@ -243,7 +243,8 @@ def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab
         res = run_cases(label, cases, run)
         if args.vllm_client:
             res["vllm_client"] = vllm_client_runs(label, args, server.url, server.token, server.cluster.base_name,
-                                                  server.names, hf, home)
+                                                  server.names if any(c.name == "prefix/4" for c in cases) else None,
+                                                  hf, home, base=any(c.name == "prefix/base" for c in cases))
         if args.conversations:
             conv = conversations(server, args)
             res["conversation"] = conv
@@ -289,7 +290,8 @@ def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path
     out = http_phase(make, cases, vocab, args, start_timeout=900)
     if args.vllm_client:
         runs: dict[str, dict[str, Any]] = {}
-        for lora in (False, True):
+        # each of vLLM's servers only for a prefix case asked for (its LoRA one is slow to serve)
+        for lora in [x for x, case in ((False, "prefix/base"), (True, "prefix/4")) if any(c.name == case for c in cases)]:
             server = make(lora)
             try:
                 server.wait_ready(900)
