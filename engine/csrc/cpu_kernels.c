@@ -220,25 +220,11 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *pool, 
     return _mm512_loadu_ps((const float *)pool + i);
 }
 
-/* s[t] = q . k_t for the 16 consecutive keys of head dim 64 starting at element ``k0``; returns
- * their max. Each key's products stay a vector, and the 16 vectors are summed across lanes
- * together (a transpose-and-add tree: 15 shuffle pairs for 16 keys instead of a full
- * horizontal reduction per key). */
-static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4], const void *kbase, int64_t k0,
-                                                              const int kv_bf16, float *s)
+/* The 16 keys' product vectors a[t] summed across lanes together, key t's sum in lane t: a
+ * transpose-and-add tree (15 shuffle pairs for 16 keys instead of a full horizontal reduction
+ * per key). */
+static inline __attribute__((always_inline)) __m512 sum16_keys(const __m512 a[16])
 {
-    /* Each key's four products in order, the keys interleaved: 16 independent chains in
-     * registers. (A loop over the keys, each key's chain whole, compiled to one chain at a time
-     * with its sum stored to the stack: the dependent FMAs' latency, a third of the decode
-     * kernel's time on an Intel Xeon.) */
-    __m512 a[16];
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; t++) a[t] = _mm512_mul_ps(q[0], kv_load16(kbase, k0 + (int64_t)t * 64, kv_bf16));
-#pragma GCC unroll 4
-    for (int c = 1; c < 4; c++)
-#pragma GCC unroll 16
-        for (int t = 0; t < 16; t++)
-            a[t] = _mm512_fmadd_ps(q[c], kv_load16(kbase, k0 + (int64_t)t * 64 + 16 * c, kv_bf16), a[t]);
     /* per 128-bit lane L of b[i]: (k0_L02, k1_L02, k0_L13, k1_L13) for keys 2i, 2i+1 */
     __m512 b[8];
     for (int i = 0; i < 8; i++)
@@ -255,10 +241,56 @@ static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4],
     for (int i = 0; i < 2; i++)
         d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[t] = q . k_t for the 16 consecutive keys of head dim 64 starting at element ``k0``; returns
+ * their max. Each key's products stay a vector, the 16 vectors summed by sum16_keys. */
+static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4], const void *kbase, int64_t k0,
+                                                              const int kv_bf16, float *s)
+{
+    /* Each key's four products in order, the keys interleaved: 16 independent chains in
+     * registers. (A loop over the keys, each key's chain whole, compiled to one chain at a time
+     * with its sum stored to the stack: the dependent FMAs' latency, a third of the decode
+     * kernel's time on an Intel Xeon.) */
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) a[t] = _mm512_mul_ps(q[0], kv_load16(kbase, k0 + (int64_t)t * 64, kv_bf16));
+#pragma GCC unroll 4
+    for (int c = 1; c < 4; c++)
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++)
+            a[t] = _mm512_fmadd_ps(q[c], kv_load16(kbase, k0 + (int64_t)t * 64 + 16 * c, kv_bf16), a[t]);
+    const __m512 e = sum16_keys(a);
     _mm512_storeu_ps(s, e);
     return _mm512_reduce_max_ps(e);
+}
+
+/* dot16_hd64 for ``G`` (2..4, constant at the call) query heads at once: each key's four vectors
+ * are loaded (and widened) once for all of them, where a pass per head read every key from L2
+ * again. Each head's key vectors are dot16_hd64's (the same products in the same order) and go
+ * through the same tree: the same scores. Head j's go to s + j * hs; mv[j] keeps their maxima,
+ * lane by lane. */
+static inline __attribute__((always_inline)) void dot16_heads_hd64(const int G, const __m512 q[][4],
+                                                                   const void *kbase, int64_t k0, const int kv_bf16,
+                                                                   float *s, int64_t hs, __m512 *mv)
+{
+    __m512 a[4][16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        const int64_t o = k0 + (int64_t)t * 64;
+        const __m512 k0v = kv_load16(kbase, o, kv_bf16), k1v = kv_load16(kbase, o + 16, kv_bf16),
+                     k2v = kv_load16(kbase, o + 32, kv_bf16), k3v = kv_load16(kbase, o + 48, kv_bf16);
+        for (int j = 0; j < G; j++)
+            a[j][t] = _mm512_fmadd_ps(q[j][3], k3v, _mm512_fmadd_ps(q[j][2], k2v,
+                                      _mm512_fmadd_ps(q[j][1], k1v, _mm512_mul_ps(q[j][0], k0v))));
+    }
+    for (int j = 0; j < G; j++) {
+        const __m512 e = sum16_keys(a[j]);
+        _mm512_storeu_ps(s + (int64_t)j * hs, e);
+        mv[j] = _mm512_max_ps(mv[j], e);
+    }
 }
 #endif
 
@@ -371,6 +403,23 @@ static inline __attribute__((always_inline)) void pv_heads_hd64(
 }
 #endif
 
+/* attend_task's first pass over the keys, at the block from key ``p0``: ask for the key block
+ * KV_PREFETCH_BLOCKS ahead (the first ones too, at the start) and this value block now, so
+ * scattered blocks arrive while earlier ones are computed: one block of compute is shorter than a
+ * memory round trip. */
+static inline __attribute__((always_inline)) void prefetch_ahead(
+    const void *kbase, const int64_t *ktable, int64_t k_bytes, const void *vbase, const int64_t *vtable,
+    int64_t v_bytes, int p0, int len, int block_size, int64_t block_elems)
+{
+    const int bi = p0 / block_size, nblk = (len + block_size - 1) / block_size;
+    for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
+        const char *kn = (const char *)kbase + ktable[bi + a] * block_elems * k_bytes;
+        for (int64_t c = 0; c < block_elems * k_bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
+    }
+    const char *vb = (const char *)vbase + vtable[bi] * block_elems * v_bytes;
+    for (int64_t c = 0; c < block_elems * v_bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
+}
+
 /* One (sequence, kv head) task of decode attention: ``g`` query heads against ``len``
  * keys. Always inlined into call sites with a constant ``head_dim`` (64, 128) and element
  * types (``k_bf16``/``v_bf16``, see ``kv_at``), so the per-key loops compile to straight vector
@@ -396,30 +445,49 @@ static inline __attribute__((always_inline)) void attend_task(
     const int joint_pv = 0;
 #endif
     float invs[MAX_GROUP];
+    float joint_max[4];
+#ifdef __AVX512F__
+    /* Every head's scores over whole 16-key runs in one pass over the keys (dot16_heads_hd64);
+     * the loop below scores what is left of each block and takes each head's max from here. */
+    const int joint_qk = head_dim == 64 && g >= 2 && g <= 4;
+    if (joint_qk) {
+        __m512 qv[4][4], mv[4];
+        for (int j = 0; j < g; j++) {
+            for (int c = 0; c < 4; c++) qv[j][c] = _mm512_loadu_ps(qb + (int64_t)j * q_stride_head + 16 * c);
+            mv[j] = _mm512_set1_ps(-3.0e38f);
+        }
+        for (int p0 = 0; p0 < len; p0 += block_size) {
+            const int n = len - p0 < block_size ? len - p0 : block_size;
+            const int64_t kb = ktable[p0 / block_size] * block_elems;
+            if (prefetch)
+                prefetch_ahead(kbase, ktable, k_bytes, vbase, vtable, v_bytes, p0, len, block_size, block_elems);
+            for (int t = 0; t + 16 <= n; t += 16) {
+                const int64_t k0 = kb + (int64_t)t * 64;
+                if (g == 2) dot16_heads_hd64(2, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
+                else if (g == 3) dot16_heads_hd64(3, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
+                else dot16_heads_hd64(4, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
+            }
+        }
+        for (int j = 0; j < g; j++) joint_max[j] = _mm512_reduce_max_ps(mv[j]);
+    }
+#else
+    const int joint_qk = 0;
+#endif
     for (int j = 0; j < g; j++) {
         const float *qj = qb + (int64_t)j * q_stride_head;
         float *sj = scores + (int64_t)j * len;
         /* scores: s_p = q_j . k_p */
-        float m = -3.0e38f;
+        float m = joint_qk ? joint_max[j] : -3.0e38f;
         for (int p0 = 0; p0 < len; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
             const int64_t kb = ktable[p0 / block_size] * block_elems;
-            if (j == 0 && prefetch) {
-                /* first pass over the keys: ask for the key block KV_PREFETCH_BLOCKS ahead (the
-                 * first ones too, at the start) and this value block now, so scattered blocks
-                 * arrive while earlier ones are computed: one block of compute is shorter than
-                 * a memory round trip */
-                const int bi = p0 / block_size, nblk = (len + block_size - 1) / block_size;
-                for (int a = bi == 0 ? 1 : KV_PREFETCH_BLOCKS; a <= KV_PREFETCH_BLOCKS && bi + a < nblk; a++) {
-                    const char *kn = (const char *)kbase + ktable[bi + a] * block_elems * k_bytes;
-                    for (int64_t c = 0; c < block_elems * k_bytes; c += 64) __builtin_prefetch(kn + c, 0, 3);
-                }
-                const char *vb = (const char *)vbase + vtable[bi] * block_elems * v_bytes;
-                for (int64_t c = 0; c < block_elems * v_bytes; c += 64) __builtin_prefetch(vb + c, 0, 3);
-            }
+            if (j == 0 && prefetch && !joint_qk)
+                prefetch_ahead(kbase, ktable, k_bytes, vbase, vtable, v_bytes, p0, len, block_size, block_elems);
             int t = 0;
 #ifdef __AVX512F__
-            if (head_dim == 64 && n >= 16) {
+            if (joint_qk) {
+                t = n - n % 16;  /* scored above */
+            } else if (head_dim == 64 && n >= 16) {
                 const __m512 qv[4] = {_mm512_loadu_ps(qj), _mm512_loadu_ps(qj + 16), _mm512_loadu_ps(qj + 32),
                                       _mm512_loadu_ps(qj + 48)};
                 for (; t + 16 <= n; t += 16) {
