@@ -2790,7 +2790,6 @@ int loraplex_tile_matmul_bf16(
     const int rparts = m >= TILE_SPLIT_ROWS * num_threads ? num_threads : 1;
     const int per_thread = rparts > 1 ? 1 : num_threads;
     const int chunks = per_thread * ((pairs + per_thread * TILE_CHUNK - 1) / (per_thread * TILE_CHUNK));
-    const int per_chunk = (pairs + chunks - 1) / chunks;
     const int rstep = ((m + rparts - 1) / rparts + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -2804,7 +2803,7 @@ int loraplex_tile_matmul_bf16(
         for (int it = 0; it < rparts * chunks; it++) {
         const int ch = it % chunks, rbeg = it / chunks * rstep, rend = rbeg + rstep < m ? rbeg + rstep : m;
         for (int r0 = rbeg; r0 < rend; r0 += TILE_ROWS)
-        for (int p = ch * per_chunk; p < (ch + 1) * per_chunk && p < pairs; p++) {
+        for (int p = ch * pairs / chunks; p < (ch + 1) * pairs / chunks; p++) {
             const uint16_t *b0 = wt + (int64_t)(swiglu ? p : 2 * p) * kbs * 512,
                            *b1 = b0 + (int64_t)(swiglu ? pairs : 1) * kbs * 512;
             const int rows = rend - r0 < TILE_ROWS ? rend - r0 : TILE_ROWS;
