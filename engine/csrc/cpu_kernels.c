@@ -270,11 +270,11 @@ static inline __attribute__((always_inline)) float dot16_hd64(const __m512 q[4],
 /* dot16_hd64 for ``G`` (2..4, constant at the call) query heads at once: each key's four vectors
  * are loaded (and widened) once for all of them, where a pass per head read every key from L2
  * again. Each head's key vectors are dot16_hd64's (the same products in the same order) and go
- * through the same tree: the same scores. Head j's go to s + j * hs; mv[j] keeps their maxima,
- * lane by lane. */
+ * through the same tree: the same scores. Head j's go to s + j * hs; mv[j] keeps the maxima of the
+ * ``valid`` lanes (keys), lane by lane. */
 static inline __attribute__((always_inline)) void dot16_heads_hd64(const int G, const __m512 q[][4],
                                                                    const void *kbase, int64_t k0, const int kv_bf16,
-                                                                   float *s, int64_t hs, __m512 *mv)
+                                                                   float *s, int64_t hs, __m512 *mv, __mmask16 valid)
 {
     __m512 a[4][16];
 #pragma GCC unroll 16
@@ -289,7 +289,7 @@ static inline __attribute__((always_inline)) void dot16_heads_hd64(const int G, 
     for (int j = 0; j < G; j++) {
         const __m512 e = sum16_keys(a[j]);
         _mm512_storeu_ps(s + (int64_t)j * hs, e);
-        mv[j] = _mm512_max_ps(mv[j], e);
+        mv[j] = _mm512_mask_max_ps(mv[j], valid, mv[j], e);
     }
 }
 #endif
@@ -447,9 +447,14 @@ static inline __attribute__((always_inline)) void attend_task(
     float invs[MAX_GROUP];
     float joint_max[4];
 #ifdef __AVX512F__
-    /* Every head's scores over whole 16-key runs in one pass over the keys (dot16_heads_hd64);
-     * the loop below scores what is left of each block and takes each head's max from here. */
-    const int joint_qk = head_dim == 64 && g >= 2 && g <= 4;
+    /* Every head's scores in one pass over the keys (dot16_heads_hd64), 16 keys at a time, a
+     * block's last run whole (the slots past the row's length are read, their scores stored past
+     * it and never used, and left out of the max): every score goes through the same tree,
+     * whatever the pool's type and wherever the row ends, so a row's bits do not depend on
+     * whether its keys were widened first (see decode_attention). Head j's scores start at
+     * scores + j * hs. */
+    const int joint_qk = head_dim == 64 && g >= 2 && g <= 4 && block_size % 16 == 0;
+    const int64_t hs = joint_qk ? (len + 15) & ~15 : len;
     if (joint_qk) {
         __m512 qv[4][4], mv[4];
         for (int j = 0; j < g; j++) {
@@ -461,33 +466,33 @@ static inline __attribute__((always_inline)) void attend_task(
             const int64_t kb = ktable[p0 / block_size] * block_elems;
             if (prefetch)
                 prefetch_ahead(kbase, ktable, k_bytes, vbase, vtable, v_bytes, p0, len, block_size, block_elems);
-            for (int t = 0; t + 16 <= n; t += 16) {
+            for (int t = 0; t < n; t += 16) {
                 const int64_t k0 = kb + (int64_t)t * 64;
-                if (g == 2) dot16_heads_hd64(2, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
-                else if (g == 3) dot16_heads_hd64(3, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
-                else dot16_heads_hd64(4, qv, kbase, k0, k_bf16, scores + p0 + t, len, mv);
+                const __mmask16 valid = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                if (g == 2) dot16_heads_hd64(2, qv, kbase, k0, k_bf16, scores + p0 + t, hs, mv, valid);
+                else if (g == 3) dot16_heads_hd64(3, qv, kbase, k0, k_bf16, scores + p0 + t, hs, mv, valid);
+                else dot16_heads_hd64(4, qv, kbase, k0, k_bf16, scores + p0 + t, hs, mv, valid);
             }
         }
         for (int j = 0; j < g; j++) joint_max[j] = _mm512_reduce_max_ps(mv[j]);
     }
 #else
     const int joint_qk = 0;
+    const int64_t hs = len;
 #endif
     for (int j = 0; j < g; j++) {
         const float *qj = qb + (int64_t)j * q_stride_head;
-        float *sj = scores + (int64_t)j * len;
-        /* scores: s_p = q_j . k_p */
+        float *sj = scores + (int64_t)j * hs;
+        /* scores: s_p = q_j . k_p (scored above on the joint pass) */
         float m = joint_qk ? joint_max[j] : -3.0e38f;
-        for (int p0 = 0; p0 < len; p0 += block_size) {
+        for (int p0 = 0; p0 < len && !joint_qk; p0 += block_size) {
             const int n = len - p0 < block_size ? len - p0 : block_size;
             const int64_t kb = ktable[p0 / block_size] * block_elems;
-            if (j == 0 && prefetch && !joint_qk)
+            if (j == 0 && prefetch)
                 prefetch_ahead(kbase, ktable, k_bytes, vbase, vtable, v_bytes, p0, len, block_size, block_elems);
             int t = 0;
 #ifdef __AVX512F__
-            if (joint_qk) {
-                t = n - n % 16;  /* scored above */
-            } else if (head_dim == 64 && n >= 16) {
+            if (head_dim == 64 && n >= 16) {
                 const __m512 qv[4] = {_mm512_loadu_ps(qj), _mm512_loadu_ps(qj + 16), _mm512_loadu_ps(qj + 32),
                                       _mm512_loadu_ps(qj + 48)};
                 for (; t + 16 <= n; t += 16) {
@@ -596,9 +601,9 @@ static inline __attribute__((always_inline)) void attend_task(
     }
 #ifdef __AVX512F__
     if (joint_pv) {
-        if (g == 2) pv_heads_hd64(2, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
-        else if (g == 3) pv_heads_hd64(3, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
-        else pv_heads_hd64(4, scores, len, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        if (g == 2) pv_heads_hd64(2, scores, hs, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else if (g == 3) pv_heads_hd64(3, scores, hs, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
+        else pv_heads_hd64(4, scores, hs, 1, len, vbase, vtable, block_size, v_bf16, invs, ob);
     }
 #elif defined(ATTN_AVX2)
     if (joint_pv)
@@ -855,6 +860,11 @@ static int decode_attention(
     (void)allow_amx;
 #endif
     const int widen = kv_bf16 && g > 1 && !amx;  /* several heads read each key: widen it once (widen_keys) */
+#ifdef __AVX512F__
+    const int in_place_rows = head_dim == 64 && g >= 2 && g <= 4 && block_size % 16 == 0;  /* attend_task's joint_qk */
+#else
+    const int in_place_rows = 0;
+#endif
     const int64_t max_blocks = (max_len > 0 ? max_len : 1) / block_size + 1;
     /* Consecutive rows of one prefill chunk (the same block table, each one position further)
      * form a group whose keys are widened once for all its rows: a row alone would widen all
@@ -893,7 +903,8 @@ static int decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)(max_len > 0 ? max_len : 1));
+        /* g heads' scores, each up to a multiple of 16 (attend_task's joint pass) */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)((max_len > 0 ? max_len : 1) + 16));
         /* a task's float32 output, rounded into a bfloat16 out */
         float *obuf = out_bf16 ? (float *)malloc(sizeof(float) * (size_t)g * (size_t)head_dim) : NULL;
         /* a task's widened keys, and the identity block table that reads them */
@@ -952,7 +963,11 @@ static int decode_attention(
                 continue;
             }
 #endif
-            if (widen)  /* the keys of the group's longest row: every row's keys */
+            /* the keys of the group's longest row: every row's keys; a row alone reads them in
+             * place where attend_task's joint pass widens each key once for every head (the same
+             * bits either way: 128 bytes a key read from L2 instead of 256 written and read) */
+            const int wide_k = widen && (end - first > 1 || !in_place_rows);
+            if (wide_k)
                 widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
                            head_dim, kwide, &nx);
             for (int b = first; b < end; b++) {
@@ -963,7 +978,7 @@ static int decode_attention(
                 float *ob = out_bf16 ? obuf : (float *)out + o0;
                 /* The parallel region is outlined with kv_bf16 a variable: branch here, outside the
                  * loops, so each branch compiles its own constant-type vector loops. */
-                if (widen)
+                if (wide_k)
                     attend_head_dim(qb, q_stride_head, kwide, ident, 0, vbase, table, 1, 0, len, block_size, g,
                                     head_dim, scores, ob);
                 else if (kv_bf16)
