@@ -346,6 +346,32 @@ def test_kernel_prefill_chunks_match_reference(kv_dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_kernel_row_alone_is_the_same_bits_as_in_a_batch(kv_dtype, block_size):
+    """A row attended alone (a group of one: its bfloat16 keys read in place where the kernel's
+    joint pass runs) and the same row inside a prefill chunk (the chunk's keys widened once for
+    all its rows) or beside other decode rows: the same bits, for lengths on and off 16-key runs."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(29 + block_size)
+    num_blocks, nb = 96, 80 // block_size + 1
+    k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    v_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = [perm[i * nb:(i + 1) * nb] for i in range(3)]
+    plan = [(0, n) for n in range(40, 80)] + [(1, 5), (2, 33), (1, 64), (2, 17)]  # a chunk, then decode rows
+    table = torch.stack([tables[s_i] for s_i, _ in plan]).contiguous()
+    lens = torch.tensor([n for _, n in plan])
+    q = torch.randn(len(plan), heads, head_dim, generator=gen) * 8 / head_dim ** 0.5
+    out = torch.empty(len(plan), heads * head_dim)
+    kernel(q, k_pool, v_pool, table, lens, int(lens.max()), block_size, out)
+    for i in range(len(plan)):
+        alone = torch.empty(1, heads * head_dim)
+        kernel(q[i:i + 1].contiguous(), k_pool, v_pool, table[i:i + 1].contiguous(), lens[i:i + 1].contiguous(),
+               int(lens[i]), block_size, alone)
+        assert torch.equal(alone[0], out[i]), (i, plan[i])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 100, 301])
 @pytest.mark.parametrize(("n_out", "n_in"), [(64, 32), (96, 576), (576, 1536)])
 def test_tile_matmul_rounds_like_onednn(rows, n_out, n_in):
