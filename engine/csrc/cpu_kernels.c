@@ -2566,10 +2566,11 @@ static void amx_configure(int m0, int m1)
  * so each pair drains the tile unit): a 3200-row gate|up with SwiGLU went 229 -> 150 ms on 2
  * threads of a Xeon, and one pair's products and plain epilogue with every operand in L1 ran
  * 670 ns interleaved against 890 after each other (products alone 556). */
-static inline void tile_pair(const uint16_t *xa, int64_t x_stride, int rows, int kbs, const uint16_t *b0,
-                             const uint16_t *b1, float *c0, float *c1, int *configured,
+static inline void tile_pair(const uint16_t *xa, int64_t x_stride, const float *xf, int rows, int kbs,
+                             const uint16_t *b0, const uint16_t *b1, float *c0, float *c1, int *configured,
                              const struct tile_dst *dst, const struct tile_out *pend)
 {
+    (void)xf;  /* the FMA build's widened x: tiles multiply bfloat16 */
     const int pend_step = pend != NULL ? (pend->rows + kbs - 1) / kbs : 0;
     const int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
     const int64_t xs_bytes = x_stride * (int64_t)sizeof(uint16_t);
@@ -2683,29 +2684,21 @@ int loraplex_tile_matmul_fma(int mode)
 
 /* dp_pair's sums (the same bits but where vdpbf16ps flushes a denormal) from float32 FMAs: a tile
  * row's 16 columns x input pair widened into the odd inputs' floats (the pair's high halves, masked)
- * and the even ones' (shifted up), and x's 32 inputs per pair step widened once into ``xs``. As
- * vdpbf16ps does, each lane adds the odd input's exact product, then the even one's, rounding
- * after each: two FMAs where vdpbf16ps is one instruction, at twice its rate where FMAs run 4x as
- * fast. 2 x rows accumulators, four widened weight vectors and a broadcast: 29 of the 32 zmm. */
-static inline __attribute__((always_inline)) void fma_pair(const uint16_t *xa, int64_t x_stride, const int rows,
+ * and the even ones' (shifted up), against ``xf``, the row block's x widened once for all the column
+ * pairs that read it (tile_x_widen; rows ``xf_stride`` apart). As vdpbf16ps does, each lane adds
+ * the odd input's exact product, then the even one's, rounding after each: two FMAs where
+ * vdpbf16ps is one instruction, at twice its rate where FMAs run 4x as fast. 2 x rows
+ * accumulators, four widened weight vectors and a broadcast: 29 of the 32 zmm. */
+static inline __attribute__((always_inline)) void fma_pair(const float *xf, int64_t xf_stride, const int rows,
                                                            int kbs, const uint16_t *b0, const uint16_t *b1,
                                                            float *c0, float *c1)
 {
     __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    float xs[TILE_ROWS * 32] __attribute__((aligned(64)));
     for (int i = 0; i < rows; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int kb = 0; kb < kbs; kb++) {
-        const uint16_t *w0 = b0 + (int64_t)kb * 512, *w1 = b1 + (int64_t)kb * 512, *xk = xa + kb * 32;
-        for (int i = 0; i < rows; i++) {
-            const __m512i h = _mm512_loadu_si512(xk + i * x_stride);
-            _mm512_store_si512(xs + 32 * i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-            _mm512_store_si512(xs + 32 * i + 16,
-                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-        }
-        /* xs escapes here, so the broadcasts below load from it (load ports), where GCC would
-         * otherwise shuffle them out of the widened registers on the FMAs' own ports */
-        __asm__ volatile("" : : "r"(xs) : "memory");
+        const uint16_t *w0 = b0 + (int64_t)kb * 512, *w1 = b1 + (int64_t)kb * 512;
+        const float *xk = xf + kb * 32;
         for (int r = 0; r < 16; r++) {
             _mm_prefetch((const char *)(w0 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + DP_PREFETCH * 512 + 32 * r), _MM_HINT_T0);
@@ -2715,8 +2708,8 @@ static inline __attribute__((always_inline)) void fma_pair(const uint16_t *xa, i
             const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
             const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
             for (int i = 0; i < rows; i++) {
-                const __m512 xo = _mm512_set1_ps(xs[32 * i + 2 * r + 1]);
-                const __m512 xe = _mm512_set1_ps(xs[32 * i + 2 * r]);
+                const __m512 xo = _mm512_set1_ps(xk[i * xf_stride + 2 * r + 1]);
+                const __m512 xe = _mm512_set1_ps(xk[i * xf_stride + 2 * r]);
                 a0[i] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, a0[i]));
                 a1[i] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, a1[i]));
             }
@@ -2726,6 +2719,35 @@ static inline __attribute__((always_inline)) void fma_pair(const uint16_t *xa, i
         _mm512_storeu_ps(c0 + 16 * i, a0[i]);
         _mm512_storeu_ps(c1 + 16 * i, a1[i]);
     }
+}
+
+/* The calling thread's buffer of at least ``n`` floats (grown, never shrunk: the OpenMP team's
+ * threads live as long as the process), or NULL. */
+static float *tile_x_buffer(size_t n)
+{
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        float *grown = (float *)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        if (grown == NULL) return NULL;
+        free(buf);
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
+/* Rows of bfloat16 x (``rows`` x ``k``, k a multiple of 32) widened into ``xf`` (rows k apart). */
+static inline void tile_x_widen(const uint16_t *x, int64_t x_stride, int rows, int k, float *xf)
+{
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < k; c += 32) {
+            const __m512i h = _mm512_loadu_si512(x + i * x_stride + c);
+            _mm512_store_si512(xf + (int64_t)i * k + c,
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            _mm512_store_si512(xf + (int64_t)i * k + c + 16,
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        }
 }
 
 /* ``rows`` (constant at each call) rows of x against column blocks ``b0`` and ``b1``: 2 x rows
@@ -2758,15 +2780,15 @@ static inline __attribute__((always_inline)) void dp_pair(const uint16_t *xa, in
     }
 }
 
-static inline void tile_pair(const uint16_t *xa, int64_t x_stride, int rows, int kbs, const uint16_t *b0,
-                             const uint16_t *b1, float *c0, float *c1, int *configured,
+static inline void tile_pair(const uint16_t *xa, int64_t x_stride, const float *xf, int rows, int kbs,
+                             const uint16_t *b0, const uint16_t *b1, float *c0, float *c1, int *configured,
                              const struct tile_dst *dst, const struct tile_out *pend)
 {
     (void)configured;
     if (pend != NULL) tile_epilogue(dst, pend, 0, pend->rows);
-    if (__atomic_load_n(&dp_by_fma, __ATOMIC_RELAXED)) {
+    if (xf != NULL) {
         switch (rows) {
-#define FMA_ROWS(r) case r: fma_pair(xa, x_stride, r, kbs, b0, b1, c0, c1); break;
+#define FMA_ROWS(r) case r: fma_pair(xf, (int64_t)kbs * 32, r, kbs, b0, b1, c0, c1); break;
         FMA_ROWS(1) FMA_ROWS(2) FMA_ROWS(3) FMA_ROWS(4) FMA_ROWS(5) FMA_ROWS(6)
         FMA_ROWS(7) FMA_ROWS(8) FMA_ROWS(9) FMA_ROWS(10) FMA_ROWS(11) FMA_ROWS(12)
 #undef FMA_ROWS
@@ -2814,18 +2836,28 @@ int loraplex_tile_matmul_bf16(
         const struct tile_dst dst = {bias, y, y_stride, y_bf16, swiglu};
         struct tile_out pend = {NULL, NULL, 0, 0, 0};
         int configured = -1, cur = 0;
+        /* the FMA build widens each row block of x once for every column pair of its item */
+#if defined(HAVE_AMX) || !defined(__AVX512BF16__)
+        float *xw = NULL;
+#else
+        float *xw = __atomic_load_n(&dp_by_fma, __ATOMIC_RELAXED) ? tile_x_buffer((size_t)TILE_ROWS * k) : NULL;
+#endif
 #pragma omp for schedule(static)
         for (int it = 0; it < rparts * chunks; it++) {
         const int ch = it % chunks, rbeg = it / chunks * rstep, rend = rbeg + rstep < m ? rbeg + rstep : m;
-        for (int r0 = rbeg; r0 < rend; r0 += TILE_ROWS)
+        for (int r0 = rbeg; r0 < rend; r0 += TILE_ROWS) {
+#if !defined(HAVE_AMX) && defined(__AVX512BF16__)
+        if (xw != NULL) tile_x_widen(x + (int64_t)r0 * x_stride, x_stride, rend - r0 < TILE_ROWS ? rend - r0 : TILE_ROWS, k, xw);
+#endif
         for (int p = ch * pairs / chunks; p < (ch + 1) * pairs / chunks; p++) {
             const uint16_t *b0 = wt + (int64_t)(swiglu ? p : 2 * p) * kbs * 512,
                            *b1 = b0 + (int64_t)(swiglu ? pairs : 1) * kbs * 512;
             const int rows = rend - r0 < TILE_ROWS ? rend - r0 : TILE_ROWS;
-            tile_pair(x + (int64_t)r0 * x_stride, x_stride, rows, kbs, b0, b1, c[cur][0], c[cur][1], &configured,
+            tile_pair(x + (int64_t)r0 * x_stride, x_stride, xw, rows, kbs, b0, b1, c[cur][0], c[cur][1], &configured,
                       &dst, pend.rows ? &pend : NULL);
             pend = (struct tile_out){c[cur][0], c[cur][1], rows, p, r0};
             cur ^= 1;
+        }
         }
         }
         if (pend.rows) tile_epilogue(&dst, &pend, 0, pend.rows);
