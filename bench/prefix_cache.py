@@ -242,9 +242,10 @@ def gateway_phase(label: str, args: argparse.Namespace, cases: list[Case], vocab
 
         res = run_cases(label, cases, run)
         if args.vllm_client:
+            asked = {c.name for c in cases}
             res["vllm_client"] = vllm_client_runs(label, args, server.url, server.token, server.cluster.base_name,
-                                                  server.names if any(c.name == "prefix/4" for c in cases) else None,
-                                                  hf, home, base=any(c.name == "prefix/base" for c in cases))
+                                                  server.names if "prefix/4" in asked else None, hf, home,
+                                                  base="prefix/base" in asked)
         if args.conversations:
             conv = conversations(server, args)
             res["conversation"] = conv
@@ -291,7 +292,8 @@ def run_server(name: str, args: argparse.Namespace, cases: list[Case], tmp: Path
     if args.vllm_client:
         runs: dict[str, dict[str, Any]] = {}
         # each of vLLM's servers only for a prefix case asked for (its LoRA one is slow to serve)
-        for lora in [x for x, case in ((False, "prefix/base"), (True, "prefix/4")) if any(c.name == case for c in cases)]:
+        asked = {c.name for c in cases}
+        for lora in [x for x, case in ((False, "prefix/base"), (True, "prefix/4")) if case in asked]:
             server = make(lora)
             try:
                 server.wait_ready(900)

@@ -403,6 +403,18 @@ static inline __attribute__((always_inline)) void pv_heads_hd64(
 }
 #endif
 
+/* attend_task scores every query head in one pass (its joint_qk): head dim 64, 2-4 query heads per
+ * kv head and blocks of whole 16-key runs, on AVX-512. */
+static inline int joint_scores(int head_dim, int g, int block_size)
+{
+#ifdef __AVX512F__
+    return head_dim == 64 && g >= 2 && g <= 4 && block_size % 16 == 0;
+#else
+    (void)head_dim; (void)g; (void)block_size;
+    return 0;
+#endif
+}
+
 /* attend_task's first pass over the keys, at the block from key ``p0``: ask for the key block
  * KV_PREFETCH_BLOCKS ahead (the first ones too, at the start) and this value block now, so
  * scattered blocks arrive while earlier ones are computed: one block of compute is shorter than a
@@ -453,7 +465,7 @@ static inline __attribute__((always_inline)) void attend_task(
      * whatever the pool's type and wherever the row ends, so a row's bits do not depend on
      * whether its keys were widened first (see decode_attention). Head j's scores start at
      * scores + j * hs. */
-    const int joint_qk = head_dim == 64 && g >= 2 && g <= 4 && block_size % 16 == 0;
+    const int joint_qk = joint_scores(head_dim, g, block_size);
     const int64_t hs = joint_qk ? (len + 15) & ~15 : len;
     if (joint_qk) {
         __m512 qv[4][4], mv[4];
@@ -860,11 +872,7 @@ static int decode_attention(
     (void)allow_amx;
 #endif
     const int widen = kv_bf16 && g > 1 && !amx;  /* several heads read each key: widen it once (widen_keys) */
-#ifdef __AVX512F__
-    const int in_place_rows = head_dim == 64 && g >= 2 && g <= 4 && block_size % 16 == 0;  /* attend_task's joint_qk */
-#else
-    const int in_place_rows = 0;
-#endif
+    const int in_place_rows = joint_scores(head_dim, g, block_size);  /* a lone row reads its keys in place */
     const int64_t max_blocks = (max_len > 0 ? max_len : 1) / block_size + 1;
     /* Consecutive rows of one prefill chunk (the same block table, each one position further)
      * form a group whose keys are widened once for all its rows: a row alone would widen all
