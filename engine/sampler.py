@@ -7,8 +7,12 @@ gave them (adapter applied, before any of these transforms), which is what OpenA
 
 All rows are processed together; only the random draw is per row, so a request with
 a ``seed`` draws from its own ``torch.Generator`` and reproduces its tokens whatever
-else shares the batch. Sampling uses the exponential race (``argmax(p / E)`` with
-``E ~ Exp(1)``), which draws exactly from ``p``.
+else shares the batch. Sampling inverts each row's cumulative distribution at one uniform draw
+(the first token whose running sum of ``p``, summed in float64, exceeds ``u`` times the row's
+total), which draws exactly from ``p`` with one random number per row: the exponential race
+(``argmax(p / E)``, ``E ~ Exp(1)``) drew one per vocabulary entry, and torch's exponential
+draws took 18 ms of a 16-row step over a 49,152-token vocabulary on a 2-core Zen 3, against
+about 1 ms for the running sums.
 """
 
 from __future__ import annotations
@@ -107,15 +111,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], scan: RowScan | None = No
         top_p = torch.tensor([p.top_p for p in ps], dtype=sub.dtype, device=sub.device)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
             sub = _filter_top_k_top_p(sub, top_k, top_p)
-        probs = torch.softmax(sub, dim=-1)
-        noise = torch.empty_like(probs)
+        probs = torch.softmax(sub, dim=-1)  # row by row: a row's bits do not depend on its batch
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        u = torch.empty(len(random_rows), dtype=torch.float64)
         unseeded = [j for j, i in enumerate(random_rows) if seqs[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
         for j, i in enumerate(random_rows):
             g = seqs[i].generator
             if g is not None:
-                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
-        chosen = (probs / noise).max(dim=-1).indices
+                u[j] = torch.rand(1, dtype=torch.float64, generator=g)
+        # the first token whose running sum passes u * total (kept below the total, which u * total
+        # may round up to): never a token of probability 0, where the sum does not grow
+        total = cdf[:, -1:]
+        at = torch.minimum(u.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+        chosen = torch.searchsorted(cdf, at, right=True).squeeze(1)
         out[idx] = chosen
     return out.tolist()

@@ -186,6 +186,26 @@ def test_sampler_greedy_topk_topp_and_seed():
     assert {sample(logits[:1], [k3])[0] for _ in range(50)} <= allowed
 
 
+def test_sampler_draws_each_token_at_its_probability():
+    """Many rows of one distribution (a token masked to -inf among them), drawn in one batch: the
+    counts match softmax(logits / T) (chi-square, 5 degrees of freedom, far past p = 1e-6), the
+    masked token never comes, and a seeded row draws what it draws alone."""
+    torch.manual_seed(3)
+    logits = torch.tensor([1.5, 0.2, -0.7, 2.1, float("-inf"), 0.9, -1.8])
+    temperature, n = 0.8, 24_000
+    rows = [_seq(1, temperature=temperature) for _ in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits.expand(n, -1).contiguous(), rows)), minlength=7)
+    assert counts[4] == 0
+    expected = torch.softmax(logits / temperature, dim=-1) * n
+    live = expected > 0
+    chi2 = float((((counts[live] - expected[live]) ** 2) / expected[live]).sum())
+    assert chi2 < 40.0, (counts.tolist(), expected.tolist())
+    alone = sample(logits.unsqueeze(0), [_seq(1, temperature=temperature, seed=5)])
+    batch = sample(logits.expand(4, -1), [_seq(1, temperature=temperature) for _ in range(3)]
+                   + [_seq(1, temperature=temperature, seed=5)])
+    assert batch[3] == alone[0]
+
+
 def test_penalties_and_logit_bias_transform_only_their_rows():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0], [2.0, -1.0, 0.5, 0.0]])
     plain = _seq(2, temperature=0.0)  # prompt ids 1, 2
