@@ -27,19 +27,55 @@ if TYPE_CHECKING:
     from engine.native import RowScan
 
 
+NUCLEUS_WINDOW = 1024
+"""The largest logits of each row that the top-k / top-p filter sorts first."""
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus; ``top_k <= 0`` means all."""
+    """Mask (to -inf) tokens outside each row's top-k and nucleus; ``top_k <= 0`` means all.
+
+    A token stays while the mass of the tokens ranked before it (after top-k) is below ``top_p``.
+    Only each row's largest logits are sorted, ``NUCLEUS_WINDOW`` of them (or its top-k), against
+    the row's whole mass from a log-sum-exp: where they hold ``top_p`` of it, the nucleus lies
+    within them. The other rows go again with 8 times as many, or with the whole vocabulary where
+    even that cannot hold the rest of the nucleus (each token past the window weighs at most what
+    its last one does). Sorting whole rows took 57 ms of a 16-row step over a 49,152-token
+    vocabulary on a 2-core Zen 3. The sums are float64: float32 running sums over thousands of
+    tokens moved a flat row's nucleus edge by a token."""
     vocab = logits.shape[-1]
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    drop = ranks >= k
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-    drop |= before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    limited = k < vocab
+    out = logits.clone()
+    rows = torch.nonzero(limited | (top_p < 1.0)).squeeze(1)
+    picked = logits.index_select(0, rows)
+    top = picked.amax(dim=-1, keepdim=True)
+    whole = top.squeeze(1).double() + torch.exp(picked - top).sum(dim=-1, dtype=torch.float64).log()  # log mass
+    width = torch.full_like(rows, NUCLEUS_WINDOW)
+    while rows.numel():
+        x, kr, lim, pr = logits[rows], k[rows], limited[rows], top_p[rows].double()
+        pr = torch.where(pr >= 1.0, float("inf"), pr)  # 1: no nucleus, even where sums round to 1
+        w = min(vocab, max([int(width.max()), *kr[lim].tolist()]))
+        vals, order = torch.topk(x, w, dim=-1) if w < vocab else torch.sort(x, dim=-1, descending=True)
+        wv = vals.double()
+        drop = torch.arange(w, device=logits.device).unsqueeze(0) >= kr.unsqueeze(1)
+        total = whole.clone()
+        if bool(lim.any()):
+            total[lim] = torch.logsumexp(wv[lim].masked_fill(drop[lim], float("-inf")), dim=-1)
+        probs = torch.exp(wv - total.unsqueeze(1)).masked_fill(drop, 0.0)
+        cum = torch.cumsum(probs, dim=-1)
+        drop |= (cum - probs) >= pr.unsqueeze(1)  # the mass strictly before each token
+        drop[:, 0] = False
+        done = lim | (cum[:, -1] >= pr) | (w == vocab)
+        if bool(done.all()):
+            out[rows] = torch.full_like(x, float("-inf")).scatter_(1, order, vals.masked_fill_(drop, float("-inf")))
+            break
+        kept = vals[done].masked_fill(drop[done], float("-inf"))
+        out[rows[done]] = torch.full_like(x[done], float("-inf")).scatter_(1, order[done], kept)
+        # the tokens the rest of the nucleus needs at least, each at most the window's last one
+        need = w + (pr - cum[:, -1]) / probs[:, -1].clamp(min=1e-300)
+        width = torch.where(need > 8 * w, vocab, 8 * w).to(rows.dtype)[~done]
+        rows, whole = rows[~done], whole[~done]
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

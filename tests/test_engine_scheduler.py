@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import sampler
 from engine.kv_cache import BlockAllocator, OutOfBlocksError
 from engine.sampler import apply_penalties, sample, token_logprobs
 from engine.scheduler import AdmissionPolicy, QueueFullError, Scheduler
@@ -204,6 +205,42 @@ def test_sampler_draws_each_token_at_its_probability():
     batch = sample(logits.expand(4, -1), [_seq(1, temperature=temperature) for _ in range(3)]
                    + [_seq(1, temperature=temperature, seed=5)])
     assert batch[3] == alone[0]
+
+
+def _nucleus_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Each row sorted whole, in float64: the tokens top-k and top-p keep."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for r in range(logits.shape[0]):
+        v, order = torch.sort(logits[r].double(), descending=True)
+        k = top_k[r] if top_k[r] > 0 else logits.shape[1]
+        p = torch.softmax(v[:k], dim=-1)
+        kept = (torch.cumsum(p, dim=-1) - p) < (top_p[r] if top_p[r] < 1.0 else float("inf"))
+        kept[0] = True
+        keep[r, order[:k][kept]] = True
+    return keep
+
+
+@pytest.mark.parametrize("window", [1024, 8])
+def test_top_k_top_p_keep_what_a_whole_sort_keeps(monkeypatch, window):
+    """Rows from flat to peaked, top-k and top-p alone and together, a masked token: the filter
+    keeps exactly what sorting each row whole in float64 keeps, and leaves the kept logits as they
+    were. With a window of 8, every way is taken: the window, the whole row (flat rows, whose
+    nucleus cannot fit in 64), and 8 times the window (a plateau of 20 tokens, beside a peaked row:
+    the rows left after a pass go on together at the widest any of them needs)."""
+    monkeypatch.setattr(sampler, "NUCLEUS_WINDOW", window)
+    torch.manual_seed(4)
+    scales = [0.3, 1.0, 3.0, 8.0, 20.0, 3.0, 1.0, 8.0]
+    logits = torch.stack([torch.randn(700) * s for s in scales] + [torch.randn(700) - 10.0])
+    logits[2, 5] = float("-inf")
+    logits[8, :20] = 5.0 - 0.01 * torch.arange(20)
+    top_k = [-1, -1, -1, -1, 40, 3, 200, -1, -1]
+    top_p = [0.9, 0.95, 0.5, 0.99, 0.8, 1.0, 1.0, 1.0, 0.9]
+    keep = _nucleus_reference(logits, top_k, top_p)
+    assert keep[0].sum() > 64 and 8 < keep[8].sum() < 64 and keep[3].sum() < 8
+    for rows in (list(range(9)), [0, 1, 2, 3, 8], [3, 8]):
+        out = sampler._filter_top_k_top_p(logits[rows], torch.tensor(top_k)[rows], torch.tensor(top_p)[rows])
+        assert torch.equal(out.isfinite(), keep[rows])
+        assert torch.equal(out[keep[rows]], logits[rows][keep[rows]])
 
 
 def test_penalties_and_logit_bias_transform_only_their_rows():
