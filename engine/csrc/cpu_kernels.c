@@ -942,6 +942,8 @@ static int decode_attention(
          * 280 KB in float32), where row-major order streamed the other heads' between them and
          * read every row's from L3. */
         int task = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+        int64_t last_first = -1;
+        int last_kh = -1;
         while (task < tasks) {
             const int upcoming = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             struct kv_next nx = {NULL, NULL, NULL, 0};
@@ -974,6 +976,12 @@ static int decode_attention(
             /* the keys of the group's longest row: every row's keys; a row alone reads them in
              * place where attend_task's joint pass widens each key once for every head (the same
              * bits either way: 128 bytes a key read from L2 instead of 256 written and read) */
+            /* the same first block and kv head as this thread's last task (the rows over one cached
+             * prefix, a chunk's rows): its K/V are in this core's L2 already, and asking for them
+             * again only fills the miss buffers */
+            const int warm = table[0] == last_first && kh == last_kh;
+            last_first = table[0];
+            last_kh = kh;
             const int wide_k = widen && (end - first > 1 || !in_place_rows);
             if (wide_k)
                 widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
@@ -990,10 +998,10 @@ static int decode_attention(
                     attend_head_dim(qb, q_stride_head, kwide, ident, 0, vbase, table, 1, 0, len, block_size, g,
                                     head_dim, scores, ob);
                 else if (kv_bf16)
-                    attend_head_dim(qb, q_stride_head, kbase, table, 1, vbase, table, 1, 1, len, block_size, g,
+                    attend_head_dim(qb, q_stride_head, kbase, table, 1, vbase, table, 1, !warm, len, block_size, g,
                                     head_dim, scores, ob);
                 else
-                    attend_head_dim(qb, q_stride_head, kbase, table, 0, vbase, table, 0, 1, len, block_size, g,
+                    attend_head_dim(qb, q_stride_head, kbase, table, 0, vbase, table, 0, !warm, len, block_size, g,
                                     head_dim, scores, ob);
                 if (out_bf16) {
                     uint16_t *o = (uint16_t *)out + o0;
