@@ -47,9 +47,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     limited = k < vocab
     out = logits.clone()
     rows = torch.nonzero(limited | (top_p < 1.0)).squeeze(1)
-    picked = logits.index_select(0, rows)
-    top = picked.amax(dim=-1, keepdim=True)
-    whole = top.squeeze(1).double() + torch.exp(picked - top).sum(dim=-1, dtype=torch.float64).log()  # log mass
+    # the log of each row's whole mass, for the rows that a top-k does not limit
+    whole = torch.zeros(rows.numel(), dtype=torch.float64, device=logits.device)
+    free = ~limited[rows]
+    if bool(free.any()):
+        picked = logits[rows[free]]
+        top = picked.amax(dim=-1, keepdim=True)
+        whole[free] = top.squeeze(1).double() + torch.exp(picked - top).sum(dim=-1, dtype=torch.float64).log()
     width = torch.full_like(rows, NUCLEUS_WINDOW)
     while rows.numel():
         x, kr, lim, pr = logits[rows], k[rows], limited[rows], top_p[rows].double()
@@ -66,11 +70,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
         drop |= (cum - probs) >= pr.unsqueeze(1)  # the mass strictly before each token
         drop[:, 0] = False
         done = lim | (cum[:, -1] >= pr) | (w == vocab)
-        if bool(done.all()):
-            out[rows] = torch.full_like(x, float("-inf")).scatter_(1, order, vals.masked_fill_(drop, float("-inf")))
+        every = bool(done.all())
+        sel = slice(None) if every else done  # all rows done: views, no copies
+        kept = vals[sel].masked_fill(drop[sel], float("-inf"))
+        out[rows[sel]] = torch.full_like(x[sel], float("-inf")).scatter_(1, order[sel], kept)
+        if every:
             break
-        kept = vals[done].masked_fill(drop[done], float("-inf"))
-        out[rows[done]] = torch.full_like(x[done], float("-inf")).scatter_(1, order[done], kept)
         # the tokens the rest of the nucleus needs at least, each at most the window's last one
         need = w + (pr - cum[:, -1]) / probs[:, -1].clamp(min=1e-300)
         width = torch.where(need > 8 * w, vocab, 8 * w).to(rows.dtype)[~done]

@@ -973,15 +973,15 @@ static int decode_attention(
                 continue;
             }
 #endif
-            /* the keys of the group's longest row: every row's keys; a row alone reads them in
-             * place where attend_task's joint pass widens each key once for every head (the same
-             * bits either way: 128 bytes a key read from L2 instead of 256 written and read) */
             /* the same first block and kv head as this thread's last task (the rows over one cached
              * prefix, a chunk's rows): its K/V are in this core's L2 already, and asking for them
              * again only fills the miss buffers */
             const int warm = table[0] == last_first && kh == last_kh;
             last_first = table[0];
             last_kh = kh;
+            /* the keys of the group's longest row: every row's keys; a row alone reads them in
+             * place where attend_task's joint pass widens each key once for every head (the same
+             * bits either way: 128 bytes a key read from L2 instead of 256 written and read) */
             const int wide_k = widen && (end - first > 1 || !in_place_rows);
             if (wide_k)
                 widen_keys((const uint16_t *)kbase, (const uint16_t *)vbase, table, (int)lens[end - 1], block_size,
